@@ -1,0 +1,61 @@
+"""The `deepinfer` command line (also `python -m deepinfer`).
+
+  deepinfer backends                      list discovered backends and which one would be chosen
+  deepinfer conformance --backend NAME    run the backend conformance suite
+  deepinfer generate --prompt TEXT        generate with the shipped tiny model (or --model DIR)
+  deepinfer bench ...                     offline throughput benchmark
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from deepinfer.backend.registry import BackendError, BackendRegistry
+
+    registry = BackendRegistry.discover()
+    rows = [("name", "version", "priority", "available", "reason")]
+    for entry in registry.entries():
+        info, avail = entry.info, entry.availability
+        rows.append((info.name, info.version, str(info.priority), "yes" if avail.available else "no", avail.reason))
+    for plugin, error in sorted(registry.load_errors.items()):
+        rows.append((plugin, "?", "-", "no", f"plugin failed to load: {error}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    try:
+        chosen = registry.select(args.backend).name
+        print(f"\nselected: {chosen}")
+    except BackendError as exc:
+        print(f"\nselected: none ({exc})")
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list discovered backends and the one that would be selected")
+    p.add_argument("--backend", default=None, help="show what selecting this name gives (default: auto)")
+    p.set_defaults(func=cmd_backends)
+
+    from deepinfer.engine.commands import add_bench_parser, add_generate_parser
+    from deepinfer.testing.runner import add_conformance_parser
+
+    add_conformance_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

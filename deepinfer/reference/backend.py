@@ -1,0 +1,140 @@
+"""The reference backend's parts: the contract's defaults plus its required ops, in plain PyTorch.
+
+Runs on the CPU by default; DEEPINFER_REFERENCE_DEVICE=cuda:0 (any torch device string) runs the
+same code elsewhere, e.g. as the baseline in GPU benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from deepinfer.backend.ops import (
+    AttentionOps,
+    Backend,
+    CollectiveOps,
+    DeviceOps,
+    GemmOps,
+    MoeOps,
+    SmallOps,
+)
+from deepinfer.backend.types import (
+    AttentionMetadata,
+    BackendOptions,
+    Capabilities,
+    PagedKVCache,
+)
+from deepinfer.reference import attention as ref_attention
+from deepinfer.reference import gemm as ref_gemm
+
+DEVICE_ENV = "DEEPINFER_REFERENCE_DEVICE"
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory from /proc/meminfo (sysconf as a fallback)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total
+
+
+class ReferenceDevice(DeviceOps):
+    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+        super().__init__(options)
+        self._device = device
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def synchronize(self) -> None:
+        if self._device.type != "cpu":
+            torch.get_device_module(self._device).synchronize()
+
+    def memory_info(self) -> tuple[int, int]:
+        if self._device.type == "cpu":
+            return _host_memory()
+        free, total = torch.get_device_module(self._device).mem_get_info(self._device)
+        return int(free), int(total)
+
+
+class ReferenceAttention(AttentionOps):
+    def decode(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        v_dim: int,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not meta.is_decode_only:
+            raise ValueError("decode attention needs exactly one query token per request")
+        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        v_dim: int,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+
+
+class ReferenceGemm(GemmOps):
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return ref_gemm.linear(x, weight, bias, self.batch_invariant)
+
+
+class ReferenceCollectives(CollectiveOps):
+    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+        super().__init__(options)
+        self._dist_backend = "gloo" if device.type == "cpu" else "nccl" if device.type == "cuda" else "gloo"
+
+    @property
+    def dist_backend(self) -> str:
+        return self._dist_backend
+
+
+CAPABILITIES = Capabilities(
+    dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    supports_fp8=True,  # emulated: FP8 weights are dequantised to float32 inside each op
+    supports_batch_invariant=True,
+    supports_graphs=False,
+)
+
+
+def reference_device(options: BackendOptions) -> torch.device:
+    name = os.environ.get(DEVICE_ENV, "cpu")
+    device = torch.device(name)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, options.device_index)
+    return device
+
+
+def create_reference_backend(options: BackendOptions | None = None) -> Backend:
+    options = options or BackendOptions()
+    device = reference_device(options)
+    return Backend(
+        name="reference",
+        options=options,
+        capabilities=CAPABILITIES,
+        device=ReferenceDevice(options, device),
+        attention=ReferenceAttention(options),
+        gemm=ReferenceGemm(options),
+        moe=MoeOps(options),
+        collectives=ReferenceCollectives(options, device),
+        small=SmallOps(options),
+    )

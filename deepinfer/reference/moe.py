@@ -1,0 +1,89 @@
+"""Reference MoE: routers, token permutation, expert MLP. Semantics on deepinfer.backend.ops.MoeOps."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend.types import RouterConfig
+from deepinfer.reference import gemm
+from deepinfer.reference.small import silu_and_mul
+
+
+def scores_of(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    x = logits.float()
+    if scoring == "softmax":
+        return torch.softmax(x, dim=-1)
+    if scoring == "sigmoid":
+        return torch.sigmoid(x)
+    if scoring == "sqrtsoftplus":
+        return torch.sqrt(torch.nn.functional.softplus(x))
+    raise ValueError(f"unknown router scoring {scoring!r}; expected softmax, sigmoid or sqrtsoftplus")
+
+
+def select_experts(sel: torch.Tensor, config: RouterConfig) -> torch.Tensor:
+    """Group-limited top-k over selection scores sel (T, E) -> ids (T, K) int64."""
+    t, e = sel.shape
+    if config.num_groups > 1:
+        groups = sel.view(t, config.num_groups, e // config.num_groups)
+        if config.group_score == "top2_sum":
+            group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = groups.amax(dim=-1)
+        keep = group_scores.topk(config.topk_groups, dim=-1).indices
+        group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        sel = groups.masked_fill(group_mask[..., None], float("-inf")).view(t, e)
+    return sel.topk(config.top_k, dim=-1).indices
+
+
+def route(
+    logits: torch.Tensor,
+    config: RouterConfig,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = scores_of(logits, config.scoring)
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        sel = scores if correction_bias is None else scores + correction_bias.float()
+        ids = select_experts(sel, config)
+    weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * config.routed_scaling_factor, ids.to(torch.int32)
+
+
+def permute(
+    x: torch.Tensor, ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices  # dst -> src
+    src_to_dst = torch.empty_like(order)
+    src_to_dst[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return x[order // top_k], src_to_dst, counts
+
+
+def unpermute(y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    t, k = weights.shape
+    y = y_sorted[src_to_dst].view(t, k, -1).float()
+    return (y * weights.float()[..., None]).sum(dim=1).to(y_sorted.dtype)
+
+
+def experts(
+    x_sorted: torch.Tensor,
+    counts: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    if w13_scale is not None and w2_scale is not None:
+        h = gemm.grouped_gemm_fp8(x_sorted, w13, w13_scale, counts, batch_invariant)
+        return gemm.grouped_gemm_fp8(silu_and_mul(h), w2, w2_scale, counts, batch_invariant)
+    h = gemm.grouped_gemm(x_sorted, w13, counts, batch_invariant)
+    return gemm.grouped_gemm(silu_and_mul(h), w2, counts, batch_invariant)
