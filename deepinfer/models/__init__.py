@@ -1,0 +1,1 @@
+"""DeepSeek model code, written only against the backend contract."""
