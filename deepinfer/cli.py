@@ -1,9 +1,9 @@
 """The `deepinfer` command line (also `python -m deepinfer`).
 
-  deepinfer backends                      list discovered backends and which one would be chosen
-  deepinfer conformance --backend NAME    run the backend conformance suite
-  deepinfer generate --prompt TEXT        generate with the shipped tiny model (or --model DIR)
-  deepinfer bench ...                     offline throughput benchmark
+deepinfer backends                      list discovered backends and which one would be chosen
+deepinfer conformance --backend NAME    run the backend conformance suite
+deepinfer generate --prompt TEXT        generate with the shipped tiny model (or --model DIR)
+deepinfer bench ...                     offline throughput benchmark
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
     rows = [("name", "version", "priority", "available", "reason")]
     for entry in registry.entries():
         info, avail = entry.info, entry.availability
-        rows.append((info.name, info.version, str(info.priority), "yes" if avail.available else "no", avail.reason))
+        rows.append(
+            (info.name, info.version, str(info.priority), "yes" if avail.available else "no", avail.reason)
+        )
     for plugin, error in sorted(registry.load_errors.items()):
         rows.append((plugin, "?", "-", "no", f"plugin failed to load: {error}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

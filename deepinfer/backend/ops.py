@@ -30,7 +30,6 @@ from deepinfer.backend.types import (
     PagedKVCache,
     RouterConfig,
 )
-from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
 from deepinfer.reference import moe as ref_moe
@@ -257,7 +256,9 @@ class MoeOps(_Part):
         with x_sorted[src_to_dst[t*K + k]] = x[t]."""
         return ref_moe.permute(x, ids, num_experts)
 
-    def unpermute(self, y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def unpermute(
+        self, y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """Weighted combine: out[t] = sum_k weights[t, k] * y_sorted[src_to_dst[t*K + k]].
         y_sorted (T*K, Dm), weights (T, K) float32 -> (T, Dm) in y's dtype (summed in float32)."""
         return ref_moe.unpermute(y_sorted, src_to_dst, weights)

@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pluggy
 
@@ -71,7 +71,7 @@ class BackendRegistry:
         for ep in sorted(entry_points(group=group), key=lambda e: e.name):
             try:
                 registry.register_plugin(ep.load(), ep.name)
-            except Exception as exc:  # noqa: BLE001 - any plugin failure is reported, not raised
+            except Exception as exc:
                 registry.load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
         return registry
 
@@ -82,7 +82,9 @@ class BackendRegistry:
             impls = [i for i in self._pm.hook.deepinfer_backends.get_hookimpls() if i.plugin is plugin]
             if not impls:
                 raise TypeError(f"plugin {name!r} implements no deepinfer_backends hook")
-            infos: list[BackendInfo] = [info for impl in impls for info in impl.function()]
+            infos: list[BackendInfo] = []
+            for impl in impls:
+                infos.extend(cast("list[BackendInfo]", impl.function()))
             for info in infos:
                 self._validate(info, name)
             if len({i.name for i in infos}) != len(infos):
@@ -120,7 +122,7 @@ class BackendRegistry:
             info = self.info(name)
             try:
                 result = info.probe()
-            except Exception as exc:  # noqa: BLE001 - the reason is reported to the user
+            except Exception as exc:
                 result = Availability(False, f"probe failed: {type(exc).__name__}: {exc}")
             self._availability[name] = result
         return self._availability[name]
@@ -139,7 +141,9 @@ class BackendRegistry:
                 raise BackendUnavailableError(f"backend {name!r} is not available: {avail.reason}")
             return info
         accelerators = [
-            self._infos[n] for n in self.names if self._infos[n].is_accelerator and self.availability(n).available
+            self._infos[n]
+            for n in self.names
+            if self._infos[n].is_accelerator and self.availability(n).available
         ]
         if accelerators:
             top = max(i.priority for i in accelerators)

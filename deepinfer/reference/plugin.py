@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from typing import TYPE_CHECKING
 
 from deepinfer import __version__

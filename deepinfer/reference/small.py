@@ -13,7 +13,9 @@ def rms_norm(
     return y.to(x.dtype), (None if residual is None else h.to(x.dtype))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     half = x.shape[-1] // 2
     cs = cos_sin_cache[positions.long()].float()
     cos, sin = cs[:, None, :half], cs[:, None, half:]  # (T, 1, R/2)
