@@ -1,3 +1,20 @@
 """deepinfer: offline inference for DeepSeek-architecture models on any accelerator with a backend."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from deepinfer.api import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that `import deepinfer` (the CLI, backend plugins) does not load the engine.
+    if name in __all__:
+        from deepinfer import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""The offline API, with vLLM's names: LLM, SamplingParams, RequestOutput, CompletionOutput.
+
+    from deepinfer import LLM, SamplingParams
+    llm = LLM(model="model/tiny")
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+    print(out[0].outputs[0].text)
+
+Bad input: every request of a generate() call is validated (and tokenised) before any work
+starts; the first bad one raises ValueError / TypeError naming its index, and nothing of that
+call is run. The LLM object stays usable for the next call, and so it does after an error in
+the middle of a call (the requests in flight are dropped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.llm_engine import LLMEngine, check_model_dir
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.tokenizer import Tokenizer
+
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An offline engine over one checkpoint directory. Arguments: see EngineConfig."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        backend: str = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 64,
+        seed: int = 0,
+        enable_prefix_caching: bool = False,
+        batch_invariant: bool = False,
+    ) -> None:
+        check_model_dir(model)
+        config = EngineConfig(
+            model=str(model),
+            backend=backend,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            block_size=block_size,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            batch_invariant=batch_invariant,
+        )
+        self.llm_engine = LLMEngine(config)
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built directly (e.g. around a random-weight model for benchmarks)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = engine
+        return llm
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.llm_engine.tokenizer is None:
+            raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions; outputs come back in prompt order.
+
+        prompts: a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
+        sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.llm_engine
+        seqs = engine.make_sequences(prompts, params)
+        with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            engine.run_to_completion(seqs, bar)
+        return [engine.to_output(seq) for seq in seqs]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of conversations, formatted with the checkpoint's chat template."""
+        tok = self.get_tokenizer()
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)

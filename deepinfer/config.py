@@ -1,0 +1,86 @@
+"""Engine configuration: frozen dataclasses built from the arguments of `LLM(...)`.
+
+The model's own configuration (from config.json) is `deepinfer.models.config.ModelConfig`.
+Runtime state that depends on the model and the device (the resolved max_model_len, the number
+of KV blocks) lives in the engine, never written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """ "auto" / None -> None (the checkpoint's dtype); a name or torch.dtype -> that dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked of the engine (vLLM's argument names).
+
+    model: checkpoint directory (config.json, safetensors, tokenizer.json).
+    backend: backend name or "auto" (see deepinfer.backend.registry).
+    dtype: model dtype; "auto" keeps the checkpoint's.
+    max_model_len: longest prompt + output in tokens; None = the model's max_position_embeddings.
+    max_num_seqs: most requests in one step.
+    max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
+    gpu_memory_utilization: share of the device's memory the engine may use in all; the KV pool
+        gets what is left of that share after the model is loaded.
+    num_gpu_blocks_override / kv_cache_memory_bytes: size the KV pool explicitly instead.
+    block_size: tokens per KV block.
+    seed: seeds the per-request generators of requests that have no seed of their own.
+    enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
+    batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
+    """
+
+    model: str
+    backend: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    block_size: int = 64
+    seed: int = 0
+    enable_prefix_caching: bool = False
+    batch_invariant: bool = False
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | None) -> None:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("max_model_len", self.max_model_len)
+        positive("max_num_seqs", self.max_num_seqs)
+        positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        positive("block_size", self.block_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        parse_dtype(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.dtype)

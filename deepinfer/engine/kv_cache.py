@@ -1,0 +1,145 @@
+"""Paged KV-cache management: the block allocator (with prefix caching) and the pool sizing.
+
+Every KV layer group gets its own pool tensors (allocated by the backend from the model's
+KVCacheSpec); a block id names the same block in every layer of a group. Models today have one
+group (full-attention latent caches that grow with the sequence); a bounded sliding-window
+group would add its own BlockManager that frees blocks falling out of its window.
+
+Prefix caching: a full block is identified by hash(parent block's hash, its token ids). When a
+request is admitted, the longest run of its leading full blocks found in the cache is reused
+(their reference counts go up) and only the rest is computed. Freed blocks keep their hash and
+content until they are handed out again, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from deepinfer.engine.sequence import Sequence
+
+_ROOT_HASH = 0x5EED
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Block:
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out fixed-size KV blocks to sequences; optionally shares identical full prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_prefix_hits = 0  # tokens served from the prefix cache, for stats and tests
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """Hashes of the first num_blocks full blocks of seq (extends seq.block_hashes)."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_blocks]
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading full blocks. At least one token is always left to
+        compute, so that the step that finishes the prompt produces logits."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // bs)):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Make room for seq's next num_new_tokens tokens (after `prefix`, the blocks returned by
+        match_prefix, when given). All or nothing: returns False, changing nothing, if the free
+        blocks do not suffice."""
+        prefix = prefix or []
+        assert not prefix or not seq.block_table, "prefix blocks are taken on admission only"
+        computed = seq.num_computed_tokens + len(prefix) * self.block_size
+        need = cdiv(computed + num_new_tokens, self.block_size) - len(seq.block_table) - len(prefix)
+        revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)  # cached but free now
+        if max(need, 0) + revived > len(self.free):
+            return False
+        for block_id in prefix:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(need):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            seq.block_table.append(block_id)
+        self.num_prefix_hits += len(prefix) * self.block_size
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's fully computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        for i, h in enumerate(self._block_hashes(seq, num_full)):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None or h in self.cached:
+                continue  # already registered (a prefix hit) or another block holds this content
+            block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            self.cached[h] = block.block_id
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release seq's blocks. Its last blocks are queued for reuse first, so shared prefixes
+        stay cached the longest."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table.clear()
+
+
+def num_blocks_from_memory(
+    free_bytes: int,
+    total_bytes: int,
+    utilization: float,
+    bytes_per_block: int,
+) -> int:
+    """Blocks that fit in the engine's share of device memory once the model is loaded:
+    total * utilization minus what is already in use (vLLM's rule)."""
+    budget = int(total_bytes * utilization) - (total_bytes - free_bytes)
+    return max(budget, 0) // bytes_per_block

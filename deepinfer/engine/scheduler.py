@@ -1,0 +1,123 @@
+"""Continuous batching: which requests run in the next step, and how many tokens each.
+
+Each step has a token budget (max_num_batched_tokens) and a request limit (max_num_seqs).
+Running requests go first, decodes before prompts still being prefilled; a prompt longer than
+what is left of the budget is prefilled in chunks over several steps (chunked prefill). Waiting
+requests are admitted in arrival order while budget, request slots and KV blocks last. When a
+running request needs a KV block and none is free, the running request of lowest priority (one
+still prefilling before one decoding, then the most recently admitted) is preempted: its blocks
+are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens generated
+so far) later. Nothing is lost and, since the recompute reproduces the same cache and a
+request's random generator only advances when it samples, outputs do not change.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer.engine.kv_cache import BlockManager
+from deepinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: seqs[i] computes its next num_new_tokens[i] tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # Running requests: decodes first (stable sort keeps arrival order within each kind).
+        self.running.sort(key=lambda s: s.is_prefilling)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.allocate(seq, n):
+                victim = self.running.pop()  # lowest priority, not yet scheduled this step
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+
+        # Waiting requests, in arrival order, unless this step already had to preempt.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            prefix = bm.match_prefix(seq)
+            num_cached = len(prefix) * bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not bm.allocate(seq, n, prefix):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_sequence(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the step ran: the scheduled tokens are in the cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every request (e.g. after an error in a step) and free their blocks."""
+        dropped = list(self.running) + list(self.waiting)
+        for seq in dropped:
+            self.block_manager.free_sequence(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+        return dropped
