@@ -1,0 +1,60 @@
+"""Builds the ascend Backend: torch_npu imported here (lazily, from the factory), never at
+registration. Capabilities depend on the SoC: FP8 from the Ascend 950 (SoC 260) on."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend.ops import Backend, CollectiveOps
+from deepinfer.backend.types import BackendOptions, Capabilities
+from deepinfer_ascend import npu
+from deepinfer_ascend.attention import DTYPES, AscendAttention
+from deepinfer_ascend.device import AscendDevice
+from deepinfer_ascend.gemm import AscendGemm
+from deepinfer_ascend.moe import AscendMoe
+from deepinfer_ascend.small import AscendSmall
+
+
+class AscendCollectives(CollectiveOps):
+    """torch.distributed over HCCL (process groups created with backend "hccl")."""
+
+    @property
+    def dist_backend(self) -> str:
+        return "hccl"
+
+
+def capabilities(soc: int) -> Capabilities:
+    return Capabilities(
+        dtypes=DTYPES,  # FIA, the fused norms and MoE kernels run bf16 / fp16
+        supports_fp8=npu.supports_fp8(soc),
+        supports_batch_invariant=False,
+        supports_graphs=True,
+    )
+
+
+def create_ascend_backend(options: BackendOptions | None = None) -> Backend:
+    options = options or BackendOptions()
+    tnpu = npu.load()
+    ns = npu.torch_npu_ns()
+    if not ns.is_available() or options.device_index >= ns.device_count():
+        raise RuntimeError(
+            f"NPU {options.device_index} is not available ({ns.device_count()} visible; "
+            "check ASCEND_RT_VISIBLE_DEVICES)"
+        )
+    ns.set_device(options.device_index)
+    kind = npu.device_type()
+    device = torch.device(kind, options.device_index) if kind != "cpu" else torch.device("cpu")
+    soc = npu.soc_version()
+    gemm = AscendGemm(options, tnpu, fp8=npu.supports_fp8(soc))
+    attention = AscendAttention(options, tnpu, device)
+    return Backend(
+        name="ascend",
+        options=options,
+        capabilities=capabilities(soc),
+        device=AscendDevice(options, tnpu, ns, device, attention),
+        attention=attention,
+        gemm=gemm,
+        moe=AscendMoe(options, tnpu, gemm),
+        collectives=AscendCollectives(options),
+        small=AscendSmall(options, tnpu),
+    )

@@ -1,0 +1,113 @@
+"""Dense and grouped GEMMs.
+
+linear          aten matmul on the NPU (torch.nn.functional.linear)
+grouped_gemm    npu_grouped_matmul([x], [W^T (E, K, N)], group_list=counts, group_list_type=1,
+                group_type=0, split_item=2) -> [y (M, N)]
+FP8 (Ascend 950, SoC 260 only; Capabilities.supports_fp8 says so):
+quantize_fp8    npu_dynamic_block_quant(x, dst_type=float8_e4m3fn, row_block_size=1,
+                col_block_size=128) -> (xq, scale (M, ceil(K/128)))
+fp8_gemm        npu_quant_matmul(xq, W^T, W_scale^T, pertoken_scale=x_scale,
+                group_sizes=[1, 128, 128], output_dtype=...) (DeepSeek's 128x128 block scales)
+grouped FP8     one npu_quant_matmul per non-empty expert (host-side split: one sync)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from deepinfer.backend.ops import GemmOps
+from deepinfer.backend.types import BackendOptions
+
+FP8 = torch.float8_e4m3fn
+BLOCK = 128
+BLOCK_GROUPS = [1, BLOCK, BLOCK]  # per-token x 128 channels (x), 128 x 128 blocks (weight)
+
+
+class AscendGemm(GemmOps):
+    def __init__(self, options: BackendOptions, tnpu: Any, fp8: bool) -> None:
+        super().__init__(options)
+        self._tnpu = tnpu
+        self._fp8 = fp8
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        return grouped_matmul(self._tnpu, x, weight, group_sizes)
+
+    # ------------------------------------------------------------------ FP8 (950)
+
+    def _need_fp8(self) -> None:
+        if not self._fp8:
+            raise NotImplementedError("FP8 matmuls need an Ascend 950 (SoC 260); this NPU runs bf16")
+
+    def quantize_fp8(self, x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+        self._need_fp8()
+        if block != BLOCK:
+            raise NotImplementedError(f"ascend FP8 quantises per {BLOCK} channels, not {block}")
+        if x.shape[0] == 0:
+            k = x.shape[1]
+            return x.new_empty((0, k), dtype=FP8), x.new_empty((0, -(-k // BLOCK)), dtype=torch.float32)
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            x = x.to(torch.bfloat16)  # npu_dynamic_block_quant takes fp16/bf16
+        xq, scale = self._tnpu.npu_dynamic_block_quant(
+            x, dst_type=FP8, row_block_size=1, col_block_size=BLOCK
+        )
+        return xq, scale
+
+    def fp8_gemm(
+        self,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        self._need_fp8()
+        if xq.shape[0] == 0:
+            return torch.empty((0, weight.shape[0]), dtype=out_dtype, device=xq.device)
+        out: torch.Tensor = self._tnpu.npu_quant_matmul(
+            xq,
+            weight.t(),  # (K, N) transposed view, as the op expects for block scales
+            weight_scale.float().t(),
+            pertoken_scale=x_scale.float(),
+            output_dtype=out_dtype,
+            group_sizes=BLOCK_GROUPS,
+        )
+        return out
+
+    def grouped_gemm_fp8(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        self._need_fp8()
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        start = 0
+        for e, n in enumerate(group_sizes.tolist()):
+            if n:
+                xq, xs = self.quantize_fp8(x[start : start + n])
+                out[start : start + n] = self.fp8_gemm(xq, xs, weight[e], weight_scale[e], x.dtype)
+            start += n
+        return out
+
+
+def grouped_matmul(
+    tnpu: Any, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor
+) -> torch.Tensor:
+    """Rows of x sorted by group times weight[e]^T: x (M, K), weight (E, N, K), sizes (E,) -> (M, N)."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.shape[1]))
+    ys: list[torch.Tensor] = tnpu.npu_grouped_matmul(
+        [x],
+        [weight.transpose(1, 2)],  # (E, K, N) view
+        group_list=group_sizes.to(torch.int64),
+        split_item=2,
+        group_type=0,
+        group_list_type=1,  # counts, not cumsum
+    )
+    return ys[0]

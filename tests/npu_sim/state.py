@@ -1,0 +1,72 @@
+"""Installing the simulation and its global state (SoC version, device count)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+SOC_ENV = "DEEPINFER_NPU_SIM_SOC"  # 220-225 A2, 250-255 A3, 260 Ascend 950
+DEFAULT_SOC = 220
+
+
+class SimError(RuntimeError):
+    """A call the torch_npu documentation forbids (an NPU would reject it or misbehave)."""
+
+
+def fail(op: str, constraint: str, detail: str = "") -> None:
+    """Raise SimError naming the op and the documented constraint it breaks."""
+    raise SimError(f"{op}: {constraint}" + (f" [{detail}]" if detail else ""))
+
+
+def check(cond: bool, op: str, constraint: str, detail: str = "") -> None:
+    if not cond:
+        fail(op, constraint, detail)
+
+
+@dataclass
+class SimState:
+    soc_version: int = DEFAULT_SOC
+    device_count: int = 1
+    current_device: int = 0
+
+
+STATE = SimState()
+_saved: dict[str, object] = {}
+
+
+def installed() -> bool:
+    return "torch_npu" in sys.modules and getattr(sys.modules["torch_npu"], "IS_SIMULATION", False)
+
+
+def install(soc_version: int | None = None, device_count: int = 1) -> ModuleType:
+    """Install the fake torch_npu / torch.npu (idempotent); returns the torch_npu module."""
+    from . import runtime, torch_npu_sim
+
+    STATE.soc_version = soc_version if soc_version is not None else int(os.environ.get(SOC_ENV, DEFAULT_SOC))
+    STATE.device_count = device_count
+    if not installed():
+        _saved["torch_npu"] = sys.modules.get("torch_npu")
+        _saved["torch.npu"] = getattr(torch, "npu", None)
+        sys.modules["torch_npu"] = torch_npu_sim
+        torch.npu = runtime  # type: ignore[attr-defined]
+    return torch_npu_sim
+
+
+def uninstall() -> None:
+    if not installed():
+        return
+    prev = _saved.pop("torch_npu", None)
+    if prev is None:
+        sys.modules.pop("torch_npu", None)
+    else:
+        sys.modules["torch_npu"] = prev  # type: ignore[assignment]
+    prev_ns = _saved.pop("torch.npu", None)
+    if prev_ns is None:
+        if hasattr(torch, "npu"):
+            delattr(torch, "npu")
+    else:
+        torch.npu = prev_ns  # type: ignore[attr-defined]

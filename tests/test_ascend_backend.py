@@ -1,0 +1,242 @@
+"""The ascend backend itself: probe, path choice, NPU graphs with in-graph length updates.
+
+Runs on the torch_npu simulation, installed only while a test that needs it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.npu_sim` under plain `pytest` too
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.registry import BackendRegistry
+from deepinfer.reference import attention as ref_attention
+from deepinfer.testing.helpers import make_paged_batch, oracle, randn
+from deepinfer.testing.tolerances import assert_close
+from tests.npu_sim import install, uninstall
+from tests.npu_sim import torch_npu_sim as tnpu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sim() -> Iterator[None]:
+    install(soc_version=220)
+    yield
+    uninstall()
+
+
+@pytest.fixture
+def backend(sim: None) -> Backend:
+    return BackendRegistry.discover().create("ascend")
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def test_registration_does_not_import_torch_npu() -> None:
+    code = (
+        "import sys; from deepinfer.backend.registry import BackendRegistry; "
+        "r = BackendRegistry.discover(); assert 'ascend' in r.names; "
+        "assert 'torch_npu' not in sys.modules; print(r.availability('ascend').reason)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if importlib.util.find_spec("torch_npu") is None:
+        assert "torch_npu is not installed" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_unavailable_without_torch_npu() -> None:
+    avail = BackendRegistry.discover().availability("ascend")
+    assert not avail.available and "torch_npu is not installed" in avail.reason
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
+def test_cli_lists_ascend_unavailable_with_its_reason() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer", "backends"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    row = next((line for line in proc.stdout.splitlines() if line.startswith("ascend ")), "")
+    assert row.split()[3:4] == ["no"], proc.stdout + proc.stderr
+    assert "torch_npu is not installed" in row
+
+
+def test_probe_reports_cann_not_sourced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """import torch_npu raising OSError (libhccl.so missing) is reported, not raised."""
+    from deepinfer_ascend import npu
+
+    spec = importlib.machinery.ModuleSpec("torch_npu", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == "torch_npu" else None)
+
+    def broken(name: str) -> Any:
+        raise OSError("libhccl.so: cannot open shared object file")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    avail = npu.probe()
+    assert not avail.available
+    assert "libhccl.so" in avail.reason and "ASCEND_HOME_PATH" in avail.reason
+
+
+def test_available_on_the_simulation(sim: None) -> None:
+    avail = BackendRegistry.discover().availability("ascend")
+    assert avail.available and "1 NPU(s), torch_npu 2.10.0.post4+sim" in avail.reason
+
+
+@pytest.mark.parametrize(("soc", "fp8"), [(220, False), (250, False), (260, True)])
+def test_fp8_capability_follows_the_soc(soc: int, fp8: bool) -> None:
+    install(soc_version=soc)
+    try:
+        assert BackendRegistry.discover().create("ascend").capabilities.supports_fp8 is fp8
+    finally:
+        uninstall()
+
+
+def test_shipped_code_never_imports_the_simulation() -> None:
+    for path in [*(ROOT / "backends" / "ascend").rglob("*.py"), *(ROOT / "deepinfer").rglob("*.py")]:
+        assert "npu_sim" not in path.read_text(), f"{path} refers to the test double"
+
+
+# --------------------------------------------------------------------------- attention paths
+
+
+class Spy:
+    """Records the keyword arguments of every FIA call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[dict[str, Any]] = []
+        real = tnpu.npu_fused_infer_attention_score_v2
+
+        class Wrapped:
+            def __call__(_, **kw: Any) -> Any:
+                self.calls.append(kw)
+                return real(**kw)
+
+            def out(_, **kw: Any) -> Any:
+                self.calls.append(kw)
+                return real.out(**kw)
+
+        monkeypatch.setattr(tnpu, "npu_fused_infer_attention_score_v2", Wrapped())
+
+
+def test_deepseek_shapes_take_the_fused_paged_mla_path(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spy = Spy(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    seq, ql = [40, 3, 70], [9, 1, 17]
+    batch = make_paged_batch(backend, seq_lens=seq, query_lens=ql, block_size=16, head_dim=576,
+                             dtype=torch.bfloat16, gen=gen, rope_dim=64)  # fmt: skip
+    q = randn((sum(ql), 5, 576), torch.bfloat16, "cpu", gen)
+    out = backend.attention.prefill(q, batch.cache, batch.meta, scale=576**-0.5, v_dim=512)
+    (kw,) = spy.calls
+    assert kw["input_layout"] == "TND" and kw["sparse_mode"] == 3 and kw["block_table"] is not None
+    assert kw["num_query_heads"] == 8 and kw["query"].shape == (27, 8, 512)  # 5 heads padded
+    assert kw["actual_seq_qlen"] == [9, 10, 27] and kw["actual_seq_kvlen"] == seq
+    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, 576**-0.5, 512)
+    assert_close(out, expected, torch.bfloat16)
+
+
+def test_float32_attention_is_refused(backend: Backend) -> None:
+    gen = torch.Generator().manual_seed(2)
+    batch = make_paged_batch(backend, seq_lens=[5], query_lens=[1], block_size=16, head_dim=576,
+                             dtype=torch.float32, gen=gen, rope_dim=64)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="bf16/fp16"):
+        backend.attention.decode(torch.zeros(1, 2, 576), batch.cache, batch.meta, scale=0.1, v_dim=512)
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def _decode_setup(backend: Backend, gen: torch.Generator) -> tuple[Any, torch.Tensor, list[int]]:
+    seq = [18, 41, 6]
+    batch = make_paged_batch(backend, seq_lens=seq, query_lens=[1, 1, 1], block_size=16, head_dim=576,
+                             dtype=torch.bfloat16, gen=gen, rope_dim=64)  # fmt: skip
+    q = randn((3, 4, 576), torch.bfloat16, "cpu", gen)
+    return batch, q, seq
+
+
+def test_graph_replay_updates_sequence_lengths(backend: Backend) -> None:
+    """Capture a whole decode step (KV write + attention), then replay it for the next step: the
+    inputs, slots and the metadata's device tensors are refreshed in place, and the captured FIA
+    task is updated with the new host lengths before replay (graph_task_update_begin / _end)."""
+    from deepinfer.backend.types import AttentionMetadata
+    from deepinfer.reference import memory as ref_memory
+
+    gen = torch.Generator().manual_seed(3)
+    batch, q, seq = _decode_setup(backend, gen)
+    meta, table = batch.meta, batch.meta.block_tables
+
+    def slots_at(positions: list[int]) -> torch.Tensor:  # one padding row (-1) at the end
+        return torch.tensor([int(table[b, p // 16]) * 16 + p % 16 for b, p in enumerate(positions)] + [-1])
+
+    rows = randn((4, 576), torch.bfloat16, "cpu", gen)
+    slots = slots_at([n - 1 for n in seq])  # this step's token is the last cached position
+    out = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
+
+    def step() -> None:
+        backend.device.write_kv(batch.cache, rows, slots)
+        out.copy_(backend.attention.decode(q, batch.cache, meta, scale=0.05, v_dim=512))
+
+    runner = backend.device.capture_graph(step)
+    assert runner is not None
+    ref_memory.write_kv(batch.ref_cache, oracle(rows), slots)
+    first = out.clone()
+    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, 0.05, 512)
+    assert_close(first, expected, torch.bfloat16, what="captured decode")
+
+    # the next step: one more token per request
+    rows.copy_(randn((4, 576), torch.bfloat16, "cpu", gen))
+    slots.copy_(slots_at(seq))
+    q.copy_(randn((3, 4, 576), torch.bfloat16, "cpu", gen))
+    meta.seq_lens.add_(1)
+    runner.replay()
+
+    ref_memory.write_kv(batch.ref_cache, oracle(rows), slots)
+    ref_meta = AttentionMetadata.build(table, [n + 1 for n in seq], [1, 1, 1])
+    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, ref_meta, 0.05, 512)
+    assert_close(out, expected, torch.bfloat16, what="replayed decode")
+    assert not torch.equal(out, first)
+    assert_close(backend.device.read_kv(batch.cache, slots[:3]), oracle(rows[:3]), torch.bfloat16)
+
+
+def test_graph_replay_without_update_uses_stale_lengths(backend: Backend) -> None:
+    """The simulation bakes host arguments into the graph: skipping the task update reads the old
+    lengths (what an NPU does), so a backend that forgot it would fail the test above."""
+    gen = torch.Generator().manual_seed(4)
+    batch, q, _ = _decode_setup(backend, gen)
+    out = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
+
+    def step() -> None:
+        out.copy_(backend.attention.decode(q, batch.cache, batch.meta, scale=0.05, v_dim=512))
+
+    runner = backend.device.capture_graph(step)
+    assert runner is not None
+    before = out.clone()
+    runner._tasks.clear()  # type: ignore[attr-defined]  # drop the updates
+    batch.meta.seq_lens.add_(1)  # the row at position n is still zero in the cache
+    runner.replay()
+    assert torch.equal(out, before)
+
+
+def test_graph_capture_refuses_the_gathered_path(backend: Backend) -> None:
+    gen = torch.Generator().manual_seed(5)
+    batch = make_paged_batch(backend, seq_lens=[6, 9], query_lens=[1, 1], block_size=4, head_dim=20,
+                             dtype=torch.bfloat16, gen=gen, rope_dim=4)  # fmt: skip
+    q = randn((2, 3, 20), torch.bfloat16, "cpu", gen)
+    with pytest.raises(NotImplementedError, match="graph capture"):
+        backend.device.capture_graph(
+            lambda: backend.attention.decode(q, batch.cache, batch.meta, scale=0.2, v_dim=16)
+        )
