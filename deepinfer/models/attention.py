@@ -1,0 +1,107 @@
+"""Multi-head latent attention (MLA) in the absorbed form, over the paged latent cache.
+
+Symbols: T tokens, H heads, C kv_lora_rank (latent), R qk_rope_head_dim, N qk_nope_head_dim,
+Vh v_head_dim, Dm hidden.
+
+Naive MLA expands each cached latent c (C) into per-head keys k = [W_UK c | k_pe] and values
+v = W_UV c. The absorbed form never expands the cache: q_nope . (W_UK c) = (W_UK^T q_nope) . c,
+so each head's query becomes [W_UK^T q_nope | q_pe] (C + R) against the shared cache row
+[c | k_pe], and the attention output over c (C wide: V is the cache row's first C values) is
+mapped to the head's value space by W_UV afterwards. Prefill, chunked prefill and decode all use
+this form, so every step reads the same cache and needs no per-head K/V.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import PagedKVCache
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.layers import Linear, RMSNorm
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import CheckpointReader
+
+# DeepSeek builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
+LORA_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """DeepSeek MLA, with (V2, V3) or without (V2-Lite) the low-rank query projection."""
+
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+        c = config
+        self.num_heads, self.kv_lora_rank = c.num_attention_heads, c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.q_lora_rank = c.q_lora_rank
+        self.softmax_scale = c.softmax_scale
+        self.interleaved = c.rope_interleave
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(backend, c.hidden_size, q_out)
+        else:
+            self.q_a_proj = Linear(backend, c.hidden_size, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(backend, c.q_lora_rank, LORA_NORM_EPS)
+            self.q_b_proj = Linear(backend, c.q_lora_rank, q_out)
+        self.kv_a_proj_with_mqa = Linear(backend, c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(backend, c.kv_lora_rank, LORA_NORM_EPS)
+        self.o_proj = Linear(backend, c.num_attention_heads * c.v_head_dim, c.hidden_size)
+        # kv_b_proj (H * (N + Vh), C) split per head, kept in the model dtype (FP8 is dequantised).
+        self.register_buffer("w_uk", torch.empty(0, device="meta"))  # (H, N, C)
+        self.register_buffer("w_uv", torch.empty(0, device="meta"))  # (H, Vh, C)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """x (T, Dm) -> (T, Dm). Writes this step's latent rows to `cache` before attending."""
+        small, t = self.backend.small, x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
+        q_pe = small.rope(q_pe.contiguous(), batch.positions, cos_sin, self.interleaved)
+
+        kv = self.kv_a_proj_with_mqa(x)  # (T, C + R)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())[0]  # (T, C)
+        k_pe = small.rope(k_pe.contiguous().unsqueeze(1), batch.positions, cos_sin, self.interleaved)
+        self.backend.device.write_kv(cache, torch.cat([latent, k_pe[:, 0]], dim=-1), batch.slot_mapping)
+
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)  # absorb W_UK: (T, H, C)
+        q_full = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, C + R)
+        attend = (
+            self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill
+        )
+        o_latent = attend(q_full, cache, batch.attn, scale=self.softmax_scale, v_dim=self.kv_lora_rank)
+        o = torch.einsum("thc,hvc->thv", o_latent, self.w_uv)  # absorb W_UV: (T, H, Vh)
+        out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
+        return out
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        if self.q_lora_rank is None:
+            self.q_proj.load(reader, f"{prefix}.q_proj", dtype)
+        else:
+            self.q_a_proj.load(reader, f"{prefix}.q_a_proj", dtype)
+            self.q_a_layernorm.load(reader, f"{prefix}.q_a_layernorm.weight", dtype)
+            self.q_b_proj.load(reader, f"{prefix}.q_b_proj", dtype)
+        self.kv_a_proj_with_mqa.load(reader, f"{prefix}.kv_a_proj_with_mqa", dtype)
+        self.kv_a_layernorm.load(reader, f"{prefix}.kv_a_layernorm.weight", dtype)
+        self.o_proj.load(reader, f"{prefix}.o_proj", dtype)
+        shape = (self.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank)
+        w_kv_b = reader.dense(f"{prefix}.kv_b_proj", shape, dtype)
+        w_kv_b = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w_kv_b[:, : self.nope_dim].contiguous()
+        self.w_uv = w_kv_b[:, self.nope_dim :].contiguous()

@@ -1,0 +1,380 @@
+"""ModelConfig: a frozen view of a DeepSeek-V2 / V3 `config.json` (DeepSeek's published field names).
+
+Parsing accepts both the published layout (`rope_scaling` with `type`, top-level `rope_theta`) and
+the one transformers 5 writes (`rope_parameters` with `rope_type` and `rope_theta` inside).
+Everything a user can get wrong raises `ModelConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# Known DeepSeek generations this version cannot run yet: model_type -> name for the message.
+NOT_YET_SUPPORTED = {
+    "deepseek_v32": "DeepSeek-V3.2 (sparse attention with a lightning indexer)",
+    "deepseek_v4": "DeepSeek-V4 / V4-Flash",
+    "deepseek_v4_1": "DeepSeek-V4.1-Flash",
+}
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelConfigError(ValueError):
+    """A config.json that deepinfer cannot run, with the reason."""
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature factor (DeepSeek's `yarn_get_mscale`)."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of the qk_rope_head_dim part of q and k.
+
+    kind "default": inv_freq_i = theta^(-2i/R). kind "yarn": DeepSeek's YaRN, interpolating the
+    low frequencies by `factor` between the correction dims of beta_fast / beta_slow.
+    """
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None  # explicit cos/sin factor (transformers' field), rare
+
+    @property
+    def cos_sin_factor(self) -> float:
+        """Factor on cos and sin: yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        (1 for the published configs, whose two mscales are equal)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        """Factor on the softmax scale: yarn_get_mscale(factor, mscale_all_dim)^2 if mscale_all_dim is set."""
+        if self.kind != "yarn" or not self.mscale_all_dim:
+            return 1.0
+        m = yarn_get_mscale(self.factor, self.mscale_all_dim)
+        return m * m
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """DeepSeek's FP8 checkpoint format: e4m3 weights with one float32 `weight_scale_inv` per block."""
+
+    fmt: str = "e4m3"
+    weight_block_size: tuple[int, int] = (128, 128)
+    activation_scheme: str = "dynamic"
+    scale_fmt: str | None = None  # V3.1 "ue8m0": scales are powers of two (still stored as float32)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a DeepSeek-V2 / V3 / R1 checkpoint. Field names follow config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    # MoE
+    n_routed_experts: int = 0  # 0: every layer dense
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    topk_method: str = "greedy"
+    scoring_func: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    # the rest
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
+    quantization: Fp8Config | None = None
+    torch_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim^-0.5, times YaRN's mscale^2 (DeepSeek's MLA softmax_scale)."""
+        return float(self.qk_head_dim**-0.5) * self.rope.softmax_scale_factor
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """DeepSeek's rule: MoE from layer first_k_dense_replace on, every moe_layer_freq-th layer."""
+        return (
+            self.n_routed_experts > 0
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any]) -> ModelConfig:
+        """Parse a config.json dict; raises ModelConfigError for unsupported or invalid content."""
+        return _parse(raw)
+
+    @staticmethod
+    def from_file(path: str | Path) -> ModelConfig:
+        """Read `path` (a config.json, or a directory holding one)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ModelConfigError(f"no config.json at {p}")
+        try:
+            raw = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{p} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{p} must hold a JSON object")
+        return _parse(raw)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _Fields:
+    """Typed access to the raw dict with messages that name the field."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self.raw = raw
+
+    def get_int(self, name: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.raw.get(name, default)
+        if value is None:
+            raise ModelConfigError(f"config.json: missing required field {name!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelConfigError(f"config.json: {name!r} must be an integer, got {value!r}")
+        if value < minimum:
+            raise ModelConfigError(f"config.json: {name!r} must be >= {minimum}, got {value}")
+        return value
+
+    def get_opt_int(self, name: str, minimum: int = 1) -> int | None:
+        return None if self.raw.get(name) is None else self.get_int(name, minimum=minimum)
+
+    def get_float(self, name: str, default: float) -> float:
+        value = self.raw.get(name, default)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelConfigError(f"config.json: {name!r} must be a number, got {value!r}")
+        return float(value)
+
+    def get_bool(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"config.json: {name!r} must be true or false, got {value!r}")
+        return value
+
+    def get_choice(self, name: str, default: str, options: tuple[str, ...]) -> str:
+        value = self.raw.get(name, default) or default
+        if value not in options:
+            raise ModelConfigError(f"config.json: {name!r} is {value!r}; supported: {', '.join(options)}")
+        return str(value)
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ModelConfigError("config.json: 'rope_scaling' / 'rope_parameters' must be an object")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind not in ("default", "yarn"):
+        raise ModelConfigError(f"config.json: rope type {kind!r} is not supported; supported: default, yarn")
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    f = _Fields(params)
+    if params.get("factor") is None:
+        raise ModelConfigError("config.json: YaRN rope scaling needs 'factor'")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise ModelConfigError("config.json: YaRN rope scaling needs 'original_max_position_embeddings'")
+    attention_factor = params.get("attention_factor")
+    return RopeConfig(
+        theta=float(theta),
+        kind="yarn",
+        factor=f.get_float("factor", 1.0),
+        original_max_position_embeddings=f.get_int("original_max_position_embeddings"),
+        beta_fast=f.get_float("beta_fast", 32.0),
+        beta_slow=f.get_float("beta_slow", 1.0),
+        mscale=f.get_float("mscale", 1.0),
+        mscale_all_dim=f.get_float("mscale_all_dim", 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
+    )
+
+
+def _parse_quantization(raw: dict[str, Any]) -> Fp8Config | None:
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelConfigError("config.json: 'quantization_config' must be an object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(f"config.json: quant_method {method!r} is not supported; supported: fp8")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ModelConfigError(f"config.json: FP8 format {fmt!r} is not supported; supported: e4m3")
+    block = q.get("weight_block_size", [128, 128])
+    if list(block) != [128, 128]:
+        raise ModelConfigError(
+            f"config.json: weight_block_size {block!r} is not supported; supported: [128, 128]"
+        )
+    scheme = q.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ModelConfigError(
+            f"config.json: activation_scheme {scheme!r} is not supported; supported: dynamic"
+        )
+    return Fp8Config(
+        fmt=fmt, weight_block_size=(128, 128), activation_scheme=scheme, scale_fmt=q.get("scale_fmt")
+    )
+
+
+def _parse_eos(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    raise ModelConfigError(
+        f"config.json: 'eos_token_id' must be an integer or a list of integers, got {value!r}"
+    )
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    if model_type in NOT_YET_SUPPORTED:
+        raise ModelConfigError(
+            f"{NOT_YET_SUPPORTED[model_type]} (model_type {model_type!r}) is not yet supported; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(
+            f"unsupported model_type {model_type!r}; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    f = _Fields(raw)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelConfigError(
+            f"config.json: hidden_act {raw['hidden_act']!r} is not supported; supported: silu"
+        )
+    if f.get_bool("attention_bias", False):
+        raise ModelConfigError(
+            "config.json: attention_bias true is not supported (DeepSeek models have none)"
+        )
+
+    v3 = model_type == "deepseek_v3"
+    n_routed = f.get_int("n_routed_experts", 0, minimum=0)
+    topk_method = f.get_choice("topk_method", "noaux_tc" if v3 else "greedy", TOPK_METHODS)
+    scoring = f.get_choice("scoring_func", "sigmoid" if v3 else "softmax", SCORING_FUNCS)
+    n_group = f.get_int("n_group", 1) if raw.get("n_group") is not None else 1
+    topk_group = f.get_int("topk_group", 1) if raw.get("topk_group") is not None else 1
+    top_k = f.get_int("num_experts_per_tok", 1) if n_routed else (raw.get("num_experts_per_tok") or 1)
+    dtype_name = raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"
+    if dtype_name not in _DTYPES:
+        raise ModelConfigError(f"config.json: torch_dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
+
+    cfg = ModelConfig(
+        model_type=model_type,
+        vocab_size=f.get_int("vocab_size"),
+        hidden_size=f.get_int("hidden_size"),
+        intermediate_size=f.get_int("intermediate_size"),
+        num_hidden_layers=f.get_int("num_hidden_layers"),
+        num_attention_heads=f.get_int("num_attention_heads"),
+        kv_lora_rank=f.get_int("kv_lora_rank"),
+        qk_nope_head_dim=f.get_int("qk_nope_head_dim"),
+        qk_rope_head_dim=f.get_int("qk_rope_head_dim"),
+        v_head_dim=f.get_int("v_head_dim"),
+        q_lora_rank=f.get_opt_int("q_lora_rank"),
+        n_routed_experts=n_routed,
+        n_shared_experts=f.get_int("n_shared_experts", 0, minimum=0),
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=f.get_int("moe_intermediate_size") if n_routed else 0,
+        first_k_dense_replace=f.get_int("first_k_dense_replace", 0, minimum=0),
+        moe_layer_freq=f.get_int("moe_layer_freq", 1),
+        topk_method=topk_method,
+        scoring_func=scoring,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=f.get_bool("norm_topk_prob", False),
+        routed_scaling_factor=f.get_float("routed_scaling_factor", 1.0),
+        rms_norm_eps=f.get_float("rms_norm_eps", 1e-6),
+        max_position_embeddings=f.get_int("max_position_embeddings", 4096),
+        rope=_parse_rope(raw),
+        rope_interleave=f.get_bool("rope_interleave", True),
+        tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=_parse_eos(raw.get("eos_token_id")),
+        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", 0, minimum=0),
+        quantization=_parse_quantization(raw),
+        torch_dtype=_DTYPES[dtype_name],
+    )
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: ModelConfig) -> None:
+    if cfg.qk_rope_head_dim % 2:
+        raise ModelConfigError(f"config.json: qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.n_routed_experts == 0:
+        return
+    if cfg.num_experts_per_tok > cfg.n_routed_experts:
+        raise ModelConfigError(
+            f"config.json: num_experts_per_tok ({cfg.num_experts_per_tok}) exceeds "
+            f"n_routed_experts ({cfg.n_routed_experts})"
+        )
+    if cfg.topk_method != "greedy" and cfg.n_group > 1:
+        if cfg.n_routed_experts % cfg.n_group:
+            raise ModelConfigError(
+                f"config.json: n_routed_experts ({cfg.n_routed_experts}) "
+                f"is not divisible by n_group ({cfg.n_group})"
+            )
+        if cfg.topk_group > cfg.n_group:
+            raise ModelConfigError(
+                f"config.json: topk_group ({cfg.topk_group}) exceeds n_group ({cfg.n_group})"
+            )
+        if cfg.topk_group * (cfg.n_routed_experts // cfg.n_group) < cfg.num_experts_per_tok:
+            raise ModelConfigError(
+                "config.json: topk_group groups hold fewer experts than num_experts_per_tok; no valid routing"
+            )
+    if cfg.topk_method == "noaux_tc" and cfg.n_routed_experts // max(cfg.n_group, 1) < 2:
+        raise ModelConfigError(
+            "config.json: noaux_tc routing scores groups by their top-2 experts; need >= 2 per group"
+        )

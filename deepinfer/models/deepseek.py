@@ -1,0 +1,209 @@
+"""DeepSeek-V2 / V2-Lite / V3 / R1, in DeepSeek's reference order: config -> MLA -> router/MoE ->
+block -> model (+ the multi-token-prediction head). Written only against the backend contract.
+
+Symbols: T tokens in the step, S rows that need logits, V vocab, Dm hidden.
+Tensor names are those DeepSeek publishes (model.layers.{i}.self_attn.q_a_proj.weight, ...);
+the loader maps them onto these modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import KVCacheSpec, PagedKVCache
+from deepinfer.models.attention import MLAttention
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.layers import MLP, Linear, RMSNorm
+from deepinfer.models.moe import MoE
+from deepinfer.models.rope import cos_sin_cache
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import CheckpointReader
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h)). The residual add is fused into
+    the next norm (backend.small.rms_norm with residual)."""
+
+    def __init__(self, config: ModelConfig, backend: Backend, layer_idx: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(backend, config.hidden_size, eps)
+        self.self_attn = MLAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(backend, config.hidden_size, eps)
+        self.mlp: nn.Module = (
+            MoE(config, backend)
+            if config.is_moe_layer(layer_idx)
+            else MLP(backend, config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this block's input (T, Dm) minus the pending residual; returns (mlp out, residual)."""
+        if residual is None:
+            residual = x
+            h, _ = self.input_layernorm(x)
+        else:
+            h, res = self.input_layernorm(x, residual)
+            assert res is not None
+            residual = res
+        h = self.self_attn(h, batch, cache, cos_sin)
+        h, res = self.post_attention_layernorm(h, residual)
+        assert res is not None
+        return self.mlp(h), res
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dtype)
+        self.self_attn.load(reader, f"{prefix}.self_attn", dtype)
+        self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight", dtype)
+        cast(MLP | MoE, self.mlp).load(reader, f"{prefix}.mlp", dtype)
+
+
+class MTPLayer(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module (model.layers.{num_hidden_layers + k}).
+
+    Given the main model's final hidden state h_i of token i and the embedding of token i+1:
+      h = eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]) -> a full decoder layer -> shared_head.norm
+    and the shared output head turns that into logits for token i+2. Embedding and head are the
+    main model's (the checkpoint's per-layer copies, embed_tokens and shared_head.head, are equal
+    to them and are not loaded twice).
+    """
+
+    def __init__(self, config: ModelConfig, backend: Backend, layer_idx: int) -> None:
+        super().__init__()
+        dm, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(backend, dm, eps)
+        self.hnorm = RMSNorm(backend, dm, eps)
+        self.eh_proj = Linear(backend, 2 * dm, dm)
+        self.block = DecoderLayer(config, backend, layer_idx)
+        self.shared_head_norm = RMSNorm(backend, dm, eps)
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        self.enorm.load(reader, f"{prefix}.enorm.weight", dtype)
+        self.hnorm.load(reader, f"{prefix}.hnorm.weight", dtype)
+        self.eh_proj.load(reader, f"{prefix}.eh_proj", dtype)
+        self.block.load(reader, prefix, dtype)
+        self.shared_head_norm.load(reader, f"{prefix}.shared_head.norm.weight", dtype)
+        for copy in ("embed_tokens.weight", "shared_head.head.weight"):
+            if reader.has(f"{prefix}.{copy}"):
+                reader.skip(f"{prefix}.{copy}")
+
+
+class DeepseekForCausalLM(nn.Module):
+    """The DeepSeek decoder over the paged latent cache (one cache per layer).
+
+    forward(batch, kv_caches) -> final hidden states (T, Dm), after the last norm;
+    compute_logits(hidden rows) -> (S, V) float32. MTP layers, when the checkpoint has them,
+    run through forward_mtp with their own caches (num_mtp_layers of them).
+    """
+
+    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config, self.backend, self.dtype = config, backend, dtype
+        self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
+        self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        device = backend.device.device()
+        table = cos_sin_cache(config.rope, config.qk_rope_head_dim, config.max_position_embeddings, device)
+        self.register_buffer("cos_sin", table, persistent=False)  # (P, R) float32
+
+    # ------------------------------------------------------------------ engine interface
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """MTP layers loaded (0 when the checkpoint has none, e.g. transformers' saves)."""
+        return len(self.mtp)
+
+    def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
+        """One layer's latent cache: kv_lora_rank normalised latent + qk_rope_head_dim roped key."""
+        c = self.config
+        return KVCacheSpec(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
+
+    def _check_positions(self, batch: ForwardBatch) -> None:
+        if batch.attn.max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
+        """(T, Dm) final hidden states of every token in the batch."""
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        self._check_positions(batch)
+        x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
+        residual: torch.Tensor | None = None
+        for layer, cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, batch, cache, self.cos_sin)
+        out: torch.Tensor = self.norm(x, residual)[0]
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (S, Dm) -> logits (S, V) float32."""
+        return self.backend.gemm.linear(hidden, self.lm_head).float()
+
+    def forward_mtp(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        kv_caches: Sequence[PagedKVCache],
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """Draft head: batch.input_ids hold token i+1 for each row, batch.positions position i, and
+        hidden (T, Dm) the main model's final hidden state of token i (forward's output). Returns
+        (T, Dm) hidden states; compute_logits of them predicts token i+2. kv_caches: one per MTP
+        layer (allocated with kv_cache_spec, like the main model's)."""
+        if depth >= self.num_mtp_layers:
+            raise ValueError(
+                f"MTP depth {depth} requested but the checkpoint has {self.num_mtp_layers} MTP layers"
+            )
+        self._check_positions(batch)
+        mtp = cast(MTPLayer, self.mtp[depth])
+        e = nn.functional.embedding(batch.input_ids, self.embed_tokens)
+        h = mtp.eh_proj(torch.cat([mtp.enorm(e)[0], mtp.hnorm(hidden)[0]], dim=-1))  # (T, 2Dm) -> (T, Dm)
+        h, residual = mtp.block(h, None, batch, kv_caches[depth], self.cos_sin)
+        out: torch.Tensor = mtp.shared_head_norm(h, residual)[0]
+        return out
+
+    # ------------------------------------------------------------------ loading
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        """Read every tensor from `reader` (see deepinfer.models.loader)."""
+        c, dtype = self.config, self.dtype
+        shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = reader.get("model.embed_tokens.weight", shape, dtype)
+        for i, layer in enumerate(self.layers):
+            cast(DecoderLayer, layer).load(reader, f"model.layers.{i}", dtype)
+        self.norm.load(reader, "model.norm.weight", dtype)
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+            if reader.has("lm_head.weight"):
+                reader.skip("lm_head.weight")
+        else:
+            self.lm_head = reader.get("lm_head.weight", shape, dtype)
+        # MTP layers are optional: transformers drops them when it saves a model.
+        for k in range(c.num_nextn_predict_layers):
+            idx = c.num_hidden_layers + k
+            if not any(n.startswith(f"model.layers.{idx}.") for n in reader.location):
+                break
+            mtp = MTPLayer(c, self.backend, idx)
+            mtp.load(reader, f"model.layers.{idx}", dtype)
+            self.mtp.append(mtp)

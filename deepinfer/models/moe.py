@@ -1,0 +1,126 @@
+"""DeepSeek routers and the MoE layer (routed experts + shared experts).
+
+Symbols: T tokens, E routed experts, K experts per token, I moe_intermediate_size, Dm hidden.
+
+Routers (DeepSeek's MoEGate), all through backend.moe.route:
+  V2 greedy               softmax scores, plain top-K.
+  V2 group_limited_greedy softmax, keep the topk_group groups with the best MAX score, then top-K.
+  V3 noaux_tc             sigmoid; e_score_correction_bias is added for SELECTION only; groups
+                          ranked by the SUM of their top-2 biased scores; weights are the unbiased
+                          scores.
+Weights: V3 divides by their sum when norm_topk_prob (and K > 1), then ALWAYS multiplies by
+routed_scaling_factor. V2 does one or the other: normalise when norm_topk_prob (and K > 1),
+otherwise multiply by routed_scaling_factor (DeepSeek-V2's published code).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import RouterConfig
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.layers import MLP, fuse_gate_up, padded_intermediate
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import CheckpointReader
+
+
+def router_config(config: ModelConfig) -> RouterConfig:
+    """The contract's RouterConfig for a model's gate (see the module docstring)."""
+    normalise = config.norm_topk_prob and config.num_experts_per_tok > 1
+    if config.topk_method == "greedy":
+        groups, topk_groups = 1, 1
+    else:
+        groups, topk_groups = config.n_group, config.topk_group
+    if config.model_type == "deepseek_v2" and normalise:
+        scaling = 1.0
+    else:
+        scaling = config.routed_scaling_factor
+    return RouterConfig(
+        scoring="sigmoid" if config.scoring_func == "sigmoid" else "softmax",
+        top_k=config.num_experts_per_tok,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        group_score="top2_sum" if config.topk_method == "noaux_tc" else "max",
+        renormalize=normalise,
+        routed_scaling_factor=scaling,
+    )
+
+
+class MoE(nn.Module):
+    """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts."""
+
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_experts, self.hidden, self.inter = (
+            config.n_routed_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+        )
+        self.router = router_config(config)
+        self.uses_bias = config.topk_method == "noaux_tc"
+        meta = torch.empty(0, device="meta")
+        self.register_buffer("gate_weight", meta)  # (E, Dm) float32: routing is computed in float32
+        self.register_buffer("e_score_correction_bias", None)  # (E,) float32 for noaux_tc
+        self.register_buffer("w13", meta)
+        self.register_buffer("w2", meta)
+        self.register_buffer("w13_scale", None)  # FP8: (E, 2 ceil(I/128), ceil(Dm/128))
+        self.register_buffer("w2_scale", None)  # FP8: (E, ceil(Dm/128), ceil(I/128))
+        shared = config.n_shared_experts * config.moe_intermediate_size
+        self.shared_experts = MLP(backend, config.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, Dm) -> (T, Dm)."""
+        logits = self.backend.gemm.linear(x.float(), self.gate_weight)  # (T, E) float32
+        weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)  # (T, K)
+        y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        e, dm, inter = self.num_experts, self.hidden, self.inter
+        self.gate_weight = reader.get(f"{prefix}.gate.weight", (e, dm), torch.float32)
+        if self.uses_bias:
+            self.e_score_correction_bias = reader.get(
+                f"{prefix}.gate.e_score_correction_bias", (e,), torch.float32
+            )
+        if self.shared_experts is not None:
+            self.shared_experts.load(reader, f"{prefix}.shared_experts", dtype)
+        if reader.has(f"{prefix}.experts.gate_up_proj"):  # transformers' fused in-memory layout
+            self.w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)
+            self.w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)
+            return
+        self._load_per_expert(reader, f"{prefix}.experts", dtype)
+
+    def _load_per_expert(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv)."""
+        e, dm, inter = self.num_experts, self.hidden, self.inter
+        fp8 = reader.has(f"{prefix}.0.gate_proj.weight_scale_inv")
+        inter_p = padded_intermediate(inter, fp8)
+        w_dtype = reader.fp8_dtype if fp8 else dtype
+        device = reader.device
+        w13 = torch.empty((e, 2 * inter_p, dm), dtype=w_dtype, device=device)
+        w2 = torch.empty((e, dm, inter_p), dtype=w_dtype, device=device)
+        s13 = s2 = None
+        if fp8:
+            s13 = torch.empty((e, 2 * -(-inter // 128), -(-dm // 128)), dtype=torch.float32, device=device)
+            s2 = torch.empty((e, -(-dm // 128), -(-inter // 128)), dtype=torch.float32, device=device)
+        for i in range(e):
+            gate = reader.linear(f"{prefix}.{i}.gate_proj", (inter, dm), dtype)
+            up = reader.linear(f"{prefix}.{i}.up_proj", (inter, dm), dtype)
+            down = reader.linear(f"{prefix}.{i}.down_proj", (dm, inter), dtype)
+            a, sa, b, sb = fuse_gate_up(gate, up, down)
+            if (sa is None) == fp8:
+                raise ValueError(f"{prefix}: experts mix FP8 and floating-point weights (expert {i})")
+            w13[i].copy_(a)
+            w2[i].copy_(b)
+            if s13 is not None and s2 is not None and sa is not None and sb is not None:
+                s13[i].copy_(sa)
+                s2[i].copy_(sb)
+        self.w13, self.w2, self.w13_scale, self.w2_scale = w13, w2, s13, s2

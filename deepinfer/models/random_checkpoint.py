@@ -1,0 +1,213 @@
+"""Random DeepSeek checkpoints with the published tensor names, for tests and the conformance suite
+(no transformers needed): float32 or DeepSeek's FP8 format, one file or sharded with an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.models.config import ModelConfig
+from deepinfer.reference.gemm import dequantize_weight, quantize_weight
+
+FP8_QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def tiny_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny DeepSeek-V3-shaped config.json dict (published field names), with one MTP layer."""
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def _layer_tensors(c: ModelConfig, prefix: str, layer_idx: int) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of one decoder layer's tensors (excluding MTP extras)."""
+    dm, h = c.hidden_size, c.num_attention_heads
+    t: dict[str, tuple[int, ...]] = {
+        f"{prefix}.input_layernorm.weight": (dm,),
+        f"{prefix}.post_attention_layernorm.weight": (dm,),
+        f"{prefix}.self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, dm),
+        f"{prefix}.self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
+        f"{prefix}.self_attn.kv_b_proj.weight": (h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        f"{prefix}.self_attn.o_proj.weight": (dm, h * c.v_head_dim),
+    }
+    if c.q_lora_rank is None:
+        t[f"{prefix}.self_attn.q_proj.weight"] = (h * c.qk_head_dim, dm)
+    else:
+        t[f"{prefix}.self_attn.q_a_proj.weight"] = (c.q_lora_rank, dm)
+        t[f"{prefix}.self_attn.q_a_layernorm.weight"] = (c.q_lora_rank,)
+        t[f"{prefix}.self_attn.q_b_proj.weight"] = (h * c.qk_head_dim, c.q_lora_rank)
+
+    def mlp(p: str, inter: int) -> None:
+        t[f"{p}.gate_proj.weight"] = (inter, dm)
+        t[f"{p}.up_proj.weight"] = (inter, dm)
+        t[f"{p}.down_proj.weight"] = (dm, inter)
+
+    if c.is_moe_layer(layer_idx):
+        t[f"{prefix}.mlp.gate.weight"] = (c.n_routed_experts, dm)
+        if c.topk_method == "noaux_tc":
+            t[f"{prefix}.mlp.gate.e_score_correction_bias"] = (c.n_routed_experts,)
+        for e in range(c.n_routed_experts):
+            mlp(f"{prefix}.mlp.experts.{e}", c.moe_intermediate_size)
+        if c.n_shared_experts:
+            mlp(f"{prefix}.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
+    else:
+        mlp(f"{prefix}.mlp", c.intermediate_size)
+    return t
+
+
+def tensor_shapes(config: ModelConfig, mtp: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a float checkpoint of `config`, name -> shape (DeepSeek's names)."""
+    c, dm = config, config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, dm)}
+    for i in range(c.num_hidden_layers):
+        shapes.update(_layer_tensors(c, f"model.layers.{i}", i))
+    shapes["model.norm.weight"] = (dm,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, dm)
+    for k in range(c.num_nextn_predict_layers if mtp else 0):
+        idx = c.num_hidden_layers + k
+        p = f"model.layers.{idx}"
+        shapes.update(_layer_tensors(c, p, idx))
+        shapes[f"{p}.enorm.weight"] = (dm,)
+        shapes[f"{p}.hnorm.weight"] = (dm,)
+        shapes[f"{p}.eh_proj.weight"] = (dm, 2 * dm)
+        shapes[f"{p}.shared_head.norm.weight"] = (dm,)
+    return shapes
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0, mtp: bool = True) -> dict[str, torch.Tensor]:
+    """float32 weights: matrices ~ N(0, 1/fan_in) (logits O(1)), router gates ~ N(0, 4/fan_in) (wider
+    score gaps, fewer near-tied expert choices), norms 1 + N(0, 0.1^2), router correction bias
+    N(0, 0.1^2), embeddings N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(config, mtp).items():
+        if len(shape) == 1:
+            base = 0.0 if name.endswith("e_score_correction_bias") else 1.0
+            out[name] = base + 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            out[name] = torch.randn(shape, generator=gen)
+        else:
+            gain = 2.0 if name.endswith("mlp.gate.weight") else 1.0
+            out[name] = torch.randn(shape, generator=gen) * gain / shape[1] ** 0.5
+    return out
+
+
+def is_fp8_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors DeepSeek's FP8 checkpoints store in e4m3: every linear weight except the
+    embedding, the output head(s) and the router gate."""
+    if tensor.dim() != 2 or not name.endswith(".weight"):
+        return False
+    return not (
+        name.endswith("embed_tokens.weight")
+        or name.endswith("head.weight")
+        or name.endswith("mlp.gate.weight")
+    )
+
+
+def quantize_state_dict(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(FP8 checkpoint tensors with weight_scale_inv, the same weights dequantised to float32)."""
+    fp8: dict[str, torch.Tensor] = {}
+    dequant: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if is_fp8_weight(name, t):
+            q, scale = quantize_weight(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            dequant[name] = dequantize_weight(q, scale)
+        else:
+            fp8[name] = dequant[name] = t
+    return fp8, dequant
+
+
+def write_checkpoint(
+    path: str | Path, config: dict[str, Any], state: dict[str, torch.Tensor], shards: int = 1
+) -> Path:
+    """config.json + model.safetensors (shards == 1) or model-0000i-of-0000n.safetensors + index."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    names = sorted(state)
+    if shards == 1:
+        save_file({n: state[n].contiguous() for n in names}, str(root / "model.safetensors"))
+        return root
+    weight_map: dict[str, str] = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: state[n].contiguous() for n in part}, str(root / file))
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+    index["weight_map"] = weight_map  # type: ignore[assignment]
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return root
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    config: dict[str, Any] | None = None,
+    seed: int = 0,
+    fp8: bool = False,
+    shards: int = 1,
+    mtp: bool = True,
+) -> Path:
+    """A random checkpoint of `config` (default tiny_config()) at `path`; FP8 adds the
+    quantization_config DeepSeek publishes and stores linear weights in e4m3 with block scales."""
+    cfg = dict(config or tiny_config())
+    state = random_state_dict(ModelConfig.from_dict(cfg), seed, mtp)
+    if fp8:
+        state, _ = quantize_state_dict(state)
+        cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    return write_checkpoint(path, cfg, state, shards)
