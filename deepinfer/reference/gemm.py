@@ -51,10 +51,10 @@ def quantize_weight(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch
 def quantize_fp8(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     pad = -k % block
-    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, block)
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, (k + pad) // block, block)
     amax = xf.abs().amax(dim=-1).clamp(min=_AMAX_EPS)
     scale = amax / FP8_MAX
-    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, -1)[:, :k]
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, k + pad)[:, :k]
     return q.to(FP8_DTYPE), scale
 
 

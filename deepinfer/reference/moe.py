@@ -67,7 +67,7 @@ def permute(
 
 def unpermute(y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     t, k = weights.shape
-    y = y_sorted[src_to_dst].view(t, k, -1).float()
+    y = y_sorted[src_to_dst].view(t, k, y_sorted.shape[-1]).float()
     return (y * weights.float()[..., None]).sum(dim=1).to(y_sorted.dtype)
 
 

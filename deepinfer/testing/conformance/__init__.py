@@ -1,0 +1,1 @@
+"""The backend conformance suite. Run it with `deepinfer conformance --backend NAME`."""

@@ -1,0 +1,81 @@
+"""Batch invariance: a row's result is BITWISE the same alone and inside a larger batch.
+
+Runs only for backends whose capabilities claim it, created with batch_invariant=True.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata
+from deepinfer.testing.helpers import make_paged_batch, randn, request_rows
+from deepinfer.testing.tolerances import assert_bitwise_equal
+
+ROWS = [0, 5, 16]  # rows checked alone
+
+
+def test_linear(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    dev = invariant_backend.device.device()
+    x = randn((33, 200), dtype, dev, gen)
+    w = randn((130, 200), dtype, dev, gen, 200**-0.5)
+    b = randn((130,), dtype, dev, gen)
+    full = invariant_backend.gemm.linear(x, w, b)
+    for i in ROWS:
+        alone = invariant_backend.gemm.linear(x[i : i + 1], w, b)
+        assert_bitwise_equal(alone, full[i : i + 1], what=f"linear row {i}")
+    part = invariant_backend.gemm.linear(x[:7], w, b)
+    assert_bitwise_equal(part, full[:7], what="linear first 7 rows")
+
+
+def test_rms_norm(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    dev = invariant_backend.device.device()
+    x = randn((33, 257), dtype, dev, gen)
+    res = randn((33, 257), dtype, dev, gen)
+    w = randn((257,), dtype, dev, gen)
+    y, h = invariant_backend.small.rms_norm(x, w, 1e-6, res)
+    assert h is not None
+    for i in ROWS:
+        yi, hi = invariant_backend.small.rms_norm(x[i : i + 1], w, 1e-6, res[i : i + 1])
+        assert hi is not None
+        assert_bitwise_equal(yi, y[i : i + 1], what=f"rms_norm row {i}")
+        assert_bitwise_equal(hi, h[i : i + 1], what=f"rms_norm residual row {i}")
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_attention(
+    invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator, decode: bool
+) -> None:
+    seq = [1, 40, 129, 64, 17]
+    qlen = [1] * 5 if decode else [1, 13, 60, 64, 2]
+    be = invariant_backend
+    batch = make_paged_batch(
+        be, seq_lens=seq, query_lens=qlen, block_size=16, head_dim=576, dtype=dtype, gen=gen, rope_dim=64
+    )
+    q = randn((batch.num_tokens, 4, 576), dtype, be.device.device(), gen)
+    op = be.attention.decode if decode else be.attention.prefill
+    full = op(q, batch.cache, batch.meta, scale=576**-0.5, v_dim=512)
+    for b in range(len(seq)):
+        rows = request_rows(batch.meta, b)
+        meta = AttentionMetadata.build(batch.meta.block_tables[b : b + 1], [seq[b]], [qlen[b]])
+        alone = op(q[rows], batch.cache, meta, scale=576**-0.5, v_dim=512)
+        assert_bitwise_equal(alone, full[rows], what=f"attention request {b}")
+
+
+def test_fused_moe(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    dev = invariant_backend.device.device()
+    tokens, experts, top_k, dm, inter = 17, 8, 3, 64, 40
+    x = randn((tokens, dm), dtype, dev, gen)
+    w13 = randn((experts, 2 * inter, dm), dtype, dev, gen, dm**-0.5)
+    w2 = randn((experts, dm, inter), dtype, dev, gen, inter**-0.5)
+    ids = (
+        torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        .to(torch.int32)
+        .to(dev)
+    )
+    weights = torch.rand((tokens, top_k), generator=gen).to(dev)
+    full = invariant_backend.moe.fused_moe(x, weights, ids, w13, w2)
+    for i in ROWS:
+        alone = invariant_backend.moe.fused_moe(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2)
+        assert_bitwise_equal(alone, full[i : i + 1], what=f"fused_moe row {i}")

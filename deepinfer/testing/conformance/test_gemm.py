@@ -1,0 +1,127 @@
+"""Dense, FP8 block-scaled and grouped GEMMs against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.reference import gemm as ref_gemm
+from deepinfer.testing.helpers import oracle, quantized_weight, randn
+from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, assert_close
+
+SHAPES = [(0, 17, 9), (1, 64, 32), (7, 67, 45), (33, 128, 130)]  # (M, K, N)
+FP8_SHAPES = [(0, 128, 128), (1, 200, 150), (5, 384, 256), (33, 130, 70)]
+
+
+def ids(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int, int], with_bias: bool
+) -> None:
+    m, k, n = shape
+    dev = backend.device.device()
+    x = randn((m, k), dtype, dev, gen)
+    w = randn((n, k), dtype, dev, gen, k**-0.5)
+    b = randn((n,), dtype, dev, gen) if with_bias else None
+    y = backend.gemm.linear(x, w, b)
+    expected = ref_gemm.linear(oracle(x), oracle(w), None if b is None else oracle(b), False)
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="linear")
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 1), (5, 300), (4, 256)], ids=ids)
+def test_quantize_fp8(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int]
+) -> None:
+    m, k = shape
+    x = randn((m, k), dtype, backend.device.device(), gen, 3.0)
+    if m > 2:
+        x[1] = 0  # an all-zero row must stay finite
+        x[2, :5] *= 1e-3  # small values reach the subnormal range
+    xq, scale = backend.gemm.quantize_fp8(x)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == (m, k)
+    assert scale.dtype == torch.float32 and scale.shape == (m, math.ceil(k / 128))
+    _, ref_scale = ref_gemm.quantize_fp8(oracle(x))
+    assert_close(scale, ref_scale.double(), torch.float64, what="fp8 scales")
+    deq = ref_gemm.dequantize_act(xq.cpu(), scale.cpu()).double()
+    xs = oracle(x)
+    s = scale.cpu().double().repeat_interleave(128, dim=-1)[:, :k]
+    err = (deq - xs).abs()
+    bound = FP8_REL * xs.abs() + FP8_SUBNORMAL * s + 1e-30
+    assert torch.isfinite(deq).all() and bool((err <= bound).all()), f"max fp8 error {err.max() if m else 0}"
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=ids)
+def test_fp8_gemm(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    m, k, n = shape
+    dev = backend.device.device()
+    xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen))
+    wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5)
+    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype)
+    expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="fp8_gemm")
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=ids)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_fp8(
+    backend: Backend,
+    fp8: None,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    shape: tuple[int, ...],
+    with_bias: bool,
+) -> None:
+    m, k, n = shape
+    dev = backend.device.device()
+    x = randn((m, k), dtype, dev, gen)
+    wq, ws = quantized_weight((n, k), dev, gen, k**-0.5)
+    b = randn((n,), dtype, dev, gen) if with_bias else None
+    y = backend.gemm.linear_fp8(x, wq, ws, b)
+    xq, xs = ref_gemm.quantize_fp8(oracle(x))
+    expected = ref_gemm.fp8_gemm(xq, xs, wq.cpu(), ws.cpu(), torch.float64)
+    if b is not None:
+        expected = expected + oracle(b)
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="linear_fp8", fp8_act=True)
+
+
+GROUPS = [[0, 0, 0], [1], [3, 0, 5, 1], [0, 7, 0, 2, 11]]
+
+
+@pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_grouped_gemm(backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]) -> None:
+    dev = backend.device.device()
+    k, n = 67, 45
+    x = randn((sum(sizes), k), dtype, dev, gen)
+    w = randn((len(sizes), n, k), dtype, dev, gen, k**-0.5)
+    group_sizes = torch.tensor(sizes, dtype=torch.int64)
+    y = backend.gemm.grouped_gemm(x, w, group_sizes.to(dev))
+    expected = ref_gemm.grouped_gemm(oracle(x), oracle(w), group_sizes)
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="grouped_gemm")
+
+
+@pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_grouped_gemm_fp8(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    dev = backend.device.device()
+    k, n = 200, 150
+    x = randn((sum(sizes), k), dtype, dev, gen)
+    wq, ws = quantized_weight((len(sizes), n, k), dev, gen, k**-0.5)
+    group_sizes = torch.tensor(sizes, dtype=torch.int64)
+    y = backend.gemm.grouped_gemm_fp8(x, wq, ws, group_sizes.to(dev))
+    expected = ref_gemm.grouped_gemm_fp8(oracle(x), wq.cpu(), ws.cpu(), group_sizes)
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="grouped_gemm_fp8", fp8_act=True)

@@ -1,0 +1,111 @@
+"""Device and memory ops: device handle, sync, memory info, streams, events, the paged KV pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import KVCacheSpec
+from deepinfer.testing.helpers import randn
+from deepinfer.testing.tolerances import assert_bitwise_equal
+
+SPECS = [  # (num_blocks, block_size, latent_dim, rope_dim)
+    (5, 16, 512, 64),  # MLA absorbed: K 576 wide
+    (4, 64, 512, 0),  # K = V latent
+    (7, 3, 9, 4),  # small odd sizes
+]
+
+
+def test_device_basics(backend: Backend) -> None:
+    dev = backend.device.device()
+    assert isinstance(dev, torch.device)
+    backend.device.synchronize()
+    free, total = backend.device.memory_info()
+    assert isinstance(free, int) and isinstance(total, int)
+    assert 0 <= free <= total and total > 0
+
+
+def test_streams_events_and_pinned_buffers(backend: Backend, device: torch.device) -> None:
+    stream = backend.device.new_stream()
+    event = backend.device.new_event()
+    x = torch.arange(10, dtype=torch.float32, device=device)
+    with backend.device.stream_context(stream):
+        y = x * 2
+        event.record()
+    event.synchronize()
+    backend.device.synchronize()
+    assert event.query() is True
+    assert torch.equal(y.cpu(), torch.arange(10, dtype=torch.float32) * 2)
+    host = backend.device.pinned_empty((3, 5), torch.bfloat16)
+    assert host.shape == (3, 5) and host.dtype == torch.bfloat16 and host.device.type == "cpu"
+
+
+@pytest.mark.parametrize("spec_args", SPECS, ids=lambda s: "x".join(map(str, s)))
+def test_allocate_write_read_copy(
+    backend: Backend,
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spec_args: tuple[int, ...],
+) -> None:
+    nb, bs, latent, rope = spec_args
+    spec = KVCacheSpec(nb, bs, latent, rope, dtype)
+    caches = backend.device.allocate_kv_cache(spec, 2)
+    assert len(caches) == 2
+    all_slots = torch.arange(nb * bs, device=device)
+    for c in caches:
+        assert c.spec == spec
+        assert all(t.shape[0] == nb for t in c.tensors), "every cache tensor keeps the block index first"
+        stored = backend.device.read_kv(c, all_slots)
+        assert stored.shape == (nb * bs, spec.head_dim) and stored.dtype == dtype
+        assert not stored.any(), "a new cache is zero-filled"
+
+    # write a random set of slots (float32 input, cast to the cache dtype), with padding rows
+    n = nb * bs // 2 + 1
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[::4] = -1
+    kv = randn((n, spec.head_dim), torch.float32, "cpu", gen)
+    backend.device.write_kv(caches[0], kv.to(device), slots.to(device))
+    expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
+    keep = slots >= 0
+    expected[slots[keep]] = kv[keep].to(dtype)
+    assert_bitwise_equal(backend.device.read_kv(caches[0], all_slots), expected, what="write_kv/read_kv")
+    assert not backend.device.read_kv(caches[1], all_slots).any(), "write_kv touched another layer"
+
+    # copy blocks: src -> dst, every tensor of the cache; other blocks untouched
+    perm = torch.randperm(nb, generator=gen)
+    src, dst = perm[:2], perm[2:4]
+    backend.device.copy_blocks(caches[0], src.to(device), dst.to(device))
+    after = expected.view(nb, bs, -1).clone()
+    after[dst] = after[src]
+    assert_bitwise_equal(
+        backend.device.read_kv(caches[0], all_slots), after.view(nb * bs, -1), what="copy_blocks"
+    )
+
+
+def test_write_kv_empty(backend: Backend, device: torch.device) -> None:
+    dt = backend.capabilities.dtypes[0]
+    cache = backend.device.allocate_kv_cache(KVCacheSpec(2, 4, 8, 0, dt), 1)[0]
+    backend.device.write_kv(
+        cache, torch.empty((0, 8), dtype=dt, device=device), torch.empty(0, dtype=torch.long, device=device)
+    )
+    assert not backend.device.read_kv(cache, torch.arange(8, device=device)).any()
+
+
+def test_capture_graph(backend: Backend, device: torch.device) -> None:
+    x = torch.ones(8, device=device)
+    out = torch.zeros(8, device=device)
+
+    def step() -> None:
+        out.copy_(x * 3)
+
+    runner = backend.device.capture_graph(step)
+    if not backend.capabilities.supports_graphs:
+        assert runner is None, "a backend without graphs returns None from capture_graph"
+        return
+    assert runner is not None
+    x.fill_(2.0)
+    runner.replay()
+    backend.device.synchronize()
+    assert torch.equal(out.cpu(), torch.full((8,), 6.0))

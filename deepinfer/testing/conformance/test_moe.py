@@ -1,0 +1,173 @@
+"""MoE routing, permutation, expert MLP and the fused routed-expert layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import RouterConfig
+from deepinfer.reference import moe as ref_moe
+from deepinfer.testing.helpers import oracle, quantized_weight, randn
+from deepinfer.testing.tolerances import assert_close
+
+V3 = RouterConfig(
+    "sigmoid", top_k=6, num_groups=8, topk_groups=4, group_score="top2_sum", renormalize=True,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
+V2 = RouterConfig(
+    "softmax", top_k=3, num_groups=4, topk_groups=2, group_score="max", routed_scaling_factor=16.0
+)
+V4 = RouterConfig("sqrtsoftplus", top_k=4, renormalize=True, routed_scaling_factor=1.5)
+ROUTERS = {  # name: (config, experts, with correction bias)
+    "softmax_greedy": (RouterConfig("softmax", top_k=2), 16, False),  # V2-Lite
+    "softmax_group_max": (V2, 32, False),
+    "sigmoid_top2_sum_bias": (V3, 64, True),
+    "sigmoid_bias_no_groups": (RouterConfig("sigmoid", top_k=4, renormalize=True), 24, True),
+    "sqrtsoftplus_bias": (V4, 40, True),
+}
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Order each row's (id, weight) pairs by expert id: the op's output order is not part of
+    the contract, the set of pairs is."""
+    ids = ids.cpu().long()
+    order = ids.argsort(dim=-1)
+    return weights.cpu().double().gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("name", list(ROUTERS))
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_route(backend: Backend, gen: torch.Generator, name: str, tokens: int) -> None:
+    config, experts, with_bias = ROUTERS[name]
+    dev = backend.device.device()
+    logits = randn((tokens, experts), torch.float32, dev, gen, 2.0)
+    bias = randn((experts,), torch.float32, dev, gen, 0.5) if with_bias else None
+    weights, ids = backend.moe.route(logits, config, bias)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (tokens, config.top_k)
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config, None if bias is None else oracle(bias))
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert_close(w, rw, torch.float32, what="router weights")
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_route_hash(backend: Backend, gen: torch.Generator, scoring: str) -> None:
+    tokens, experts, top_k = 11, 20, 3
+    dev = backend.device.device()
+    config = RouterConfig(scoring, top_k=top_k, renormalize=scoring != "softmax", routed_scaling_factor=1.5)  # type: ignore[arg-type]
+    logits = randn((tokens, experts), torch.float32, dev, gen)
+    hash_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(
+        torch.int32
+    )
+    weights, ids = backend.moe.route(logits, config, hash_ids=hash_ids.to(dev))
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config, hash_ids=hash_ids)
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    assert torch.equal(i, ri), "hash routing must select exactly the given experts"
+    assert_close(w, rw, torch.float32, what="hash-routed weights")
+
+
+def random_ids(tokens: int, top_k: int, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """(T, K) int32 distinct experts per token."""
+    if tokens == 0:
+        return torch.empty((0, top_k), dtype=torch.int32)
+    return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(
+        torch.int32
+    )
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 11])
+def test_permute(backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int) -> None:
+    experts, top_k, dm = 8, 3, 33
+    dev = backend.device.device()
+    x = randn((tokens, dm), dtype, dev, gen)
+    ids = random_ids(tokens, top_k, experts, gen)
+    x_sorted, src_to_dst, counts = backend.moe.permute(x, ids.to(dev), experts)
+    rx, rs, rc = ref_moe.permute(x.cpu(), ids, experts)
+    assert src_to_dst.dtype == torch.int64 and counts.dtype == torch.int64
+    assert torch.equal(counts.cpu(), rc), "expert counts"
+    assert torch.equal(src_to_dst.cpu(), rs), "src_to_dst (stable order within an expert)"
+    assert torch.equal(x_sorted.cpu(), rx), "permuted rows"
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 11])
+def test_unpermute(backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int) -> None:
+    top_k, dm = 4, 65
+    dev = backend.device.device()
+    y = randn((tokens * top_k, dm), dtype, dev, gen)
+    src_to_dst = torch.randperm(tokens * top_k, generator=gen)
+    weights = torch.rand((tokens, top_k), generator=gen)
+    out = backend.moe.unpermute(y, src_to_dst.to(dev), weights.to(dev))
+    expected = ref_moe.unpermute(oracle(y), src_to_dst, oracle(weights))
+    assert out.dtype == dtype
+    assert_close(out, expected, dtype, what="unpermute")
+
+
+def expert_weights(
+    experts: int, dm: int, inter: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(w13 (E, 2I, Dm), w2 (E, Dm, I), scales or None); O(1) outputs."""
+    if fp8:
+        w13, s13 = quantized_weight((experts, 2 * inter, dm), dev, gen, dm**-0.5)
+        w2, s2 = quantized_weight((experts, dm, inter), dev, gen, inter**-0.5)
+        return w13, w2, s13, s2
+    w13 = randn((experts, 2 * inter, dm), dtype, dev, gen, dm**-0.5)
+    return w13, randn((experts, dm, inter), dtype, dev, gen, inter**-0.5), None, None
+
+
+def to_ref(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else oracle(t)
+
+
+@pytest.mark.parametrize("quant", ["float", "fp8"])
+@pytest.mark.parametrize(
+    "sizes", [[0, 0, 0], [2, 0, 5, 1], [1, 9, 0, 0, 3]], ids=lambda g: "-".join(map(str, g))
+)
+def test_experts(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, sizes: list[int]
+) -> None:
+    is_fp8 = quant == "fp8"
+    if is_fp8 and not backend.capabilities.supports_fp8:
+        pytest.skip("backend does not claim FP8")
+    dev = backend.device.device()
+    dm, inter = (200, 136) if is_fp8 else (48, 37)
+    w13, w2, s13, s2 = expert_weights(len(sizes), dm, inter, dtype, dev, gen, is_fp8)
+    x = randn((sum(sizes), dm), dtype, dev, gen)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    y = backend.moe.experts(x, counts.to(dev), w13, w2, s13, s2)
+    expected = ref_moe.experts(oracle(x), counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
+    assert y.dtype == dtype
+    assert_close(y, expected, dtype, what="experts", fp8_act=is_fp8)
+
+
+def fused_moe_inputs(
+    tokens: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator, fp8: bool
+) -> tuple[torch.Tensor, ...]:
+    experts, top_k = 8, 3
+    dm, inter = (256, 128) if fp8 else (40, 24)
+    w13, w2, s13, s2 = expert_weights(experts, dm, inter, dtype, dev, gen, fp8)
+    x = randn((tokens, dm), dtype, dev, gen)
+    ids = random_ids(tokens, top_k, experts, gen).to(dev)
+    weights = torch.rand((tokens, top_k), generator=gen).to(dev)
+    return x, weights, ids, w13, w2, s13, s2  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("quant", ["float", "fp8"])
+@pytest.mark.parametrize("tokens", [0, 1, 9])
+def test_fused_moe(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, tokens: int
+) -> None:
+    is_fp8 = quant == "fp8"
+    if is_fp8 and not backend.capabilities.supports_fp8:
+        pytest.skip("backend does not claim FP8")
+    x, weights, ids, w13, w2, s13, s2 = fused_moe_inputs(tokens, dtype, backend.device.device(), gen, is_fp8)
+    y = backend.moe.fused_moe(x, weights, ids, w13, w2, s13, s2)
+    rx, rids = oracle(x), ids.cpu()
+    x_sorted, src_to_dst, counts = ref_moe.permute(rx, rids, w13.shape[0])
+    h = ref_moe.experts(x_sorted, counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
+    expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, expected, dtype, what="fused_moe", fp8_act=is_fp8)

@@ -1,0 +1,156 @@
+"""Input builders shared by the conformance tests: random tensors, paged KV caches, metadata.
+
+Every builder draws from an explicit torch.Generator (CPU) so that a failure reproduces with
+the same seed; tensors are generated in float32 on the CPU, cast to the dtype under test and
+moved to the backend's device. `oracle(t)` gives the float64 CPU copy the reference runs on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
+from deepinfer.reference import gemm as ref_gemm
+from deepinfer.reference import memory as ref_memory
+
+
+def randn(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    gen: torch.Generator,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Normal(0, scale^2) values in `dtype` on `device`."""
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def oracle(t: torch.Tensor) -> torch.Tensor:
+    """The float64 CPU copy of a float tensor (other dtypes: a CPU copy) for the reference."""
+    t = t.detach().cpu()
+    return t.double() if t.is_floating_point() and t.dtype.itemsize > 1 else t.clone()
+
+
+def quantized_weight(
+    shape: tuple[int, ...], device: torch.device | str, gen: torch.Generator, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random (N, K) or (E, N, K) FP8 e4m3 weight in DeepSeek's format with its block scales."""
+    w = torch.randn(shape, generator=gen) * scale
+    if w.dim() == 2:
+        q, s = ref_gemm.quantize_weight(w)
+    else:
+        pairs = [ref_gemm.quantize_weight(w[e]) for e in range(w.shape[0])]
+        q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    return q.to(device), s.to(device)
+
+
+@dataclass
+class PagedBatch:
+    """A ragged step over a paged cache, built twice: on the backend and as the reference's oracle.
+
+    cache / meta:          the backend's cache (its own layout, filled through its write_kv) and
+                           metadata on its device.
+    ref_cache / ref_meta:  the reference layout in float64 on the CPU with the same K rows.
+    kv:                    per request, the (seq_len, D) K rows written, in the cache dtype.
+    """
+
+    cache: PagedKVCache
+    meta: AttentionMetadata
+    ref_cache: PagedKVCache
+    ref_meta: AttentionMetadata
+    kv: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+
+def random_block_tables(
+    seq_lens: list[int], block_size: int, gen: torch.Generator, spare_blocks: int = 3
+) -> tuple[torch.Tensor, int]:
+    """(B, MB) int32 block tables drawing distinct blocks in a random order, and the pool size.
+    Unused entries are 0 (block 0 is a real block, as in a live pool)."""
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(needed) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max([*needed, 1])
+    table = torch.zeros((len(seq_lens), width), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = torch.tensor(perm[start : start + n], dtype=torch.int32)
+        start += n
+    return table, num_blocks
+
+
+def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(n,) int64 cache slots of absolute `positions` of one request."""
+    pos = positions.long()
+    return block_table.long()[pos // block_size] * block_size + pos % block_size
+
+
+def make_paged_batch(
+    backend: Backend,
+    *,
+    seq_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    kv_scale: float = 1.0,
+    rope_dim: int = 0,
+) -> PagedBatch:
+    """Fill a fresh cache (one layer) with random K rows for every cached position of every
+    request, through the backend's own write_kv, and build the metadata of the step."""
+    device = backend.device.device()
+    table, num_blocks = random_block_tables(seq_lens, block_size, gen)
+    spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, dtype)
+    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    ref_spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, torch.float64)
+    ref_cache = ref_memory.allocate_kv_cache(ref_spec, 1, torch.device("cpu"))[0]
+    kv: list[torch.Tensor] = []
+    for b, n in enumerate(seq_lens):
+        rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
+        slots = slots_of(table[b], torch.arange(n), block_size)
+        if n:
+            backend.device.write_kv(cache, rows.to(device), slots.to(device))
+            ref_memory.write_kv(ref_cache, oracle(rows), slots)
+        kv.append(rows)
+    meta = AttentionMetadata.build(table.to(device), seq_lens, query_lens)
+    ref_meta = AttentionMetadata.build(table, seq_lens, query_lens)
+    return PagedBatch(cache, meta, ref_cache, ref_meta, kv)
+
+
+def topk_indices_for(
+    seq_lens: list[int], query_lens: list[int], k: int, gen: torch.Generator, pad: int = 2
+) -> torch.Tensor:
+    """(T, k + pad) int32 random distinct visible-or-not positions per query row, -1 padded.
+    Some entries point past the row's causal limit: the op must intersect them away."""
+    rows = []
+    for kv_len, n in zip(seq_lens, query_lens):
+        for _ in range(n):
+            pick = torch.randperm(kv_len, generator=gen)[:k].to(torch.int32)
+            row = torch.full((k + pad,), -1, dtype=torch.int32)
+            row[: pick.numel()] = pick
+            rows.append(row[torch.randperm(k + pad, generator=gen)])
+    if not rows:
+        return torch.empty((0, k + pad), dtype=torch.int32)
+    return torch.stack(rows)
+
+
+def seed_from(text: str, base: int = 0) -> int:
+    """A stable 63-bit seed from a string (a test's node id), offset by `base`."""
+    h = 1469598103934665603
+    for ch in text.encode():
+        h = ((h ^ ch) * 1099511628211) % (1 << 63)
+    return (h + base) % (1 << 63)
+
+
+def request_rows(meta: AttentionMetadata, b: int) -> slice:
+    """The query rows of request b in a ragged step."""
+    start = sum(meta.query_lens_host[:b])
+    return slice(start, start + meta.query_lens_host[b])

@@ -1,0 +1,110 @@
+"""Conformance tolerances, in one place.
+
+A backend's result in dtype `dt` is compared with the reference computed in float64 (on float64
+copies of the very same inputs, so input rounding is not part of the error):
+
+    |actual - expected| <= atol + rtol * |expected|      elementwise
+
+Inputs are scaled so that outputs are O(1) (weights by 1/sqrt(K), attention scale 1/sqrt(D)).
+The budgets allow a few output roundings plus a low-precision intermediate (e.g. attention
+probabilities rounded to the input dtype before the P @ V product, or TF32 tensor cores for
+float32). Ops that quantise activations to FP8 themselves get FP8_ACT on top: two correct
+implementations may round an element that sits on a tie to neighbouring e4m3 codes (and a
+low-precision intermediate, e.g. the expert MLP's hidden activations rounded to bf16 before
+they are quantised again, moves many elements across ties). So those ops get a loose
+elementwise budget that still catches wrong scales, blocks or layouts, plus a bound on the
+relative L2 error ||actual - expected|| / ||expected|| that catches a missing quantisation
+(measured: correct implementations <= 0.022, no activation quantisation >= 0.039).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    rel_l2: float | None = None  # bound on ||actual - expected|| / ||expected||, when set
+
+    def __add__(self, other: Tolerance) -> Tolerance:
+        l2 = [t for t in (self.rel_l2, other.rel_l2) if t is not None]
+        return Tolerance(self.atol + other.atol, self.rtol + other.rtol, max(l2) if l2 else None)
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(atol=1e-5, rtol=1e-5),  # the reference computes some ops in float32
+    torch.float32: Tolerance(atol=2e-3, rtol=2e-3),  # TF32 tensor cores are allowed
+    torch.float16: Tolerance(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: Tolerance(atol=2.5e-2, rtol=2.5e-2),
+}
+
+# Extra budget for ops that quantise float activations to FP8 e4m3 inside the op.
+FP8_ACT = Tolerance(atol=0.12, rtol=0.12, rel_l2=0.03)
+
+# Quantisation itself: |dequant(quantize(x)) - x| <= FP8_REL * |x| + FP8_SUBNORMAL * scale
+# (round to nearest: half of e4m3's 3-bit mantissa step, or of the subnormal step 2^-9).
+FP8_REL = 2.0**-4
+FP8_SUBNORMAL = 2.0**-10
+
+
+def tolerance(dtype: torch.dtype, fp8_act: bool = False) -> Tolerance:
+    """The comparison budget for a result computed in `dtype`."""
+    if dtype not in TOLERANCES:
+        raise KeyError(f"no conformance tolerance for {dtype}; known: {sorted(map(str, TOLERANCES))}")
+    tol = TOLERANCES[dtype]
+    return tol + FP8_ACT if fp8_act else tol
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    what: str = "result",
+    fp8_act: bool = False,
+) -> None:
+    """Compare in float64 on the CPU with the budget of `dtype`; shapes must match exactly."""
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    tol = tolerance(dtype, fp8_act)
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    if a.numel() == 0:
+        return
+    finite_e = torch.isfinite(e)
+    if not torch.equal(torch.isfinite(a), finite_e) or not torch.equal(a[~finite_e], e[~finite_e]):
+        raise AssertionError(f"{what}: non-finite values differ from the reference")
+    err = (a - e).abs()[finite_e]
+    bound = (tol.atol + tol.rtol * e.abs())[finite_e]
+    bad = err > bound
+    if bad.any():
+        i = int(torch.argmax(err - bound).item())
+        raise AssertionError(
+            f"{what} ({dtype}): {int(bad.sum())}/{err.numel()} elements outside atol={tol.atol} "
+            f"rtol={tol.rtol}; max abs error {err.max().item():.3e}, worst element "
+            f"{a[finite_e][i].item():.6g} vs expected {e[finite_e][i].item():.6g}"
+        )
+    norm = e[finite_e].norm().item()
+    if tol.rel_l2 is not None and norm > 0 and err.norm().item() > tol.rel_l2 * norm:
+        raise AssertionError(
+            f"{what} ({dtype}): relative L2 error {err.norm().item() / norm:.3e} > {tol.rel_l2}"
+        )
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "result") -> None:
+    """Same shape, dtype and bits (NaNs with equal bits compare equal)."""
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(
+            f"{what}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"
+        )
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    if a.is_floating_point():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, e = a.contiguous().view(bits), e.contiguous().view(bits)
+    if not torch.equal(a, e):
+        n = int((a != e).sum())
+        raise AssertionError(f"{what}: {n}/{a.numel()} elements differ bitwise")
