@@ -1,0 +1,409 @@
+"""The CUDA backend's parts and its factory. Kernels live in deepinfer_cuda.kernels.
+
+Device: torch.cuda (streams, events, pinned buffers, CUDA graphs). Under TRITON_INTERPRET=1 on
+a machine without a GPU the same parts run the same Triton kernels in the interpreter on CPU
+tensors (no streams or graphs there); that is how CI checks the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from deepinfer.backend.ops import (
+    AttentionOps,
+    Backend,
+    CollectiveOps,
+    DeviceOps,
+    GemmOps,
+    GraphRunner,
+    MoeOps,
+    SmallOps,
+)
+from deepinfer.backend.types import AttentionMetadata, BackendOptions, Capabilities, PagedKVCache
+from deepinfer.reference import memory as ref_memory
+from deepinfer.reference.backend import _host_memory
+from deepinfer_cuda import vendor
+from deepinfer_cuda.kernels import attention as attn_k
+from deepinfer_cuda.kernels import gemm as gemm_k
+from deepinfer_cuda.kernels import small as small_k
+from deepinfer_cuda.plugin import interpreting
+
+FP8 = torch.float8_e4m3fn
+
+
+# --------------------------------------------------------------------------- device / memory
+
+
+class CudaGraphRunner(GraphRunner):
+    """A captured CUDA graph; replay() re-runs it on the same buffers."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaDevice(DeviceOps):
+    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+        super().__init__(options)
+        self._device = device
+        self._is_cuda = device.type == "cuda"
+        self._graph_pool: Any = None
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def synchronize(self) -> None:
+        if self._is_cuda:
+            torch.cuda.synchronize(self._device)
+
+    def memory_info(self) -> tuple[int, int]:
+        if not self._is_cuda:
+            return _host_memory()
+        free, total = torch.cuda.mem_get_info(self._device)
+        return int(free), int(total)
+
+    def new_stream(self) -> Any:
+        if not self._is_cuda:
+            return ref_memory.HostStream()
+        return torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if self._is_cuda else nullcontext(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event() if self._is_cuda else ref_memory.HostEvent()  # type: ignore[no-untyped-call]
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=self._is_cuda)
+
+    def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
+        small_k.write_kv(_cache_tensor(cache), kv, slot_mapping)
+
+    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
+        """Runs `fn` once eagerly on a side stream (compiles kernels, warms the allocator),
+        then captures it into a CUDA graph sharing one memory pool with earlier captures.
+        None on the interpreter (no graphs on the CPU)."""
+        if not self._is_cuda:
+            return None
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self._device).wait_stream(side)
+        torch.cuda.synchronize(self._device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            fn()
+        return CudaGraphRunner(graph)
+
+
+def _cache_tensor(cache: PagedKVCache) -> torch.Tensor:
+    """The (NB, BS, D) tensor of the reference layout, which this backend keeps."""
+    t = cache.tensors[0]
+    spec = cache.spec
+    if len(cache.tensors) != 1 or tuple(t.shape) != (spec.num_blocks, spec.block_size, spec.head_dim):
+        raise ValueError("the CUDA backend expects the (num_blocks, block_size, head_dim) cache layout")
+    if not t.is_contiguous():
+        raise ValueError("the KV cache tensor must be contiguous")
+    return t
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class CudaAttention(AttentionOps):
+    def decode(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        v_dim: int,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not meta.is_decode_only:
+            raise ValueError("decode attention needs exactly one query token per request")
+        kv = _cache_tensor(cache)
+        if not self.batch_invariant and window is None and sinks is None and topk_indices is None:
+            out = vendor.flash_mla_decode(q, kv, meta, scale=scale, v_dim=v_dim)
+            if out is not None:
+                return out
+        return self._run(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        v_dim: int,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._run(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,
+        window: int | None,
+        sinks: torch.Tensor | None,
+        topk_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if v_dim > cache.spec.head_dim:
+            raise ValueError(f"v_dim {v_dim} exceeds the cached row width {cache.spec.head_dim}")
+        return attn_k.mla_attention(
+            q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
+            window=window, sinks=None if sinks is None else sinks.float().contiguous(),
+            topk_indices=topk_indices, batch_invariant=self.batch_invariant,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- gemm
+
+
+class CudaGemm(GemmOps):
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """cuBLAS through torch; batch-invariant mode uses the fixed-tile Triton matmul instead
+        (cuBLAS may change kernel, and reduction order, with M)."""
+        if self.batch_invariant:
+            return gemm_k.matmul(x, weight, bias)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+        return gemm_k.quantize_fp8(x, block)
+
+    def fp8_gemm(
+        self,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if not self.batch_invariant:
+            out = vendor.deep_gemm_fp8(xq, x_scale, weight, weight_scale, out_dtype)
+            if out is not None:
+                return out
+        return gemm_k.fp8_gemm(
+            xq, x_scale, weight, weight_scale, out_dtype, batch_invariant=self.batch_invariant
+        )
+
+    def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        return gemm_k.grouped_gemm(
+            x, weight, group_sizes, out_dtype=x.dtype, batch_invariant=self.batch_invariant
+        )
+
+    def grouped_gemm_fp8(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        if weight.dtype != FP8:
+            raise ValueError(f"grouped_gemm_fp8 takes float8_e4m3fn weights, got {weight.dtype}")
+        xq, xs = gemm_k.quantize_fp8(x)
+        return gemm_k.grouped_gemm(
+            xq, weight, group_sizes, out_dtype=x.dtype, x_scale=xs, weight_scale=weight_scale.float(),
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- moe
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (T, K) -> (order (T*K,) sorted row -> source row t*K+k, src_to_dst (T*K,), counts (E,)),
+    stable in source order, with no host synchronisation."""
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    src_to_dst = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, src_to_dst, counts
+
+
+class CudaMoe(MoeOps):
+    """Routing stays in torch (a handful of small device ops, no host sync); permutation by a
+    stable sort; expert MLPs by the Triton grouped GEMM; the weighted combine in Triton."""
+
+    def permute(
+        self, x: torch.Tensor, ids: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        order, src_to_dst, counts = sort_by_expert(ids, num_experts)
+        return x[order // ids.shape[1]], src_to_dst, counts
+
+    def unpermute(
+        self, y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        return small_k.weighted_combine(y_sorted, src_to_dst, weights)
+
+    def experts(
+        self,
+        x_sorted: torch.Tensor,
+        counts: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self._mlp(x_sorted, counts, w13, w2, w13_scale, w2_scale, gather=None)
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Like the default composition, but the first GEMM reads token rows straight from x
+        through the sorted ids (no permuted copy of x)."""
+        if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
+            )
+        order, src_to_dst, counts = sort_by_expert(ids, w13.shape[0])
+        y = self._mlp(x, counts, w13, w2, w13_scale, w2_scale, gather=order // ids.shape[1])
+        return small_k.weighted_combine(y, src_to_dst, weights)
+
+    def _mlp(
+        self,
+        x: torch.Tensor,
+        counts: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        w13_scale: torch.Tensor | None,
+        w2_scale: torch.Tensor | None,
+        gather: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if (w13_scale is None) != (w2_scale is None):
+            raise ValueError("FP8 experts need both w13_scale and w2_scale")
+        rows = gather.shape[0] if gather is not None else x.shape[0]
+        bi = self.batch_invariant
+        if w13_scale is None or w2_scale is None:
+            h = gemm_k.grouped_gemm(
+                x, w13, counts, out_dtype=x.dtype, gather=gather, num_rows=rows, batch_invariant=bi
+            )
+            a = small_k.silu_and_mul(h)
+            return gemm_k.grouped_gemm(a, w2, counts, out_dtype=x.dtype, batch_invariant=bi)
+        xq, xs = gemm_k.quantize_fp8(x)  # per-token quantisation commutes with the row gather
+        h = gemm_k.grouped_gemm(
+            xq, w13, counts, out_dtype=x.dtype, x_scale=xs, weight_scale=w13_scale.float(), gather=gather,
+            num_rows=rows, batch_invariant=bi,
+        )  # fmt: skip
+        aq, a_s = gemm_k.quantize_fp8(small_k.silu_and_mul(h))
+        return gemm_k.grouped_gemm(
+            aq, w2, counts, out_dtype=x.dtype, x_scale=a_s, weight_scale=w2_scale.float(), batch_invariant=bi
+        )
+
+
+# --------------------------------------------------------------------------- collectives / small ops
+
+
+class CudaCollectives(CollectiveOps):
+    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+        super().__init__(options)
+        self._dist_backend = "nccl" if device.type == "cuda" else "gloo"
+
+    @property
+    def dist_backend(self) -> str:
+        return self._dist_backend
+
+
+class CudaSmall(SmallOps):
+    """Triton rms_norm, rope, silu_and_mul and bitmask; sampling stays in torch (sort-based
+    top-k / top-p over the vocabulary, already a handful of device kernels)."""
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return small_k.rms_norm(x, weight, eps, residual)
+
+    def rope(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+    ) -> torch.Tensor:
+        return small_k.rope(x, positions, cos_sin_cache, interleaved)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return small_k.silu_and_mul(x)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        small_k.apply_token_bitmask(logits, bitmask)
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def cuda_device(options: BackendOptions) -> torch.device:
+    """cuda:<device_index>, or the CPU when the kernels run in the Triton interpreter."""
+    if interpreting():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "the cuda backend needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+        )
+    if not 0 <= options.device_index < torch.cuda.device_count():
+        raise ValueError(
+            f"device_index {options.device_index} out of range: {torch.cuda.device_count()} GPU(s) visible"
+        )
+    return torch.device("cuda", options.device_index)
+
+
+def capabilities_for(device: torch.device) -> Capabilities:
+    if device.type == "cuda":
+        fp8 = torch.cuda.get_device_capability(device) >= (8, 9)
+    else:
+        fp8 = True  # the interpreter runs the FP8 kernels (see kernels/common.py)
+    return Capabilities(
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        supports_fp8=fp8,
+        supports_batch_invariant=True,
+        supports_graphs=device.type == "cuda",
+    )
+
+
+def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
+    options = options or BackendOptions()
+    device = cuda_device(options)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Backend(
+        name="cuda",
+        options=options,
+        capabilities=capabilities_for(device),
+        device=CudaDevice(options, device),
+        attention=CudaAttention(options),
+        gemm=CudaGemm(options),
+        moe=CudaMoe(options),
+        collectives=CudaCollectives(options, device),
+        small=CudaSmall(options),
+    )

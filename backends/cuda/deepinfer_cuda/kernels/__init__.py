@@ -1,0 +1,1 @@
+"""Triton kernels of the CUDA backend. Each module pairs its kernels with thin torch launchers."""

@@ -1,0 +1,341 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""Paged latent attention (MLA absorbed form) for decode and ragged chunked prefill.
+
+One kernel serves both. A program owns BLOCK_M "rows" of one request, where a row is a
+(query token, head) pair, token-major: in decode a tile is BLOCK_M heads of one token; in
+prefill with few heads it holds several tokens. All heads share the single latent KV head, so
+one K tile loaded from the paged cache feeds every row of the program:
+
+    S = Q_lat @ K_lat^T + Q_rope @ K_rope^T        (BLOCK_M, BLOCK_N), float32
+    O += softmax_online(S) @ K[:, :Dv]             V is a prefix of K: the loaded tile is reused
+
+Split-KV: the KV axis is cut at ABSOLUTE positions s * split_size (a split size, not a split
+count), each split writes a normalised partial output and its log-sum-exp, and a combine kernel
+merges them in split order. With a fixed split size a row's bits depend only on its own length,
+which is what batch-invariant mode needs. KV tiles are aligned to BLOCK_N multiples of absolute
+position too, so fully-masked tiles (another row's range) leave a row's accumulators unchanged.
+
+Masks: causal (key j <= the row's position), sliding window (position - j < window), top-k (a
+(T, L) byte mask built from the index lists, i.e. top-k is applied by masking: the kernel still
+walks the causal/window range densely). Sinks add exp(sink) to the softmax denominator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backend.types import AttentionMetadata
+from deepinfer_cuda.kernels.common import mma, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile sizes of the attention kernel. BLOCK_N must divide every split size used."""
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Many rows per tile (>= 64 heads x tokens): the best of six tilings on an H200 (H=128 decode).
+WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=1)
+# float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
+# (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
+FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+# Batch-invariant mode: one fixed configuration (per dtype) and split size for every batch.
+INVARIANT_SPLIT = 1024
+INVARIANT_CONFIG = WIDE_CONFIG
+# Below this many KV positions per split, splitting costs more than it gains.
+MIN_SPLIT = 512
+
+
+@triton.jit
+def _attend_tile(
+    n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+    kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
+    page_size, qk_scale, D_LAT, D_ROPE, DV,
+    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc)."""
+    offs_dl = tl.arange(0, BLOCK_DL)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < end
+    blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
+    kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
+    k = tl.load(
+        kv_row[:, None] + offs_dl[None, :], mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
+    )
+    s = mma(q_lat, tl.trans(k), tl.zeros([q_lat.shape[0], BLOCK_N], tl.float32), IEEE)
+    if HAS_ROPE:
+        kr = tl.load(
+            kv_row[:, None] + D_LAT + offs_dr[None, :],
+            mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
+            other=0.0,
+        )
+        s = mma(q_rope, tl.trans(kr), s, IEEE)
+    s = s * qk_scale
+    vis = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= lo_r[:, None]) & n_valid[None, :]
+    if HAS_ALLOW:
+        allowed = tl.load(
+            allow_ptr + t_glob[:, None] * stride_allow + offs_n[None, :],
+            mask=row_valid[:, None] & n_valid[None, :],
+            other=0,
+        )
+        vis = vis & (allowed != 0)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if V_IS_LAT:
+        v = k
+    else:
+        v = tl.load(
+            kv_row[:, None] + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0
+        )
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["H", "page_size", "window", "split_size", "max_splits", "stride_allow"])
+def _mla_attention_kernel(
+    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kvb, stride_kvt, stride_bt, stride_ot, stride_oh, stride_allow,
+    H, page_size, qk_scale, window, split_size, max_splits, D_LAT, D_ROPE, DV,
+    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_tile = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    kv_len = tl.load(seq_lens_ptr + b)
+    if pid_tile * BLOCK_M >= q_len * H:
+        return
+
+    rows = pid_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) token-major (token, head) pairs
+    row_valid = rows < q_len * H
+    tok = rows // H
+    head = rows % H
+    pos = kv_len - q_len + tok  # absolute position of each row's query token
+    t_glob = (q_start + tok).to(tl.int64)
+    if HAS_WINDOW:
+        lo_r = tl.maximum(pos - window + 1, 0)
+    else:
+        lo_r = tl.zeros_like(pos)
+    split_lo = split * split_size
+    start = tl.maximum(tl.min(tl.where(row_valid, lo_r, kv_len), axis=0), split_lo)
+    end = tl.minimum(tl.max(tl.where(row_valid, pos + 1, 0), axis=0), split_lo + split_size)
+    start = (start // BLOCK_N) * BLOCK_N  # absolute tile alignment (split_size % BLOCK_N == 0)
+
+    offs_dl = tl.arange(0, BLOCK_DL)
+    q_row = q_ptr + t_glob * stride_qt + head * stride_qh  # (BLOCK_M,) pointers
+    q_lat = tl.load(
+        q_row[:, None] + offs_dl[None, :], mask=row_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
+    )
+    offs_dr = tl.arange(0, BLOCK_DR)
+    if HAS_ROPE:
+        q_rope = tl.load(
+            q_row[:, None] + D_LAT + offs_dr[None, :],
+            mask=row_valid[:, None] & (offs_dr[None, :] < D_ROPE),
+            other=0.0,
+        )
+    else:
+        q_rope = q_lat
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+            kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
+            page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
+            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE,
+        )  # fmt: skip
+
+    dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
+    if DIRECT:
+        denom = l_i
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            denom += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+        o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        out_row = out_ptr + t_glob * stride_ot + head * stride_oh
+        tl.store(out_row[:, None] + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=dv_mask)
+    else:
+        row_g = (t_glob * H + head) * max_splits + split  # (BLOCK_M,) int64
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row_g, lse, mask=row_valid)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(part_ptr + row_g[:, None] * BLOCK_DV + offs_dv[None, :], o, mask=dv_mask)
+
+
+@triton.jit(do_not_specialize=["H", "max_splits"])
+def _combine_kernel(
+    part_ptr, lse_ptr, sinks_ptr, out_ptr,
+    H, max_splits, DV, stride_ot, stride_oh,
+    HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """One program per (token, head) row: merge the splits IN ORDER (fixed reduction order)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    h = row % H
+    m = tl.full([], float("-inf"), tl.float32)
+    for s in range(0, max_splits):
+        m = tl.maximum(m, tl.load(lse_ptr + row * max_splits + s))
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    den = tl.zeros([], tl.float32)
+    for s in range(0, max_splits):
+        lse = tl.load(lse_ptr + row * max_splits + s)
+        if lse > float("-inf"):
+            w = tl.exp2(lse - m)
+            o = tl.load(part_ptr + (row * max_splits + s) * BLOCK_DV + offs_dv)
+            acc += w * o
+            den += w
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
+    out = acc / tl.where(den == 0.0, 1.0, den)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=offs_dv < DV
+    )
+
+
+def _allow_mask(topk_indices: torch.Tensor, num_tokens: int, max_seq_len: int) -> torch.Tensor:
+    """(T, Kt) absolute positions (-1 unused) -> (T, L+1) int8 mask; column L absorbs invalid ids."""
+    if topk_indices.shape[0] != num_tokens:
+        raise ValueError(
+            f"topk_indices has {topk_indices.shape[0]} rows; the step has {num_tokens} query tokens"
+        )
+    allow = torch.zeros((num_tokens, max_seq_len + 1), dtype=torch.int8, device=topk_indices.device)
+    idx = topk_indices.long()
+    idx = torch.where((idx >= 0) & (idx < max_seq_len), idx, max_seq_len)
+    allow.scatter_(1, idx, 1)
+    return allow
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def mla_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    v_dim: int,
+    latent_dim: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+    config: AttentionConfig | None = None,
+    split_size: int | None = None,
+) -> torch.Tensor:
+    """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
+
+    split_size: tokens per KV split (a multiple of the config's block_n); None picks one (or,
+    in batch-invariant mode, uses the fixed INVARIANT_SPLIT). The launch grid comes from the host
+    lengths in `meta` (max query and KV length): a CUDA graph captured with this op replays that
+    grid, so capture with metadata whose maxima cover every step replayed."""
+    t, h, d = q.shape
+    if kv.shape[-1] != d:
+        raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    for b, (kv_len, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+        if n > kv_len:
+            raise ValueError(f"request {b}: query length {n} exceeds its KV length {kv_len}")
+    if sum(meta.query_lens_host) != t:
+        raise ValueError(
+            f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
+        )
+    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0 or v_dim == 0:
+        return out.zero_()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    batch = meta.num_requests
+    max_q = max(meta.query_lens_host)
+    max_len = max(meta.seq_lens_host)
+    rope_dim = d - latent_dim
+
+    fp32 = q.dtype == torch.float32
+    if batch_invariant:
+        cfg = config or (FP32_CONFIG if fp32 else INVARIANT_CONFIG)
+        split = split_size or INVARIANT_SPLIT
+    else:
+        rows = max_q * h
+        cfg = config or (
+            FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
+        )
+        if split_size is None:
+            tiles = batch * triton.cdiv(max_q * h, cfg.block_m)
+            span = max_len if window is None else min(max_len, window + max_q)
+            want = triton.cdiv(2 * num_sms(q.device), tiles)
+            n_splits = max(1, min(want, span // MIN_SPLIT))
+            split = triton.cdiv(triton.cdiv(max_len, n_splits), cfg.block_n) * cfg.block_n
+        else:
+            split = split_size
+    if split % cfg.block_n:
+        raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
+    max_splits = triton.cdiv(max_len, split)
+    direct = max_splits == 1 and not batch_invariant
+    if direct:
+        split = 1 << 30  # one split covers any length (a replayed graph may see longer rows)
+
+    allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
+    block_dv = next_pow2(v_dim)
+    if direct:
+        part = lse = out  # unused
+    else:
+        part = torch.empty((t * h * max_splits, block_dv), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
+    _mla_attention_kernel[grid](
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        sinks if sinks is not None else q, allow if allow is not None else q,
+        out, part, lse,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1), allow.stride(0) if allow is not None else 0,
+        h, kv.shape[1], scale * LOG2E, window or 0, split, max_splits, latent_dim, rope_dim, v_dim,
+        BLOCK_DL=next_pow2(latent_dim), BLOCK_DR=next_pow2(rope_dim), BLOCK_DV=block_dv,
+        HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
+        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if not direct:
+        _combine_kernel[(t * h,)](
+            part, lse, sinks if sinks is not None else q, out,
+            h, max_splits, v_dim, out.stride(0), out.stride(1),
+            HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, num_warps=4,
+        )  # fmt: skip
+    return out

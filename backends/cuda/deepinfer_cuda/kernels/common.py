@@ -1,0 +1,83 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""Helpers shared by the kernels: interpreter workarounds and small launch utilities.
+
+Under TRITON_INTERPRET=1 (CI on a CPU) two interpreter defects are worked around, both only in
+that mode (the compiled path is untouched):
+  * tl.dot on bfloat16 / float16 operands returns garbage: operands are upcast to float32 first.
+  * float32 -> float8e4nv conversion drops the carry when rounding reaches the next binade
+    (1.95 -> 1.0): values are rounded to the e4m3 grid in float32 before the cast.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+IS_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
+
+
+def next_pow2(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum) (tl.arange and tl.dot need such sizes)."""
+    return max(minimum, int(triton.next_power_of_2(max(int(n), 1))))
+
+
+@triton.jit
+def mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b with float32 accumulation (IEEE: full float32 products for float32 inputs)."""
+    if IS_INTERPRET:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """x (float32, already within +-448) rounded to the nearest e4m3 value, ties to even."""
+    a = tl.abs(x)
+    e = tl.floor(tl.log2(tl.maximum(a, 1e-30)))
+    e = tl.where(tl.exp2(e) > a, e - 1.0, e)  # fix log2 rounding near powers of two
+    e = tl.where(tl.exp2(e + 1.0) <= a, e + 1.0, e)
+    e = tl.maximum(e, -6.0)  # subnormal range shares the 2^-9 step
+    step = tl.exp2(e - 3.0)
+    y = a / step
+    f = tl.floor(y)
+    d = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    r = tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+    return tl.where(x < 0, -r * step, r * step)
+
+
+@triton.jit
+def to_e4m3(x):
+    """float32 -> float8e4nv with round-to-nearest-even on both the device and the interpreter."""
+    if IS_INTERPRET:
+        x = round_to_e4m3(x)
+    return x.to(tl.float8e4nv)
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with int(ndarray), which NumPy >= 2.4
+    rejects for its 1-element arrays; range() over a loaded or reduced bound then fails.
+    Interpreter mode only; the patch is installed into the interpreter's own patch scope."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_deepinfer_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._deepinfer_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _patch_interpreter_index()

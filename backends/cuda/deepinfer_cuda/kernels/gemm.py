@@ -1,0 +1,347 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""GEMM kernels: FP8 e4m3 block-scaled (128x128 weight scales, 1x128 activation scales), the
+fused per-token activation quantiser, a fixed-tile float matmul (batch-invariant linear), and a
+grouped GEMM over expert-sorted rows (float or FP8, optionally gathering its input rows).
+
+Every kernel reduces K in one program, in BLOCK_K steps, in order: no split-K, so a row's
+result never depends on M. Scales MULTIPLY (DeepSeek's convention): value = fp8 * scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_cuda.kernels.common import mma, next_pow2, to_e4m3
+
+FP8_MAX = 448.0
+SCALE_BLOCK = 128
+AMAX_EPS = 1e-10  # all-zero groups stay finite (same constant as the reference)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128  # FP8 kernels need 128: one scale per K step
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def fp8_config(m: int) -> GemmConfig:
+    """Tile choice for the dense FP8 GEMM by M (never changes the reduction order over K).
+    Large M: 128x128, 8 warps, 4 stages was the best of six tilings on an H200; small M takes
+    64x64 tiles so that more programs share the work."""
+    if m <= 256:
+        return GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=5)
+    return GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+
+
+# Batch-invariant mode: one configuration for every M.
+INVARIANT_CONFIG = GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+@triton.jit(do_not_specialize=["K", "G"])
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm,
+    GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: GROUPS consecutive 128-channel groups of one row."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # (GROUPS,)
+    cols = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
+    mask = (g[:, None] < G) & (cols < K)
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10)
+    scale = tl.math.div_rn(amax, 448.0)  # IEEE division: the reference's bits (`/` is approximate)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -448.0), 448.0)
+    tl.store(q_ptr + m * stride_qm + cols, to_e4m3(q), mask=mask)
+    tl.store(s_ptr + m * stride_sm + g, scale, mask=g < G)
+
+
+def quantize_fp8(x: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> (xq (M, K) e4m3, scale (M, ceil(K/block)) float32 = amax / 448)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8 takes a 2-D (M, K) tensor, got shape {tuple(x.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"quantisation block must be a power of two >= 16, got {block}")
+    m, k = x.shape
+    g = triton.cdiv(k, block)
+    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return xq, scale
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    groups = min(8, next_pow2(g, 1))
+    _quantize_kernel[(m, triton.cdiv(g, groups))](
+        x,
+        xq,
+        scale,
+        k,
+        g,
+        x.stride(0),
+        xq.stride(0),
+        scale.stride(0),
+        GROUPS=groups,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return xq, scale
+
+
+# --------------------------------------------------------------------------- dense GEMMs
+
+
+@triton.jit
+def _dense_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """C (M, N) = A (M, K) @ B (N, K)^T (+ bias), tiles swizzled in GROUP_M bands for L2 reuse.
+    FP8: A and B e4m3 with A scales (M, K/128) and B scales (N/128, K/128); BLOCK_K == 128."""
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * grid_n
+    first_m = (pid // band) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % size_m
+    pid_n = (pid % band) // size_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N) = B^T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = rk < K - k0
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=rm < M, other=0.0)
+            b_s = tl.load(bs_ptr + (rn // BLOCK_K) * stride_bsn + kb, mask=rn < N, other=0.0)
+            acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = mma(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _launch_dense(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    cfg: GemmConfig,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        c.zero_()
+        return c if bias is None else c.add_(bias)
+    a = a if a.stride(-1) == 1 else a.contiguous()
+    b = b if b.stride(-1) == 1 else b.contiguous()
+    fp8 = a_scale is not None
+    dummy = c
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _dense_kernel[grid](
+        a, b, c,
+        a_scale if fp8 else dummy, b_scale if fp8 else dummy, bias if bias is not None else dummy,
+        m, n, k, a.stride(0), b.stride(0), c.stride(0),
+        a_scale.stride(0) if a_scale is not None else 0, b_scale.stride(0) if b_scale is not None else 0,
+        FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
+
+
+def _check_fp8(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> None:
+    m, k = xq.shape
+    n = weight.shape[-2]
+    if weight.shape[-1] != k:
+        raise ValueError(f"fp8_gemm: activations have K={k} but the weight has K={weight.shape[-1]}")
+    kb = triton.cdiv(k, SCALE_BLOCK)
+    if tuple(x_scale.shape) != (m, kb):
+        raise ValueError(
+            f"fp8_gemm: x_scale must be (M, ceil(K/128)) = {(m, kb)}, got {tuple(x_scale.shape)}"
+        )
+    want = (*weight.shape[:-2], triton.cdiv(n, SCALE_BLOCK), kb)
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"fp8_gemm: weight_scale must be {want}, got {tuple(weight_scale.shape)}")
+    if xq.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {xq.dtype} and {weight.dtype}")
+
+
+def fp8_gemm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: GemmConfig | None = None,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """(xq * x_scale) @ (weight * weight_scale)^T -> (M, N) out_dtype, float32 accumulation."""
+    _check_fp8(xq, x_scale, weight, weight_scale)
+    cfg = config or (INVARIANT_CONFIG if batch_invariant else fp8_config(xq.shape[0]))
+    if cfg.block_k != SCALE_BLOCK:
+        raise ValueError(f"FP8 GEMM tiles need block_k = {SCALE_BLOCK}, got {cfg.block_k}")
+    return _launch_dense(xq, weight, out_dtype, cfg, x_scale.float(), weight_scale.float())
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Fixed-tile x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear."""
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    return _launch_dense(x, weight, x.dtype, cfg, bias=bias)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+
+def tile_table(
+    group_sizes: torch.Tensor, num_rows: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Map M-tiles to groups without a host sync (moe_align_block_size, unpadded).
+
+    Rows are sorted by group. Returns (tile_group (n,) int32, tile_rows (n, 2) int32 [start, end)
+    of each tile, n): n = ceil(M / block_m) + E is an upper bound; spare tiles are empty."""
+    e = group_sizes.shape[0]
+    gs = group_sizes.long()
+    tiles = (gs + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    row_off = torch.cumsum(gs, 0) - gs
+    n = triton.cdiv(num_rows, block_m) + e
+    t = torch.arange(n, device=gs.device)
+    grp = torch.searchsorted(tile_end, t, right=True)
+    valid = grp < e
+    g = grp.clamp(max=max(e - 1, 0))
+    start = row_off[g] + (t - (tile_end[g] - tiles[g])) * block_m
+    end = torch.where(valid, torch.minimum(start + block_m, row_off[g] + gs[g]), start)
+    return g.to(torch.int32), torch.stack([start, end], 1).to(torch.int32), n
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, gather_ptr, tile_group_ptr, tile_rows_ptr, N, K,
+    stride_am, stride_be, stride_bn, stride_cm, stride_asm, stride_bse, stride_bsn,
+    FP8: tl.constexpr, GATHER: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """C rows [start, end) of one tile = A rows (gathered: A[gather[r]]) @ B[group]^T."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(tile_rows_ptr + 2 * pid_t)
+    end = tl.load(tile_rows_ptr + 2 * pid_t + 1)
+    if start >= end:
+        return
+    grp = tl.load(tile_group_ptr + pid_t).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    if GATHER:
+        src = tl.load(gather_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :]
+    b_ptrs = b_ptr + grp * stride_be + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = rk < K - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_s = tl.load(as_ptr + src * stride_asm + kb, mask=row_ok, other=0.0)
+            b_s = tl.load(
+                bs_ptr + grp * stride_bse + (rn // BLOCK_K) * stride_bsn + kb, mask=rn < N, other=0.0
+            )
+            acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = mma(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+
+
+def grouped_config(rows: int, fp8: bool, batch_invariant: bool) -> GemmConfig:
+    """Tiles for the grouped GEMM; rows = sorted rows in the launch (token copies)."""
+    if batch_invariant:
+        return GemmConfig(block_m=64, block_n=128, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
+    block_m = 16 if rows <= 1024 else 64 if rows <= 16384 else 128
+    warps = 8 if block_m == 128 else 4
+    return GemmConfig(block_m=block_m, block_n=128, block_k=128 if fp8 else 64, num_warps=warps, num_stages=3)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    x_scale: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    gather: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    batch_invariant: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """Rows sorted by group times weight[group]^T. x (M, K) (or, with gather (R,), the source of
+    sorted row r is x[gather[r]]), weight (E, N, K), group_sizes (E,) summing to the row count.
+    FP8 when x_scale / weight_scale are given (x and weight e4m3). -> (rows, N) out_dtype."""
+    e, n, k = weight.shape
+    rows = num_rows if num_rows is not None else (gather.shape[0] if gather is not None else x.shape[0])
+    if x.shape[-1] != k:
+        raise ValueError(f"grouped_gemm: x has K={x.shape[-1]} but the weights have K={k}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"grouped_gemm: group_sizes must be ({e},), got {tuple(group_sizes.shape)}")
+    out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    fp8 = x_scale is not None
+    cfg = config or grouped_config(rows, fp8, batch_invariant)
+    tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    dummy = out
+    grid = (n_tiles, triton.cdiv(n, cfg.block_n))
+    _grouped_kernel[grid](
+        x, weight, out,
+        x_scale if fp8 else dummy, weight_scale if weight_scale is not None else dummy,
+        gather if gather is not None else dummy, tile_group, tile_rows, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        x_scale.stride(0) if x_scale is not None else 0,
+        weight_scale.stride(0) if weight_scale is not None else 0,
+        weight_scale.stride(1) if weight_scale is not None else 0,
+        FP8=fp8, GATHER=gather is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,224 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""Row-wise kernels: rms_norm (+ fused residual add), rotary embedding, silu_and_mul, token
+bitmask, the KV-cache row store, and the MoE weighted combine.
+
+Each program owns whole rows and reduces a row in one pass with a fixed block, so a row's
+result never depends on the other rows (batch-invariant by construction).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_cuda.kernels.common import next_pow2
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (R, D) view (a copy only when the last dim is strided)."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, stride_x, stride_r, stride_y, stride_h,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + cols, (h * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y = norm(x [+ residual]) * weight; returns (y, x + residual or None), both in x's dtype."""
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm: weight must be ({d},), got {tuple(weight.shape)}")
+    x2 = _rows(x)
+    y = torch.empty_like(x2)
+    h = torch.empty_like(x2) if residual is not None else None
+    r2 = _rows(residual) if residual is not None else None
+    if x2.shape[0] and d:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2 if r2 is not None else x2, weight, y, h if h is not None else y, d, eps,
+            x2.stride(0), r2.stride(0) if r2 is not None else 0,
+            y.stride(0), h.stride(0) if h is not None else 0,
+            HAS_RES=residual is not None, BLOCK=next_pow2(d), num_warps=4 if d <= 4096 else 8,
+        )  # fmt: skip
+    return y.view(x.shape), (h.view(x.shape) if h is not None else None)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, y_ptr, pos_ptr, cs_ptr, H, HALF, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One token, BLOCK_H heads: rotate pairs (2i, 2i+1) or (i, i + R/2) by cos/sin of f_i."""
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    i = tl.arange(0, BLOCK_R)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        c1 = 2 * i
+        c2 = 2 * i + 1
+    else:
+        c1 = i
+        c2 = i + HALF
+    mask = (hs[:, None] < H) & (i[None, :] < HALF)
+    xb = x_ptr + t * stride_xt + hs[:, None] * stride_xh
+    x1 = tl.load(xb + c1[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + c2[None, :], mask=mask, other=0.0).to(tl.float32)
+    yb = y_ptr + t * stride_yt + hs[:, None] * stride_yh
+    tl.store(yb + c1[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(yb + c2[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """x (T, H, R) -> rotated copy in x's dtype; cos_sin_cache (P, R) = [cos | sin] rows."""
+    if x.dim() != 3:
+        raise ValueError(f"rope takes x of shape (T, H, R), got {tuple(x.shape)}")
+    t, h, r = x.shape
+    if r % 2:
+        raise ValueError(f"rope needs an even rotary width, got {r}")
+    if cos_sin_cache.shape[-1] != r:
+        raise ValueError(f"rope: cos_sin_cache width {cos_sin_cache.shape[-1]} != rotary width {r}")
+    y = torch.empty((t, h, r), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0 or r == 0:
+        return y
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    block_h = min(16, next_pow2(h, 1))
+    _rope_kernel[(t, triton.cdiv(h, block_h))](
+        xs, y, positions, cs, h, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1), cs.stride(0),
+        INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_R=next_pow2(r // 2, 1), num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (M, 2I) = [gate | up] -> silu(gate) * up (M, I), computed in float32."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    x2 = _rows(x)
+    inner = x.shape[-1] // 2
+    y = torch.empty((x2.shape[0], inner), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and inner:
+        block = min(1024, next_pow2(inner))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inner, block))](
+            x2, y, inner, x2.stride(0), y.stride(0), BLOCK=block, num_warps=4
+        )
+    return y.view(*x.shape[:-1], inner)
+
+
+@triton.jit
+def _bitmask_kernel(logits_ptr, mask_ptr, V, stride_l, stride_m, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(mask_ptr + row * stride_m + cols // 32, mask=cols < V, other=-1)
+    allowed = ((words >> (cols % 32)) & 1) != 0
+    tl.store(logits_ptr + row * stride_l + cols, float("-inf"), mask=(cols < V) & ~allowed)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: bit (v % 32) of word v // 32 clear -> logits[:, v] = -inf."""
+    b, v = logits.shape
+    if bitmask.shape != (b, triton.cdiv(v, 32)):
+        raise ValueError(f"bitmask must be ({b}, {triton.cdiv(v, 32)}) int32, got {tuple(bitmask.shape)}")
+    if logits.stride(-1) != 1:
+        raise ValueError("apply_token_bitmask needs logits with a contiguous last dim (it works in place)")
+    if b and v:
+        mask = bitmask.to(torch.int32)
+        block = 1024
+        _bitmask_kernel[(b, triton.cdiv(v, block))](
+            logits, mask, v, logits.stride(0), mask.stride(0), BLOCK=block, num_warps=4
+        )
+
+
+@triton.jit
+def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, D, stride_kv, stride_slot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        row = tl.load(kv_ptr + t * stride_kv + cols, mask=cols < D, other=0.0)
+        tl.store(cache_ptr + slot * stride_slot + cols, row, mask=cols < D)
+
+
+def write_kv(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache (NB, BS, D) contiguous; kv (T, D); slot_mapping (T,) (-1 skips a row). No host sync."""
+    t, d = kv.shape
+    if cache.shape[-1] != d:
+        raise ValueError(f"write_kv: rows of width {d} into a cache of width {cache.shape[-1]}")
+    if slot_mapping.shape != (t,):
+        raise ValueError(f"write_kv: slot_mapping must be ({t},), got {tuple(slot_mapping.shape)}")
+    if t == 0 or d == 0:
+        return
+    # cast in torch (round-to-nearest-even, the reference's rounding); the kernel only moves rows
+    kv = kv.to(cache.dtype).contiguous()
+    block = min(1024, next_pow2(d))
+    _write_kv_kernel[(t, triton.cdiv(d, block))](
+        kv, cache, slot_mapping, d, kv.stride(0), d, BLOCK=block, num_warps=4
+    )
+
+
+@triton.jit
+def _combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, K, D, stride_y, stride_o, BLOCK: tl.constexpr):
+    """out[t] = sum_k w[t, k] * y[idx[t*K + k]], summed in float32 in k order."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    acc = tl.zeros([BLOCK], tl.float32)
+    for k in range(0, K):
+        src = tl.load(idx_ptr + t * K + k).to(tl.int64)
+        w = tl.load(w_ptr + t * K + k).to(tl.float32)
+        acc += w * tl.load(y_ptr + src * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def weighted_combine(y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * y_sorted[src_to_dst[t*K + k]] -> (T, Dm) in y's dtype."""
+    t, k = weights.shape
+    d = y_sorted.shape[-1]
+    if src_to_dst.shape != (t * k,):
+        raise ValueError(f"unpermute: src_to_dst must be ({t * k},), got {tuple(src_to_dst.shape)}")
+    out = torch.empty((t, d), dtype=y_sorted.dtype, device=y_sorted.device)
+    if t == 0 or d == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    y = y_sorted if y_sorted.stride(-1) == 1 else y_sorted.contiguous()
+    w = weights.float().contiguous()
+    block = min(1024, next_pow2(d))
+    _combine_kernel[(t, triton.cdiv(d, block))](
+        y, src_to_dst.contiguous(), w, out, k, d, y.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out

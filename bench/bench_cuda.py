@@ -1,0 +1,503 @@
+"""CUDA backend benchmarks on one GPU: MLA decode, FP8 block-scaled GEMM, fused MoE.
+
+Every ratio is measured side by side in this one run:
+  * MLA decode: effective bandwidth (latent KV + block tables + q bytes read, over time) against
+    a device-to-device copy (bytes read + written) timed in the same process;
+  * FP8 GEMM: TFLOP/s against torch._scaled_mm with per-tensor scales (cuBLAS);
+  * fused MoE (DeepSeek-V3 layer: hidden 7168, 256 experts, top-8, inter 2048): time and
+    TFLOP/s against the reference backend running on the same GPU.
+Timing: triton.testing.do_bench, median; inputs rotate through sets larger than L2 where one
+set would fit in it; random data everywhere.
+
+    python bench/bench_cuda.py --out bench/results/DIR      # writes bench_cuda.json and .md
+    TRITON_INTERPRET=1 python bench/bench_cuda.py --smoke   # tiny shapes on the CPU: checks the code
+"""
+
+# ruff: noqa: B023 - every closure below is timed inside the iteration that defines it
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.registry import BackendRegistry
+from deepinfer.backend.types import AttentionMetadata, BackendOptions, RouterConfig
+from deepinfer.reference import gemm as ref_gemm
+
+L2_BYTES = 60 * 2**20
+ROTATE_BYTES = 4 * L2_BYTES
+
+
+class Timer:
+    """Median milliseconds: do_bench on a GPU, a host clock in --smoke mode."""
+
+    def __init__(self, smoke: bool) -> None:
+        self.smoke = smoke
+
+    def __call__(self, fn: Callable[[], object], rep_ms: int = 200) -> float:
+        if self.smoke:
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------- copy bandwidth
+
+
+def bench_copy(dev: torch.device, timer: Timer, smoke: bool) -> dict[str, float]:
+    n = (1 << 16) if smoke else (1 << 30)  # 2 GiB of bf16 per buffer on the GPU
+    a = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = timer(lambda: b.copy_(a))
+    gbs = 2 * a.numel() * a.element_size() / ms / 1e6
+    log(f"copy: {2 * a.numel() * 2 / 1e9:.2f} GB moved in {ms:.3f} ms = {gbs:.0f} GB/s")
+    return {"bytes": 2 * a.numel() * a.element_size(), "ms": ms, "gbs": gbs}
+
+
+# --------------------------------------------------------------------------- MLA decode
+
+
+def decode_inputs(
+    batch: int, kv_len: int, heads: int, dev: torch.device, gen: torch.Generator, block: int = 64
+) -> tuple[torch.Tensor, list[AttentionMetadata], torch.Tensor, int]:
+    """A bf16 pool of (NB, 64, 576) latents and metadata sets over disjoint random blocks (enough
+    sets that together they exceed the L2), plus q (B, H, 576)."""
+    per_req = math.ceil(kv_len / block)
+    need = batch * per_req
+    bytes_per_block = block * 576 * 2
+    sets = max(1, min(8, math.ceil(ROTATE_BYTES / (need * bytes_per_block))))
+    pool = torch.randn((need * sets, block, 576), generator=gen, dtype=torch.float32).to(dev, torch.bfloat16)
+    perm = torch.randperm(need * sets, generator=gen).to(torch.int32)
+    metas = []
+    for s in range(sets):
+        table = perm[s * need : (s + 1) * need].view(batch, per_req).to(dev)
+        metas.append(AttentionMetadata.build(table, [kv_len] * batch, [1] * batch))
+    q = torch.randn((batch, heads, 576), generator=gen).to(dev, torch.bfloat16)
+    return pool, metas, q, per_req
+
+
+def decode_error(out: torch.Tensor, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata) -> float:
+    """Relative error of decode output against float32 softmax attention over each request."""
+    errs = []
+    for b, n in enumerate(meta.seq_lens_host):
+        k = pool[meta.block_tables[b].long()].reshape(-1, 576)[:n].float()  # (L, 576)
+        p = torch.softmax(q[b].float() @ k.T * 192**-0.5, dim=-1)  # (H, L)
+        ref = p @ k[:, :512]
+        errs.append(float((out[b] - ref).norm() / ref.norm()))
+    return max(errs)
+
+
+def bench_decode(
+    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool
+) -> list[dict[str, Any]]:
+    from deepinfer_cuda.kernels import attention as attn_k
+
+    from deepinfer.backend.types import KVCacheSpec, PagedKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    batches = [1, 2] if smoke else [1, 8, 32, 128]
+    lens = [64, 128] if smoke else [512, 4096, 32768]
+    heads_list = [16, 128] if not smoke else [16]
+    free = be.device.memory_info()[0]
+    for heads in heads_list:
+        for batch in batches:
+            for kv_len in lens:
+                kv_bytes = batch * kv_len * 576 * 2
+                if kv_bytes * 1.2 > free * 0.5:
+                    rows.append({"heads": heads, "batch": batch, "kv_len": kv_len, "skipped": "memory"})
+                    continue
+                pool, metas, q, per_req = decode_inputs(batch, kv_len, heads, dev, gen)
+                spec = KVCacheSpec(pool.shape[0], 64, 512, 64, torch.bfloat16)
+                cache = PagedKVCache(spec, (pool,))
+                it = [0]
+
+                def run(
+                    cache: PagedKVCache = cache, metas: list[AttentionMetadata] = metas, q: torch.Tensor = q
+                ) -> None:
+                    it[0] = (it[0] + 1) % len(metas)
+                    be.attention.decode(q, cache, metas[it[0]], scale=192**-0.5, v_dim=512)
+
+                ms = timer(run)
+                read = kv_bytes + batch * per_req * 4 + q.numel() * 2
+                gbs = read / ms / 1e6
+                tflops = batch * heads * kv_len * 2 * (576 + 512) / ms / 1e9
+                row = {
+                    "heads": heads,
+                    "batch": batch,
+                    "kv_len": kv_len,
+                    "ms": ms,
+                    "gbs": gbs,
+                    "ratio_to_copy": gbs / copy_gbs,
+                    "tflops": tflops,
+                    "sets": len(metas),
+                }
+                if batch <= 2:  # spot check (many KV splits at long lengths) against float32 torch
+                    out = be.attention.decode(q, cache, metas[0], scale=192**-0.5, v_dim=512).float()
+                    row["rel_err"] = decode_error(out, q, pool, metas[0])
+                rows.append(row)
+                log(
+                    f"decode H={heads:3d} B={batch:3d} L={kv_len:5d}: {ms:.3f} ms {gbs:6.0f} GB/s "
+                    f"err {row.get('rel_err', float('nan')):.1e} "
+                    f"({gbs / copy_gbs:.2f} of copy) {tflops:5.0f} TFLOP/s"
+                )
+                del pool, metas, q, cache
+    # tile-config sweeps (and batch-invariant mode) at batch 128 x 4096 with the kernel launcher
+    cfg = attn_k.AttentionConfig
+    sweeps = {
+        128: [cfg(64, 64, 8, 1), cfg(64, 32, 8, 2), cfg(64, 64, 8, 2), cfg(64, 32, 16, 2)],
+        16: [cfg(16, 32, 4, 2), cfg(16, 64, 4, 2), cfg(16, 128, 4, 2)],
+    }
+    if smoke:
+        sweeps = {16: [cfg(16, 16, 4, 1)]}
+    batch, kv_len = (128, 4096) if not smoke else (2, 128)
+    for heads, configs in sweeps.items():
+        pool, metas, q, per_req = decode_inputs(batch, kv_len, heads, dev, gen)
+        read = batch * kv_len * 576 * 2 + batch * per_req * 4 + q.numel() * 2
+        for c in [*configs, None]:
+            it = [0]
+
+            def run_cfg(
+                c: Any = c,
+                metas: list[AttentionMetadata] = metas,
+                pool: torch.Tensor = pool,
+                q: torch.Tensor = q,
+            ) -> None:
+                it[0] = (it[0] + 1) % len(metas)
+                attn_k.mla_attention(
+                    q,
+                    pool,
+                    metas[it[0]],
+                    scale=192**-0.5,
+                    v_dim=512,
+                    latent_dim=512,
+                    config=c,
+                    batch_invariant=c is None,
+                )
+
+            name = "batch_invariant (split 1024)" if c is None else str(c)
+            try:
+                ms = timer(run_cfg)
+            except Exception as exc:
+                log(f"decode sweep H={heads} {name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+                rows.append({"sweep": name, "heads": heads, "error": type(exc).__name__})
+                continue
+            gbs = read / ms / 1e6
+            rows.append(
+                {
+                    "sweep": name,
+                    "heads": heads,
+                    "batch": batch,
+                    "kv_len": kv_len,
+                    "ms": ms,
+                    "gbs": gbs,
+                    "ratio_to_copy": gbs / copy_gbs,
+                }
+            )
+            log(f"decode sweep H={heads} {name}: {ms:.3f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
+        del pool, metas, q
+    return rows
+
+
+# --------------------------------------------------------------------------- FP8 GEMM
+
+V3_SHAPES = [
+    (24576, 1536),
+    (32768, 512),
+    (7168, 16384),
+    (4096, 7168),
+    (7168, 2048),
+    (2112, 7168),
+    (18432, 7168),
+    (7168, 18432),
+]
+
+
+def bench_fp8(be: Backend, dev: torch.device, timer: Timer, smoke: bool) -> list[dict[str, Any]]:
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    gen = torch.Generator().manual_seed(1)
+    rows: list[dict[str, Any]] = []
+    shapes = V3_SHAPES if not smoke else [(256, 256)]
+    ms_list = [128, 4096] if not smoke else [16]
+    for n, k in shapes:
+        w = torch.randn((n, k), generator=gen).to(dev) * k**-0.5
+        wq, ws = ref_gemm.quantize_weight(w)
+        del w
+        for m in ms_list:
+            x = torch.randn((m, k), generator=gen).to(dev, torch.bfloat16)
+            xq, xs = be.gemm.quantize_fp8(x)
+            flops = 2 * m * n * k
+            ms = timer(lambda: be.gemm.fp8_gemm(xq, xs, wq, ws, torch.bfloat16))
+            row: dict[str, Any] = {"m": m, "n": n, "k": k, "ms": ms, "tflops": flops / ms / 1e9}
+            if not smoke:
+                one = torch.ones((), device=dev)
+                wt = wq.t()
+                ms_c = timer(
+                    lambda: torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                )
+                row.update(cublas_ms=ms_c, cublas_tflops=flops / ms_c / 1e9, ratio=ms_c / ms)
+                # correctness at the benchmarked shape (against dequantised float32 on the GPU)
+                y = be.gemm.fp8_gemm(xq, xs, wq, ws, torch.float32)
+                ref = ref_gemm.dequantize_act(xq, xs) @ ref_gemm.dequantize_weight(wq, ws).t()
+                row["rel_err"] = float((y - ref).norm() / ref.norm())
+                ms_q = timer(lambda: be.gemm.quantize_fp8(x))
+                row["quant_gbs"] = (m * k * 2 + m * k + m * k / 128 * 4) / ms_q / 1e6
+            rows.append(row)
+            log(
+                f"fp8 M={m:5d} N={n:5d} K={k:5d}: {row['tflops']:6.0f} TFLOP/s"
+                + (
+                    f" cuBLAS {row['cublas_tflops']:6.0f} ratio {row['ratio']:.2f} err {row['rel_err']:.1e}"
+                    if "ratio" in row
+                    else ""
+                )
+            )
+    if not smoke:  # tile sweep at M = 128 (run 1 of bench/results swept M = 4096)
+        for n, k in [(4096, 7168), (18432, 7168)]:
+            w = torch.randn((n, k), generator=gen).to(dev) * k**-0.5
+            wq, ws = ref_gemm.quantize_weight(w)
+            x = torch.randn((128, k), generator=gen).to(dev, torch.bfloat16)
+            xq, xs = be.gemm.quantize_fp8(x)
+            for bm, bn, warps, stages in ((64, 64, 4, 5), (64, 128, 4, 4), (128, 128, 8, 4)):
+                cfg = gemm_k.GemmConfig(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                try:
+
+                    def run_fp8(
+                        cfg: gemm_k.GemmConfig = cfg, xq: torch.Tensor = xq, xs: torch.Tensor = xs
+                    ) -> None:
+                        gemm_k.fp8_gemm(xq, xs, wq, ws, torch.bfloat16, config=cfg)
+
+                    ms = timer(run_fp8)
+                except Exception as exc:
+                    log(f"fp8 sweep {cfg}: failed {type(exc).__name__}")
+                    continue
+                tf = 2 * 128 * n * k / ms / 1e9
+                rows.append({"sweep": str(cfg), "m": 128, "n": n, "k": k, "ms": ms, "tflops": tf})
+                log(f"fp8 sweep M=128 N={n} K={k} {bm}x{bn} w{warps} s{stages}: {tf:.0f} TFLOP/s")
+    return rows
+
+
+# --------------------------------------------------------------------------- fused MoE
+
+
+def quantize_experts(w: torch.Tensor, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E, N, K) float -> e4m3 and (E, N/128, K/128) block scales (N, K multiples of 128),
+    a few experts at a time to bound the float32 temporaries."""
+    e, n, k = w.shape
+    q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty((e, n // 128, k // 128), dtype=torch.float32, device=w.device)
+    for s in range(0, e, chunk):
+        blocks = w[s : s + chunk].float().view(-1, n // 128, 128, k // 128, 128)
+        sc = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
+        q[s : s + chunk] = (blocks / sc[:, :, None, :, None]).clamp(-448, 448).view(-1, n, k).to(q.dtype)
+        scale[s : s + chunk] = sc
+    return q, scale
+
+
+def bench_moe(
+    be: Backend, ref: Backend, dev: torch.device, timer: Timer, smoke: bool
+) -> list[dict[str, Any]]:
+    gen = torch.Generator(device=dev).manual_seed(2)
+    hidden, experts, top_k, inter = (7168, 256, 8, 2048) if not smoke else (256, 8, 2, 128)
+    cfg = RouterConfig(
+        "sigmoid",
+        top_k,
+        num_groups=8 if not smoke else 2,
+        topk_groups=4 if not smoke else 1,
+        group_score="top2_sum",
+        renormalize=True,
+        routed_scaling_factor=2.5,
+    )
+    rows: list[dict[str, Any]] = []
+    w13 = (
+        torch.randn((experts, 2 * inter, hidden), device=dev, generator=gen, dtype=torch.bfloat16)
+        * hidden**-0.5
+    )
+    w2 = torch.randn((experts, hidden, inter), device=dev, generator=gen, dtype=torch.bfloat16) * inter**-0.5
+    bias = torch.randn((experts,), device=dev, generator=gen) * 0.1
+    for fmt in ("bf16", "fp8"):
+        if fmt == "fp8":
+            w13q, w13s = quantize_experts(w13)
+            w2q, w2s = quantize_experts(w2)
+            del w13, w2
+            weights_args: tuple[Any, ...] = (w13q, w2q, w13s, w2s)
+        else:
+            weights_args = (w13, w2, None, None)
+        for tokens in [64, 4096] if not smoke else [4]:
+            x = torch.randn((tokens, hidden), device=dev, generator=gen, dtype=torch.bfloat16)
+            logits = torch.randn((tokens, experts), device=dev, generator=gen)
+            weights, ids = be.moe.route(logits, cfg, bias)
+            flops = tokens * top_k * 2 * hidden * 3 * inter
+
+            def run(
+                b: Backend, x: torch.Tensor = x, w: torch.Tensor = weights, i: torch.Tensor = ids
+            ) -> None:
+                b.moe.fused_moe(x, w, i, *weights_args)
+
+            ms = timer(lambda: run(be))
+            ms_ref = timer(
+                lambda: run(ref),
+                rep_ms=50,
+            )
+            y = be.moe.fused_moe(x, weights, ids, *weights_args).float()
+            y_ref = ref.moe.fused_moe(x, weights, ids, *weights_args).float()
+            err = float((y - y_ref).norm() / y_ref.norm())
+            row = {
+                "format": fmt,
+                "tokens": tokens,
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "ref_ms": ms_ref,
+                "ref_tflops": flops / ms_ref / 1e9,
+                "speedup": ms_ref / ms,
+                "rel_err_vs_ref": err,
+            }
+            rows.append(row)
+            log(
+                f"moe {fmt} T={tokens:5d}: {ms:8.3f} ms {row['tflops']:6.1f} TFLOP/s | "
+                f"reference {ms_ref:9.3f} ms "
+                f"{row['ref_tflops']:6.1f} TFLOP/s | speedup {ms_ref / ms:6.1f}x err {err:.1e}"
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def markdown(res: dict[str, Any]) -> str:
+    out = [
+        f"# CUDA backend benchmarks: {res['gpu']} ({res['date']})",
+        "",
+        f"torch {res['torch']}, triton {res['triton']}. Copy bandwidth (read + write): "
+        f"{res['copy']['gbs']:.0f} GB/s.",
+        "",
+        "## MLA decode (bf16 latent cache, block 64, D 576, Dv 512)",
+        "",
+        "| heads | batch | KV len | ms | GB/s | of copy | TFLOP/s | rel err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["decode"]:
+        if "sweep" in r or "skipped" in r:
+            continue
+        out.append(
+            f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+            f"{r['ratio_to_copy']:.2f} | {r['tflops']:.0f} | {r['rel_err']:.1e} |"
+            if "rel_err" in r
+            else f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+            f"{r['ratio_to_copy']:.2f} | {r['tflops']:.0f} | |"
+        )
+    sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
+    if sweep:
+        out += ["", "Tile sweeps at batch 128, KV length 4096 (first row per head count: the default):", ""]
+        out += ["| heads | config | ms | GB/s | of copy |", "| --- | --- | --- | --- | --- |"]
+        out += [
+            f"| {r['heads']} | {r['sweep']} | {r['ms']:.3f} | {r['gbs']:.0f} | {r['ratio_to_copy']:.2f} |"
+            for r in sweep
+        ]
+    out += [
+        "",
+        "## FP8 block-scaled GEMM (bf16 out) vs cuBLAS per-tensor torch._scaled_mm",
+        "",
+        "| M | N | K | Triton TFLOP/s | cuBLAS TFLOP/s | ratio | rel err | quant GB/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["fp8"]:
+        if "sweep" in r or "cublas_tflops" not in r:
+            continue
+        out.append(
+            f"| {r['m']} | {r['n']} | {r['k']} | {r['tflops']:.0f} | {r['cublas_tflops']:.0f} | "
+            f"{r['ratio']:.2f} | {r['rel_err']:.1e} | {r['quant_gbs']:.0f} |"
+        )
+    sweep = [r for r in res["fp8"] if "sweep" in r]
+    if sweep:
+        out += ["", "Tile sweep:", "", "| M | N | K | config | TFLOP/s |", "| --- | --- | --- | --- | --- |"]
+        out += [f"| {r['m']} | {r['n']} | {r['k']} | {r['sweep']} | {r['tflops']:.0f} |" for r in sweep]
+    out += [
+        "",
+        "## Fused MoE, DeepSeek-V3 layer (hidden 7168, 256 experts, top-8, inter 2048)",
+        "",
+        "| format | tokens | cuda ms | cuda TFLOP/s | reference ms | reference TFLOP/s | speedup | rel err |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["moe"]:
+        out.append(
+            f"| {r['format']} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ref_ms']:.2f} | "
+            f"{r['ref_tflops']:.1f} | {r['speedup']:.1f}x | {r['rel_err_vs_ref']:.1e} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=None, help="folder for bench_cuda.json / bench_cuda.md")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes, host timer (TRITON_INTERPRET=1 on a CPU)"
+    )
+    p.add_argument("--only", default="decode,fp8,moe", help="comma-separated sections")
+    args = p.parse_args(argv)
+    registry = BackendRegistry.discover()
+    be = registry.create("cuda", BackendOptions())
+    dev = be.device.device()
+    if dev.type != "cuda" and not args.smoke:
+        print("no CUDA device: run on a GPU, or use --smoke under TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("DEEPINFER_REFERENCE_DEVICE", str(dev))
+    ref = registry.create("reference", BackendOptions())
+    timer = Timer(args.smoke)
+    import triton
+
+    res: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "decode": [],
+        "fp8": [],
+        "moe": [],
+    }
+    only = set(args.only.split(","))
+    res["copy"] = bench_copy(dev, timer, args.smoke)
+    for name, fn in (
+        ("decode", lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], args.smoke)),
+        ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
+        ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
+    ):
+        if name in only:
+            t0 = time.time()
+            try:
+                res[name] = fn()  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                log(f"{name}: FAILED {type(exc).__name__}: {exc}")
+                res[name + "_error"] = f"{type(exc).__name__}: {exc}"
+            log(f"[{name} took {time.time() - t0:.0f} s]")
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    md = markdown(res)
+    print(md)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_cuda.json").write_text(json.dumps(res, indent=1))
+        (args.out / "bench_cuda.md").write_text(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""CI for the CUDA backend without a GPU: its Triton kernels run in the Triton interpreter on the
+CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variable.
+
+1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off), and
+2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...).
+What the interpreter cannot show (speed, CUDA graphs, streams) is listed in docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or importlib.util.find_spec("deepinfer_cuda") is None,
+    reason="needs triton and the deepinfer-cuda package (pip install -e backends/cuda)",
+)
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("DEEPINFER_BACKEND", None)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+def test_conformance_suite_under_interpreter() -> None:
+    workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
+    res = _run(
+        ["-p", "deepinfer.testing.plugin", "--pyargs", "deepinfer.testing.conformance",
+         "--deepinfer-backend", "cuda", *workers],
+        timeout=600,
+    )  # fmt: skip
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"conformance suite failed for cuda under TRITON_INTERPRET=1:\n{tail}"
+    assert " passed" in res.stdout and "failed" not in res.stdout, tail
+
+
+def test_kernel_tests_under_interpreter() -> None:
+    res = _run([str(REPO / "tests" / "test_cuda_kernels.py")], timeout=300)
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{tail}"
+    assert " passed" in res.stdout and "skipped" not in res.stdout, tail

@@ -1,0 +1,231 @@
+"""Direct tests of the CUDA backend's Triton kernels against float64 oracles written here.
+
+They run on a GPU when one is visible, or in the Triton interpreter on the CPU when
+TRITON_INTERPRET=1 is set for the whole process (tests/test_cuda_interpret.py runs this file
+that way in a subprocess, so other tests never see the variable). They cover paths the
+conformance suite does not reach at its sizes: several KV splits and the combine kernel,
+bitwise batch invariance across different split counts, exact FP8 rounding, the grouped GEMM's
+tile table and row gather.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (GPU or INTERPRET),
+    reason="needs triton and a GPU, or TRITON_INTERPRET=1 (tests/test_cuda_interpret.py runs it so)",
+)
+DEV = torch.device("cuda") if GPU and not INTERPRET else torch.device("cpu")
+
+if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
+    from deepinfer_cuda.backend import sort_by_expert
+    from deepinfer_cuda.kernels import attention as attn_k
+    from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import small as small_k
+
+from deepinfer.backend.types import AttentionMetadata  # noqa: E402
+from deepinfer.reference import gemm as ref_gemm  # noqa: E402
+from deepinfer.testing.tolerances import assert_bitwise_equal  # noqa: E402
+
+
+def small_config() -> attn_k.AttentionConfig:
+    return attn_k.AttentionConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def paged(
+    seq_lens: list[int], query_lens: list[int], d: int, bs: int, gen: torch.Generator
+) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
+    """Random (NB, BS, D) float32 pool, shuffled block tables, metadata, and each request's K rows."""
+    need = [-(-n // bs) for n in seq_lens]
+    nb = sum(need) + 2
+    pool = torch.randn((nb, bs, d), generator=gen)
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.zeros((len(seq_lens), max(need)), dtype=torch.int32)
+    rows, start = [], 0
+    for b, (n, k) in enumerate(zip(seq_lens, need)):
+        table[b, :k] = perm[start : start + k]
+        rows.append(pool[table[b, :k].long()].reshape(-1, d)[:n])
+        start += k
+    return pool, AttentionMetadata.build(table.to(DEV), seq_lens, query_lens), rows
+
+
+def oracle_attention(
+    q: torch.Tensor,
+    rows: list[torch.Tensor],
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+    v_dim: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 softmax attention written out per row: the oracle for the kernel."""
+    out = torch.zeros((q.shape[0], q.shape[1], v_dim), dtype=torch.float64)
+    t = 0
+    for k, n, qn in zip(rows, seq_lens, query_lens):
+        k = k.double()
+        for i in range(qn):
+            p = n - qn + i
+            lo = 0 if window is None else max(0, p - window + 1)
+            s = q[t].double() @ k[lo : p + 1].T * scale  # (H, visible)
+            e = torch.exp(s - s.amax(-1, keepdim=True))
+            den = e.sum(-1, keepdim=True)
+            if sinks is not None:
+                den = den + torch.exp(sinks.double()[:, None] - s.amax(-1, keepdim=True))
+            out[t] = (e / den) @ k[lo : p + 1, :v_dim]
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_with_many_splits(gen: torch.Generator, window: int | None, sinks: bool) -> None:
+    seq = [1, 33, 80, 150]
+    d, dv, h = 72, 64, 4
+    pool, meta, rows = paged(seq, [1] * len(seq), d, 16, gen)
+    q = torch.randn((len(seq), h, d), generator=gen)
+    sk = torch.randn(h, generator=gen) if sinks else None
+    out = attn_k.mla_attention(
+        q.to(DEV), pool.to(DEV), meta, scale=d**-0.5, v_dim=dv, latent_dim=dv, window=window,
+        sinks=None if sk is None else sk.to(DEV), config=small_config(), split_size=32,
+    )  # fmt: skip
+    expected = oracle_attention(q, rows, seq, [1] * len(seq), d**-0.5, dv, window, sk)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_prefill_with_splits_and_topk(gen: torch.Generator) -> None:
+    seq, ql = [70, 9], [20, 9]
+    d, dv, h = 40, 32, 3
+    pool, meta, rows = paged(seq, ql, d, 16, gen)
+    q = torch.randn((sum(ql), h, d), generator=gen)
+    topk = torch.full((sum(ql), 200), -1, dtype=torch.int32)  # every position listed: no-op mask
+    topk[:, :70] = torch.arange(70, dtype=torch.int32)
+    out = attn_k.mla_attention(
+        q.to(DEV), pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, topk_indices=topk.to(DEV),
+        config=small_config(), split_size=16,
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out.cpu().double(), oracle_attention(q, rows, seq, ql, 0.2, dv), rtol=2e-3, atol=2e-3
+    )
+
+
+def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
+    """A short request gets the same bits alone (1 split) and next to a long one (many splits)."""
+    seq = [20, 200]
+    d, dv, h = 40, 32, 2
+    pool, meta, _ = paged(seq, [1, 1], d, 16, gen)
+    q = torch.randn((2, h, d), generator=gen).to(DEV)
+
+    def run(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return attn_k.mla_attention(
+            q, pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, config=small_config(), split_size=32,
+            batch_invariant=True,
+        )  # fmt: skip
+
+    both = run(q, meta)
+    alone = run(q[:1], AttentionMetadata.build(meta.block_tables[:1], [20], [1]))
+    assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
+
+
+def test_attention_rejects_bad_inputs(gen: torch.Generator) -> None:
+    pool, meta, _ = paged([5], [1], 24, 16, gen)
+    with pytest.raises(ValueError, match="width"):
+        attn_k.mla_attention(
+            torch.zeros((1, 2, 20), device=DEV), pool.to(DEV), meta, scale=1.0, v_dim=16, latent_dim=16
+        )
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        attn_k.mla_attention(
+            torch.zeros((1, 2, 24), device=DEV), pool.to(DEV), meta, scale=1.0, v_dim=16, latent_dim=16,
+            config=small_config(), split_size=24,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="window"):
+        attn_k.mla_attention(
+            torch.zeros((1, 2, 24), device=DEV),
+            pool.to(DEV),
+            meta,
+            scale=1.0,
+            v_dim=16,
+            latent_dim=16,
+            window=0,
+        )
+
+
+def test_quantize_fp8_rounds_like_torch(gen: torch.Generator) -> None:
+    """Bitwise equal to the reference (RNE), including values that round up into the next binade,
+    which the interpreter's own fp8 conversion gets wrong without the workaround."""
+    x = torch.randn((6, 300), generator=gen) * 3
+    x[0, :128] = torch.linspace(-448, 448, 128)
+    x[1, :128] = torch.linspace(1.9, 2.0, 128) * torch.tensor([1.0, -1.0]).repeat(64)
+    x[2] = 0
+    xq, s = gemm_k.quantize_fp8(x.to(DEV))
+    rq, rs = ref_gemm.quantize_fp8(x)
+    assert_bitwise_equal(s.cpu(), rs, what="scales")
+    assert_bitwise_equal(xq.cpu(), rq, what="e4m3 codes")
+
+
+def test_quantize_rejects_bad_block() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        gemm_k.quantize_fp8(torch.zeros((2, 64), device=DEV), block=48)
+
+
+def test_fp8_gemm_checks_scale_shapes(gen: torch.Generator) -> None:
+    xq, xs = ref_gemm.quantize_fp8(torch.randn((3, 256), generator=gen))
+    wq, ws = ref_gemm.quantize_weight(torch.randn((128, 256), generator=gen) * 256**-0.5)
+    with pytest.raises(ValueError, match="weight_scale"):
+        gemm_k.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws[:, :1].to(DEV), torch.float32)
+    y = gemm_k.fp8_gemm(xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), torch.float32)
+    expected = ref_gemm.dequantize_act(xq, xs).double() @ ref_gemm.dequantize_weight(wq, ws).double().T
+    # SM90 tensor cores sum each 128-wide FP8 step in a reduced-precision accumulator (Triton's
+    # default there, DeepGEMM's promotion interval); outputs here are O(1).
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_tile_table_covers_every_row_once() -> None:
+    sizes = torch.tensor([0, 5, 16, 0, 33, 1], dtype=torch.int64)
+    grp, rows, n = gemm_k.tile_table(sizes.to(DEV), int(sizes.sum()), 16)
+    grp, rows = grp.cpu(), rows.cpu()
+    owner = torch.full((int(sizes.sum()),), -1)
+    for t in range(n):
+        s, e = rows[t].tolist()
+        assert e - s <= 16
+        assert (owner[s:e] == -1).all(), "a row belongs to two tiles"
+        owner[s:e] = grp[t]
+    assert torch.equal(owner, torch.repeat_interleave(torch.arange(6), sizes))
+
+
+def test_grouped_gemm_with_gather(gen: torch.Generator) -> None:
+    """fused_moe's first GEMM: sorted row r reads x[gather[r]]."""
+    t, k, e, n, top = 7, 48, 3, 40, 2
+    x = torch.randn((t, k), generator=gen)
+    w = torch.randn((e, n, k), generator=gen) * k**-0.5
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(t)])
+    order, src_to_dst, counts = sort_by_expert(ids.to(DEV), e)
+    y = gemm_k.grouped_gemm(
+        x.to(DEV), w.to(DEV), counts, out_dtype=torch.float32, gather=order // top, num_rows=t * top
+    )
+    flat = ids.reshape(-1)
+    src = order.cpu()
+    expected = torch.stack([x[s // top].double() @ w[flat[s]].double().T for s in src.tolist()])
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+    assert torch.equal(counts.cpu(), torch.bincount(flat, minlength=e))
+    assert torch.equal(src_to_dst.cpu()[src], torch.arange(t * top))
+
+
+def test_weighted_combine_and_write_kv(gen: torch.Generator) -> None:
+    y = torch.randn((6, 10), generator=gen)
+    idx = torch.tensor([5, 0, 2, 1, 4, 3])
+    w = torch.rand((3, 2), generator=gen)
+    out = small_k.weighted_combine(y.to(DEV), idx.to(DEV), w.to(DEV))
+    expected = (y[idx].view(3, 2, 10).double() * w.double()[..., None]).sum(1)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=1e-6, atol=1e-6)
+    cache = torch.zeros((2, 4, 10), device=DEV)
+    small_k.write_kv(cache, y.to(DEV), torch.tensor([7, -1, 0, 3, -1, 4], device=DEV))
+    flat = cache.view(8, 10).cpu()
+    assert torch.equal(flat[[7, 0, 3, 4]], y[[0, 2, 3, 5]]) and not flat[[1, 2, 5, 6]].any()
