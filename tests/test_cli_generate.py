@@ -38,6 +38,9 @@ def test_generate_reports_bad_input(tmp_path: Path) -> None:
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = deepinfer("generate", "--prompt", "hi", "--top-p", "1.5", cwd=tmp_path)
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr
+    r = deepinfer("generate", "--prompt", "hi", "--backend", "no-such-backend", cwd=tmp_path)
+    assert r.returncode == 2 and "unknown backend 'no-such-backend'" in r.stderr
+    assert "reference" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_random_config(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deepinfer.backend.registry import BackendError
 from deepinfer.engine.random_weights import REPO_MODEL_DIR
 
 DEFAULT_MODEL = REPO_MODEL_DIR / "tiny"
@@ -107,7 +108,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             outputs = llm.chat(convs, params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, BackendError) as exc:
         return _fail(exc)
     for prompt, out in zip(args.prompt, outputs):
         c = out.outputs[0]
@@ -186,7 +187,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         outputs = llm.generate(requests, params)
         engine.backend.device.synchronize()
         elapsed = time.perf_counter() - start
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, BackendError) as exc:
         return _fail(exc)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
