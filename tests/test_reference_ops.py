@@ -226,6 +226,20 @@ def test_linear(gen: torch.Generator, batch_invariant: bool) -> None:
     close(ref_gemm.linear(x, w, None, batch_invariant), expected - b, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batched_linear(gen: torch.Generator, batch_invariant: bool) -> None:
+    x = torch.randn((5, 3, 4), generator=gen, dtype=F64).transpose(0, 1)  # (G=3, M=5, K=4) strided view
+    w = torch.randn((3, 6, 4), generator=gen, dtype=F64)
+    expected = torch.tensor(
+        [
+            [[sum(x[g, i, j] * w[g, o, j] for j in range(4)) for o in range(6)] for i in range(5)]
+            for g in range(3)
+        ]
+    )
+    close(ref_gemm.batched_linear(x, w, batch_invariant), expected, atol=1e-12, rtol=1e-12)
+    assert ref_gemm.batched_linear(x[:, :0], w, batch_invariant).shape == (3, 0, 6)
+
+
 def test_grouped_gemm(gen: torch.Generator) -> None:
     sizes = [2, 0, 3, 1]
     x = torch.randn((6, 7), generator=gen, dtype=F64)

@@ -179,6 +179,12 @@ class GemmOps(_Part):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, K) @ weight (N, K)^T + bias (N,) -> (M, N) in x's dtype."""
 
+    def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One product per group: x (G, M, K), weight (G, N, K) -> (G, M, N) in x's dtype, with
+        out[g] = x[g] @ weight[g]^T. x may be a strided view. MLA uses it per head to absorb the
+        key up-projection into the query and to expand the latent output into each head's values."""
+        return ref_gemm.batched_linear(x, weight, self.batch_invariant)
+
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token, per-`block`-channel symmetric quantisation.
         x (M, K) -> (xq (M, K) float8_e4m3fn, scale (M, ceil(K/block)) float32 = amax / 448)."""

@@ -54,7 +54,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(backend, c.kv_lora_rank, LORA_NORM_EPS)
         self.o_proj = Linear(backend, c.num_attention_heads * c.v_head_dim, c.hidden_size)
         # kv_b_proj (H * (N + Vh), C) split per head, kept in the model dtype (FP8 is dequantised).
-        self.register_buffer("w_uk", torch.empty(0, device="meta"))  # (H, N, C)
+        self.register_buffer("w_uk", torch.empty(0, device="meta"))  # (H, C, N): W_UK^T per head
         self.register_buffer("w_uv", torch.empty(0, device="meta"))  # (H, Vh, C)
 
     def forward(
@@ -80,13 +80,15 @@ class MLAttention(nn.Module):
         k_pe = small.rope(k_pe.contiguous().unsqueeze(1), batch.positions, cos_sin, self.interleaved)
         self.backend.device.write_kv(cache, torch.cat([latent, k_pe[:, 0]], dim=-1), batch.slot_mapping)
 
-        q_latent = torch.einsum("thn,hnc->thc", q_nope, self.w_uk)  # absorb W_UK: (T, H, C)
+        gemm = self.backend.gemm
+        # Per-head products through the backend (batch-invariant when it is): (H, T, .) views.
+        q_latent = gemm.batched_linear(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, C)
         q_full = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, C + R)
         attend = (
             self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill
         )
         o_latent = attend(q_full, cache, batch.attn, scale=self.softmax_scale, v_dim=self.kv_lora_rank)
-        o = torch.einsum("thc,hvc->thv", o_latent, self.w_uv)  # absorb W_UV: (T, H, Vh)
+        o = gemm.batched_linear(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # (T, H, Vh)
         out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
         return out
 
@@ -103,5 +105,5 @@ class MLAttention(nn.Module):
         shape = (self.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank)
         w_kv_b = reader.dense(f"{prefix}.kv_b_proj", shape, dtype)
         w_kv_b = w_kv_b.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        self.w_uk = w_kv_b[:, : self.nope_dim].contiguous()
+        self.w_uk = w_kv_b[:, : self.nope_dim].transpose(1, 2).contiguous()
         self.w_uv = w_kv_b[:, self.nope_dim :].contiguous()

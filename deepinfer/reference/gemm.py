@@ -25,6 +25,12 @@ def linear(
     return y if bias is None else y + bias
 
 
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    if not batch_invariant:
+        return torch.bmm(x, weight.transpose(1, 2))
+    return torch.stack([mm(x[g], weight[g].t(), True) for g in range(x.shape[0])])
+
+
 def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: int = FP8_BLOCK) -> torch.Tensor:
     """(..., ceil(rows/b), ceil(cols/b)) block scales -> (..., rows, cols) elementwise scales."""
     s = scale.repeat_interleave(block, dim=-2)[..., :rows, :]

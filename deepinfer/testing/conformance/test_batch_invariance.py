@@ -29,6 +29,16 @@ def test_linear(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Gener
     assert_bitwise_equal(part, full[:7], what="linear first 7 rows")
 
 
+def test_batched_linear(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    dev = invariant_backend.device.device()
+    x = randn((33, 4, 96), dtype, dev, gen).transpose(0, 1)  # (G, M, K) view of (M, G, K)
+    w = randn((4, 80, 96), dtype, dev, gen, 96**-0.5)
+    full = invariant_backend.gemm.batched_linear(x, w)
+    for i in ROWS:
+        alone = invariant_backend.gemm.batched_linear(x[:, i : i + 1], w)
+        assert_bitwise_equal(alone, full[:, i : i + 1], what=f"batched_linear row {i}")
+
+
 def test_rms_norm(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
     dev = invariant_backend.device.device()
     x = randn((33, 257), dtype, dev, gen)

@@ -36,6 +36,22 @@ def test_linear(
     assert_close(y, expected, dtype, what="linear")
 
 
+@pytest.mark.parametrize(
+    "shape", [(1, 0, 16, 8), (2, 1, 24, 40), (16, 9, 128, 512), (3, 33, 130, 70)], ids=ids
+)
+def test_batched_linear(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int, int, int]
+) -> None:
+    g, m, k, n = shape
+    dev = backend.device.device()
+    x = randn((m, g, k), dtype, dev, gen).transpose(0, 1)  # (G, M, K) as a strided view, as MLA passes it
+    w = randn((g, n, k), dtype, dev, gen, k**-0.5)
+    y = backend.gemm.batched_linear(x, w)
+    expected = ref_gemm.batched_linear(oracle(x), oracle(w))
+    assert y.dtype == dtype and y.shape == (g, m, n)
+    assert_close(y, expected, dtype, what="batched_linear")
+
+
 @pytest.mark.parametrize("shape", [(0, 128), (1, 1), (5, 300), (4, 256)], ids=ids)
 def test_quantize_fp8(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int]
