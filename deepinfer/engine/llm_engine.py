@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,7 +20,7 @@ from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
 
 
 def _ids(value: object) -> list[int]:
@@ -100,7 +99,10 @@ class LLMEngine:
         ids = _ids(getattr(mc, "eos_token_id", None))
         gen = path / "generation_config.json"
         if gen.is_file():
-            ids += _ids(json.loads(gen.read_text()).get("eos_token_id"))
+            content = read_json_file(gen)
+            if not isinstance(content, dict):
+                raise ValueError(f"{gen} must hold a JSON object")
+            ids += _ids(content.get("eos_token_id"))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
         return sorted({i for i in ids if 0 <= i < self.vocab_size})
@@ -240,27 +242,33 @@ class LLMEngine:
                 lp = {t: Logprob(v.logprob, v.rank, self.tokenizer.decode([t], False)) for t, v in lp.items()}
             seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp[token].logprob
+        n_out = seq.num_output_tokens
+        # Nothing stops the request within its first min_tokens tokens (the sampler bans EOS and
+        # stop_token_ids there; a stop string must end after them), as in vLLM.
+        may_stop = n_out > p.min_tokens
+        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        if seq.finish_reason is not None:
+            # The stopping token stays in token_ids but its text is left out (vLLM's default).
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+            return True
         new_text = seq.detokenizer.step(token) if seq.detokenizer else ""
         seq.output_text += new_text
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif p.stop_token_ids and token in p.stop_token_ids:
-                seq.finish_reason, seq.stop_reason = "stop", token
-            elif p.stop_strings and new_text:
-                hit = find_stop(seq.output_text, len(new_text), p.stop_strings)
-                if hit is not None:
-                    seq.output_text = seq.output_text[: hit[0]]
-                    seq.finish_reason, seq.stop_reason = "stop", hit[1]
-                    return True
-        if seq.finish_reason is None and (
-            (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len
-        ):
+        if may_stop and p.stop_strings and new_text:
+            hit = find_stop(seq.output_text, len(new_text), p.stop_strings)
+            if hit is not None:
+                seq.output_text = seq.output_text[: hit[0]]
+                seq.finish_reason, seq.stop_reason = "stop", hit[1]
+                return True
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
-        if seq.finish_reason is not None and seq.detokenizer is not None:
-            seq.output_text += seq.detokenizer.flush()
-        return seq.finish_reason is not None
+            if seq.detokenizer is not None:
+                seq.output_text += seq.detokenizer.flush()
+            return True
+        return False
 
     @staticmethod
     def to_output(seq: Sequence) -> RequestOutput:

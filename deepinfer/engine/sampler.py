@@ -76,7 +76,9 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             token_list = [int(t) for t in tokens.tolist()]
             return token_list, self._logprobs(raw, seqs, tokens, token_list)
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        temperature = torch.tensor(  # 0 marks a greedy row for the sample op
+            [0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device
+        )
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)

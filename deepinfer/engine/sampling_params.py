@@ -5,6 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / temperature would
+# overflow float32 for the tiniest ones, and argmax is the limit of sampling anyway.
+GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes seeds in [-2**63, 2**64).
+SEED_MIN, SEED_END = -(2**63), 2**64
+
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -14,7 +20,8 @@ def _is_int(x: object) -> bool:
 class SamplingParams:
     """Decoding parameters of one request. Invalid values raise ValueError at construction.
 
-    temperature: 0 = greedy; otherwise logits / temperature before filtering.
+    temperature: 0 = greedy (so is anything below 1e-5, as in vLLM); otherwise logits /
+        temperature before filtering.
     top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
     top_k: keep the k most likely tokens; 0 or -1 = off.
     min_p: drop tokens whose probability is below min_p * the top probability, in [0, 1].
@@ -31,6 +38,13 @@ class SamplingParams:
     repetition_penalty: > 1 discourages tokens seen in the prompt or output (logit / p if
         positive, * p if negative); 1 = off.
     skip_special_tokens: leave special tokens out of the text.
+    n, best_of: vLLM's completions per prompt; only 1 is supported (send a prompt several times,
+        with different seeds, for several completions).
+
+    Text: a stop string is cut from the text; EOS and stop_token_ids are kept in token_ids but
+    their own text is left out (vLLM's include_stop_str_in_output=False). A stop string counts
+    only once it ends after the first min_tokens tokens, as EOS and stop_token_ids only may be
+    sampled from token min_tokens + 1 on.
     """
 
     temperature: float = 1.0
@@ -48,6 +62,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -65,8 +81,19 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         if not 0.0 <= number("min_p") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+        for name in ("n", "best_of"):
+            value = getattr(self, name)
+            if value is None and name == "best_of":
+                continue
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if value != 1:
+                raise ValueError(
+                    f"{name}={value}: several completions per prompt are not supported; "
+                    "send the prompt that many times (with different seeds) instead"
+                )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -106,7 +133,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -10,6 +10,14 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 
+def read_json_file(path: Path) -> Any:
+    """The JSON content of a checkpoint file, or a ValueError naming the file."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
 def _token_content(value: object) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
     if isinstance(value, dict):
@@ -27,9 +35,14 @@ class Tokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         self.path = path
-        self._tok = HFTokenizer.from_file(str(file))
+        try:
+            self._tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{file} is not a valid tokenizer file: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
-        cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{cfg_file} must hold a JSON object")
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
