@@ -103,11 +103,21 @@ def make_paged_batch(
     gen: torch.Generator,
     kv_scale: float = 1.0,
     rope_dim: int = 0,
+    shared_blocks: int = 0,
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
-    request, through the backend's own write_kv, and build the metadata of the step."""
+    request, through the backend's own write_kv, and build the metadata of the step.
+
+    shared_blocks: every request starts with request 0's first `shared_blocks` blocks (a cached
+    common prefix: the same block ids in several tables, holding the same rows)."""
     device = backend.device.device()
     table, num_blocks = random_block_tables(seq_lens, block_size, gen)
+    if shared_blocks:
+        if seq_lens[0] < shared_blocks * block_size:
+            raise ValueError("request 0 must fill the shared blocks")
+        for b in range(1, len(seq_lens)):
+            n = min(shared_blocks, math.ceil(seq_lens[b] / block_size))
+            table[b, :n] = table[0, :n]
     spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, dtype)
     cache = backend.device.allocate_kv_cache(spec, 1)[0]
     ref_spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, torch.float64)
@@ -115,6 +125,9 @@ def make_paged_batch(
     kv: list[torch.Tensor] = []
     for b, n in enumerate(seq_lens):
         rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
+        if b and shared_blocks:
+            m = min(n, shared_blocks * block_size)
+            rows[:m] = kv[0][:m]
         slots = slots_of(table[b], torch.arange(n), block_size)
         if n:
             backend.device.write_kv(cache, rows.to(device), slots.to(device))

@@ -69,10 +69,12 @@ class AscendGemm(GemmOps):
         if xq.shape[0] == 0:
             return torch.empty((0, weight.shape[0]), dtype=out_dtype, device=xq.device)
         out: torch.Tensor = self._tnpu.npu_quant_matmul(
-            xq,
-            weight.t(),  # (K, N) transposed view, as the op expects for block scales
-            weight_scale.float().t(),
-            pertoken_scale=x_scale.float(),
+            xq.contiguous(),
+            # (K, N) transposed views of contiguous (N, K) / (N/128, K/128) tensors, as the op
+            # expects for block scales (callers may hand over other strides)
+            weight.contiguous().t(),
+            weight_scale.float().contiguous().t(),
+            pertoken_scale=x_scale.float().contiguous(),
             output_dtype=out_dtype,
             group_sizes=BLOCK_GROUPS,
         )

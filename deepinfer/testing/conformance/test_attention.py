@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata
 from deepinfer.reference import attention as ref_attention
 from deepinfer.testing.helpers import make_paged_batch, oracle, randn, topk_indices_for
 from deepinfer.testing.tolerances import assert_close
@@ -24,22 +25,76 @@ class Case:
     window: int | None = None
     sinks: bool = False
     topk: int | None = None
+    rope_dim: int | None = None  # None: head_dim - v_dim (V is the whole latent)
+    sink_values: tuple[float, ...] | None = None  # fixed sinks (one per head) instead of random
+    topk_edge: bool = False  # top-k lists with duplicates, out-of-range ids and an empty row
+    q_layout: str = "contig"  # "slice": q a view into wider rows; "transpose": a (H, T, D) buffer
+    table_view: bool = False  # block_tables a slice of a wider persistent table (row stride > MB)
+    q_scale: float = 1.0  # large: logits of +-100 and more (softmax must subtract its running max)
+    shared_blocks: int = 0  # requests share request 0's first blocks (prefix caching)
+
+
+def edge_topk_indices(
+    seq_lens: list[int], query_lens: list[int], k: int, gen: torch.Generator
+) -> torch.Tensor:
+    """Top-k lists a sparse-attention indexer may hand over: each row repeats one of its ids,
+    names a position past every request's KV length, and the last row lists nothing (-1 only:
+    that row sees no key and outputs zeros)."""
+    idx = topk_indices_for(seq_lens, query_lens, k, gen, pad=3)
+    big = max(seq_lens, default=0) + 5
+    for row in idx:
+        free = (row < 0).nonzero().flatten()
+        row[free[0]] = row[row >= 0][0] if (row >= 0).any() else -1
+        row[free[1]] = big
+    if idx.shape[0]:
+        idx[-1] = -1
+    return idx
+
+
+def make_q(
+    case: Case, tokens: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    """(T, H, D) queries, contiguous or a non-contiguous view (stride(-1) stays 1)."""
+    h, d, sc = case.heads, case.head_dim, case.q_scale
+    if case.q_layout == "slice":  # e.g. the absorbed query as part of a wider projection output
+        return randn((tokens, h + 1, d + 8), dtype, device, gen, sc)[:, 1:, 3 : 3 + d]
+    if case.q_layout == "transpose":  # per-head products leave (H, T, D)
+        return randn((h, tokens, d), dtype, device, gen, sc).transpose(0, 1)
+    assert case.q_layout == "contig", case.q_layout
+    return randn((tokens, h, d), dtype, device, gen, sc)
 
 
 def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Generator, decode: bool) -> None:
     seq, qlen = list(case.seq_lens), list(case.query_lens)
     batch = make_paged_batch(
         backend, seq_lens=seq, query_lens=qlen, block_size=case.block_size, head_dim=case.head_dim,
-        dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim,
+        dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim if case.rope_dim is None else case.rope_dim,
+        shared_blocks=case.shared_blocks,
     )  # fmt: skip
     device = backend.device.device()
-    q = randn((batch.num_tokens, case.heads, case.head_dim), dtype, device, gen)
-    sinks = randn((case.heads,), torch.float32, device, gen) if case.sinks else None
-    topk = topk_indices_for(seq, qlen, case.topk, gen) if case.topk is not None else None
+    meta = batch.meta
+    if case.table_view:  # the columns past the view hold a real block: reading them is wrong
+        table = batch.meta.block_tables
+        wide = torch.full((table.shape[0] + 2, table.shape[1] + 3), batch.cache.spec.num_blocks - 1)
+        wide[: table.shape[0], : table.shape[1]] = table.cpu()
+        meta = AttentionMetadata.build(
+            wide.to(torch.int32).to(device)[: table.shape[0], : table.shape[1]], seq, qlen
+        )
+        assert not meta.block_tables.is_contiguous()
+    q = make_q(case, batch.num_tokens, dtype, device, gen)
+    if case.sink_values is not None:
+        assert len(case.sink_values) == case.heads
+        sinks: torch.Tensor | None = torch.tensor(case.sink_values, dtype=torch.float32, device=device)
+    else:
+        sinks = randn((case.heads,), torch.float32, device, gen) if case.sinks else None
+    topk = None
+    if case.topk is not None:
+        pick = edge_topk_indices if case.topk_edge else topk_indices_for
+        topk = pick(seq, qlen, case.topk, gen)
     scale = case.head_dim**-0.5
     op = backend.attention.decode if decode else backend.attention.prefill
     out = op(
-        q, batch.cache, batch.meta, scale=scale, v_dim=case.v_dim, window=case.window, sinks=sinks,
+        q, batch.cache, meta, scale=scale, v_dim=case.v_dim, window=case.window, sinks=sinks,
         topk_indices=None if topk is None else topk.to(device),
     )  # fmt: skip
     expected = ref_attention.paged_attention(
@@ -65,6 +120,27 @@ DECODE_CASES = {
     "small_odd_dims": Case((1, 6, 11), block_size=5, head_dim=9, v_dim=7, heads=3),
     "small_dims": Case((2, 19), block_size=4, head_dim=20, v_dim=16, heads=5),
     "many_heads": Case((33, 64, 100), heads=16),
+    # block sizes that are not powers of two; KV lengths that fill their last block exactly
+    "bs1": Case((1, 2, 7), block_size=1, head_dim=20, v_dim=16, heads=3),
+    "bs6_full_blocks": Case((6, 12, 18, 5), block_size=6, head_dim=20, v_dim=16),
+    "bs48_full_blocks": Case((48, 96), block_size=48),
+    "v_lt_latent": Case((5, 17), head_dim=24, v_dim=12, rope_dim=4),
+    "v_lt_latent_mla": Case((9, 33), v_dim=256, rope_dim=64),
+    "sinks_extreme": Case((3, 20), heads=4, head_dim=20, v_dim=16, sink_values=(-1e4, 60.0, -60.0, 8.0)),
+    "window_1_sinks": Case((1, 9), window=1, sinks=True, head_dim=20, v_dim=16),
+    "topk_edge": Case((5, 19, 40), topk=6, topk_edge=True, head_dim=20, v_dim=16),
+    "topk_edge_mla": Case((12, 30), topk=6, topk_edge=True),
+    "q_transposed_mla": Case((4, 21), heads=3, q_layout="transpose"),
+    "q_sliced": Case((4, 21), heads=3, head_dim=20, v_dim=16, q_layout="slice"),
+    "heads_80": Case((3, 40), head_dim=20, v_dim=16, heads=80),
+    "heads_1_mla": Case((5, 33), heads=1),
+    "shared_prefix": Case((40, 35, 17, 8), head_dim=20, v_dim=16, block_size=8, shared_blocks=2),
+    "sharp": Case((7, 40), head_dim=20, v_dim=16, q_scale=40.0, sinks=True),
+    "table_view": Case((5, 17, 32), block_size=8, head_dim=20, v_dim=16, table_view=True),
+    "table_view_mla": Case((5, 40), table_view=True),
+    # past 1024 keys: long enough for backends that split the KV axis (then merge the splits)
+    "long_sinks": Case((1060, 3), head_dim=20, v_dim=16, block_size=32, sinks=True),
+    "long_window_topk": Case((1100,), head_dim=20, v_dim=16, block_size=32, window=1090, topk=40),
 }
 
 
@@ -89,6 +165,31 @@ PREFILL_CASES = {
     "topk_window_sinks": Case((31,), (13,), topk=9, window=12, sinks=True),
     "small_odd_dims": Case((6, 13), (6, 4), block_size=5, head_dim=9, v_dim=7, heads=3),
     "small_dims": Case((2, 19), (2, 19), block_size=4, head_dim=20, v_dim=16, heads=5),
+    # whole sequences (query length == KV length, full blocks) next to decode rows, one call
+    "fresh_and_decode": Case((16, 9, 1, 24), (16, 1, 1, 24), block_size=8),
+    "bs1": Case((5, 9), (5, 3), block_size=1, head_dim=20, v_dim=16),
+    "bs6_full_blocks": Case((12, 18, 7), (12, 6, 1), block_size=6, head_dim=20, v_dim=16),
+    "bs48_full_blocks": Case((48, 96), (48, 5), block_size=48),
+    "window_1": Case((10, 7, 3), (10, 3, 1), window=1, head_dim=20, v_dim=16),
+    "window_gt_len": Case((9, 20), (9, 5), window=64, head_dim=20, v_dim=16),
+    "window_fresh_and_decode": Case((14, 8), (14, 1), window=5, head_dim=20, v_dim=16),
+    "sinks_extreme": Case(
+        (6, 11), (6, 2), heads=4, head_dim=20, v_dim=16, sink_values=(-1e4, 60.0, -60.0, 8.0)
+    ),
+    "topk_edge": Case((20, 33), (20, 4), topk=7, topk_edge=True, head_dim=20, v_dim=16),
+    "topk_edge_window_sinks_mla": Case((25,), (6,), topk=5, topk_edge=True, window=9, sinks=True),
+    "v_lt_latent": Case((13, 8), (5, 8), head_dim=24, v_dim=12, rope_dim=4),
+    "v_lt_latent_mla": Case((20, 9), (20, 1), v_dim=256, rope_dim=64),
+    "q_sliced": Case((10, 17), (10, 4), heads=3, head_dim=20, v_dim=16, q_layout="slice"),
+    "q_transposed_mla": Case((10, 17), (10, 4), heads=3, q_layout="transpose"),
+    "heads_24": Case((7, 30), (7, 5), head_dim=20, v_dim=16, heads=24),
+    "shared_prefix_mla": Case((48, 40, 20), (48, 8, 4), shared_blocks=2),
+    "sharp": Case((7, 40), (7, 6), head_dim=20, v_dim=16, q_scale=40.0, window=20),
+    "empty_request_no_kv": Case((12, 0, 7), (3, 0, 7), head_dim=20, v_dim=16),
+    "empty_request_no_kv_mla": Case((0, 12, 0), (0, 3, 0)),
+    "table_view": Case((12, 30), (12, 5), block_size=8, head_dim=20, v_dim=16, table_view=True),
+    "table_view_mla": Case((16, 40), (16, 3), table_view=True),
+    "long_sinks": Case((1100, 9), (3, 9), head_dim=20, v_dim=16, block_size=32, sinks=True),
 }
 
 

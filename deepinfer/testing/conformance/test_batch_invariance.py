@@ -1,6 +1,8 @@
 """Batch invariance: a row's result is BITWISE the same alone and inside a larger batch.
 
-Runs only for backends whose capabilities claim it, created with batch_invariant=True.
+Runs only for backends whose capabilities claim it, created with batch_invariant=True. The
+batched result is also compared with the float64 reference: batch-invariant mode often runs
+other kernels (fixed tiles, always-split attention), which must be right as well as invariant.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata
-from deepinfer.testing.helpers import make_paged_batch, randn, request_rows
-from deepinfer.testing.tolerances import assert_bitwise_equal
+from deepinfer.reference import attention as ref_attention
+from deepinfer.reference import gemm as ref_gemm
+from deepinfer.reference import moe as ref_moe
+from deepinfer.reference import small as ref_small
+from deepinfer.testing.helpers import make_paged_batch, oracle, randn, request_rows
+from deepinfer.testing.tolerances import assert_bitwise_equal, assert_close
 
 ROWS = [0, 5, 16]  # rows checked alone
 
@@ -22,6 +28,7 @@ def test_linear(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Gener
     w = randn((130, 200), dtype, dev, gen, 200**-0.5)
     b = randn((130,), dtype, dev, gen)
     full = invariant_backend.gemm.linear(x, w, b)
+    assert_close(full, ref_gemm.linear(oracle(x), oracle(w), oracle(b), False), dtype, what="linear")
     for i in ROWS:
         alone = invariant_backend.gemm.linear(x[i : i + 1], w, b)
         assert_bitwise_equal(alone, full[i : i + 1], what=f"linear row {i}")
@@ -34,6 +41,7 @@ def test_batched_linear(invariant_backend: Backend, dtype: torch.dtype, gen: tor
     x = randn((33, 4, 96), dtype, dev, gen).transpose(0, 1)  # (G, M, K) view of (M, G, K)
     w = randn((4, 80, 96), dtype, dev, gen, 96**-0.5)
     full = invariant_backend.gemm.batched_linear(x, w)
+    assert_close(full, ref_gemm.batched_linear(oracle(x), oracle(w)), dtype, what="batched_linear")
     for i in ROWS:
         alone = invariant_backend.gemm.batched_linear(x[:, i : i + 1], w)
         assert_bitwise_equal(alone, full[:, i : i + 1], what=f"batched_linear row {i}")
@@ -46,6 +54,10 @@ def test_rms_norm(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Gen
     w = randn((257,), dtype, dev, gen)
     y, h = invariant_backend.small.rms_norm(x, w, 1e-6, res)
     assert h is not None
+    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), 1e-6, oracle(res))
+    assert rh is not None
+    assert_close(y, ry, dtype, what="rms_norm y")
+    assert_close(h, rh, dtype, what="rms_norm h")
     for i in ROWS:
         yi, hi = invariant_backend.small.rms_norm(x[i : i + 1], w, 1e-6, res[i : i + 1])
         assert hi is not None
@@ -66,6 +78,8 @@ def test_attention(
     q = randn((batch.num_tokens, 4, 576), dtype, be.device.device(), gen)
     op = be.attention.decode if decode else be.attention.prefill
     full = op(q, batch.cache, batch.meta, scale=576**-0.5, v_dim=512)
+    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, 576**-0.5, 512)
+    assert_close(full, expected, dtype, what="attention")
     for b in range(len(seq)):
         rows = request_rows(batch.meta, b)
         meta = AttentionMetadata.build(batch.meta.block_tables[b : b + 1], [seq[b]], [qlen[b]])
@@ -86,6 +100,33 @@ def test_fused_moe(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Ge
     )
     weights = torch.rand((tokens, top_k), generator=gen).to(dev)
     full = invariant_backend.moe.fused_moe(x, weights, ids, w13, w2)
+    x_sorted, src_to_dst, counts = ref_moe.permute(oracle(x), ids.cpu(), experts)
+    h = ref_moe.experts(x_sorted, counts, oracle(w13), oracle(w2))
+    assert_close(full, ref_moe.unpermute(h, src_to_dst, oracle(weights)), dtype, what="fused_moe")
     for i in ROWS:
         alone = invariant_backend.moe.fused_moe(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2)
         assert_bitwise_equal(alone, full[i : i + 1], what=f"fused_moe row {i}")
+
+
+def test_decode_long(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Past 1024 keys (where fixed-split kernels split the KV axis), with a window and sinks."""
+    seq, qlen, decode = [1060, 7], [1, 1], True
+    be = invariant_backend
+    batch = make_paged_batch(
+        be, seq_lens=seq, query_lens=qlen, block_size=32, head_dim=20, dtype=dtype, gen=gen, rope_dim=4
+    )
+    dev = be.device.device()
+    q = randn((batch.num_tokens, 2, 20), dtype, dev, gen)
+    sinks = randn((2,), torch.float32, dev, gen)
+    op = be.attention.decode if decode else be.attention.prefill
+    kw = dict(scale=20**-0.5, v_dim=16, window=1050, sinks=sinks)
+    full = op(q, batch.cache, batch.meta, **kw)  # type: ignore[arg-type]
+    expected = ref_attention.paged_attention(
+        oracle(q), batch.ref_cache, batch.ref_meta, 20**-0.5, 16, 1050, oracle(sinks)
+    )
+    assert_close(full, expected, dtype, what="attention")
+    for b in range(len(seq)):
+        rows = request_rows(batch.meta, b)
+        meta = AttentionMetadata.build(batch.meta.block_tables[b : b + 1], [seq[b]], [qlen[b]])
+        alone = op(q[rows], batch.cache, meta, **kw)  # type: ignore[arg-type]
+        assert_bitwise_equal(alone, full[rows], what=f"attention request {b}")

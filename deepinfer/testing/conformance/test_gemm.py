@@ -13,7 +13,7 @@ from deepinfer.testing.helpers import oracle, quantized_weight, randn
 from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, assert_close
 
 SHAPES = [(0, 17, 9), (1, 64, 32), (7, 67, 45), (33, 128, 130)]  # (M, K, N)
-FP8_SHAPES = [(0, 128, 128), (1, 200, 150), (5, 384, 256), (33, 130, 70)]
+FP8_SHAPES = [(0, 128, 128), (1, 200, 150), (5, 384, 256), (33, 130, 70), (3, 64, 40), (2, 129, 257)]
 
 
 def ids(shape: tuple[int, ...]) -> str:
@@ -52,7 +52,24 @@ def test_batched_linear(
     assert_close(y, expected, dtype, what="batched_linear")
 
 
-@pytest.mark.parametrize("shape", [(0, 128), (1, 1), (5, 300), (4, 256)], ids=ids)
+def test_batched_linear_strided_weight(backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """MLA's per-head weights are views of one up-projection: W_UK (H, nope, L) a slice of it and
+    W_UV^T (H, L, v) a transposed slice (last dim strided)."""
+    h, nope, v, lat, t = 3, 16, 12, 40, 5
+    dev = backend.device.device()
+    kv_b = randn((h, nope + v, lat), dtype, dev, gen, lat**-0.5)
+    w_uk, w_uv_t = kv_b[:, :nope], kv_b[:, nope:].transpose(1, 2)  # (H, nope, L), (H, L, v)
+    q = randn((h, t, lat), dtype, dev, gen)
+    y = backend.gemm.batched_linear(q, w_uk)
+    assert_close(
+        y, ref_gemm.batched_linear(oracle(q), oracle(w_uk)), dtype, what="batched_linear (W_UK view)"
+    )
+    o = randn((h, t, v), dtype, dev, gen)
+    z = backend.gemm.batched_linear(o, w_uv_t)
+    assert_close(z, ref_gemm.batched_linear(oracle(o), oracle(w_uv_t)), dtype, what="batched_linear (W_UV^T)")
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 1), (5, 300), (4, 256), (3, 129), (4, 40)], ids=ids)
 def test_quantize_fp8(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int]
 ) -> None:
@@ -88,6 +105,48 @@ def test_fp8_gemm(
     assert_close(y, expected, dtype, what="fp8_gemm")
 
 
+def test_fp8_gemm_column_major_scales(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """Scales in column-major storage (the layout TMA-based FP8 GEMMs keep activation scales
+    in); the shapes, and so the meaning, are the contract's."""
+    m, k, n = 5, 300, 260
+    dev = backend.device.device()
+    xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen))
+    wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5)
+    xs_cm = xs.t().contiguous().to(dev).t()  # (M, Kb), stride (1, M)
+    ws_cm = ws.t().contiguous().to(dev).t()
+    assert not xs_cm.is_contiguous() and not ws_cm.is_contiguous()
+    y = backend.gemm.fp8_gemm(xq.to(dev), xs_cm, wq.to(dev), ws_cm, dtype)
+    expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
+    assert_close(y, expected, dtype, what="fp8_gemm (column-major scales)")
+    # grouped: per-expert scales (E, N/128, K/128) stored K-block-major
+    sizes = torch.tensor([3, 0, 2], dtype=torch.int64)
+    x = randn((5, k), dtype, dev, gen)
+    gq, gs = quantized_weight((3, 140, k), "cpu", gen, k**-0.5)
+    gs_t = gs.transpose(1, 2).contiguous().to(dev).transpose(1, 2)
+    assert not gs_t.is_contiguous()
+    y = backend.gemm.grouped_gemm_fp8(x, gq.to(dev), gs_t, sizes.to(dev))
+    expected = ref_gemm.grouped_gemm_fp8(oracle(x), gq, gs, sizes)
+    assert_close(y, expected, dtype, what="grouped_gemm_fp8 (strided scales)", fp8_act=True)
+
+
+def test_quantize_fp8_strided_rows(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """x a column slice of wider rows."""
+    x = randn((4, 300), dtype, backend.device.device(), gen, 2.0)[:, 20:280]
+    xq, scale = backend.gemm.quantize_fp8(x)
+    _, ref_scale = ref_gemm.quantize_fp8(oracle(x))
+    assert_close(scale, ref_scale.double(), torch.float64, what="fp8 scales (strided x)")
+    deq = ref_gemm.dequantize_act(xq.cpu(), scale.cpu()).double()
+    s = scale.cpu().double().repeat_interleave(128, dim=-1)[:, :260]
+    err = (deq - oracle(x)).abs()
+    assert bool((err <= FP8_REL * oracle(x).abs() + FP8_SUBNORMAL * s + 1e-30).all()), (
+        f"max error {err.max()}"
+    )
+
+
 @pytest.mark.parametrize("shape", FP8_SHAPES, ids=ids)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_linear_fp8(
@@ -112,7 +171,7 @@ def test_linear_fp8(
     assert_close(y, expected, dtype, what="linear_fp8", fp8_act=True)
 
 
-GROUPS = [[0, 0, 0], [1], [3, 0, 5, 1], [0, 7, 0, 2, 11]]
+GROUPS = [[0, 0, 0], [1], [3, 0, 5, 1], [0, 7, 0, 2, 11], [0, 0, 0, 9], [6, 0, 0]]
 
 
 @pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))

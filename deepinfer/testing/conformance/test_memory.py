@@ -14,6 +14,7 @@ SPECS = [  # (num_blocks, block_size, latent_dim, rope_dim)
     (5, 16, 512, 64),  # MLA absorbed: K 576 wide
     (4, 64, 512, 0),  # K = V latent
     (7, 3, 9, 4),  # small odd sizes
+    (6, 1, 8, 4),  # one token per block
 ]
 
 
@@ -91,6 +92,56 @@ def test_write_kv_empty(backend: Backend, device: torch.device) -> None:
         cache, torch.empty((0, 8), dtype=dt, device=device), torch.empty(0, dtype=torch.long, device=device)
     )
     assert not backend.device.read_kv(cache, torch.arange(8, device=device)).any()
+
+
+def test_write_kv_strided_rows_and_padding(
+    backend: Backend, device: torch.device, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """K rows as a column slice of wider rows (as the K row sits inside the kv_a output), in
+    another float dtype, with padding (-1) first, last and in a run; then an all-padding step."""
+    nb, bs, latent, rope = 4, 6, 12, 4
+    spec = KVCacheSpec(nb, bs, latent, rope, dtype)
+    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    all_slots = torch.arange(nb * bs, device=device)
+    wide = randn((9, spec.head_dim + 5), torch.float32, "cpu", gen)
+    kv = wide[:, 2 : 2 + spec.head_dim]
+    slots = torch.tensor([-1, 7, 0, -1, -1, 23, 6, 11, -1])
+    backend.device.write_kv(cache, kv.to(device), slots.to(device))
+    expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
+    keep = slots >= 0
+    expected[slots[keep]] = kv[keep].to(dtype)
+    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (strided rows)")
+    backend.device.write_kv(
+        cache, randn((3, spec.head_dim), dtype, device, gen), torch.full((3,), -1, device=device)
+    )
+    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (all padding)")
+    # slot_mapping a strided view (one column of a (T, 2) table)
+    table = torch.tensor([[3, 1], [-1, 2], [5, 19]])
+    rows = randn((3, spec.head_dim), dtype, "cpu", gen)
+    backend.device.write_kv(cache, rows.to(device), table.to(device)[:, 1])
+    expected[table[:, 1]] = rows
+    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (strided slots)")
+
+
+def test_copy_blocks_fork(backend: Backend, device: torch.device, gen: torch.Generator) -> None:
+    """One source block copied to several destinations (forking a sequence), and an empty copy."""
+    dt = backend.capabilities.dtypes[0]
+    nb, bs = 7, 5
+    spec = KVCacheSpec(nb, bs, 8, 4, dt)
+    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    all_slots = torch.arange(nb * bs, device=device)
+    kv = randn((nb * bs, spec.head_dim), dt, "cpu", gen)
+    backend.device.write_kv(cache, kv.to(device), all_slots)
+    src, dst = torch.tensor([2, 2, 5, 2]), torch.tensor([0, 3, 6, 4])
+    backend.device.copy_blocks(cache, src.to(device), dst.to(device))
+    after = kv.view(nb, bs, -1).clone()
+    after[dst] = after[src]
+    assert_bitwise_equal(
+        backend.device.read_kv(cache, all_slots), after.view(nb * bs, -1), what="copy_blocks"
+    )
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    backend.device.copy_blocks(cache, empty, empty)
+    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), after.view(nb * bs, -1), what="empty copy")
 
 
 def test_capture_graph(backend: Backend, device: torch.device) -> None:

@@ -25,6 +25,15 @@ ROUTERS = {  # name: (config, experts, with correction bias)
     "sigmoid_top2_sum_bias": (V3, 64, True),
     "sigmoid_bias_no_groups": (RouterConfig("sigmoid", top_k=4, renormalize=True), 24, True),
     "sqrtsoftplus_bias": (V4, 40, True),
+    "softmax_all_experts": (RouterConfig("softmax", top_k=8, renormalize=True), 8, False),
+    "sigmoid_all_groups": (
+        RouterConfig(
+            "sigmoid", top_k=5, num_groups=4, topk_groups=4, group_score="top2_sum", renormalize=True
+        ),
+        32,
+        True,
+    ),
+    "softmax_top1": (RouterConfig("softmax", top_k=1, routed_scaling_factor=2.0), 12, False),
 }
 
 
@@ -93,9 +102,37 @@ def test_permute(backend: Backend, dtype: torch.dtype, gen: torch.Generator, tok
     assert torch.equal(x_sorted.cpu(), rx), "permuted rows"
 
 
+@pytest.mark.parametrize(
+    "experts,top_k,used",
+    [(16, 2, (5, 15)), (1, 1, (0,)), (6, 1, (5,)), (9, 3, (0, 4, 8))],
+    ids=["sparse", "single_expert", "last_only", "every_4th"],
+)
+def test_permute_idle_experts(
+    backend: Backend,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    experts: int,
+    top_k: int,
+    used: tuple[int, ...],
+) -> None:
+    """Most experts receive no token (counts 0, empty groups between and after used ones)."""
+    tokens, dm = 7, 24
+    dev = backend.device.device()
+    x = randn((tokens, dm), dtype, dev, gen)
+    pool = torch.tensor(used, dtype=torch.int32)
+    ids = torch.stack([pool[torch.randperm(len(used), generator=gen)[:top_k]] for _ in range(tokens)])
+    x_sorted, src_to_dst, counts = backend.moe.permute(x, ids.to(dev), experts)
+    rx, rs, rc = ref_moe.permute(x.cpu(), ids, experts)
+    assert counts.shape == (experts,) and torch.equal(counts.cpu(), rc), "expert counts"
+    assert torch.equal(src_to_dst.cpu(), rs), "src_to_dst (stable order within an expert)"
+    assert torch.equal(x_sorted.cpu(), rx), "permuted rows"
+
+
+@pytest.mark.parametrize("top_k,dm", [(4, 65), (1, 65), (2, 1100)], ids=["K4", "K1", "K2-wide"])
 @pytest.mark.parametrize("tokens", [0, 1, 11])
-def test_unpermute(backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int) -> None:
-    top_k, dm = 4, 65
+def test_unpermute(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, top_k: int, dm: int
+) -> None:
     dev = backend.device.device()
     y = randn((tokens * top_k, dm), dtype, dev, gen)
     src_to_dst = torch.randperm(tokens * top_k, generator=gen)
@@ -124,7 +161,9 @@ def to_ref(t: torch.Tensor | None) -> torch.Tensor | None:
 
 @pytest.mark.parametrize("quant", ["float", "fp8"])
 @pytest.mark.parametrize(
-    "sizes", [[0, 0, 0], [2, 0, 5, 1], [1, 9, 0, 0, 3]], ids=lambda g: "-".join(map(str, g))
+    "sizes",
+    [[0, 0, 0], [2, 0, 5, 1], [1, 9, 0, 0, 3], [0, 0, 0, 6], [5]],
+    ids=lambda g: "-".join(map(str, g)),
 )
 def test_experts(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, sizes: list[int]
@@ -144,9 +183,14 @@ def test_experts(
 
 
 def fused_moe_inputs(
-    tokens: int, dtype: torch.dtype, dev: torch.device, gen: torch.Generator, fp8: bool
+    tokens: int,
+    dtype: torch.dtype,
+    dev: torch.device,
+    gen: torch.Generator,
+    fp8: bool,
+    experts: int = 8,
+    top_k: int = 3,
 ) -> tuple[torch.Tensor, ...]:
-    experts, top_k = 8, 3
     dm, inter = (256, 128) if fp8 else (40, 24)
     w13, w2, s13, s2 = expert_weights(experts, dm, inter, dtype, dev, gen, fp8)
     x = randn((tokens, dm), dtype, dev, gen)
@@ -167,6 +211,25 @@ def test_fused_moe(
     y = backend.moe.fused_moe(x, weights, ids, w13, w2, s13, s2)
     rx, rids = oracle(x), ids.cpu()
     x_sorted, src_to_dst, counts = ref_moe.permute(rx, rids, w13.shape[0])
+    h = ref_moe.experts(x_sorted, counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
+    expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, expected, dtype, what="fused_moe", fp8_act=is_fp8)
+
+
+@pytest.mark.parametrize("quant", ["float", "fp8"])
+@pytest.mark.parametrize("experts,top_k", [(1, 1), (4, 1), (3, 3)], ids=["E1-K1", "E4-K1", "E3-K3"])
+def test_fused_moe_edge_routing(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, experts: int, top_k: int
+) -> None:
+    """One expert, top-1 routing, and every token sent to every expert."""
+    is_fp8 = quant == "fp8"
+    if is_fp8 and not backend.capabilities.supports_fp8:
+        pytest.skip("backend does not claim FP8")
+    dev = backend.device.device()
+    x, weights, ids, w13, w2, s13, s2 = fused_moe_inputs(5, dtype, dev, gen, is_fp8, experts, top_k)
+    y = backend.moe.fused_moe(x, weights, ids, w13, w2, s13, s2)
+    x_sorted, src_to_dst, counts = ref_moe.permute(oracle(x), ids.cpu(), experts)
     h = ref_moe.experts(x_sorted, counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
     expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
     assert y.dtype == dtype and y.shape == x.shape

@@ -210,7 +210,10 @@ def fp8_gemm(
     cfg = config or (INVARIANT_CONFIG if batch_invariant else fp8_config(xq.shape[0]))
     if cfg.block_k != SCALE_BLOCK:
         raise ValueError(f"FP8 GEMM tiles need block_k = {SCALE_BLOCK}, got {cfg.block_k}")
-    return _launch_dense(xq, weight, out_dtype, cfg, x_scale.float(), weight_scale.float())
+    # the kernel indexes scales by row stride only: make the K-block axis contiguous
+    return _launch_dense(
+        xq, weight, out_dtype, cfg, x_scale.float().contiguous(), weight_scale.float().contiguous()
+    )
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -330,6 +333,9 @@ def grouped_gemm(
     tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    # the kernel indexes scales with unit stride along the K blocks
+    x_scale = x_scale.contiguous() if x_scale is not None else None
+    weight_scale = weight_scale.contiguous() if weight_scale is not None else None
     dummy = out
     grid = (n_tiles, triton.cdiv(n, cfg.block_n))
     _grouped_kernel[grid](

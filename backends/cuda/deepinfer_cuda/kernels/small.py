@@ -105,6 +105,7 @@ def rope(
         return y
     xs = x if x.stride(-1) == 1 else x.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    positions = positions.contiguous()  # the kernel reads position t at offset t
     block_h = min(16, next_pow2(h, 1))
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         xs, y, positions, cs, h, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1), cs.stride(0),
@@ -184,6 +185,7 @@ def write_kv(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) 
         return
     # cast in torch (round-to-nearest-even, the reference's rounding); the kernel only moves rows
     kv = kv.to(cache.dtype).contiguous()
+    slot_mapping = slot_mapping.contiguous()  # the kernel reads slot t at offset t
     block = min(1024, next_pow2(d))
     _write_kv_kernel[(t, triton.cdiv(d, block))](
         kv, cache, slot_mapping, d, kv.stride(0), d, BLOCK=block, num_warps=4
