@@ -106,7 +106,8 @@ class DeviceOps(_Part):
         return ref_memory.read_kv(cache, slots)
 
     def copy_blocks(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor."""
+        """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor.
+        Every source is read before any destination is written; destinations are distinct."""
         ref_memory.copy_blocks(cache, src, dst)
 
     def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
@@ -187,7 +188,9 @@ class GemmOps(_Part):
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token, per-`block`-channel symmetric quantisation.
-        x (M, K) -> (xq (M, K) float8_e4m3fn, scale (M, ceil(K/block)) float32 = amax / 448)."""
+        x (M, K) -> (xq (M, K) float8_e4m3fn, scale (M, ceil(K/block)) float32 = amax / 448).
+        block 128 (DeepSeek's format) is required of every backend; other sizes are optional and a
+        backend that lacks one raises ValueError or NotImplementedError."""
         return ref_gemm.quantize_fp8(x, block)
 
     def fp8_gemm(

@@ -51,8 +51,9 @@ class Availability:
 class KVCacheSpec:
     """One layer's paged latent cache.
 
-    Each cached token holds a K row of `latent_dim + rope_dim` values; V is its first `latent_dim`
-    values (MLA absorbed: 512 + 64; K = V latents: rope_dim = 0).
+    Each cached token holds a K row of `latent_dim + rope_dim` values; V is a prefix of it whose
+    width the attention ops take as `v_dim` <= latent_dim (MLA absorbed: 512 + 64 with v_dim 512;
+    K = V latents: rope_dim = 0).
     """
 
     num_blocks: int
