@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/local}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-CONF_TIMEOUT=${CONF_TIMEOUT:-300}
+CONF_TIMEOUT=${CONF_TIMEOUT:-420}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
 run_conf=1; run_bench=1
 for a in "$@"; do
@@ -45,7 +45,7 @@ if [ $run_conf = 1 ]; then
   echo "== conformance (cuda, heavy cases included)"
   t0=$SECONDS
   timeout "$CONF_TIMEOUT" $PY -m pytest -p deepinfer.testing.plugin --pyargs deepinfer.testing.conformance \
-    --deepinfer-backend cuda --deepinfer-heavy -v -n "${WORKERS:-12}" -rfEs --tb=short --durations=15 \
+    --deepinfer-backend cuda --deepinfer-heavy -v -n "${WORKERS:-14}" -rfEs --tb=short --durations=15 \
     --junitxml="$OUT/conformance.xml" -p no:cacheprovider 2>&1 | tee "$OUT/conformance.log" \
     | grep -E "FAILED|ERROR|^E |passed|failed|slowest|^[0-9.]+s " | tail -n 80
   rc=${PIPESTATUS[0]}
