@@ -59,13 +59,7 @@ class ToyDevice(DeviceOps):
         return (1 << 30, 2 << 30)
 
 
-class ToyAttention(AttentionOps):
-    def decode(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):
-        if not meta.is_decode_only:
-            raise ValueError("toy decode needs one query token per request")
-        return self.prefill(q, cache, meta, scale=scale, v_dim=v_dim, window=window, sinks=sinks,
-                            topk_indices=topk_indices)
-
+class ToyAttention(AttentionOps):  # decode: the contract's default (check, then prefill)
     def prefill(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):
         return ref_attention.paged_attention(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
 

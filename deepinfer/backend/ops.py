@@ -132,7 +132,6 @@ class AttentionOps(_Part):
                     intersected with the causal and window limits (sparse attention).
     """
 
-    @abstractmethod
     def decode(
         self,
         q: torch.Tensor,
@@ -146,7 +145,13 @@ class AttentionOps(_Part):
         topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per request. q: (B, H, D) -> (B, H, v_dim) in q's dtype.
-        Requires meta.is_decode_only. Batch-invariant backends use a FIXED split size over KV."""
+        Requires meta.is_decode_only (ValueError otherwise). Batch-invariant backends use a FIXED
+        split size over KV. Default: the check, then `prefill`; override for a dedicated kernel."""
+        if not meta.is_decode_only:
+            raise ValueError("decode attention needs exactly one query token per request")
+        return self.prefill(
+            q, cache, meta, scale=scale, v_dim=v_dim, window=window, sinks=sinks, topk_indices=topk_indices
+        )
 
     @abstractmethod
     def prefill(

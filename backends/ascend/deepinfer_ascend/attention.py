@@ -73,22 +73,6 @@ class AscendAttention(AttentionOps):
 
     # ------------------------------------------------------------------ contract
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        cache: PagedKVCache,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if not meta.is_decode_only:
-            raise ValueError("decode attention needs exactly one query token per request")
-        return self._attend(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
-
     def prefill(
         self,
         q: torch.Tensor,
