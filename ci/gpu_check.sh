@@ -4,6 +4,7 @@
 # Writes under $OUT (default bench/results/local): gpu.txt, kernel_tests.log, conformance.log,
 # conformance.xml, bench.log, bench_cuda.json, bench_cuda.md.
 #   usage: OUT=/some/dir ci/gpu_check.sh [--skip-bench] [--skip-conformance]
+#   env: CONF_TIMEOUT, BENCH_TIMEOUT, KERNEL_TIMEOUT (seconds), WORKERS, BENCH_ARGS (e.g. --only decode)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -36,12 +37,12 @@ print("triton imported by discovery:", "triton" in sys.modules)
 PY
 
 status=0
-if [ $run_conf = 1 ]; then
-  echo "== kernel tests (tests/test_cuda_kernels.py on the GPU)"
-  timeout "${KERNEL_TIMEOUT:-90}" $PY -m pytest tests/test_cuda_kernels.py -q -rfs -p no:cacheprovider 2>&1 \
-    | tee "$OUT/kernel_tests.log" | tail -n 30
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+echo "== kernel tests (tests/test_cuda_kernels.py on the GPU)"
+timeout "${KERNEL_TIMEOUT:-90}" $PY -m pytest tests/test_cuda_kernels.py -q -rfs -p no:cacheprovider 2>&1 \
+  | tee "$OUT/kernel_tests.log" | tail -n 30
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+if [ $run_conf = 1 ]; then
   echo "== conformance (cuda, heavy cases included)"
   t0=$SECONDS
   timeout "$CONF_TIMEOUT" $PY -m pytest -p deepinfer.testing.plugin --pyargs deepinfer.testing.conformance \
@@ -56,7 +57,7 @@ fi
 if [ $run_bench = 1 ]; then
   echo "== bench"
   t0=$SECONDS
-  timeout "$BENCH_TIMEOUT" $PY bench/bench_cuda.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 120
+  timeout "$BENCH_TIMEOUT" $PY bench/bench_cuda.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -n 120
   rc=${PIPESTATUS[0]}
   echo "bench exit $rc in $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || status=1

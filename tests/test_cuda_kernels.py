@@ -134,6 +134,37 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_whole_page_tiles_by_tma_match_the_masked_path(gen: torch.Generator, window: int | None) -> None:
+    """Pages a multiple of block_n with power-of-two widths take TMA for whole tiles below the KV
+    length and the masked loads for the last partial tile. Rows past each length hold NaN here:
+    neither path may read them into the output. Several splits, sinks, prefill and decode rows."""
+    seq, ql = [1, 32, 95, 160], [1, 1, 30, 1]
+    lat, rope, bs, h = 64, 16, 32, 4
+    pool, meta, rows = paged(seq, ql, lat + rope, bs, gen)
+    written = torch.zeros(pool.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq):
+        for pos in range(n):
+            written[meta.block_tables[b, pos // bs].long(), pos % bs] = True
+    pool[~written] = float("nan")
+    q = torch.randn((sum(ql), h, lat + rope), generator=gen)
+    sk = torch.randn(h, generator=gen)
+    cfg = small_config()
+    assert attn_k._kv_descriptors(pool.to(DEV), lat, cfg)[0] is not None
+    assert attn_k._kv_descriptors(pool[:, :24].to(DEV), lat, cfg)[0] is None  # 24 % 16 != 0
+    outs = [
+        attn_k.mla_attention(
+            q.to(DEV), pool.to(DEV), meta, scale=0.1, v_dim=lat, latent_dim=lat, window=window,
+            sinks=sk.to(DEV), config=attn_k.AttentionConfig(16, 16, 4, 1, tma=tma), split_size=48,
+        ).cpu().double()
+        for tma in (True, False)
+    ]  # fmt: skip
+    expected = oracle_attention(q, rows, seq, ql, 0.1, lat, window, sk)
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
 def test_attention_rejects_bad_inputs(gen: torch.Generator) -> None:
     pool, meta, _ = paged([5], [1], 24, 16, gen)
     with pytest.raises(ValueError, match="width"):
@@ -185,6 +216,32 @@ def test_fp8_gemm_checks_scale_shapes(gen: torch.Generator) -> None:
     # SM90 tensor cores sum each 128-wide FP8 step in a reduced-precision accumulator (Triton's
     # default there, DeepGEMM's promotion interval); outputs here are O(1).
     torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("m,k,n", [(300, 384, 136), (129, 256, 256), (5, 208, 128)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fp8_gemm_tma_kernel(gen: torch.Generator, m: int, k: int, n: int, out_dtype: torch.dtype) -> None:
+    """The persistent TMA kernel (edge tiles zero-filled by TMA, K not a multiple of 128) against
+    float64 math and against the pointer kernel, which reduces K in the same steps."""
+    xq, xs = ref_gemm.quantize_fp8(torch.randn((m, k), generator=gen))
+    wq, ws = ref_gemm.quantize_weight(torch.randn((n, k), generator=gen) * k**-0.5)
+    args = (xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), out_dtype)
+    y_tma = gemm_k.fp8_gemm(*args, tma=True).cpu().double()
+    y_ptr = gemm_k.fp8_gemm(*args, tma=False).cpu().double()
+    expected = ref_gemm.dequantize_act(xq, xs).double() @ ref_gemm.dequantize_weight(wq, ws).double().T
+    tol = 2e-3 if out_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y_tma, expected, rtol=tol, atol=tol)
+    if out_dtype == torch.float32:  # same K steps, same scaling expression: near-identical sums
+        torch.testing.assert_close(y_tma, y_ptr, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_gemm_tma_rejects_unaligned_rows(gen: torch.Generator) -> None:
+    xq, xs = ref_gemm.quantize_fp8(torch.randn((4, 200), generator=gen))  # 200-byte rows
+    wq, ws = ref_gemm.quantize_weight(torch.randn((128, 200), generator=gen))
+    args = (xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), torch.float32)
+    with pytest.raises(ValueError, match="16-byte"):
+        gemm_k.fp8_gemm(*args, tma=True)
+    assert torch.isfinite(gemm_k.fp8_gemm(*args)).all()  # auto: the pointer kernel
 
 
 def test_tile_table_covers_every_row_once() -> None:

@@ -104,12 +104,15 @@ def make_paged_batch(
     kv_scale: float = 1.0,
     rope_dim: int = 0,
     shared_blocks: int = 0,
+    poison_unwritten: bool = False,
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
     request, through the backend's own write_kv, and build the metadata of the step.
 
     shared_blocks: every request starts with request 0's first `shared_blocks` blocks (a cached
-    common prefix: the same block ids in several tables, holding the same rows)."""
+    common prefix: the same block ids in several tables, holding the same rows).
+    poison_unwritten: every slot is first written with NaN, so the rows no request has reached
+    (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output."""
     device = backend.device.device()
     table, num_blocks = random_block_tables(seq_lens, block_size, gen)
     if shared_blocks:
@@ -122,6 +125,10 @@ def make_paged_batch(
     cache = backend.device.allocate_kv_cache(spec, 1)[0]
     ref_spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, torch.float64)
     ref_cache = ref_memory.allocate_kv_cache(ref_spec, 1, torch.device("cpu"))[0]
+    if poison_unwritten:
+        every = torch.arange(num_blocks * block_size)
+        nan_rows = torch.full((every.numel(), head_dim), float("nan"), dtype=dtype)
+        backend.device.write_kv(cache, nan_rows.to(device), every.to(device))
     kv: list[torch.Tensor] = []
     for b, n in enumerate(seq_lens):
         rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)

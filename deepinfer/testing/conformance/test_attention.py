@@ -32,6 +32,7 @@ class Case:
     table_view: bool = False  # block_tables a slice of a wider persistent table (row stride > MB)
     q_scale: float = 1.0  # large: logits of +-100 and more (softmax must subtract its running max)
     shared_blocks: int = 0  # requests share request 0's first blocks (prefix caching)
+    poison: bool = False  # slots past each KV length (and unused blocks) hold NaN
 
 
 def edge_topk_indices(
@@ -69,7 +70,7 @@ def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Genera
     batch = make_paged_batch(
         backend, seq_lens=seq, query_lens=qlen, block_size=case.block_size, head_dim=case.head_dim,
         dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim if case.rope_dim is None else case.rope_dim,
-        shared_blocks=case.shared_blocks,
+        shared_blocks=case.shared_blocks, poison_unwritten=case.poison,
     )  # fmt: skip
     device = backend.device.device()
     meta = batch.meta
@@ -141,6 +142,11 @@ DECODE_CASES = {
     # past 1024 keys: long enough for backends that split the KV axis (then merge the splits)
     "long_sinks": Case((1060, 3), head_dim=20, v_dim=16, block_size=32, sinks=True),
     "long_window_topk": Case((1100,), head_dim=20, v_dim=16, block_size=32, window=1090, topk=40),
+    # pages of 64 and 128 positions (whole-page tiles), rows never written holding NaN
+    "bs64_poison": Case((1, 63, 64, 65, 130, 200), block_size=64, poison=True),
+    "bs128_poison_window_sinks": Case((100, 129, 300), block_size=128, window=70, sinks=True, poison=True),
+    "bs64_poison_heads_64": Case((64, 190), block_size=64, heads=64, poison=True),
+    "bs64_poison_topk": Case((33, 160), block_size=64, topk=20, poison=True),
 }
 
 
@@ -190,6 +196,11 @@ PREFILL_CASES = {
     "table_view": Case((12, 30), (12, 5), block_size=8, head_dim=20, v_dim=16, table_view=True),
     "table_view_mla": Case((16, 40), (16, 3), table_view=True),
     "long_sinks": Case((1100, 9), (3, 9), head_dim=20, v_dim=16, block_size=32, sinks=True),
+    "bs64_poison": Case((64, 130, 65, 200), (64, 66, 2, 7), block_size=64, poison=True),
+    "bs128_poison_window_sinks": Case(
+        (150, 300), (150, 20), block_size=128, window=40, sinks=True, poison=True
+    ),
+    "bs64_poison_heads_32": Case((70, 129), (5, 2), block_size=64, heads=32, poison=True),
 }
 
 
@@ -200,6 +211,7 @@ def test_prefill(backend: Backend, dtype: torch.dtype, gen: torch.Generator, nam
 
 HEAVY_CASES = {
     "decode_long": (Case((1, 300, 513, 1000), heads=16, block_size=64), True),
+    "decode_long_128_heads_poison": (Case((700, 2100, 64), heads=128, block_size=64, poison=True), True),
     "prefill_long": (Case((257, 600), (257, 200), heads=16, block_size=64), False),
     "prefill_long_window_sinks": (
         Case((700,), (300,), heads=8, head_dim=512, v_dim=512, window=128, sinks=True),

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import AttentionMetadata
-from deepinfer_cuda.kernels.common import mma, next_pow2
+from deepinfer_cuda.kernels.common import mma, next_pow2, num_sms, tma_supported
 
 LOG2E = 1.4426950408889634
 
@@ -43,10 +43,11 @@ class AttentionConfig:
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    tma: bool = True  # whole-page tiles by TMA where the cache layout allows (see mla_attention)
 
 
-# Many rows per tile (>= 64 heads x tokens): the best of six tilings on an H200 (H=128 decode).
-WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=1)
+# Many rows per tile (>= 64 heads x tokens): the best of eight tilings on an H200 (H=128 decode).
+WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
 # (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
 FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -64,26 +65,34 @@ def _attend_tile(
     page_size, qk_scale, D_LAT, D_ROPE, DV,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr,
+    HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, k_desc, kr_desc, TMA: tl.constexpr,
 ):  # fmt: skip
-    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc)."""
+    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc).
+    TMA: the tile lies inside one page and below the KV length (every row written), so it is two
+    bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks."""
     offs_dl = tl.arange(0, BLOCK_DL)
     offs_dr = tl.arange(0, BLOCK_DR)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
-    blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
-    kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
-    k = tl.load(
-        kv_row[:, None] + offs_dl[None, :], mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
-    )
+    if TMA:
+        row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
+        k = k_desc.load([row0, 0])
+        kr = kr_desc.load([row0, D_LAT]) if HAS_ROPE else k
+    else:
+        blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
+        kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
+        k = tl.load(
+            kv_row[:, None] + offs_dl[None, :], mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
+        )
+        if HAS_ROPE:
+            kr = tl.load(
+                kv_row[:, None] + D_LAT + offs_dr[None, :],
+                mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
+                other=0.0,
+            )
     s = mma(q_lat, tl.trans(k), tl.zeros([q_lat.shape[0], BLOCK_N], tl.float32), IEEE)
     if HAS_ROPE:
-        kr = tl.load(
-            kv_row[:, None] + D_LAT + offs_dr[None, :],
-            mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
-            other=0.0,
-        )
         s = mma(q_rope, tl.trans(kr), s, IEEE)
     s = s * qk_scale
     vis = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] >= lo_r[:, None]) & n_valid[None, :]
@@ -112,7 +121,7 @@ def _attend_tile(
 
 @triton.jit(do_not_specialize=["H", "page_size", "window", "split_size", "max_splits", "stride_allow"])
 def _mla_attention_kernel(
-    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
+    q_ptr, kv_ptr, k_desc, kr_desc, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kvb, stride_kvt, stride_bt, stride_ot, stride_oh, stride_allow,
     H, page_size, qk_scale, window, split_size, max_splits, D_LAT, D_ROPE, DV,
@@ -120,7 +129,7 @@ def _mla_attention_kernel(
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     pid_tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -165,12 +174,22 @@ def _mla_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    tail = start
+    if TMA:  # whole tiles below the KV length by TMA, then at most one partial tile with masks
+        tail = tl.maximum(start, tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N))
+        for n0 in range(start, tail, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+                kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
+                page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
+                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True,
+            )  # fmt: skip
+    for n0 in range(tail, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
             page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE,
+            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False,
         )  # fmt: skip
 
     dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
@@ -238,10 +257,30 @@ def _allow_mask(topk_indices: torch.Tensor, num_tokens: int, max_seq_len: int) -
     return allow
 
 
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> tuple[object, object]:
+    """TMA descriptors over the cache viewed as (blocks * page, D) rows: one for the latent
+    columns, one for the rope columns; (None, None) where the layout does not allow it (widths not
+    powers of two, pages not a multiple of block_n, rows not contiguous or 16-byte aligned)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, page, d = kv.shape
+    rope_dim = d - latent_dim
+    row_bytes = kv.stride(1) * kv.element_size()
+    if not (
+        tma_supported(kv.device)
+        and latent_dim == next_pow2(latent_dim)
+        and rope_dim in (0, next_pow2(rope_dim))
+        and page % cfg.block_n == 0
+        and kv.stride(2) == 1
+        and kv.stride(0) == page * kv.stride(1)
+        and row_bytes % 16 == 0
+        and kv.data_ptr() % 16 == 0
+    ):
+        return None, None
+    shape, strides = [nb * page, d], [kv.stride(1), 1]
+    k_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, latent_dim])
+    kr_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, rope_dim]) if rope_dim else k_desc
+    return k_desc, kr_desc
 
 
 def mla_attention(
@@ -311,6 +350,7 @@ def mla_attention(
         split = 1 << 30  # one split covers any length (a replayed graph may see longer rows)
 
     allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
+    k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma else (None, None)
     block_dv = next_pow2(v_dim)
     if direct:
         part = lse = out  # unused
@@ -319,7 +359,7 @@ def mla_attention(
         lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
     _mla_attention_kernel[grid](
-        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q, kv, k_desc, kr_desc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         sinks if sinks is not None else q, allow if allow is not None else q,
         out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
@@ -329,7 +369,7 @@ def mla_attention(
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
-        DIRECT=direct, IEEE=q.dtype == torch.float32,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:

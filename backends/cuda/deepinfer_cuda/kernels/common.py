@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -23,6 +24,20 @@ IS_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
 def next_pow2(n: int, minimum: int = 16) -> int:
     """The smallest power of two >= max(n, minimum) (tl.arange and tl.dot need such sizes)."""
     return max(minimum, int(triton.next_power_of_2(max(int(n), 1))))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU (4 stands in for the interpreter's CPU)."""
+    if device.type != "cuda":
+        return 4
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether kernels may use TMA descriptors on this device: SM90+, or the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return INTERPRET
 
 
 @triton.jit
