@@ -1,24 +1,32 @@
-"""The contract's default collectives (CollectiveOps) over gloo with two CPU processes."""
+"""The contract's default collectives (CollectiveOps) over two processes: the reference backend
+over gloo on the CPU, and the cuda backend over NCCL where two GPUs are visible."""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from deepinfer.reference.backend import create_reference_backend
+from deepinfer.backend.registry import BackendRegistry
+from deepinfer.backend.types import BackendOptions
 
 WORLD = 2
 
 
-def _worker(rank: int, store_path: str) -> None:
+def _worker(rank: int, store_path: str, name: str, dist_backend: str) -> None:
     warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the *_tensor collectives
-    backend = create_reference_backend()
+    backend = BackendRegistry.discover().create(name, BackendOptions(device_index=rank))
     c = backend.collectives
-    assert c.dist_backend == "gloo"
+    assert c.dist_backend == dist_backend
+    dev = backend.device.device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    torch.set_default_device(dev)  # every tensor below is made on the backend's device
     dist.init_process_group(c.dist_backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         # all_reduce: sum, in place
@@ -68,4 +76,14 @@ def _worker(rank: int, store_path: str) -> None:
 
 
 def test_default_collectives_over_gloo(tmp_path: Path) -> None:
-    spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
+    args = (str(tmp_path / "store"), "reference", "gloo")
+    spawn(_worker, args=args, nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepinfer_cuda") is None or torch.cuda.device_count() < WORLD,
+    reason=f"needs deepinfer-cuda and {WORLD} visible GPUs",
+)
+def test_cuda_collectives_over_nccl(tmp_path: Path) -> None:
+    args = (str(tmp_path / "store"), "cuda", "nccl")
+    spawn(_worker, args=args, nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
