@@ -72,6 +72,17 @@ def bench_copy(dev: torch.device, timer: Timer, smoke: bool) -> dict[str, float]
     return {"bytes": 2 * a.numel() * a.element_size(), "ms": ms, "gbs": gbs}
 
 
+def bench_matmul(dev: torch.device, timer: Timer, smoke: bool) -> dict[str, float]:
+    """The dense bf16 tensor-core ceiling: cuBLAS on an 8192^3 matmul."""
+    n = 128 if smoke else 8192
+    a = torch.randn((n, n), device=dev, dtype=torch.bfloat16)
+    b = torch.randn((n, n), device=dev, dtype=torch.bfloat16)
+    ms = timer(lambda: a @ b)
+    tflops = 2 * n**3 / ms / 1e9
+    log(f"bf16 matmul {n}^3: {ms:.3f} ms = {tflops:.0f} TFLOP/s")
+    return {"n": n, "ms": ms, "tflops": tflops}
+
+
 # --------------------------------------------------------------------------- MLA decode
 
 
@@ -131,7 +142,7 @@ def graph_replayer(step: Callable[[], None], n: int) -> Callable[[], None]:
 
 
 def bench_decode(
-    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool
+    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, matmul_tflops: float, smoke: bool
 ) -> list[dict[str, Any]]:
     from deepinfer_cuda.kernels import attention as attn_k
 
@@ -175,6 +186,7 @@ def bench_decode(
                     "gbs": gbs,
                     "ratio_to_copy": gbs / copy_gbs,
                     "tflops": tflops,
+                    "ratio_to_matmul": tflops / matmul_tflops,
                     "sets": len(metas),
                 }
                 if batch <= 2:  # spot check (many KV splits at long lengths) against float32 torch
@@ -439,15 +451,16 @@ def markdown(res: dict[str, Any]) -> str:
         f"# CUDA backend benchmarks: {res['gpu']} ({res['date']})",
         "",
         f"torch {res['torch']}, triton {res['triton']}. Copy bandwidth (read + write): "
-        f"{res['copy']['gbs']:.0f} GB/s.",
+        f"{res['copy']['gbs']:.0f} GB/s. Dense bf16 matmul (cuBLAS, {res['matmul']['n']}^3): "
+        f"{res['matmul']['tflops']:.0f} TFLOP/s.",
         "",
         "## MLA decode (bf16 latent cache, block 64, D 576, Dv 512)",
         "",
         "Times are CUDA-graph replays (GPU time, as an engine runs decode); `eager ms` is the same",
         "call launched from Python each time (host overhead included).",
         "",
-        "| heads | batch | KV len | ms | GB/s | of copy | TFLOP/s | rel err | eager ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| heads | batch | KV len | ms | GB/s | of copy | TFLOP/s | of matmul | rel err | eager ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["decode"]:
         if "sweep" in r or "skipped" in r:
@@ -455,7 +468,8 @@ def markdown(res: dict[str, Any]) -> str:
         err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
         out.append(
             f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
-            f"{r['ratio_to_copy']:.2f} | {r['tflops']:.0f} | {err} | {r['eager_ms']:.3f} |"
+            f"{r['ratio_to_copy']:.2f} | {r['tflops']:.0f} | {r['ratio_to_matmul']:.2f} | {err} | "
+            f"{r['eager_ms']:.3f} |"
         )
     sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
     if sweep:
@@ -529,8 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     only = set(args.only.split(","))
     res["copy"] = bench_copy(dev, timer, args.smoke)
+    res["matmul"] = bench_matmul(dev, timer, args.smoke)
     for name, fn in (
-        ("decode", lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], args.smoke)),
+        (
+            "decode",
+            lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
+        ),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
         ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
     ):
