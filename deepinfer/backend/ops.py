@@ -130,6 +130,8 @@ class AttentionOps(_Part):
                     denominator (it takes probability mass and contributes no value).
       topk_indices: (rows, Kt) int32 absolute positions each query row may see (-1 = unused),
                     intersected with the causal and window limits (sparse attention).
+    Cache rows past a request's KV length (never written, or stale) may hold anything, NaN
+    included: they must not reach the output, even through a zero softmax weight (0 * NaN).
     """
 
     def decode(
