@@ -67,6 +67,31 @@ def test_stop_token_is_kept_in_token_ids_but_not_in_the_text(
     assert out.text == tok.decode(tokens[:k])
 
 
+def test_include_stop_str_in_output_keeps_the_stop_text(llm: LLM, base: tuple[list[int], list[str]]) -> None:
+    tokens, pieces = base
+    tok = llm.get_tokenizer()
+    k = first_word_token(tokens, pieces, 2)
+    text = tok.decode(tokens)
+    # a stop token: its text ends the output
+    params = SamplingParams(
+        temperature=0, max_tokens=N, stop_token_ids=[tokens[k]], include_stop_str_in_output=True
+    )
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: k + 1] and out.stop_reason == tokens[k]
+    assert out.text == tok.decode(tokens[: k + 1])
+    # a stop string: the text runs to its end (and stops there, even inside a token)
+    stop = pieces[k].strip()[:2]
+    first = text.find(stop)
+    params = SamplingParams(
+        temperature=0, max_tokens=N, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: first + len(stop)]
+    with pytest.raises(ValueError, match="include_stop_str_in_output must be a bool"):
+        SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]
+
+
 def test_eos_text_is_left_out_even_with_special_tokens_shown(
     tmp_path: Path, base: tuple[list[int], list[str]]
 ) -> None:

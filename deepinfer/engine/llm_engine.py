@@ -251,8 +251,10 @@ class LLMEngine:
         elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
         if seq.finish_reason is not None:
-            # The stopping token stays in token_ids but its text is left out (vLLM's default).
+            # The stopping token stays in token_ids; its text only with include_stop_str_in_output.
             if seq.detokenizer is not None:
+                if p.include_stop_str_in_output:
+                    seq.output_text += seq.detokenizer.step(token)
                 seq.output_text += seq.detokenizer.flush()
             return True
         new_text = seq.detokenizer.step(token) if seq.detokenizer else ""
@@ -260,7 +262,8 @@ class LLMEngine:
         if may_stop and p.stop_strings and new_text:
             hit = find_stop(seq.output_text, len(new_text), p.stop_strings)
             if hit is not None:
-                seq.output_text = seq.output_text[: hit[0]]
+                end = hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)
+                seq.output_text = seq.output_text[:end]
                 seq.finish_reason, seq.stop_reason = "stop", hit[1]
                 return True
         if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:

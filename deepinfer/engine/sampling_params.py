@@ -29,6 +29,8 @@ class SamplingParams:
     max_tokens: most tokens to generate (None: up to max_model_len).
     min_tokens: no EOS / stop_token_ids before this many tokens.
     stop: string(s) that end generation; the stop string is not included in the text.
+    include_stop_str_in_output: keep the stop string (or the text of the EOS / stop token) at
+        the end of the text.
     stop_token_ids: token ids that end generation (kept in token_ids).
     ignore_eos: keep generating after EOS.
     logprobs: return the log-probabilities of this many most likely tokens (and of the sampled
@@ -42,7 +44,7 @@ class SamplingParams:
         with different seeds, for several completions).
 
     Text: a stop string is cut from the text; EOS and stop_token_ids are kept in token_ids but
-    their own text is left out (vLLM's include_stop_str_in_output=False). A stop string counts
+    their own text is left out, unless include_stop_str_in_output (as in vLLM). A stop string counts
     only once it ends after the first min_tokens tokens, as EOS and stop_token_ids only may be
     sampled from token min_tokens + 1 on.
     """
@@ -56,6 +58,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -109,8 +112,9 @@ class SamplingParams:
                     f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
                 )
             self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 (or None), got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
