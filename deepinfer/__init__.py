@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
-    from deepinfer.api import LLM, CompletionOutput, RequestOutput, SamplingParams
+    from deepinfer.api import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -23,9 +23,10 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine, check_model_dir
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import Tokenizer
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 PromptType = str | dict[str, Any]
 

@@ -20,6 +20,7 @@ from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
 
 
@@ -79,6 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.backend, kv_caches, bs)
         self.sampler = Sampler(self.backend, self.eos_token_ids)
+        self._structured: StructuredOutputs | None = None  # made at the first structured request
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
 
@@ -179,6 +181,13 @@ class LLMEngine:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer; this model directory has none")
+            if self._structured is None:
+                self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            grammar = self._structured.matcher(params.structured_outputs)
 
         generator = None
         if not params.greedy:
@@ -187,6 +196,7 @@ class LLMEngine:
             generator.manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         seq = Sequence(str(self._next_id), text, list(ids), params, generator, detok)
+        seq.grammar = grammar
         self._next_id += 1
         return seq
 
@@ -242,6 +252,8 @@ class LLMEngine:
                 lp = {t: Logprob(v.logprob, v.rank, self.tokenizer.decode([t], False)) for t, v in lp.items()}
             seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp[token].logprob
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id}: token {token} was sampled against its grammar")
         n_out = seq.num_output_tokens
         # Nothing stops the request within its first min_tokens tokens (the sampler bans EOS and
         # stop_token_ids there; a stop string must end after them), as in vLLM.
@@ -250,6 +262,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.grammar is not None and seq.grammar.is_terminated():  # accepted its end (EOS)
+            seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             # The stopping token stays in token_ids; its text only with include_stop_str_in_output.
             if seq.detokenizer is not None:

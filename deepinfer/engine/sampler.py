@@ -1,4 +1,4 @@
-"""Sampling: penalties, min_tokens, logprobs, then the backend's sample op.
+"""Sampling: penalties, min_tokens, grammar masks, logprobs, then the backend's sample op.
 
 Randomness comes from one torch.Generator per request (seeded by the request's seed, else from
 the engine's seed) that draws the Exp(1) noise of that request's row only, so a seeded request
@@ -12,6 +12,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.engine.outputs import Logprob
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import grammar_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -70,6 +71,9 @@ class Sampler:
         logits = logits.float().clone()
         apply_penalties(logits, seqs)
         apply_min_tokens(logits, seqs, self.eos_token_ids)
+        grammars = [s.grammar for s in seqs]
+        if any(g is not None for g in grammars):  # structured output: only what the grammar allows
+            self.backend.small.apply_token_bitmask(logits, grammar_bitmask(grammars, logits.shape[1], device))
 
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):  # the sample op's temperature-0 rule, without its sort

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from deepinfer.engine.structured import StructuredOutputsParams
+
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / temperature would
 # overflow float32 for the tiniest ones, and argmax is the limit of sampling anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -40,6 +42,8 @@ class SamplingParams:
     repetition_penalty: > 1 discourages tokens seen in the prompt or output (logit / p if
         positive, * p if negative); 1 = off.
     skip_special_tokens: leave special tokens out of the text.
+    structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings or
+        an EBNF grammar (StructuredOutputsParams; needs xgrammar).
     n, best_of: vLLM's completions per prompt; only 1 is supported (send a prompt several times,
         with different seeds, for several completions).
 
@@ -65,6 +69,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     n: int = 1
     best_of: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
@@ -120,6 +125,18 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, "
+                f"got {type(self.structured_outputs).__name__}"
+            )
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where "
+                "the output ends (it may allow only EOS before min_tokens)"
+            )
         if number("repetition_penalty") <= 0:
             raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
 

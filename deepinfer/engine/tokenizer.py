@@ -55,6 +55,11 @@ class Tokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
 
     @property
+    def backend(self) -> HFTokenizer:
+        """The underlying tokenizers.Tokenizer (for libraries that read its vocabulary)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 

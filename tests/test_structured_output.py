@@ -1,0 +1,129 @@
+"""Structured output (xgrammar) through LLM.generate on the tiny model (random weights, so the
+grammar alone makes the output well-formed): JSON schema, JSON object, regex, choice, EBNF;
+masks confined to their own rows; bad schemas and parameters give clear errors and the engine
+keeps serving."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar (pip install xgrammar)")
+
+TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
+PROMPTS = ["The weather", "Hello", "Numbers: 1, 2,"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(TINY), backend="reference", dtype="float32", max_model_len=256)
+
+
+def generate(
+    llm: LLM, so: StructuredOutputsParams, max_tokens: int = 96, **kw: object
+) -> list[tuple[str, str]]:
+    """(text, finish_reason) per prompt, greedy and sampled."""
+    outs = []
+    for params in (
+        SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=so, **kw),  # type: ignore[arg-type]
+        SamplingParams(temperature=1.0, seed=7, max_tokens=max_tokens, structured_outputs=so, **kw),  # type: ignore[arg-type]
+    ):
+        for r in llm.generate(PROMPTS, params, use_tqdm=False):
+            outs.append((r.outputs[0].text, str(r.outputs[0].finish_reason)))
+    return outs
+
+
+def test_regex(llm: LLM) -> None:
+    pattern = r"[a-z]{2,4}-[0-9]{2}( ok)?"
+    for text, reason in generate(llm, StructuredOutputsParams(regex=pattern)):
+        assert reason == "stop" and re.fullmatch(pattern, text), text
+
+
+def test_choice(llm: LLM) -> None:
+    choices = ["yes", "no", 'say "maybe"', "back\\slash"]
+    for text, reason in generate(llm, StructuredOutputsParams(choice=choices)):
+        assert reason == "stop" and text in choices, text
+
+
+def test_json_schema(llm: LLM) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            # (xgrammar 0.2.9 lets raw control characters into strings under "maxLength", which
+            # strict JSON forbids; a pattern keeps this test about the engine)
+            "name": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+            "ok": {"type": "boolean"},
+            "kind": {"enum": ["a", "b"]},
+        },
+        "required": ["name", "ok", "kind"],
+        "additionalProperties": False,
+    }
+    for text, reason in generate(llm, StructuredOutputsParams(json=schema, disable_any_whitespace=True)):
+        assert reason == "stop", text
+        value = json.loads(text)
+        assert set(value) == {"name", "ok", "kind"}, text
+        assert re.fullmatch("[a-z]{1,5}", value["name"]), text
+        assert isinstance(value["ok"], bool) and value["kind"] in ("a", "b")
+
+
+def test_json_object_and_grammar(llm: LLM) -> None:
+    # a JSON object: whatever the model writes before max_tokens is the prefix of one
+    for text, _ in generate(llm, StructuredOutputsParams(json_object=True), max_tokens=12):
+        assert text.startswith("{"), text
+    for text, reason in generate(llm, StructuredOutputsParams(grammar='root ::= "a" ("b" | "c") "d" [0-9]')):
+        assert reason == "stop" and re.fullmatch("a[bc]d[0-9]", text), text
+
+
+def test_masks_stay_in_their_rows(llm: LLM) -> None:
+    """A plain request next to structured ones gets the tokens it gets alone."""
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(["Hello"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    so = SamplingParams(
+        temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex="[0-9]+")
+    )
+    outs = llm.generate(["The weather", "Hello", "Numbers"], [so, plain, so], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    for i in (0, 2):
+        assert re.fullmatch("[0-9]+", outs[i].outputs[0].text), outs[i].outputs[0].text
+
+
+@pytest.mark.parametrize(
+    "so, message",
+    [
+        (StructuredOutputsParams(regex="[a-z"), "the regex does not compile: .*Unclosed"),
+        (StructuredOutputsParams(json='{"type": "objec"}'), "the json does not compile: .*objec"),
+        (StructuredOutputsParams(json="{not json"), "the json does not compile"),
+        (StructuredOutputsParams(grammar="root ::= x"), 'the grammar does not compile: .*"x" is not defined'),
+    ],
+)
+def test_bad_grammar_is_a_clear_error_and_the_engine_keeps_serving(
+    llm: LLM, so: StructuredOutputsParams, message: str
+) -> None:
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    before = llm.generate(["Hello"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    bad = SamplingParams(temperature=0, max_tokens=8, structured_outputs=so)
+    with pytest.raises(ValueError, match="prompt 1: structured output: " + message):
+        llm.generate(["Hello", "Hi"], [plain, bad], use_tqdm=False)
+    assert llm.generate(["Hello"], plain, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_bad_parameters() -> None:
+    with pytest.raises(
+        ValueError, match="exactly one of json, json_object, regex, choice or grammar; got none"
+    ):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json, regex"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="regex must be a non-empty string"):
+        StructuredOutputsParams(regex="")
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
