@@ -92,6 +92,16 @@ def test_include_stop_str_in_output_keeps_the_stop_text(llm: LLM, base: tuple[li
         SamplingParams(include_stop_str_in_output="yes")  # type: ignore[arg-type]
 
 
+def test_prompt_of_max_model_len_tokens_gets_one_token(llm: LLM) -> None:
+    """As in vLLM: the prompt fills the context, the one token sampled after it ends on "length"."""
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    ids = [(7 * i) % 500 + 3 for i in range(64)]  # max_model_len = 64
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="the prompt has 65 tokens, more than max_model_len=64"):
+        llm.generate([{"prompt_token_ids": [*ids, 5]}], params, use_tqdm=False)
+
+
 def test_eos_text_is_left_out_even_with_special_tokens_shown(
     tmp_path: Path, base: tuple[list[int], list[str]]
 ) -> None:

@@ -169,10 +169,9 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (vLLM)
             raise ValueError(
-                f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
-                f"for output (prompts must be shorter than max_model_len)"
+                f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
             )
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
