@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,19 @@ def test_bad_parameters() -> None:
         SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+def test_without_xgrammar_a_structured_request_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(str(TINY), backend="reference", dtype="float32", max_model_len=64)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    so = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="structured output needs xgrammar: pip install xgrammar"):
+        llm.generate(["Hello"], so, use_tqdm=False)
+    assert (
+        len(
+            llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 4
+    )

@@ -75,7 +75,7 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         xgr = _xgrammar()
-        hf = tokenizer.backend  # tokenizers.Tokenizer
+        hf = tokenizer.hf_tokenizer
         vocab = [""] * vocab_size
         for token, idx in hf.get_vocab(with_added_tokens=True).items():
             if idx < vocab_size:

@@ -55,7 +55,7 @@ class Tokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
 
     @property
-    def backend(self) -> HFTokenizer:
+    def hf_tokenizer(self) -> HFTokenizer:
         """The underlying tokenizers.Tokenizer (for libraries that read its vocabulary)."""
         return self._tok
 
