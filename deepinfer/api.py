@@ -50,6 +50,7 @@ class LLM:
         seed: int = 0,
         enable_prefix_caching: bool = False,
         batch_invariant: bool = False,
+        speculative_config: dict[str, Any] | None = None,
     ) -> None:
         check_model_dir(model)
         config = EngineConfig(
@@ -66,6 +67,7 @@ class LLM:
             seed=seed,
             enable_prefix_caching=enable_prefix_caching,
             batch_invariant=batch_invariant,
+            speculative_config=speculative_config,
         )
         self.llm_engine = LLMEngine(config)
 

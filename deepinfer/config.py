@@ -8,6 +8,7 @@ of KV blocks) lives in the engine, never written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class EngineConfig:
     seed: seeds the per-request generators of requests that have no seed of their own.
     enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
     batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
+    speculative_config: {"method": "mtp", "num_speculative_tokens": 1} drafts one token per step
+        with the checkpoint's MTP head and verifies it with the model in the next step (vLLM's
+        names; "deepseek_mtp" is accepted too). Outputs are those of plain decoding.
     """
 
     model: str
@@ -63,6 +67,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = False
     batch_invariant: bool = False
+    speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -80,6 +85,29 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         parse_dtype(self.dtype)
+        _ = self.num_speculative_tokens  # validates speculative_config
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0: no speculative decoding)."""
+        spec = self.speculative_config
+        if spec is None:
+            return 0
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+        method = spec.get("method", "mtp")
+        if method not in ("mtp", "deepseek_mtp"):
+            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'mtp'")
+        k = spec.get("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or k != 1:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be 1 (the MTP head drafts one "
+                f"token per step), got {k!r}"
+            )
+        return k
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

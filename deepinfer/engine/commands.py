@@ -30,6 +30,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
     g.add_argument("--seed", type=int, default=0, help="engine seed (and the request seed in generate)")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft tokens per step from the checkpoint's MTP head (speculative decoding; 0 = off)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,6 +50,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
+        "speculative_config": (
+            {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
+            if args.num_speculative_tokens
+            else None
+        ),
     }
 
 
@@ -203,6 +214,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
         "num_preemptions": engine.scheduler.num_preemptions,
+        "num_draft_tokens": engine.num_draft_tokens,
+        "num_accepted_tokens": engine.num_accepted_tokens,
     }
     print(f"Model: {source} on backend {engine.backend.name}")
     print(f"Requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), {elapsed:.2f} s")

@@ -18,7 +18,7 @@ from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
@@ -71,14 +71,23 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         self.eos_token_ids = self._eos_ids(path, mc)
 
+        self.num_speculative_tokens = config.num_speculative_tokens
+        if self.num_speculative_tokens and getattr(model, "num_mtp_layers", 0) < 1:
+            raise ValueError(
+                f"speculative_config asks for MTP drafts but {config.model} has no MTP layer "
+                "(num_nextn_predict_layers is 0, or its weights are missing)"
+            )
         bs = config.block_size
         num_blocks = self._num_kv_blocks()
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        kv_caches = self.backend.device.allocate_kv_cache(
-            model.kv_cache_spec(num_blocks, bs), model.num_kv_layers
-        )
+        spec = model.kv_cache_spec(num_blocks, bs)
+        kv_caches = self.backend.device.allocate_kv_cache(spec, model.num_kv_layers)
+        # the MTP head's own cache: same blocks and block tables as the model's layers
+        mtp_caches = self.backend.device.allocate_kv_cache(spec, 1) if self.num_speculative_tokens else []
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.backend, kv_caches, bs)
+        self.runner = ModelRunner(model, self.backend, kv_caches, bs, mtp_caches)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self._structured: StructuredOutputs | None = None  # made at the first structured request
         self._seed_rng = random.Random(config.seed)
@@ -112,7 +121,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         c, bs = self.config, self.config.block_size
         one = self.model.kv_cache_spec(1, bs)
-        bytes_per_block = one.bytes_per_token * bs * self.model.num_kv_layers
+        layers = self.model.num_kv_layers + (1 if self.num_speculative_tokens else 0)
+        bytes_per_block = one.bytes_per_token * bs * layers
         if c.num_gpu_blocks_override is not None:
             num_blocks = c.num_gpu_blocks_override
         else:
@@ -226,21 +236,74 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[Sequence]:
-        """Schedule, run, sample, postprocess. Returns the sequences that finished."""
+        """Schedule, run, sample, postprocess. Returns the sequences that finished.
+
+        With speculative decoding a request that carries a draft token gets two logits rows: the
+        token after its last one is sampled from the first as usual; if it equals the draft, the
+        draft was right and the next token is sampled from the second row (after the first is
+        appended, so penalties, grammars and the request's random stream see the same history as
+        in plain decoding). Sampling first and comparing after is exact: the emitted tokens follow
+        the model's distribution whatever the draft. Then the MTP head drafts the next token."""
         batch = self.scheduler.schedule()
         assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
-        logits = self.runner.run(batch)  # (S, V)
+        starts = [s.num_computed_tokens for s in batch.seqs]
+        logits = self.runner.run(batch)  # (rows, V): 1 + draft rows per sampling request
         self.scheduler.advance(batch)
-        sampling = [s for s in batch.seqs if s.num_computed_tokens == s.num_tokens]
-        if not sampling:
-            return []
-        tokens, logprobs = self.sampler(logits, sampling)
-        finished = []
-        for seq, token, lp in zip(sampling, tokens, logprobs):
+        finished: list[Sequence] = []
+        sampling, first_rows, second = [], [], []  # second: (seq, logits row) to try the draft
+        row = 0
+        for seq, nd in zip(batch.seqs, batch.num_draft_tokens):
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+                first_rows.append(row)
+                if nd:
+                    second.append((seq, row + 1))
+                row += 1 + nd
+        accepted: set[int] = set()
+        if sampling:
+            self._sample_and_append(logits[first_rows], sampling, finished)
+            retry = [(s, r) for s, r in second if not s.is_finished and s.token_ids[-1] == s.draft[0]]
+            self.num_draft_tokens += len(second)
+            self.num_accepted_tokens += len(retry)
+            for seq, _ in retry:
+                self.scheduler.accept_draft(seq)
+                accepted.add(id(seq))
+            if retry:
+                self._sample_and_append(logits[[r for _, r in retry]], [s for s, _ in retry], finished)
+        for seq in batch.seqs:
+            seq.draft = []
+        if self.num_speculative_tokens:
+            self._propose(batch, starts, accepted)
+        return finished
+
+    def _sample_and_append(
+        self, logits: torch.Tensor, seqs: list[Sequence], finished: list[Sequence]
+    ) -> None:
+        tokens, logprobs = self.sampler(logits, seqs)
+        for seq, token, lp in zip(seqs, tokens, logprobs):
             if self._append(seq, token, lp):
                 self.scheduler.finish(seq)
                 finished.append(seq)
-        return finished
+
+    def _propose(self, batch: ScheduledBatch, starts: list[int], accepted: set[int]) -> None:
+        """Run the MTP head over the positions computed this step whose next token is now known,
+        and give each request that reached its last known token a draft for the next step."""
+        seqs, spans, rows = [], [], []
+        row = 0
+        for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
+            valid = n - nd + (1 if id(seq) in accepted else 0)  # positions holding real tokens
+            end = min(start + valid, seq.num_tokens - 1)
+            if not seq.is_finished and end > start:
+                seqs.append(seq)
+                spans.append((start, end))
+                rows.append(row)
+            row += n
+        if not seqs:
+            return
+        drafts = self.runner.propose(seqs, spans, rows)
+        for seq, (_, end), draft in zip(seqs, spans, drafts):
+            if end == seq.num_tokens - 1:
+                seq.draft = [draft]
 
     def _append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""

@@ -22,10 +22,12 @@ from deepinfer.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: seqs[i] computes its next num_new_tokens[i] tokens."""
+    """One step's work: seqs[i] computes its next num_new_tokens[i] tokens, the last
+    num_draft_tokens[i] of them its speculative draft (seq.draft, verified this step)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_draft_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -62,7 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_uncomputed_tokens + len(seq.draft) > budget:
+                seq.draft = []  # no room to verify it this step
+            n = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
             while not bm.allocate(seq, n):
                 victim = self.running.pop()  # lowest priority, not yet scheduled this step
                 self._preempt(victim)
@@ -72,6 +76,7 @@ class Scheduler:
             else:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
+                batch.num_draft_tokens.append(len(seq.draft))
                 budget -= n
                 i += 1
 
@@ -90,22 +95,30 @@ class Scheduler:
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            batch.num_draft_tokens.append(0)
             budget -= n
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_sequence(seq)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the step ran: the scheduled tokens are in the cache."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+        """After the step ran: the scheduled tokens are in the cache (a draft's only once it is
+        accepted, see accept_draft)."""
+        for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+            seq.num_computed_tokens += n - nd
             self.block_manager.cache_full_blocks(seq)
+
+    def accept_draft(self, seq: Sequence) -> None:
+        """The draft token was sampled: its cache row, written this step, now holds a real token."""
+        seq.num_computed_tokens += 1
+        self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

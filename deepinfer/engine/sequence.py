@@ -56,6 +56,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.grammar: Any = None  # xgrammar.GrammarMatcher of a structured-output request
+        self.draft: list[int] = []  # speculative tokens after token_ids, verified next step
 
     @property
     def num_tokens(self) -> int:

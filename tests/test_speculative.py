@@ -1,0 +1,144 @@
+"""Speculative decoding with the checkpoint's MTP head (speculative_config): the outputs are those
+of plain decoding, greedy and seeded sampling, through chunked prefill, preemption and prefix
+caching; right drafts are accepted (fewer steps), wrong ones rejected; the head's incremental
+drafts equal a from-scratch computation over the whole sequence; bad configurations are errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.models.loader import load_model
+from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.models.runner_util import PagedRunner, build_batch
+from deepinfer.reference.backend import create_reference_backend
+
+SPEC = {"method": "mtp", "num_speculative_tokens": 1}
+PROMPTS = [[5 + (7 * i + 3 * j) % 120 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 66, 1])]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("mtp") / "ckpt", tiny_config(), seed=3)
+
+
+def make(ckpt: Path, **kw: Any) -> LLM:
+    args: dict[str, Any] = {"backend": "reference", "dtype": "float32", "block_size": 8, "max_model_len": 256}
+    return LLM(str(ckpt), **{**args, **kw})
+
+
+def run(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=24, ignore_eos=True) for i in range(6)]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill, drafts dropped when the budget is short
+        {"num_gpu_blocks_override": 16, "max_model_len": 128, "max_num_batched_tokens": 64},  # preemptions
+        {"enable_prefix_caching": True},
+    ],
+    ids=["plain", "chunked", "preempting", "prefix-cache"],
+)
+def test_outputs_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any]) -> None:
+    plain = make(ckpt, **engine_args)
+    spec = make(ckpt, speculative_config=SPEC, **engine_args)
+    assert run(spec, GREEDY) == run(plain, GREEDY)
+    assert run(spec, SEEDED) == run(plain, SEEDED)
+    assert spec.llm_engine.num_draft_tokens > 0
+    if "num_gpu_blocks_override" in engine_args:
+        assert spec.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_right_drafts_are_accepted_and_wrong_ones_rejected(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts from an oracle that knows plain decoding's output, wrong every third time: the
+    output is unchanged, every right draft is accepted, and the run takes fewer steps."""
+    plain = make(ckpt)
+    expected = run(plain, GREEDY)
+    by_prompt = {tuple(p): p + out for p, out in zip(PROMPTS, expected)}
+    spec = make(ckpt, speculative_config=SPEC)
+    engine = spec.llm_engine
+    calls = {"n": 0, "right": 0}
+
+    def oracle(seqs, spans, rows):  # type: ignore[no-untyped-def]
+        drafts = []
+        for seq in seqs:
+            full = by_prompt[tuple(seq.prompt_token_ids)]
+            n = seq.num_tokens
+            calls["n"] += 1
+            right = n < len(full) and calls["n"] % 3 != 0
+            calls["right"] += right
+            drafts.append(full[n] if right else (full[n] + 1) % 128 if n < len(full) else 0)
+        return drafts
+
+    monkeypatch.setattr(engine.runner, "propose", oracle)
+    steps = {"n": 0}
+    real_step = engine.step
+
+    def counting_step():  # type: ignore[no-untyped-def]
+        steps["n"] += 1
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", counting_step)
+    assert run(spec, GREEDY) == expected
+    # every right draft is accepted, except one per request that ends (max_tokens) on the token
+    # before it; the wrong ones are rejected
+    assert calls["right"] - len(PROMPTS) <= engine.num_accepted_tokens <= calls["right"]
+    assert engine.num_draft_tokens > engine.num_accepted_tokens
+    # plain decoding takes 24 steps for 24 tokens (the prefill step samples the first)
+    assert 12 <= steps["n"] < 24
+
+
+def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head's draft after incremental steps (chunked prefill, then decode, its own paged
+    cache) equals the head run once over the whole sequence with fresh caches."""
+    spec = make(ckpt, speculative_config=SPEC, max_num_batched_tokens=24)
+    runner = spec.llm_engine.runner
+    seen: list[tuple[list[int], int]] = []
+    real = runner.propose
+
+    def record(seqs, spans, rows):  # type: ignore[no-untyped-def]
+        drafts = real(seqs, spans, rows)
+        seen.extend(
+            (list(s.token_ids), d) for s, (_, e), d in zip(seqs, spans, drafts) if e == s.num_tokens - 1
+        )
+        return drafts
+
+    monkeypatch.setattr(runner, "propose", record)
+    run(spec, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(seen) >= len(PROMPTS) * 5
+
+    backend = create_reference_backend()
+    model = load_model(str(ckpt), backend, torch.float32)
+    for tokens, draft in seen[:: max(1, len(seen) // 12)]:
+        main = PagedRunner(model, backend, num_blocks=64, block_size=8)
+        main.step([(0, tokens)], all_logits=True)
+        assert main.last_hidden is not None
+        mtp = PagedRunner(model, backend, num_blocks=64, block_size=8, seed=1)
+        batch = build_batch(mtp.alloc, [(0, tokens[1:])], mtp.device, all_logits=True)
+        out = model.forward_mtp(batch, main.last_hidden[:-1], mtp.kv_caches[:1])
+        assert int(model.compute_logits(out[-1:]).argmax()) == draft
+
+
+def test_bad_speculative_configs(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
+        make(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="method 'eagle' is not supported"):
+        make(ckpt, speculative_config={"method": "eagle"})
+    with pytest.raises(ValueError, match="unknown keys"):
+        make(ckpt, speculative_config={"method": "mtp", "model": "x"})
+    no_mtp = write_random_checkpoint(tmp_path / "plain", tiny_config(num_nextn_predict_layers=0))
+    with pytest.raises(ValueError, match="has no MTP layer"):
+        make(no_mtp, speculative_config=SPEC)
