@@ -52,6 +52,8 @@ class EngineConfig:
     speculative_config: {"method": "mtp", "num_speculative_tokens": 1} drafts one token per step
         with the checkpoint's MTP head and verifies it with the model in the next step (vLLM's
         names; "deepseek_mtp" is accepted too). Outputs are those of plain decoding.
+        "min_draft_confidence": p (default 0) schedules a draft for verification only when the
+        head gives it probability >= p, so that unlikely drafts cost no verification work.
     """
 
     model: str
@@ -85,7 +87,7 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         parse_dtype(self.dtype)
-        _ = self.num_speculative_tokens  # validates speculative_config
+        _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -95,7 +97,7 @@ class EngineConfig:
             return 0
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        unknown = set(spec) - {"method", "num_speculative_tokens", "min_draft_confidence"}
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
         method = spec.get("method", "mtp")
@@ -108,6 +110,14 @@ class EngineConfig:
                 f"token per step), got {k!r}"
             )
         return k
+
+    @property
+    def min_draft_confidence(self) -> float:
+        """Smallest MTP probability of a draft worth verifying (0: every draft)."""
+        p = (self.speculative_config or {}).get("min_draft_confidence", 0.0)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"speculative_config: min_draft_confidence must be in [0, 1], got {p!r}")
+        return float(p)
 
     @property
     def torch_dtype(self) -> torch.dtype | None:

@@ -80,7 +80,7 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
             calls["n"] += 1
             right = n < len(full) and calls["n"] % 3 != 0
             calls["right"] += right
-            drafts.append(full[n] if right else (full[n] + 1) % 128 if n < len(full) else 0)
+            drafts.append((full[n] if right else (full[n] + 1) % 128 if n < len(full) else 0, 1.0))
         return drafts
 
     monkeypatch.setattr(engine.runner, "propose", oracle)
@@ -112,7 +112,7 @@ def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.Mo
     def record(seqs, spans, rows):  # type: ignore[no-untyped-def]
         drafts = real(seqs, spans, rows)
         seen.extend(
-            (list(s.token_ids), d) for s, (_, e), d in zip(seqs, spans, drafts) if e == s.num_tokens - 1
+            (list(s.token_ids), d) for s, (_, e), (d, _) in zip(seqs, spans, drafts) if e == s.num_tokens - 1
         )
         return drafts
 
@@ -132,7 +132,32 @@ def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.Mo
         assert int(model.compute_logits(out[-1:]).argmax()) == draft
 
 
+def test_confidence_threshold_schedules_only_likely_drafts(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts the head is less sure of than min_draft_confidence are not verified; outputs stay."""
+    expected = run(make(ckpt), GREEDY)
+    spec = make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 0.5})
+    runner = spec.llm_engine.runner
+    real = runner.propose
+    confident = {"n": 0, "all": 0}
+
+    def sure_every_other(seqs, spans, rows):  # type: ignore[no-untyped-def]
+        out = []
+        for i, (d, _) in enumerate(real(seqs, spans, rows)):
+            confident["all"] += 1
+            confident["n"] += i % 2 == 0
+            out.append((d, 0.9 if i % 2 == 0 else 0.1))
+        return out
+
+    monkeypatch.setattr(runner, "propose", sure_every_other)
+    assert run(spec, GREEDY) == expected
+    assert 0 < spec.llm_engine.num_draft_tokens <= confident["n"] < confident["all"]
+
+
 def test_bad_speculative_configs(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="min_draft_confidence must be in"):
+        make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 1.5})
     with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
         make(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="method 'eagle' is not supported"):

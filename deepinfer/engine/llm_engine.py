@@ -72,6 +72,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(path, mc)
 
         self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_draft_confidence = config.min_draft_confidence
         if self.num_speculative_tokens and getattr(model, "num_mtp_layers", 0) < 1:
             raise ValueError(
                 f"speculative_config asks for MTP drafts but {config.model} has no MTP layer "
@@ -261,7 +262,7 @@ class LLMEngine:
                 row += 1 + nd
         accepted: set[int] = set()
         if sampling:
-            self._sample_and_append(logits[first_rows], sampling, finished)
+            self._sample_and_append(logits[first_rows] if second else logits, sampling, finished)
             retry = [(s, r) for s, r in second if not s.is_finished and s.token_ids[-1] == s.draft[0]]
             self.num_draft_tokens += len(second)
             self.num_accepted_tokens += len(retry)
@@ -301,8 +302,8 @@ class LLMEngine:
         if not seqs:
             return
         drafts = self.runner.propose(seqs, spans, rows)
-        for seq, (_, end), draft in zip(seqs, spans, drafts):
-            if end == seq.num_tokens - 1:
+        for seq, (_, end), (draft, prob) in zip(seqs, spans, drafts):
+            if end == seq.num_tokens - 1 and prob >= self.min_draft_confidence:
                 seq.draft = [draft]
 
     def _append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:

@@ -103,12 +103,13 @@ class ModelRunner:
     @torch.inference_mode()
     def propose(
         self, seqs: list[Sequence], spans: list[tuple[int, int]], hidden_rows: list[int]
-    ) -> list[int]:
-        """One draft token per request with the MTP head, which runs over positions spans[b] =
-        [start, end) of request b: position p takes the model's hidden state of p (last_hidden row
-        hidden_rows[b] + p - start) and token p + 1, and writes the head's own cache. The head's
-        output at position end - 1 predicts token end + 1, the one after the last known token
-        (end = num_tokens - 1). Greedy drafts: verification keeps the outputs exact anyway."""
+    ) -> list[tuple[int, float]]:
+        """One draft token per request, with its probability under the MTP head. The head runs
+        over positions spans[b] = [start, end) of request b: position p takes the model's hidden
+        state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1, and writes the
+        head's own cache. Its output at position end - 1 predicts token end + 1, the one after
+        the last known token (end = num_tokens - 1). Greedy drafts: verification keeps the outputs
+        exact anyway."""
         assert self.last_hidden is not None and self.mtp_caches
         tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
         fb = _forward_batch(seqs, spans, tokens, [1] * len(seqs), self.block_size, self.device)
@@ -116,5 +117,6 @@ class ModelRunner:
             self.device
         )
         out = self.model.forward_mtp(fb, self.last_hidden[rows], self.mtp_caches)  # (T, Dm)
-        logits = self.model.compute_logits(out[fb.logits_indices])  # (B, V)
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        probs = torch.softmax(self.model.compute_logits(out[fb.logits_indices]), dim=-1)  # (B, V)
+        top_p, top_t = probs.max(dim=-1)
+        return [(int(t), float(p)) for t, p in zip(top_t.tolist(), top_p.tolist())]
