@@ -5,13 +5,14 @@ drafts equal a from-scratch computation over the whole sequence; bad configurati
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.models.loader import load_model
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 from deepinfer.models.runner_util import PagedRunner, build_batch
@@ -167,3 +168,33 @@ def test_bad_speculative_configs(ckpt: Path, tmp_path: Path) -> None:
     no_mtp = write_random_checkpoint(tmp_path / "plain", tiny_config(num_nextn_predict_layers=0))
     with pytest.raises(ValueError, match="has no MTP layer"):
         make(no_mtp, speculative_config=SPEC)
+
+
+def test_max_model_len_stop_tokens_and_grammars_with_drafts(tmp_path: Path) -> None:
+    """Drafts near the end of the context, stop tokens and a grammar: same outputs as plain."""
+    tiny = Path(__file__).resolve().parents[1] / "model" / "tiny"
+    ckpt = write_random_checkpoint(tmp_path / "c", tiny_config(vocab_size=978), seed=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, ckpt / name)
+    plain = make(ckpt, max_model_len=48)
+    spec = make(ckpt, max_model_len=48, speculative_config=SPEC)
+
+    def both(prompts: list[Any], params: SamplingParams) -> list[list[int]]:
+        outs = []
+        for llm in (plain, spec):
+            outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)])
+        assert outs[0] == outs[1]
+        return outs[0]
+
+    # prompts ending 1, 2 and 10 tokens before max_model_len: generation runs into the limit
+    long = [{"prompt_token_ids": [3 + i % 900 for i in range(n)]} for n in (47, 46, 38)]
+    out = both(long, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert [len(t) for t in out] == [1, 2, 10]
+    first = both(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[first[5]])
+    assert both(["Hello"], stop)[0][-1] == first[5]
+
+    pytest.importorskip("xgrammar")
+    so = StructuredOutputsParams(regex="[a-z]{2,6}-[0-9]{1,3}")
+    both(["Hello", "The weather"], SamplingParams(temperature=0, max_tokens=16, structured_outputs=so))
+    assert spec.llm_engine.num_draft_tokens > 0
