@@ -32,6 +32,9 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+MAX_SPECULATIVE_TOKENS = 8
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the user asked of the engine (vLLM's argument names).
@@ -49,9 +52,10 @@ class EngineConfig:
     seed: seeds the per-request generators of requests that have no seed of their own.
     enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
     batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
-    speculative_config: {"method": "mtp", "num_speculative_tokens": 1} drafts one token per step
-        with the checkpoint's MTP head and verifies it with the model in the next step (vLLM's
-        names; "deepseek_mtp" is accepted too). Outputs are those of plain decoding.
+    speculative_config: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step
+        with the checkpoint's MTP head (run k times in a chain, as vLLM does past the checkpoint's
+        one MTP layer) and verifies them with the model in the next step (vLLM's names;
+        "deepseek_mtp" is accepted too). Outputs are those of plain decoding.
         "min_draft_confidence": p (default 0) schedules a draft for verification only when the
         head gives it probability >= p, so that unlikely drafts cost no verification work.
     """
@@ -104,10 +108,10 @@ class EngineConfig:
         if method not in ("mtp", "deepseek_mtp"):
             raise ValueError(f"speculative_config: method {method!r} is not supported; use 'mtp'")
         k = spec.get("num_speculative_tokens", 1)
-        if not isinstance(k, int) or isinstance(k, bool) or k != 1:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
-                f"speculative_config: num_speculative_tokens must be 1 (the MTP head drafts one "
-                f"token per step), got {k!r}"
+                f"speculative_config: num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
         return k
 

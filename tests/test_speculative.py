@@ -41,6 +41,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=24, ignore_eos=True) for i in range(6)]
 
 
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize(
     "engine_args",
     [
@@ -51,9 +52,9 @@ SEEDED = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=24, ignor
     ],
     ids=["plain", "chunked", "preempting", "prefix-cache"],
 )
-def test_outputs_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any]) -> None:
+def test_outputs_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any], k: int) -> None:
     plain = make(ckpt, **engine_args)
-    spec = make(ckpt, speculative_config=SPEC, **engine_args)
+    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k}, **engine_args)
     assert run(spec, GREEDY) == run(plain, GREEDY)
     assert run(spec, SEEDED) == run(plain, SEEDED)
     assert spec.llm_engine.num_draft_tokens > 0
@@ -61,27 +62,34 @@ def test_outputs_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any]) -
         assert spec.llm_engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
 def test_right_drafts_are_accepted_and_wrong_ones_rejected(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, k: int
 ) -> None:
-    """Drafts from an oracle that knows plain decoding's output, wrong every third time: the
-    output is unchanged, every right draft is accepted, and the run takes fewer steps."""
+    """Drafts from an oracle that knows plain decoding's output, one in four wrong: the output
+    is unchanged, every right draft up to the first wrong one is accepted, and the run takes
+    fewer steps."""
     plain = make(ckpt)
     expected = run(plain, GREEDY)
     by_prompt = {tuple(p): p + out for p, out in zip(PROMPTS, expected)}
-    spec = make(ckpt, speculative_config=SPEC)
+    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k})
     engine = spec.llm_engine
     calls = {"n": 0, "right": 0}
 
-    def oracle(seqs, spans, rows):  # type: ignore[no-untyped-def]
+    def oracle(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
         drafts = []
-        for seq in seqs:
+        for seq, want in zip(seqs, wants):
             full = by_prompt[tuple(seq.prompt_token_ids)]
-            n = seq.num_tokens
-            calls["n"] += 1
-            right = n < len(full) and calls["n"] % 3 != 0
-            calls["right"] += right
-            drafts.append((full[n] if right else (full[n] + 1) % 128 if n < len(full) else 0, 1.0))
+            chain, prefix_right = [], True
+            for i in range(want):
+                n = seq.num_tokens + i
+                calls["n"] += 1
+                right = n < len(full) and calls["n"] % 4 != 0
+                truth = full[n] if n < len(full) else 0
+                prefix_right = prefix_right and right
+                calls["right"] += prefix_right and n < len(full) - 1  # verifiable and acceptable
+                chain.append((truth if right else (truth + 1) % 128, 1.0))
+            drafts.append(chain)
         return drafts
 
     monkeypatch.setattr(engine.runner, "propose", oracle)
@@ -94,43 +102,58 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
 
     monkeypatch.setattr(engine, "step", counting_step)
     assert run(spec, GREEDY) == expected
-    # every right draft is accepted, except one per request that ends (max_tokens) on the token
-    # before it; the wrong ones are rejected
-    assert calls["right"] - len(PROMPTS) <= engine.num_accepted_tokens <= calls["right"]
+    # every right draft after right ones is accepted, except when max_tokens ends the request
+    # first; a wrong draft and all after it are rejected
+    assert 0 < engine.num_accepted_tokens <= calls["right"]
+    assert engine.num_accepted_tokens >= calls["right"] - k * len(PROMPTS)
     assert engine.num_draft_tokens > engine.num_accepted_tokens
     # plain decoding takes 24 steps for 24 tokens (the prefill step samples the first)
-    assert 12 <= steps["n"] < 24
+    assert 24 // (k + 1) <= steps["n"] < 24
 
 
-def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The head's draft after incremental steps (chunked prefill, then decode, its own paged
-    cache) equals the head run once over the whole sequence with fresh caches."""
-    spec = make(ckpt, speculative_config=SPEC, max_num_batched_tokens=24)
+def fresh_drafts(model: Any, tokens: list[int], k: int) -> list[int]:
+    """k drafts after `tokens`, with the MTP head run from scratch (fresh caches): over every
+    position, then chained on its own output and its previous draft."""
+    backend = model.backend
+    main = PagedRunner(model, backend, num_blocks=64, block_size=8)
+    main.step([(0, tokens)], all_logits=True)
+    assert main.last_hidden is not None
+    mtp = PagedRunner(model, backend, num_blocks=64, block_size=8, seed=1)
+    batch = build_batch(mtp.alloc, [(0, tokens[1:])], mtp.device, all_logits=True)
+    h = model.forward_mtp(batch, main.last_hidden[:-1], mtp.kv_caches[:1])[-1:]
+    drafts = [int(model.compute_logits(h).argmax())]
+    for _ in range(k - 1):
+        batch = build_batch(mtp.alloc, [(0, drafts[-1:])], mtp.device, all_logits=True)
+        h = model.forward_mtp(batch, h, mtp.kv_caches[:1])
+        drafts.append(int(model.compute_logits(h).argmax()))
+    return drafts
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """The head's drafts after incremental steps (chunked prefill, then decode, its own paged
+    cache, chained drafts whose cache rows are rewritten later) equal the head run once over the
+    whole sequence with fresh caches."""
+    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k}, max_num_batched_tokens=24)
     runner = spec.llm_engine.runner
-    seen: list[tuple[list[int], int]] = []
+    seen: list[tuple[list[int], list[int]]] = []
     real = runner.propose
 
-    def record(seqs, spans, rows):  # type: ignore[no-untyped-def]
-        drafts = real(seqs, spans, rows)
-        seen.extend(
-            (list(s.token_ids), d) for s, (_, e), (d, _) in zip(seqs, spans, drafts) if e == s.num_tokens - 1
-        )
+    def record(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
+        drafts = real(seqs, spans, rows, wants)
+        for s, (_, e), chain, want in zip(seqs, spans, drafts, wants):
+            if e == s.num_tokens - 1:
+                assert len(chain) == want
+                seen.append((list(s.token_ids), [d for d, _ in chain]))
         return drafts
 
     monkeypatch.setattr(runner, "propose", record)
     run(spec, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(seen) >= len(PROMPTS) * 5
 
-    backend = create_reference_backend()
-    model = load_model(str(ckpt), backend, torch.float32)
-    for tokens, draft in seen[:: max(1, len(seen) // 12)]:
-        main = PagedRunner(model, backend, num_blocks=64, block_size=8)
-        main.step([(0, tokens)], all_logits=True)
-        assert main.last_hidden is not None
-        mtp = PagedRunner(model, backend, num_blocks=64, block_size=8, seed=1)
-        batch = build_batch(mtp.alloc, [(0, tokens[1:])], mtp.device, all_logits=True)
-        out = model.forward_mtp(batch, main.last_hidden[:-1], mtp.kv_caches[:1])
-        assert int(model.compute_logits(out[-1:]).argmax()) == draft
+    model = load_model(str(ckpt), create_reference_backend(), torch.float32)
+    for tokens, drafts in seen[:: max(1, len(seen) // 12)]:
+        assert fresh_drafts(model, tokens, len(drafts)) == drafts
 
 
 def test_confidence_threshold_schedules_only_likely_drafts(
@@ -143,12 +166,12 @@ def test_confidence_threshold_schedules_only_likely_drafts(
     real = runner.propose
     confident = {"n": 0, "all": 0}
 
-    def sure_every_other(seqs, spans, rows):  # type: ignore[no-untyped-def]
+    def sure_every_other(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
         out = []
-        for i, (d, _) in enumerate(real(seqs, spans, rows)):
+        for i, chain in enumerate(real(seqs, spans, rows, wants)):
             confident["all"] += 1
             confident["n"] += i % 2 == 0
-            out.append((d, 0.9 if i % 2 == 0 else 0.1))
+            out.append([(d, 0.9 if i % 2 == 0 else 0.1) for d, _ in chain])
         return out
 
     monkeypatch.setattr(runner, "propose", sure_every_other)
@@ -159,8 +182,8 @@ def test_confidence_threshold_schedules_only_likely_drafts(
 def test_bad_speculative_configs(ckpt: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="min_draft_confidence must be in"):
         make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 1.5})
-    with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
-        make(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 8\], got 9"):
+        make(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 9})
     with pytest.raises(ValueError, match="method 'eagle' is not supported"):
         make(ckpt, speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="unknown keys"):

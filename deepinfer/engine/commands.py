@@ -34,7 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=int,
         default=0,
-        help="draft tokens per step from the checkpoint's MTP head (speculative decoding; 0 = off)",
+        help="draft tokens per step from the checkpoint's MTP head (speculative decoding, 0 = off)",
     )
 
 

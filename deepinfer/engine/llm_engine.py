@@ -251,26 +251,30 @@ class LLMEngine:
         logits = self.runner.run(batch)  # (rows, V): 1 + draft rows per sampling request
         self.scheduler.advance(batch)
         finished: list[Sequence] = []
-        sampling, first_rows, second = [], [], []  # second: (seq, logits row) to try the draft
+        sampling, first_rows, drafted = [], [], []  # drafted: (seq, logits row of its 1st draft)
         row = 0
         for seq, nd in zip(batch.seqs, batch.num_draft_tokens):
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
                 first_rows.append(row)
                 if nd:
-                    second.append((seq, row + 1))
+                    drafted.append((seq, row + 1))
+                    self.num_draft_tokens += nd
                 row += 1 + nd
-        accepted: set[int] = set()
+        accepted: dict[int, int] = {}  # id(seq) -> drafts accepted this step
         if sampling:
-            self._sample_and_append(logits[first_rows] if second else logits, sampling, finished)
-            retry = [(s, r) for s, r in second if not s.is_finished and s.token_ids[-1] == s.draft[0]]
-            self.num_draft_tokens += len(second)
-            self.num_accepted_tokens += len(retry)
-            for seq, _ in retry:
+            self._sample_and_append(logits[first_rows] if drafted else logits, sampling, finished)
+        j, pending = 0, drafted
+        while pending:  # draft j was right if the token just sampled equals it
+            right = [(s, r) for s, r in pending if not s.is_finished and s.token_ids[-1] == s.draft[j]]
+            for seq, _ in right:
                 self.scheduler.accept_draft(seq)
-                accepted.add(id(seq))
-            if retry:
-                self._sample_and_append(logits[[r for _, r in retry]], [s for s, _ in retry], finished)
+                accepted[id(seq)] = accepted.get(id(seq), 0) + 1
+            self.num_accepted_tokens += len(right)
+            if right:
+                self._sample_and_append(logits[[r for _, r in right]], [s for s, _ in right], finished)
+            j += 1
+            pending = [(s, r + 1) for s, r in right if len(s.draft) > j]
         for seq in batch.seqs:
             seq.draft = []
         if self.num_speculative_tokens:
@@ -286,25 +290,37 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 finished.append(seq)
 
-    def _propose(self, batch: ScheduledBatch, starts: list[int], accepted: set[int]) -> None:
+    def _propose(self, batch: ScheduledBatch, starts: list[int], accepted: dict[int, int]) -> None:
         """Run the MTP head over the positions computed this step whose next token is now known,
-        and give each request that reached its last known token a draft for the next step."""
-        seqs, spans, rows = [], [], []
+        and give each request that reached its last known token drafts for the next step (no
+        more than fit below max_model_len, cut at the first the head is not confident of)."""
+        seqs, spans, rows, wants = [], [], [], []
         row = 0
         for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
-            valid = n - nd + (1 if id(seq) in accepted else 0)  # positions holding real tokens
+            valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
             end = min(start + valid, seq.num_tokens - 1)
             if not seq.is_finished and end > start:
+                k = 0
+                if end == seq.num_tokens - 1:  # draft positions num_tokens .. num_tokens + k - 1
+                    k = min(self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+                    # the chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
+                    if k > 1 and not self.block_manager.allocate(seq, k):
+                        k = 1
                 seqs.append(seq)
                 spans.append((start, end))
                 rows.append(row)
+                wants.append(max(k, 1))
             row += n
         if not seqs:
             return
-        drafts = self.runner.propose(seqs, spans, rows)
-        for seq, (_, end), (draft, prob) in zip(seqs, spans, drafts):
-            if end == seq.num_tokens - 1 and prob >= self.min_draft_confidence:
-                seq.draft = [draft]
+        drafts = self.runner.propose(seqs, spans, rows, wants)
+        for seq, (_, end), chain in zip(seqs, spans, drafts):
+            if end == seq.num_tokens - 1:
+                k = min(self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+                for token, prob in chain[:k]:
+                    if prob < self.min_draft_confidence:
+                        break
+                    seq.draft.append(token)
 
     def _append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""

@@ -102,14 +102,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose(
-        self, seqs: list[Sequence], spans: list[tuple[int, int]], hidden_rows: list[int]
-    ) -> list[tuple[int, float]]:
-        """One draft token per request, with its probability under the MTP head. The head runs
-        over positions spans[b] = [start, end) of request b: position p takes the model's hidden
-        state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1, and writes the
-        head's own cache. Its output at position end - 1 predicts token end + 1, the one after
-        the last known token (end = num_tokens - 1). Greedy drafts: verification keeps the outputs
-        exact anyway."""
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+    ) -> list[list[tuple[int, float]]]:
+        """num_drafts[b] draft tokens for request b, each with its probability under the MTP head.
+
+        The head first runs over positions spans[b] = [start, end) of request b: position p takes
+        the model's hidden state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1,
+        and writes the head's own cache. Its output at end - 1 predicts token end + 1, the first
+        draft (end = num_tokens - 1: the token after the last known one). Each further draft runs
+        the head one position on, on its own previous output and the previous draft (the model's
+        hidden state there is not known yet; the next step's run over verified positions
+        rewrites those cache rows). Greedy drafts: verification keeps the outputs exact anyway."""
         assert self.last_hidden is not None and self.mtp_caches
         tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
         fb = _forward_batch(seqs, spans, tokens, [1] * len(seqs), self.block_size, self.device)
@@ -117,6 +124,22 @@ class ModelRunner:
             self.device
         )
         out = self.model.forward_mtp(fb, self.last_hidden[rows], self.mtp_caches)  # (T, Dm)
-        probs = torch.softmax(self.model.compute_logits(out[fb.logits_indices]), dim=-1)  # (B, V)
-        top_p, top_t = probs.max(dim=-1)
-        return [(int(t), float(p)) for t, p in zip(top_t.tolist(), top_p.tolist())]
+        h = out[fb.logits_indices]  # (B, Dm): the head's output at each request's last position
+        drafts: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))  # requests that want another draft
+        for j in range(max(num_drafts)):
+            probs = torch.softmax(self.model.compute_logits(h), dim=-1)  # (len(live), V)
+            top_p, top_t = probs.max(dim=-1)
+            for b, t, p in zip(live, top_t.tolist(), top_p.tolist()):
+                drafts[b].append((int(t), float(p)))
+            keep = [i for i, b in enumerate(live) if num_drafts[b] > j + 1]
+            if not keep:
+                break
+            live = [live[i] for i in keep]
+            pos = [spans[b][1] + j for b in live]  # the head's next position, fed the last draft
+            fb = _forward_batch(
+                [seqs[b] for b in live], [(q, q + 1) for q in pos], [[drafts[b][-1][0]] for b in live],
+                [1] * len(live), self.block_size, self.device,
+            )  # fmt: skip
+            h = self.model.forward_mtp(fb, h[keep], self.mtp_caches)
+        return drafts
