@@ -1,8 +1,9 @@
 """CI for the CUDA backend without a GPU: its Triton kernels run in the Triton interpreter on the
 CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variable.
 
-1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off), and
-2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...).
+1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off),
+2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
+3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py).
 What the interpreter cannot show (speed, CUDA graphs, streams) is listed in docs/cuda.md.
 """
 
@@ -50,3 +51,10 @@ def test_kernel_tests_under_interpreter() -> None:
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{tail}"
     assert " passed" in res.stdout and "skipped" not in res.stdout, tail
+
+
+def test_engine_speculative_decoding_under_interpreter() -> None:
+    res = _run([str(REPO / "tests" / "test_speculative.py"), "-k", "cuda_backend"], timeout=300)
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"speculative decoding on cuda failed under TRITON_INTERPRET=1:\n{tail}"
+    assert "1 passed" in res.stdout, tail

@@ -5,6 +5,7 @@ drafts equal a from-scratch computation over the whole sequence; bad configurati
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,19 @@ def test_max_model_len_stop_tokens_and_grammars_with_drafts(tmp_path: Path) -> N
     so = StructuredOutputsParams(regex="[a-z]{2,6}-[0-9]{1,3}")
     both(["Hello", "The weather"], SamplingParams(temperature=0, max_tokens=16, structured_outputs=so))
     assert spec.llm_engine.num_draft_tokens > 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_cuda_backend_outputs_equal_plain_decoding(ckpt: Path) -> None:
+    """Verification rows (1 + k query tokens next to decode rows) through the cuda kernels."""
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": t} for t in PROMPTS[:3]]
+    outs = []
+    for spec in (None, {**SPEC, "num_speculative_tokens": 3}):
+        llm = make(ckpt, backend="cuda", max_model_len=128, speculative_config=spec)
+        assert llm.llm_engine.backend.name == "cuda"
+        outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, p, use_tqdm=False)])
+    assert outs[0] == outs[1]
