@@ -51,6 +51,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         batch_invariant: bool = False,
         speculative_config: dict[str, Any] | None = None,
+        enable_expert_parallel: bool = False,
     ) -> None:
         check_model_dir(model)
         config = EngineConfig(
@@ -68,6 +69,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             batch_invariant=batch_invariant,
             speculative_config=speculative_config,
+            enable_expert_parallel=enable_expert_parallel,
         )
         self.llm_engine = LLMEngine(config)
 
@@ -94,19 +96,25 @@ class LLM:
         prompts: a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
         sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         engine = self.llm_engine
-        seqs = engine.make_sequences(prompts, params)
+        try:
+            if isinstance(prompts, (str, dict)):
+                prompts = [prompts]
+            prompts = list(prompts)
+            if sampling_params is None:
+                sampling_params = SamplingParams()
+            if isinstance(sampling_params, SamplingParams):
+                params = [sampling_params] * len(prompts)
+            else:
+                params = list(sampling_params)
+                if len(params) != len(prompts):
+                    raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            seqs = engine.make_sequences(prompts, params)
+        except (ValueError, TypeError):
+            engine.all_ranks(False)  # expert parallelism: the other ranks must not wait for this one
+            raise
+        if not engine.all_ranks(True):
+            raise RuntimeError("generate failed on another expert-parallel rank (its error is raised there)")
         with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             engine.run_to_completion(seqs, bar)
         return [engine.to_output(seq) for seq in seqs]

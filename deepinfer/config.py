@@ -52,6 +52,10 @@ class EngineConfig:
     seed: seeds the per-request generators of requests that have no seed of their own.
     enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
     batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
+    enable_expert_parallel: shard the routed experts over the ranks of the default
+        torch.distributed group (one process per rank, already initialised, e.g. by torchrun);
+        each rank serves its own requests with the full attention (attention data parallelism)
+        and every rank must call generate the same number of times.
     speculative_config: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step
         with the checkpoint's MTP head (run k times in a chain, as vLLM does past the checkpoint's
         one MTP layer) and verifies them with the model in the next step (vLLM's names;
@@ -74,6 +78,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     batch_invariant: bool = False
     speculative_config: dict[str, Any] | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         parse_dtype(self.dtype)
         _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
+        if self.enable_expert_parallel and self.speculative_config is not None:
+            raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -3,7 +3,8 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
 
 1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
-3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py).
+3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py)
+   and expert parallelism over two processes against one (tests/test_expert_parallel.py).
 What the interpreter cannot show (speed, CUDA graphs, streams) is listed in docs/cuda.md.
 """
 
@@ -57,4 +58,11 @@ def test_engine_speculative_decoding_under_interpreter() -> None:
     res = _run([str(REPO / "tests" / "test_speculative.py"), "-k", "cuda_backend"], timeout=300)
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"speculative decoding on cuda failed under TRITON_INTERPRET=1:\n{tail}"
+    assert "1 passed" in res.stdout, tail
+
+
+def test_engine_expert_parallel_under_interpreter() -> None:
+    res = _run([str(REPO / "tests" / "test_expert_parallel.py"), "-k", "cuda"], timeout=300)
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"expert parallelism on cuda failed under TRITON_INTERPRET=1:\n{tail}"
     assert "1 passed" in res.stdout, tail

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import get_backend
@@ -22,6 +24,7 @@ from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
+from deepinfer.models.moe import ExpertParallel
 
 
 def _ids(value: object) -> list[int]:
@@ -43,6 +46,15 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+def _expert_parallel() -> ExpertParallel:
+    if not dist.is_initialized():
+        raise ValueError(
+            "enable_expert_parallel needs torch.distributed initialised first, one process per rank "
+            "(torchrun, or torch.distributed.init_process_group)"
+        )
+    return ExpertParallel(dist.get_rank(), dist.get_world_size())
+
+
 class LLMEngine:
     """Owns the backend, the model, the KV pool, the scheduler and the sampler."""
 
@@ -51,14 +63,17 @@ class LLMEngine:
         `model` (with the `backend` it was built on) may pass an already built model, e.g. random
         weights for benchmarks; the directory then only supplies the tokenizer, if it has one."""
         self.config = config
+        self.expert_parallel = _expert_parallel() if config.enable_expert_parallel else None
         if backend is None:
-            backend = get_backend(config.backend, BackendOptions(batch_invariant=config.batch_invariant))
+            device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.expert_parallel else 0
+            options = BackendOptions(device_index=device_index, batch_invariant=config.batch_invariant)
+            backend = get_backend(config.backend, options)
         self.backend = backend
         if model is None:
             from deepinfer.models.loader import load_model
 
             path = check_model_dir(config.model)
-            model = load_model(str(path), self.backend, config.torch_dtype)
+            model = load_model(str(path), self.backend, config.torch_dtype, self.expert_parallel)
             self.tokenizer: Tokenizer | None = (
                 Tokenizer(path) if (path / "tokenizer.json").is_file() else None
             )
@@ -382,13 +397,36 @@ class LLMEngine:
             seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished=seq.is_finished
         )
 
+    def _count_ranks(self, flag: bool) -> int:
+        assert self.expert_parallel is not None
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.runner.device)
+        return int(self.backend.collectives.all_reduce(t).item())
+
+    def all_ranks(self, flag: bool) -> bool:
+        """flag on every expert-parallel rank (this rank's flag without expert parallelism)."""
+        if self.expert_parallel is None:
+            return flag
+        return self._count_ranks(flag) == self.expert_parallel.world_size
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag if self.expert_parallel is None else self._count_ranks(flag) > 0
+
     def run_to_completion(self, seqs: Iterable[Sequence], progress: Any = None) -> None:
         """Add seqs and step until every request is done. On any error (or Ctrl-C) the
         requests still in flight are dropped, so the engine is ready for the next call."""
         for seq in seqs:
             self.add(seq)
         try:
-            while self.has_unfinished():
+            while True:
+                busy = self.has_unfinished()
+                if self.expert_parallel is not None:  # ranks step together: MoE layers exchange
+                    if not self.any_rank(busy):
+                        break
+                    if not busy:
+                        self.runner.run_idle()
+                        continue
+                elif not busy:
+                    break
                 finished = self.step()
                 if progress is not None and finished:
                     progress.update(len(finished))

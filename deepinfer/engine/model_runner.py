@@ -101,6 +101,18 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
+    def run_idle(self) -> None:
+        """A forward pass over no tokens: with expert parallelism a rank without requests still
+        takes part in every MoE layer's exchange while the other ranks step."""
+        empty = torch.zeros((0,), dtype=torch.int64, device=self.device)
+        tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        fb = ForwardBatch(
+            input_ids=empty, positions=empty, slot_mapping=empty,
+            attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
+        )  # fmt: skip
+        self.model.forward(fb, self.kv_caches)
+
+    @torch.inference_mode()
     def propose(
         self,
         seqs: list[Sequence],

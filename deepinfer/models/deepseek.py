@@ -20,7 +20,7 @@ from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.layers import MLP, Linear, RMSNorm
-from deepinfer.models.moe import MoE
+from deepinfer.models.moe import ExpertParallel, MoE
 from deepinfer.models.rope import cos_sin_cache
 
 if TYPE_CHECKING:
@@ -31,14 +31,16 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h)). The residual add is fused into
     the next norm (backend.small.rms_norm with residual)."""
 
-    def __init__(self, config: ModelConfig, backend: Backend, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: Backend, layer_idx: int, ep: ExpertParallel | None = None
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(backend, config.hidden_size, eps)
         self.self_attn = MLAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(backend, config.hidden_size, eps)
         self.mlp: nn.Module = (
-            MoE(config, backend)
+            MoE(config, backend, ep)
             if config.is_moe_layer(layer_idx)
             else MLP(backend, config.hidden_size, config.intermediate_size)
         )
@@ -81,13 +83,15 @@ class MTPLayer(nn.Module):
     to them and are not loaded twice).
     """
 
-    def __init__(self, config: ModelConfig, backend: Backend, layer_idx: int) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: Backend, layer_idx: int, ep: ExpertParallel | None = None
+    ) -> None:
         super().__init__()
         dm, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(backend, dm, eps)
         self.hnorm = RMSNorm(backend, dm, eps)
         self.eh_proj = Linear(backend, 2 * dm, dm)
-        self.block = DecoderLayer(config, backend, layer_idx)
+        self.block = DecoderLayer(config, backend, layer_idx, ep)
         self.shared_head_norm = RMSNorm(backend, dm, eps)
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
@@ -109,11 +113,20 @@ class DeepseekForCausalLM(nn.Module):
     run through forward_mtp with their own caches (num_mtp_layers of them).
     """
 
-    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config, self.backend, self.dtype = config, backend, dtype
+        self.expert_parallel = expert_parallel
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, i, expert_parallel) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
@@ -204,6 +217,6 @@ class DeepseekForCausalLM(nn.Module):
             idx = c.num_hidden_layers + k
             if not any(n.startswith(f"model.layers.{idx}.") for n in reader.location):
                 break
-            mtp = MTPLayer(c, self.backend, idx)
+            mtp = MTPLayer(c, self.backend, idx, self.expert_parallel)
             mtp.load(reader, f"model.layers.{idx}", dtype)
             self.mtp.append(mtp)

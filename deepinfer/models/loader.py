@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
+from deepinfer.models.moe import ExpertParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -196,8 +197,15 @@ class CheckpointReader:
         return sorted((n, f) for n, f in self.location.items() if n not in self._read)
 
 
-def load_model(path: str | Path, backend: Backend, dtype: torch.dtype | None = None) -> DeepseekForCausalLM:
+def load_model(
+    path: str | Path,
+    backend: Backend,
+    dtype: torch.dtype | None = None,
+    expert_parallel: ExpertParallel | None = None,
+) -> DeepseekForCausalLM:
     """Load a DeepSeek-V2 / V3 / R1 checkpoint directory onto `backend`.
+
+    expert_parallel: read only this rank's routed experts (see deepinfer.models.moe).
 
     dtype: activation and floating-weight dtype; default: the checkpoint's torch_dtype (bfloat16
     for FP8 checkpoints). FP8 weights stay FP8 when backend.capabilities.supports_fp8.
@@ -222,7 +230,7 @@ def load_model(path: str | Path, backend: Backend, dtype: torch.dtype | None = N
         supported = ", ".join(str(d).replace("torch.", "") for d in backend.capabilities.dtypes)
         raise ValueError(f"backend {backend.name!r} does not support dtype {dtype}; supported: {supported}")
 
-    model = DeepseekForCausalLM(config, backend, dtype)
+    model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
     device = backend.device.device()
     with CheckpointReader(root, device, backend.capabilities.supports_fp8, backend.name) as reader:
         model.load_weights(reader)

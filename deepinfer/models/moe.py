@@ -15,6 +15,7 @@ otherwise multiply by routed_scaling_factor (DeepSeek-V2's published code).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,10 +52,25 @@ def router_config(config: ModelConfig) -> RouterConfig:
     )
 
 
-class MoE(nn.Module):
-    """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts."""
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Routed experts sharded over the ranks of the default torch.distributed group: rank r
+    holds experts [r * E / W, (r + 1) * E / W) (W = world_size); every rank keeps the router and
+    the shared experts."""
 
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    rank: int
+    world_size: int
+
+
+class MoE(nn.Module):
+    """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts.
+
+    With expert parallelism the layer holds only its rank's E / W experts. Each (token, expert)
+    pair is sent to the rank that holds the expert (all_to_all), computed there, sent back and
+    combined with its routing weight where the token lives; every rank must call forward
+    (possibly with no tokens) the same number of times."""
+
+    def __init__(self, config: ModelConfig, backend: Backend, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.num_experts, self.hidden, self.inter = (
@@ -62,6 +78,14 @@ class MoE(nn.Module):
             config.hidden_size,
             config.moe_intermediate_size,
         )
+        self.ep = ep
+        if ep is not None and self.num_experts % ep.world_size:
+            raise ValueError(
+                f"expert parallelism over {ep.world_size} ranks needs the {self.num_experts} routed "
+                "experts to divide evenly among them"
+            )
+        self.num_local = self.num_experts // ep.world_size if ep is not None else self.num_experts
+        self.first_local = ep.rank * self.num_local if ep is not None else 0
         self.router = router_config(config)
         self.uses_bias = config.topk_method == "noaux_tc"
         meta = torch.empty(0, device="meta")
@@ -78,10 +102,35 @@ class MoE(nn.Module):
         """x (T, Dm) -> (T, Dm)."""
         logits = self.backend.gemm.linear(x.float(), self.gate_weight)  # (T, E) float32
         weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)  # (T, K)
-        y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
+        if self.ep is None:
+            y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
+        else:
+            y = self._expert_parallel(x, weights, ids)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts over the ranks: x (T, Dm), weights / ids (T, K) -> (T, Dm)."""
+        c, t, k = self.backend.collectives, ids.shape[0], ids.shape[1]
+        world = self.num_experts // self.num_local
+        flat = ids.reshape(-1).long()  # (T*K,) global expert ids
+        dest = flat // self.num_local  # the rank that holds each pair's expert
+        order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
+        send = torch.bincount(dest, minlength=world)  # (W,) pairs for each rank
+        recv = c.all_to_all_single(send)  # (W,) pairs from each rank
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        rows = c.all_to_all_single(x[order // k], recv_sizes, send_sizes)  # (R, Dm)
+        local_ids = c.all_to_all_single(flat[order], recv_sizes, send_sizes) - self.first_local  # (R,)
+        ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=x.device)
+        out = self.backend.moe.fused_moe(
+            rows, ones, local_ids.view(-1, 1), self.w13, self.w2, self.w13_scale, self.w2_scale
+        )  # (R, Dm): each pair's expert output, unweighted
+        back = c.all_to_all_single(out, send_sizes, recv_sizes)  # (T*K, Dm) in `order`
+        pairs = torch.empty_like(back)
+        pairs[order] = back
+        y = (pairs.view(t, k, self.hidden).float() * weights.float().unsqueeze(-1)).sum(dim=1)
+        return y.to(x.dtype)
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         e, dm, inter = self.num_experts, self.hidden, self.inter
@@ -93,14 +142,22 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.load(reader, f"{prefix}.shared_experts", dtype)
         if reader.has(f"{prefix}.experts.gate_up_proj"):  # transformers' fused in-memory layout
-            self.w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)
-            self.w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)
+            local = slice(self.first_local, self.first_local + self.num_local)
+            self.w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)[local]
+            self.w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)[local]
             return
         self._load_per_expert(reader, f"{prefix}.experts", dtype)
 
     def _load_per_expert(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
-        """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv)."""
-        e, dm, inter = self.num_experts, self.hidden, self.inter
+        """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv).
+        Only this rank's experts are read; the others are marked as known."""
+        e, dm, inter = self.num_local, self.hidden, self.inter
+        first = self.first_local
+        for i in [*range(first), *range(first + e, self.num_experts)]:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                for suffix in ("weight", "weight_scale_inv"):
+                    if reader.has(f"{prefix}.{i}.{name}.{suffix}"):
+                        reader.skip(f"{prefix}.{i}.{name}.{suffix}")
         fp8 = reader.has(f"{prefix}.0.gate_proj.weight_scale_inv")
         inter_p = padded_intermediate(inter, fp8)
         w_dtype = reader.fp8_dtype if fp8 else dtype
@@ -112,9 +169,9 @@ class MoE(nn.Module):
             s13 = torch.empty((e, 2 * -(-inter // 128), -(-dm // 128)), dtype=torch.float32, device=device)
             s2 = torch.empty((e, -(-dm // 128), -(-inter // 128)), dtype=torch.float32, device=device)
         for i in range(e):
-            gate = reader.linear(f"{prefix}.{i}.gate_proj", (inter, dm), dtype)
-            up = reader.linear(f"{prefix}.{i}.up_proj", (inter, dm), dtype)
-            down = reader.linear(f"{prefix}.{i}.down_proj", (dm, inter), dtype)
+            gate = reader.linear(f"{prefix}.{first + i}.gate_proj", (inter, dm), dtype)
+            up = reader.linear(f"{prefix}.{first + i}.up_proj", (inter, dm), dtype)
+            down = reader.linear(f"{prefix}.{first + i}.down_proj", (dm, inter), dtype)
             a, sa, b, sb = fuse_gate_up(gate, up, down)
             if (sa is None) == fp8:
                 raise ValueError(f"{prefix}: experts mix FP8 and floating-point weights (expert {i})")
