@@ -254,12 +254,13 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, run, sample, postprocess. Returns the sequences that finished.
 
-        With speculative decoding a request that carries a draft token gets two logits rows: the
-        token after its last one is sampled from the first as usual; if it equals the draft, the
-        draft was right and the next token is sampled from the second row (after the first is
-        appended, so penalties, grammars and the request's random stream see the same history as
-        in plain decoding). Sampling first and comparing after is exact: the emitted tokens follow
-        the model's distribution whatever the draft. Then the MTP head drafts the next token."""
+        With speculative decoding a request that carries k draft tokens gets 1 + k logits rows: the
+        token after its last one is sampled from the first as usual; while the token just sampled
+        equals the next draft, that draft was right and the token after it is sampled from the
+        next row (once the previous one is appended, so penalties, grammars and the request's
+        random stream see the same history as in plain decoding). Sampling first and comparing
+        after is exact: the emitted tokens follow the model's distribution whatever the drafts.
+        Then the MTP head drafts the next ones."""
         batch = self.scheduler.schedule()
         assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
         starts = [s.num_computed_tokens for s in batch.seqs]
@@ -309,7 +310,7 @@ class LLMEngine:
         """Run the MTP head over the positions computed this step whose next token is now known,
         and give each request that reached its last known token drafts for the next step (no
         more than fit below max_model_len, cut at the first the head is not confident of)."""
-        seqs, spans, rows, wants = [], [], [], []
+        seqs, spans, rows, ks = [], [], [], []  # ks: drafts wanted (0: not at its last token yet)
         row = 0
         for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
             valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
@@ -324,18 +325,16 @@ class LLMEngine:
                 seqs.append(seq)
                 spans.append((start, end))
                 rows.append(row)
-                wants.append(max(k, 1))
+                ks.append(k)
             row += n
         if not seqs:
             return
-        drafts = self.runner.propose(seqs, spans, rows, wants)
-        for seq, (_, end), chain in zip(seqs, spans, drafts):
-            if end == seq.num_tokens - 1:
-                k = min(self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
-                for token, prob in chain[:k]:
-                    if prob < self.min_draft_confidence:
-                        break
-                    seq.draft.append(token)
+        drafts = self.runner.propose(seqs, spans, rows, [max(k, 1) for k in ks])
+        for seq, k, chain in zip(seqs, ks, drafts):
+            for token, prob in chain[:k]:
+                if prob < self.min_draft_confidence:
+                    break
+                seq.draft.append(token)
 
     def _append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""
