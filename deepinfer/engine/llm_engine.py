@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import get_backend
@@ -24,7 +23,7 @@ from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
-from deepinfer.models.moe import ExpertParallel
+from deepinfer.parallel.expert_parallel import ExpertParallel
 
 
 def _ids(value: object) -> list[int]:
@@ -46,15 +45,6 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def _expert_parallel() -> ExpertParallel:
-    if not dist.is_initialized():
-        raise ValueError(
-            "enable_expert_parallel needs torch.distributed initialised first, one process per rank "
-            "(torchrun, or torch.distributed.init_process_group)"
-        )
-    return ExpertParallel(dist.get_rank(), dist.get_world_size())
-
-
 class LLMEngine:
     """Owns the backend, the model, the KV pool, the scheduler and the sampler."""
 
@@ -63,7 +53,9 @@ class LLMEngine:
         `model` (with the `backend` it was built on) may pass an already built model, e.g. random
         weights for benchmarks; the directory then only supplies the tokenizer, if it has one."""
         self.config = config
-        self.expert_parallel = _expert_parallel() if config.enable_expert_parallel else None
+        self.expert_parallel = (
+            ExpertParallel.from_torch_distributed() if config.enable_expert_parallel else None
+        )
         if backend is None:
             device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.expert_parallel else 0
             options = BackendOptions(device_index=device_index, batch_invariant=config.batch_invariant)

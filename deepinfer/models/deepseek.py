@@ -20,8 +20,9 @@ from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.layers import MLP, Linear, RMSNorm
-from deepinfer.models.moe import ExpertParallel, MoE
+from deepinfer.models.moe import MoE
 from deepinfer.models.rope import cos_sin_cache
+from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader

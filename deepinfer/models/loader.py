@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
-from deepinfer.models.moe import ExpertParallel
+from deepinfer.parallel.expert_parallel import ExpertParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -15,7 +15,6 @@ otherwise multiply by routed_scaling_factor (DeepSeek-V2's published code).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +24,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import MLP, fuse_gate_up, padded_intermediate
+from deepinfer.parallel.expert_parallel import ExpertParallel, dispatch_combine
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
@@ -52,23 +52,12 @@ def router_config(config: ModelConfig) -> RouterConfig:
     )
 
 
-@dataclass(frozen=True)
-class ExpertParallel:
-    """Routed experts sharded over the ranks of the default torch.distributed group: rank r
-    holds experts [r * E / W, (r + 1) * E / W) (W = world_size); every rank keeps the router and
-    the shared experts."""
-
-    rank: int
-    world_size: int
-
-
 class MoE(nn.Module):
     """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts.
 
-    With expert parallelism the layer holds only its rank's E / W experts. Each (token, expert)
-    pair is sent to the rank that holds the expert (all_to_all), computed there, sent back and
-    combined with its routing weight where the token lives; every rank must call forward
-    (possibly with no tokens) the same number of times."""
+    With expert parallelism (deepinfer.parallel.expert_parallel) the layer holds only its
+    rank's E / W experts and every rank must call forward (possibly with no tokens) the same
+    number of times."""
 
     def __init__(self, config: ModelConfig, backend: Backend, ep: ExpertParallel | None = None) -> None:
         super().__init__()
@@ -79,13 +68,8 @@ class MoE(nn.Module):
             config.moe_intermediate_size,
         )
         self.ep = ep
-        if ep is not None and self.num_experts % ep.world_size:
-            raise ValueError(
-                f"expert parallelism over {ep.world_size} ranks needs the {self.num_experts} routed "
-                "experts to divide evenly among them"
-            )
-        self.num_local = self.num_experts // ep.world_size if ep is not None else self.num_experts
-        self.first_local = ep.rank * self.num_local if ep is not None else 0
+        local = ep.local_experts(self.num_experts) if ep is not None else range(self.num_experts)
+        self.first_local, self.num_local = local.start, len(local)
         self.router = router_config(config)
         self.uses_bias = config.topk_method == "noaux_tc"
         meta = torch.empty(0, device="meta")
@@ -111,26 +95,19 @@ class MoE(nn.Module):
         return y
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts over the ranks: x (T, Dm), weights / ids (T, K) -> (T, Dm)."""
-        c, t, k = self.backend.collectives, ids.shape[0], ids.shape[1]
-        world = self.num_experts // self.num_local
-        flat = ids.reshape(-1).long()  # (T*K,) global expert ids
-        dest = flat // self.num_local  # the rank that holds each pair's expert
-        order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-        send = torch.bincount(dest, minlength=world)  # (W,) pairs for each rank
-        recv = c.all_to_all_single(send)  # (W,) pairs from each rank
-        send_sizes, recv_sizes = send.tolist(), recv.tolist()
-        rows = c.all_to_all_single(x[order // k], recv_sizes, send_sizes)  # (R, Dm)
-        local_ids = c.all_to_all_single(flat[order], recv_sizes, send_sizes) - self.first_local  # (R,)
-        ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=x.device)
-        out = self.backend.moe.fused_moe(
-            rows, ones, local_ids.view(-1, 1), self.w13, self.w2, self.w13_scale, self.w2_scale
-        )  # (R, Dm): each pair's expert output, unweighted
-        back = c.all_to_all_single(out, send_sizes, recv_sizes)  # (T*K, Dm) in `order`
-        pairs = torch.empty_like(back)
-        pairs[order] = back
-        y = (pairs.view(t, k, self.hidden).float() * weights.float().unsqueeze(-1)).sum(dim=1)
-        return y.to(x.dtype)
+        """Routed experts over the ranks (deepinfer.parallel): x (T, Dm), weights / ids (T, K)."""
+        assert self.ep is not None
+
+        def local_experts(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+            return self.backend.moe.fused_moe(
+                rows, ones, local_ids.view(-1, 1), self.w13, self.w2, self.w13_scale, self.w2_scale
+            )
+
+        local = range(self.first_local, self.first_local + self.num_local)
+        return dispatch_combine(
+            self.backend.collectives, x, weights, ids, local, self.ep.world_size, local_experts
+        )
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         e, dm, inter = self.num_experts, self.hidden, self.inter

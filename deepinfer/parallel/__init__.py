@@ -1,0 +1,1 @@
+"""Attention data parallelism + MoE expert parallelism over the contract's collectives."""
