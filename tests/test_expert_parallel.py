@@ -44,6 +44,7 @@ def _worker(rank: int, ckpt: str, store: str, out_dir: str, backend: str) -> Non
         llm = LLM(ckpt, enable_expert_parallel=True, **engine_args(backend))
         moe = llm.llm_engine.model.layers[1].mlp
         result["local_experts"] = [moe.first_local, moe.num_local, int(moe.w13.shape[0])]
+        result["w13_dtype"] = str(moe.w13.dtype)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank], ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in PROMPTS[rank]]
         result["first"] = [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
@@ -74,9 +75,10 @@ def _worker(rank: int, ckpt: str, store: str, out_dir: str, backend: str) -> Non
         ),
     ],
 )
-def test_expert_parallel_outputs_equal_one_process(tmp_path: Path, backend: str) -> None:
-    cfg = tiny_config(num_nextn_predict_layers=0)
-    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=6)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-weights", "fp8-weights"])
+def test_expert_parallel_outputs_equal_one_process(tmp_path: Path, backend: str, fp8: bool) -> None:
+    cfg = tiny_config(num_nextn_predict_layers=0, hidden_size=128, moe_intermediate_size=128)
+    ckpt = write_random_checkpoint(tmp_path / "ckpt", cfg, seed=6, fp8=fp8)
     args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), backend)
     workers = spawn(_worker, args=args, nprocs=WORLD, join=False)  # type: ignore[no-untyped-call]
     deadline = time.monotonic() + 180
@@ -97,6 +99,7 @@ def test_expert_parallel_outputs_equal_one_process(tmp_path: Path, backend: str)
         assert results[r]["first"] == expected, f"rank {r}"
         assert results[r]["again"] == expected, f"rank {r} after the failed call"
     experts = cfg["n_routed_experts"]
+    assert ("float8" in results[0]["w13_dtype"]) == fp8
     assert results[0]["local_experts"] == [0, experts // 2, experts // 2]
     assert results[1]["local_experts"] == [experts // 2, experts // 2, experts // 2]
     assert results[1]["bad"].startswith("ValueError: prompt 0: token id 999999 is outside the vocabulary")
