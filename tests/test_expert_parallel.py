@@ -43,7 +43,7 @@ def _worker(rank: int, ckpt: str, store: str, out_dir: str, backend: str) -> Non
         os.environ["LOCAL_RANK"] = str(rank)
         llm = LLM(ckpt, enable_expert_parallel=True, **engine_args(backend))
         moe = llm.llm_engine.model.layers[1].mlp
-        result["local_experts"] = [moe.first_local, moe.num_local, int(moe.w13.shape[0])]
+        result["local_experts"] = [moe.local.start, len(moe.local), int(moe.w13.shape[0])]
         result["w13_dtype"] = str(moe.w13.dtype)
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS[rank], ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in PROMPTS[rank]]

@@ -68,8 +68,8 @@ class MoE(nn.Module):
             config.moe_intermediate_size,
         )
         self.ep = ep
-        local = ep.local_experts(self.num_experts) if ep is not None else range(self.num_experts)
-        self.first_local, self.num_local = local.start, len(local)
+        # the routed experts this layer holds (all of them without expert parallelism)
+        self.local = ep.local_experts(self.num_experts) if ep is not None else range(self.num_experts)
         self.router = router_config(config)
         self.uses_bias = config.topk_method == "noaux_tc"
         meta = torch.empty(0, device="meta")
@@ -104,9 +104,8 @@ class MoE(nn.Module):
                 rows, ones, local_ids.view(-1, 1), self.w13, self.w2, self.w13_scale, self.w2_scale
             )
 
-        local = range(self.first_local, self.first_local + self.num_local)
         return dispatch_combine(
-            self.backend.collectives, x, weights, ids, local, self.ep.world_size, local_experts
+            self.backend.collectives, x, weights, ids, self.local, self.ep.world_size, local_experts
         )
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
@@ -119,18 +118,19 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.load(reader, f"{prefix}.shared_experts", dtype)
         if reader.has(f"{prefix}.experts.gate_up_proj"):  # transformers' fused in-memory layout
-            local = slice(self.first_local, self.first_local + self.num_local)
-            self.w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)[local]
-            self.w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)[local]
+            w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)
+            w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)
+            mine = slice(self.local.start, self.local.stop)
+            self.w13, self.w2 = (w13, w2) if self.ep is None else (w13[mine].clone(), w2[mine].clone())
             return
         self._load_per_expert(reader, f"{prefix}.experts", dtype)
 
     def _load_per_expert(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv).
         Only this rank's experts are read; the others are marked as known."""
-        e, dm, inter = self.num_local, self.hidden, self.inter
-        first = self.first_local
-        for i in [*range(first), *range(first + e, self.num_experts)]:
+        e, dm, inter = len(self.local), self.hidden, self.inter
+        first = self.local.start
+        for i in [*range(first), *range(self.local.stop, self.num_experts)]:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 for suffix in ("weight", "weight_scale_inv"):
                     if reader.has(f"{prefix}.{i}.{name}.{suffix}"):
