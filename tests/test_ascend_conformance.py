@@ -2,6 +2,7 @@
 the simulation must never be visible to other tests in this process).
 
 Atlas A2 (SoC 220): the whole suite. Ascend 950 (SoC 260): the FP8 tests, which A2 skips.
+Also the engine on ascend: speculative decoding against plain decoding (tests/test_speculative.py).
 """
 
 from __future__ import annotations
@@ -44,3 +45,14 @@ def test_conformance_ascend_950_fp8() -> None:
     proc = run_suite(260, "-k", "fp8")
     assert_passed(proc, 260)
     assert "deselected" in proc.stdout  # only the FP8 cases ran here
+
+
+def test_engine_speculative_decoding_on_the_simulation() -> None:
+    env = {**os.environ, "DEEPINFER_NPU_SIM_SOC": "220", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.npu_sim.plugin",
+        str(ROOT / "tests" / "test_speculative.py"), "-k", "ascend_backend",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, out[-4000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -236,5 +237,22 @@ def test_cuda_backend_outputs_equal_plain_decoding(ckpt: Path) -> None:
     for spec in (None, {**SPEC, "num_speculative_tokens": 3}):
         llm = make(ckpt, backend="cuda", max_model_len=128, speculative_config=spec)
         assert llm.llm_engine.backend.name == "cuda"
+        outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, p, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(
+    "torch_npu" not in sys.modules,
+    reason="the ascend backend on the torch_npu simulation: tests/test_ascend_conformance.py runs it",
+)
+def test_ascend_backend_outputs_equal_plain_decoding(tmp_path: Path) -> None:
+    """Verification rows through the ascend backend's fused ops (simulated), bfloat16."""
+    ckpt = write_random_checkpoint(tmp_path / "c", tiny_config(torch_dtype="bfloat16"), seed=3)
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": t} for t in PROMPTS[:3]]
+    outs = []
+    for spec in (None, {**SPEC, "num_speculative_tokens": 3}):
+        llm = make(ckpt, backend="ascend", dtype="bfloat16", block_size=16, speculative_config=spec)
+        assert llm.llm_engine.backend.name == "ascend"
         outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, p, use_tqdm=False)])
     assert outs[0] == outs[1]
