@@ -43,6 +43,20 @@ def test_generate_reports_bad_input(tmp_path: Path) -> None:
     assert "reference" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_generate_with_structured_output(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"enum": ["red", "green", 7]}))
+    common = ["--temperature", "0", "--max-tokens", "40", "--json", "--backend", "reference"]
+    r = deepinfer("generate", "--prompt", "Hi", "--json-schema", str(schema), *common, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(json.loads(r.stdout)["text"]) in ("red", "green", 7)
+    r = deepinfer("generate", "--prompt", "Hi", "--choice", "yes", "--choice", "no", *common, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] in ("yes", "no")
+    r = deepinfer("generate", "--prompt", "Hi", "--regex", "[a-z", *common, cwd=tmp_path)
+    assert r.returncode == 2 and "the regex does not compile" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_bench_random_config(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     r = deepinfer(

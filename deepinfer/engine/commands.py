@@ -91,14 +91,26 @@ def add_generate_parser(subparsers: Any) -> None:
     s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file)")
+    g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat)")
     _add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from deepinfer.api import LLM, SamplingParams
+    from deepinfer.api import LLM, SamplingParams, StructuredOutputsParams
 
     try:
+        structured = None
+        if args.json_schema is not None:
+            path = Path(args.json_schema)
+            if not path.is_file():
+                raise FileNotFoundError(f"--json-schema: no file {path}")
+            structured = StructuredOutputsParams(json=path.read_text())
+        elif args.regex is not None or args.choice is not None:
+            structured = StructuredOutputsParams(regex=args.regex, choice=args.choice)
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,
@@ -112,6 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty,
+            structured_outputs=structured,
         )
         llm = LLM(args.model, **_engine_kwargs(args))
         if args.chat:
