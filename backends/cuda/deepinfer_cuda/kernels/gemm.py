@@ -227,7 +227,7 @@ def _tma_ok(xq: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> b
     """TMA needs SM90+, unit inner strides and 16-byte aligned rows and bases."""
     if not tma_supported(xq.device):
         return False
-    out_bytes = torch.empty((), dtype=out_dtype).element_size()
+    out_bytes = out_dtype.itemsize
     return (
         xq.stride(-1) == 1
         and weight.stride(-1) == 1
