@@ -52,6 +52,8 @@ class LLM:
         batch_invariant: bool = False,
         speculative_config: dict[str, Any] | None = None,
         enable_expert_parallel: bool = False,
+        enforce_eager: bool = False,
+        async_scheduling: bool = True,
     ) -> None:
         check_model_dir(model)
         config = EngineConfig(
@@ -70,6 +72,8 @@ class LLM:
             batch_invariant=batch_invariant,
             speculative_config=speculative_config,
             enable_expert_parallel=enable_expert_parallel,
+            enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         self.llm_engine = LLMEngine(config)
 

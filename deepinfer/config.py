@@ -56,6 +56,11 @@ class EngineConfig:
         torch.distributed group (one process per rank, already initialised, e.g. by torchrun);
         each rank serves its own requests with the full attention (attention data parallelism)
         and every rank must call generate the same number of times.
+    enforce_eager: never capture graphs (vLLM's name); by default decode steps replay graphs
+        captured per batch-size bucket where the backend has graphs.
+    async_scheduling: the host schedules and prepares step n+1 while the device runs step n;
+        tokens reach the host one step late and outputs equal synchronous scheduling. Steps
+        that carry speculative drafts, and expert-parallel ranks, run synchronously.
     speculative_config: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step
         with the checkpoint's MTP head (run k times in a chain, as vLLM does past the checkpoint's
         one MTP layer) and verifies them with the model in the next step (vLLM's names;
@@ -79,6 +84,8 @@ class EngineConfig:
     batch_invariant: bool = False
     speculative_config: dict[str, Any] | None = None
     enable_expert_parallel: bool = False
+    enforce_eager: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:

@@ -131,7 +131,7 @@ def test_error_in_a_step_drops_the_call_and_the_engine_recovers(
     good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = llm.generate(["Hello"], good, use_tqdm=False)[0].outputs[0].token_ids
     runner = llm.llm_engine.runner
-    real = runner.run
+    real = runner.forward
     calls = {"n": 0}
 
     def flaky(batch):  # type: ignore[no-untyped-def]
@@ -140,7 +140,7 @@ def test_error_in_a_step_drops_the_call_and_the_engine_recovers(
             raise RuntimeError("device fault")
         return real(batch)
 
-    monkeypatch.setattr(runner, "run", flaky)
+    monkeypatch.setattr(runner, "forward", flaky)
     with pytest.raises(RuntimeError, match="device fault"):
         llm.generate(["Hello", "The weather"], good, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished()
@@ -235,7 +235,7 @@ def test_logprobs_match_a_float64_softmax_of_the_model_logits(llm: LLM) -> None:
     )
     sched = ref.llm_engine.scheduler
     sched.add(seq)
-    logits = ref.llm_engine.runner.run(sched.schedule())[0].double()
+    logits = ref.llm_engine.runner.forward(sched.schedule())[1][0].double()
     logp = torch.log_softmax(logits, dim=-1)
     first = out.logprobs[0]
     top = logp.topk(4)

@@ -13,13 +13,14 @@ from deepinfer.engine.sequence import Sequence
 
 def make_seq(prompt: list[int], output: list[int], seed: int | None = None, **kw: object) -> Sequence:
     params = SamplingParams(seed=seed, **kw)  # type: ignore[arg-type]
-    gen = None
-    if not params.greedy:
-        gen = torch.Generator()
-        gen.manual_seed(seed if seed is not None else 0)
-    s = Sequence("r", None, prompt, params, gen)
+    s = Sequence("r", None, prompt, params, seed if seed is not None else 0)
     s.token_ids.extend(output)
     return s
+
+
+def sample(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], offset: int = 0) -> list[int]:
+    """One token per row; every row samples position `offset` (its noise offset)."""
+    return sampler.sample_now(logits, seqs, [offset] * len(seqs))[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +64,9 @@ def test_greedy_and_filters(sampler: Sampler) -> None:
         make_seq([1], [], seed=2, temperature=1.0, top_p=0.01),
         make_seq([1], [], seed=3, temperature=1.0, min_p=0.99),
     ]
-    tokens, lps = sampler(logits, seqs)
+    tokens, lps = sampler.sample_now(logits, seqs, [0] * 4)
     assert tokens == [1, 1, 1, 1]
-    assert lps == [None] * 4
+    assert lps == {}
 
 
 def test_sampling_frequencies_follow_the_softmax(sampler: Sampler) -> None:
@@ -73,8 +74,8 @@ def test_sampling_frequencies_follow_the_softmax(sampler: Sampler) -> None:
     s = make_seq([1], [], seed=11, temperature=0.7, top_k=4)
     counts = torch.zeros(5)
     n = 3000
-    for _ in range(n):
-        counts[sampler(logits, [s])[0][0]] += 1
+    for i in range(n):  # each draw at another position: independent noise
+        counts[sample(sampler, logits, [s], offset=i)[0]] += 1
     probs = torch.softmax(logits[0].double() / 0.7, dim=0)
     probs[3] = 0  # outside top-4
     probs /= probs.sum()
@@ -91,8 +92,8 @@ def test_seeded_rows_do_not_depend_on_the_batch(sampler: Sampler) -> None:
     def draw(rows: list[int]) -> list[int]:
         seqs = [make_seq([1], [], seed=100 + r, temperature=1.0) for r in rows]
         out: list[int] = []
-        for _ in range(20):
-            out.extend(sampler(logits[rows], seqs)[0][: 1 if len(rows) > 1 else None])
+        for i in range(20):
+            out.extend(sample(sampler, logits[rows], seqs, offset=i)[: 1 if len(rows) > 1 else None])
         return out
 
     alone = draw([3])

@@ -94,7 +94,7 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
             drafts.append(chain)
         return drafts
 
-    monkeypatch.setattr(engine.runner, "propose", oracle)
+    monkeypatch.setattr(engine.speculative, "propose", oracle)
     steps = {"n": 0}
     real_step = engine.step
 
@@ -137,7 +137,7 @@ def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.Mo
     cache, chained drafts whose cache rows are rewritten later) equal the head run once over the
     whole sequence with fresh caches."""
     spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k}, max_num_batched_tokens=24)
-    runner = spec.llm_engine.runner
+    runner = spec.llm_engine.speculative
     seen: list[tuple[list[int], list[int]]] = []
     real = runner.propose
 
@@ -164,7 +164,7 @@ def test_confidence_threshold_schedules_only_likely_drafts(
     """Drafts the head is less sure of than min_draft_confidence are not verified; outputs stay."""
     expected = run(make(ckpt), GREEDY)
     spec = make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 0.5})
-    runner = spec.llm_engine.runner
+    runner = spec.llm_engine.speculative
     real = runner.propose
     confident = {"n": 0, "all": 0}
 

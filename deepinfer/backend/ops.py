@@ -54,6 +54,20 @@ class GraphRunner(ABC):
     def replay(self) -> None: ...
 
 
+class RerunGraph(GraphRunner):
+    """Graph stand-in for devices without graphs of their own (the CPU): replay() runs the
+    captured function again. The function closes over its capture-time objects, so its host
+    values stay frozen exactly as in a real graph while the device tensors it reads are refilled
+    in place: this checks the graph path's data flow (persistent buffers, bucket padding,
+    upper-bound lengths), not its speed."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
 # --------------------------------------------------------------------------- device / memory
 
 
@@ -105,15 +119,52 @@ class DeviceOps(_Part):
         """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype. For tests and tools."""
         return ref_memory.read_kv(cache, slots)
 
+    def write_mla_kv(
+        self,
+        cache: PagedKVCache,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """MLA's cache write in one op: kv (T, C + R) is the raw output of the KV down-projection;
+        the row stored at slot_mapping[t] is [rms_norm(kv[t, :C]) * norm_weight | rope(kv[t, C:])],
+        with rms_norm and rope as the small ops define them (rope at positions (T,) int64).
+        C = cache.spec.latent_dim, R = cache.spec.rope_dim; a slot of -1 skips the row.
+        Default: the two small ops (reference), then this part's write_kv (any layout)."""
+        c = cache.spec.latent_dim
+        latent, _ = ref_small.rms_norm(kv[:, :c], norm_weight, eps)
+        k_pe = kv[:, c:]
+        if k_pe.shape[1]:
+            k_pe = ref_small.rope(k_pe[:, None], positions, cos_sin_cache, interleaved)[:, 0]
+        self.write_kv(cache, torch.cat([latent, k_pe], dim=-1), slot_mapping)
+
     def copy_blocks(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor.
         Every source is read before any destination is written; destinations are distinct."""
         ref_memory.copy_blocks(cache, src, dst)
 
     def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
-        """Capture `fn` (run once during capture) for replay, or None where the backend has no
-        graphs (Capabilities.supports_graphs is False): callers then run `fn` eagerly."""
+        """Capture `fn` for replay, or None where the backend has no graphs
+        (Capabilities.supports_graphs is False): callers then run `fn` eagerly.
+
+        What a replay may rely on: the device tensors `fn` read at capture keep their addresses
+        and are refilled in place by the caller; every host value `fn` computed at capture
+        (shapes, Python ints, the host lengths in AttentionMetadata) is frozen. So `fn` must not
+        read the device from the host (no .item(), .tolist(), nonzero, data-dependent shapes).
+        Graphs captured by one backend share one memory pool; capture the largest first."""
         return None
+
+    def peak_memory_bytes(self) -> int | None:
+        """Most device memory held by tensors since the last reset_peak_memory (None: the
+        device does not say). The engine sizes its graph memory with it."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak_memory_bytes measurement."""
 
 
 # --------------------------------------------------------------------------- attention
@@ -132,6 +183,11 @@ class AttentionOps(_Part):
                     intersected with the causal and window limits (sparse attention).
     Cache rows past a request's KV length (never written, or stale) may hold anything, NaN
     included: they must not reach the output, even through a zero softmax weight (0 * NaN).
+
+    Lengths: the device tensors of `meta` are the truth. Its host copies may be UPPER BOUNDS of
+    them (every seq_lens_host entry >= the device one, the query lengths equal): that is how a
+    decode step captured once in a graph replays with other lengths. A decode row whose device
+    KV length is shorter reads only its own rows.
     """
 
     def decode(
@@ -403,6 +459,15 @@ class SmallOps(_Part):
         """In place: logits (B, V) float; bitmask (B, ceil(V/32)) int32, bit (v % 32) of word
         v // 32 set = token v allowed. Disallowed logits become -inf."""
         ref_small.apply_token_bitmask(logits, bitmask)
+
+    def exponential_noise(self, seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Exp(1) noise for sampling, a pure function of (seed, offset, token id): row b is
+        -log(u) with u in (0, 1) from a counter-based hash of (seeds[b], offsets[b], v) (see
+        deepinfer.reference.small.exponential_noise for the exact hash). seeds, offsets (B,)
+        int64 (seeds: any value; offsets >= 0: the position of the token being sampled)
+        -> (B, vocab_size) float32. No generator state: a request's draws do not depend on the
+        batch, the step or a graph replay, only on its seed and the position it samples."""
+        return ref_small.exponential_noise(seeds, offsets, vocab_size)
 
     def sample(
         self,

@@ -113,7 +113,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        # only blocks whose tokens the host knows (a pending token's id is not known yet)
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
         for i, h in enumerate(self._block_hashes(seq, num_full)):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None or h in self.cached:

@@ -1,9 +1,19 @@
-"""LLMEngine: requests in, one step at a time (schedule, run, postprocess), outputs out."""
+"""LLMEngine: requests in, one step at a time (schedule, run, postprocess), outputs out.
+
+A step: the scheduler picks the work, the runner lays it out on the device and launches the
+forward (a graph replay for decode steps), the host then processes the PREVIOUS step's tokens
+(async scheduling: they were copied back while this step's forward was queued), and the draw
+of this step is launched with every request's history up to date. Without async scheduling the
+step's own tokens are processed right away. Steps with speculative drafts run synchronously
+(deepinfer.engine.speculative).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -14,16 +24,20 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import get_backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.config import EngineConfig
+from deepinfer.engine.inputs import PreparedStep
 from deepinfer.engine.kv_cache import BlockManager, cdiv, num_blocks_from_memory
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.model_runner import ModelRunner, graph_buckets
+from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
+from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.speculative import SpeculativeDecoder
 from deepinfer.engine.structured import StructuredOutputs
-from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, read_json_file
+from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.parallel.expert_parallel import ExpertParallel
+
+logger = logging.getLogger(__name__)
 
 
 def _ids(value: object) -> list[int]:
@@ -45,8 +59,17 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
+SEED_MASK = 2**64 - 1
+
+
+def _int64(seed: int) -> int:
+    """A seed in [-2**63, 2**64) as the int64 with the same low 64 bits."""
+    seed &= SEED_MASK
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
 class LLMEngine:
-    """Owns the backend, the model, the KV pool, the scheduler and the sampler."""
+    """Owns the backend, the model, the KV pool, the scheduler, the runner and the sampler."""
 
     def __init__(self, config: EngineConfig, model: Any = None, backend: Backend | None = None) -> None:
         """Load config.model (a checkpoint directory) on the backend config.backend names.
@@ -66,12 +89,9 @@ class LLMEngine:
 
             path = check_model_dir(config.model)
             model = load_model(str(path), self.backend, config.torch_dtype, self.expert_parallel)
-            self.tokenizer: Tokenizer | None = (
-                Tokenizer(path) if (path / "tokenizer.json").is_file() else None
-            )
         else:
             path = Path(config.model)
-            self.tokenizer = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        self.tokenizer: Tokenizer | None = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
         self.model = model
         mc = model.config
         self.vocab_size: int = mc.vocab_size
@@ -79,27 +99,70 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(path, mc)
 
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.min_draft_confidence = config.min_draft_confidence
         if self.num_speculative_tokens and getattr(model, "num_mtp_layers", 0) < 1:
             raise ValueError(
                 f"speculative_config asks for MTP drafts but {config.model} has no MTP layer "
                 "(num_nextn_predict_layers is 0, or its weights are missing)"
             )
+        # Graphs and async scheduling serve plain decoding on one rank: speculative steps and
+        # expert-parallel exchanges (host-sized all_to_all) run eagerly and synchronously.
+        plain = not self.num_speculative_tokens and self.expert_parallel is None
+        use_graphs = plain and not config.enforce_eager and backend.capabilities.supports_graphs
+        self.async_scheduling = plain and config.async_scheduling
         bs = config.block_size
-        num_blocks = self._num_kv_blocks()
+        self.sampler = Sampler(self.backend, self.eos_token_ids)
+        self.runner = ModelRunner(
+            model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,
+            self.max_model_len,
+        )  # fmt: skip
+        buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
+        # Graphs hold one decode forward's activations of the largest bucket in their pool.
+        graph_reserve = (self.runner.decode_memory_bytes(max(buckets)) or 0) if buckets else 0
+        num_blocks = self._num_kv_blocks(graph_reserve)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         spec = model.kv_cache_spec(num_blocks, bs)
-        kv_caches = self.backend.device.allocate_kv_cache(spec, model.num_kv_layers)
-        # the MTP head's own cache: same blocks and block tables as the model's layers
-        mtp_caches = self.backend.device.allocate_kv_cache(spec, 1) if self.num_speculative_tokens else []
+        self.runner.kv_caches = self.backend.device.allocate_kv_cache(spec, model.num_kv_layers)
+        if self.num_speculative_tokens:  # the MTP head's own cache: same blocks and block tables
+            self.runner.mtp_caches = self.backend.device.allocate_kv_cache(spec, 1)
+        self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
+        if buckets:
+            counts = self.backend.device.peak_memory_bytes() is not None
+            free_before, _ = self.backend.device.memory_info()
+            start = time.perf_counter()
+            self.runner.capture_graphs(buckets)
+            self.backend.device.synchronize()
+            if counts:
+                self.graph_memory_bytes = max(free_before - self.backend.device.memory_info()[0], 0)
+            logger.info(
+                "captured decode graphs for %d batch sizes up to %d in %.1f s: %.0f MiB (%.0f MiB reserved)",
+                len(self.runner.graphs), max(buckets), time.perf_counter() - start,
+                self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
+            )  # fmt: skip
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.backend, kv_caches, bs, mtp_caches)
-        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
-        self.num_accepted_tokens = 0
-        self.sampler = Sampler(self.backend, self.eos_token_ids)
+        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.speculative: SpeculativeDecoder | None = None
+        if self.num_speculative_tokens:
+            self.speculative = SpeculativeDecoder(
+                self.runner, self.scheduler, self.sampler, self.outputs, self.num_speculative_tokens,
+                config.min_draft_confidence, self.max_model_len,
+            )  # fmt: skip
+        self.in_flight: SampledStep | None = None  # the last step's tokens, not yet processed
+        # two pinned buffers: a step's tokens land in one while the host reads the other's
+        self._host_tokens = [
+            self.backend.device.pinned_empty((config.max_num_seqs,), torch.int64) for _ in range(2)
+        ]
+        self._host_turn = 0
         self._structured: StructuredOutputs | None = None  # made at the first structured request
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.speculative.num_draft_tokens if self.speculative else 0
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self.speculative.num_accepted_tokens if self.speculative else 0
 
     # ------------------------------------------------------------------ setup
 
@@ -126,7 +189,9 @@ class LLMEngine:
             ids.append(self.tokenizer.eos_token_id)
         return sorted({i for i in ids if 0 <= i < self.vocab_size})
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, graph_reserve: int) -> int:
+        """KV blocks: as asked, or what the memory share holds once `graph_reserve` bytes are
+        set aside for the graphs' memory pool."""
         c, bs = self.config, self.config.block_size
         one = self.model.kv_cache_spec(1, bs)
         layers = self.model.num_kv_layers + (1 if self.num_speculative_tokens else 0)
@@ -138,7 +203,9 @@ class LLMEngine:
                 num_blocks = c.kv_cache_memory_bytes // bytes_per_block
             else:
                 free, total = self.backend.device.memory_info()
-                num_blocks = num_blocks_from_memory(free, total, c.gpu_memory_utilization, bytes_per_block)
+                num_blocks = num_blocks_from_memory(
+                    free - graph_reserve, total, c.gpu_memory_utilization, bytes_per_block
+                )
             # Never more than every request slot at full length could use.
             num_blocks = min(num_blocks, c.max_num_seqs * cdiv(self.max_model_len, bs))
         if num_blocks * bs < self.max_model_len:
@@ -206,13 +273,12 @@ class LLMEngine:
                 self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
             grammar = self._structured.matcher(params.structured_outputs)
 
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(seed)
+        seed = _int64(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
-        seq = Sequence(str(self._next_id), text, list(ids), params, generator, detok)
+        limit = self.max_model_len if params.max_tokens is None else len(ids) + params.max_tokens
+        seq = Sequence(
+            str(self._next_id), text, list(ids), params, seed, detok, min(limit, self.max_model_len)
+        )
         seq.grammar = grammar
         self._next_id += 1
         return seq
@@ -236,157 +302,62 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def abort_all(self) -> None:
+        self.in_flight = None
         self.scheduler.abort_all()
 
     # ------------------------------------------------------------------ the step
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Schedule, run, sample, postprocess. Returns the sequences that finished.
-
-        With speculative decoding a request that carries k draft tokens gets 1 + k logits rows: the
-        token after its last one is sampled from the first as usual; while the token just sampled
-        equals the next draft, that draft was right and the token after it is sampled from the
-        next row (once the previous one is appended, so penalties, grammars and the request's
-        random stream see the same history as in plain decoding). Sampling first and comparing
-        after is exact: the emitted tokens follow the model's distribution whatever the drafts.
-        Then the MTP head drafts the next ones."""
+        """Schedule, launch, process the previous step's tokens, launch the draw. Returns the
+        sequences that finished (with async scheduling, those of the previous step)."""
         batch = self.scheduler.schedule()
-        assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
-        starts = [s.num_computed_tokens for s in batch.seqs]
-        logits = self.runner.run(batch)  # (rows, V): 1 + draft rows per sampling request
+        if self.speculative is not None:
+            assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
+            return self.speculative.step(batch)
+        if len(batch) == 0:  # only requests whose last token is still in flight are left
+            assert self.in_flight is not None, "scheduler made no progress"
+            return self._process_in_flight()
+        step, logits = self.runner.forward(batch)
         self.scheduler.advance(batch)
-        finished: list[Sequence] = []
-        sampling, first_rows, drafted = [], [], []  # drafted: (seq, logits row of its 1st draft)
-        row = 0
-        for seq, nd in zip(batch.seqs, batch.num_draft_tokens):
-            if seq.num_computed_tokens == seq.num_tokens:
-                sampling.append(seq)
-                first_rows.append(row)
-                if nd:
-                    drafted.append((seq, row + 1))
-                    self.num_draft_tokens += nd
-                row += 1 + nd
-        accepted: dict[int, int] = {}  # id(seq) -> drafts accepted this step
-        if sampling:
-            self._sample_and_append(logits[first_rows] if drafted else logits, sampling, finished)
-        j, pending = 0, drafted
-        while pending:  # draft j was right if the token just sampled equals it
-            right = [(s, r) for s, r in pending if not s.is_finished and s.token_ids[-1] == s.draft[j]]
-            for seq, _ in right:
-                self.scheduler.accept_draft(seq)
-                accepted[id(seq)] = accepted.get(id(seq), 0) + 1
-            self.num_accepted_tokens += len(right)
-            if right:
-                self._sample_and_append(logits[[r for _, r in right]], [s for s, _ in right], finished)
-            j += 1
-            pending = [(s, r + 1) for s, r in right if len(s.draft) > j]
-        for seq in batch.seqs:
-            seq.draft = []
-        if self.num_speculative_tokens:
-            self._propose(batch, starts, accepted)
+        finished = self._process_in_flight()
+        if step.sampling_seqs:
+            self.in_flight = self._launch_draw(step, logits)
+            if not self.async_scheduling:
+                finished += self._process_in_flight()
         return finished
 
-    def _sample_and_append(
-        self, logits: torch.Tensor, seqs: list[Sequence], finished: list[Sequence]
-    ) -> None:
-        tokens, logprobs = self.sampler(logits, seqs)
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            if self._append(seq, token, lp):
-                self.scheduler.finish(seq)
-                finished.append(seq)
+    def _process_in_flight(self) -> list[Sequence]:
+        if self.in_flight is None:
+            return []
+        step, self.in_flight = self.in_flight, None
+        return self.outputs.process(step)
 
-    def _propose(self, batch: ScheduledBatch, starts: list[int], accepted: dict[int, int]) -> None:
-        """Run the MTP head over the positions computed this step whose next token is now known,
-        and give each request that reached its last known token drafts for the next step (no
-        more than fit below max_model_len, cut at the first the head is not confident of)."""
-        seqs, spans, rows, ks = [], [], [], []  # ks: drafts wanted (0: not at its last token yet)
-        row = 0
-        for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
-            valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
-            end = min(start + valid, seq.num_tokens - 1)
-            if not seq.is_finished and end > start:
-                k = 0
-                if end == seq.num_tokens - 1:  # draft positions num_tokens .. num_tokens + k - 1
-                    k = min(self.num_speculative_tokens, self.max_model_len - seq.num_tokens)
-                    # the chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
-                    if k > 1 and not self.block_manager.allocate(seq, k):
-                        k = 1
-                seqs.append(seq)
-                spans.append((start, end))
-                rows.append(row)
-                ks.append(k)
-            row += n
-        if not seqs:
-            return
-        drafts = self.runner.propose(seqs, spans, rows, [max(k, 1) for k in ks])
-        for seq, k, chain in zip(seqs, ks, drafts):
-            for token, prob in chain[:k]:
-                if prob < self.min_draft_confidence:
-                    break
-                seq.draft.append(token)
+    def _launch_draw(self, step: PreparedStep, logits: torch.Tensor) -> SampledStep:
+        """Logits processors (with every history up to date), the draw, and the copy of the
+        tokens to the host, all queued without waiting for the device."""
+        seqs = step.sampling_seqs
+        raw = logits
+        if self.sampler.needs_processing(seqs):
+            if any(s.params.logprobs is not None for s in seqs):
+                raw = logits.clone()  # log-probabilities come from the raw logits
+            self.sampler.process_logits(logits, seqs)
+        tokens = self.runner.draw(step, logits, greedy=all(s.params.greedy for s in seqs))
+        for row, seq in enumerate(seqs):
+            if not seq.is_finished:
+                seq.num_pending, seq.pending_row = 1, row
+        lp = self.sampler.logprobs(raw, seqs, tokens)
+        host = self._host_tokens[self._host_turn][: tokens.shape[0]]
+        self._host_turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready = self.backend.device.new_event()
+        ready.record()
+        return SampledStep(seqs, host, lp.to("cpu") if lp is not None else None, ready)
 
-    def _append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
-        """Add a sampled token, detokenise, check stop conditions. True if seq finished."""
-        seq.token_ids.append(token)
-        p = seq.params
-        if lp is not None:
-            if self.tokenizer is not None:
-                lp = {t: Logprob(v.logprob, v.rank, self.tokenizer.decode([t], False)) for t, v in lp.items()}
-            seq.output_logprobs.append(lp)
-            seq.cumulative_logprob += lp[token].logprob
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            raise RuntimeError(f"request {seq.request_id}: token {token} was sampled against its grammar")
-        n_out = seq.num_output_tokens
-        # Nothing stops the request within its first min_tokens tokens (the sampler bans EOS and
-        # stop_token_ids there; a stop string must end after them), as in vLLM.
-        may_stop = n_out > p.min_tokens
-        if may_stop and not p.ignore_eos and token in self.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif may_stop and p.stop_token_ids and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif seq.grammar is not None and seq.grammar.is_terminated():  # accepted its end (EOS)
-            seq.finish_reason = "stop"
-        if seq.finish_reason is not None:
-            # The stopping token stays in token_ids; its text only with include_stop_str_in_output.
-            if seq.detokenizer is not None:
-                if p.include_stop_str_in_output:
-                    seq.output_text += seq.detokenizer.step(token)
-                seq.output_text += seq.detokenizer.flush()
-            return True
-        new_text = seq.detokenizer.step(token) if seq.detokenizer else ""
-        seq.output_text += new_text
-        if may_stop and p.stop_strings and new_text:
-            hit = find_stop(seq.output_text, len(new_text), p.stop_strings)
-            if hit is not None:
-                end = hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)
-                seq.output_text = seq.output_text[:end]
-                seq.finish_reason, seq.stop_reason = "stop", hit[1]
-                return True
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-            if seq.detokenizer is not None:
-                seq.output_text += seq.detokenizer.flush()
-            return True
-        return False
-
-    @staticmethod
-    def to_output(seq: Sequence) -> RequestOutput:
-        want_lp = seq.params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
-            text=seq.output_text,
-            token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-            logprobs=seq.output_logprobs if want_lp else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished=seq.is_finished
-        )
+    to_output = staticmethod(OutputProcessor.to_output)
 
     def _count_ranks(self, flag: bool) -> int:
         assert self.expert_parallel is not None

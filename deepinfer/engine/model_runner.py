@@ -1,104 +1,179 @@
-"""Model runner: one ForwardBatch per step on the device, the model, logits where tokens are sampled."""
+"""Model runner: the model over the paged KV caches it owns, eagerly or as graph replays.
+
+Decode steps (one token per request, no drafts) of up to the largest bucket's requests replay
+graphs captured per batch-size bucket (GRAPH_BUCKETS), padded to the bucket: one graph for the
+forward (every layer and the LM head, into a persistent logits buffer) and one for the draw
+(greedy or sampled, into the persistent sampled_ids buffer). Logits processors that need the
+host (penalties, grammars) run between the two. Other steps run the same functions eagerly.
+
+Everything a graph reads lives at a fixed address: the step inputs (deepinfer.engine.inputs),
+the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
+device (async scheduling) are resolved from sampled_ids as the first op of the forward.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 import torch
 
-from deepinfer.backend.ops import Backend
+from deepinfer.backend.ops import Backend, GraphRunner
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.engine.inputs import PreparedStep, SamplingInputs, StepInputs
+from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch
-from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import ForwardBatch
 
-
-def _forward_batch(
-    seqs: list[Sequence],
-    spans: list[tuple[int, int]],
-    tokens: list[list[int]],
-    logits_rows: list[int],
-    block_size: int,
-    device: torch.device,
-) -> ForwardBatch:
-    """Request b computes positions spans[b] = [start, end) with input tokens tokens[b]; position
-    p goes to cache slot block_table[p // BS] * BS + p % BS; the last logits_rows[b] positions of
-    each request get logits."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    for seq, (start, end), ids, rows in zip(seqs, spans, tokens, logits_rows):
-        input_ids.extend(ids)
-        positions.extend(range(start, end))
-        table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        logits_indices.extend(range(len(input_ids) - rows, len(input_ids)))
-    max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)  # (B, MB)
-    for b, seq in enumerate(seqs):
-        block_tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
-
-    def dev(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-    seq_lens = [end for _, end in spans]
-    query_lens = [end - start for start, end in spans]
-    return ForwardBatch(
-        input_ids=dev(input_ids),
-        positions=dev(positions),
-        slot_mapping=dev(slots),
-        attn=AttentionMetadata.build(block_tables.to(device), seq_lens, query_lens),
-        logits_indices=dev(logits_indices),
-    )
+logger = logging.getLogger(__name__)
 
 
-def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
-    """Lay the scheduled tokens out back to back; a request samples when its last token is in.
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, up to (and covering) max_num_seqs."""
+    sizes = [1, 2, 4, *range(8, 65, 8)]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] + 16)
+    return [b for b in sizes if b < max_num_seqs] + [next(b for b in sizes if b >= max_num_seqs)]
 
-    Request b computes tokens [start, start + n) of its sequence (start = num_computed_tokens),
-    its draft tokens last; a request that samples gets logits for its last token and each draft
-    token (1 + draft rows, in order)."""
-    spans, tokens, rows = [], [], []
-    for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
-        start = seq.num_computed_tokens
-        spans.append((start, start + n))
-        tokens.append(seq.token_ids[start : start + n - nd] + seq.draft[:nd])
-        rows.append(1 + nd if start + n - nd == seq.num_tokens else 0)
-    return _forward_batch(batch.seqs, spans, tokens, rows, block_size, device)
+
+def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
+    """ids >= 0 as they are; -(r + 1) -> sampled_ids[r] (the token the previous step sampled in
+    row r, not yet seen by the host). Device only."""
+    rows = (-input_ids - 1).clamp_(min=0)
+    return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
 class ModelRunner:
-    """Runs the model over the paged KV caches it owns (and the MTP head over its own cache,
-    mtp_caches, when speculative decoding is on)."""
+    """Owns the step inputs, the KV caches (and the MTP head's, for speculative decoding), the
+    logits / sampled-ids buffers and the graphs."""
 
     def __init__(
         self,
         model: Any,
         backend: Backend,
-        kv_caches: list[PagedKVCache],
+        sampler: Sampler,
         block_size: int,
-        mtp_caches: list[PagedKVCache] | None = None,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> None:
         self.model = model
         self.backend = backend
-        self.kv_caches = kv_caches
-        self.mtp_caches = mtp_caches or []
+        self.sampler = sampler
         self.block_size = block_size
         self.device = backend.device.device()
-        self.last_hidden: torch.Tensor | None = None  # (T, Dm) of the last run, for propose
+        self.vocab_size: int = model.config.vocab_size
+        self.inputs = StepInputs(backend, block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
+        self.sampled_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        self.kv_caches: list[PagedKVCache] = []
+        self.mtp_caches: list[PagedKVCache] = []
+        self.last_hidden: torch.Tensor | None = None  # (T, Dm) of the last eager step, for MTP
+        self.logits: torch.Tensor | None = None  # (max bucket, V) float32: graph outputs
+        self.graphs: dict[int, GraphRunner] = {}  # bucket -> forward
+        self.draws: dict[tuple[int, bool], GraphRunner] = {}  # (bucket, greedy) -> draw
 
-    @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Compute the scheduled tokens; -> logits (S, V) float32 for the requests that sample
-        (1 + draft rows each), in batch order."""
-        fb = build_forward_batch(batch, self.block_size, self.device)
+    # ------------------------------------------------------------------ graphs
+
+    def decode_memory_bytes(self, bucket: int) -> int | None:
+        """Device memory one decode forward + draw of `bucket` requests takes beyond its inputs
+        (measured on a one-block cache; None where the device has no peak counter). Graphs
+        share one pool, captured largest first: this is what they need."""
+        dev = self.backend.device
+        dev.synchronize()
+        dev.reset_peak_memory()
+        base = dev.peak_memory_bytes()
+        if base is None:
+            return None
+        caches = dev.allocate_kv_cache(self.model.kv_cache_spec(1, self.block_size), self.model.num_kv_layers)
+        real, self.kv_caches = self.kv_caches, caches
+        try:
+            step = self.inputs.prepare(ScheduledBatch(), bucket)
+            logits = self._logits(step.forward)
+            self.sampler.draw(logits, step.sampling, False, self.sampled_ids[:bucket])
+            dev.synchronize()
+            peak = dev.peak_memory_bytes()
+        finally:
+            self.kv_caches = real
+        del caches, step, logits
+        assert peak is not None
+        return peak - base
+
+    def capture_graphs(self, buckets: list[int]) -> None:
+        """Capture the forward and both draws of every bucket, largest first (one shared pool).
+        Leaves no graphs where the backend has none."""
+        self.logits = torch.zeros((max(buckets), self.vocab_size), dtype=torch.float32, device=self.device)
+        for bs in sorted(buckets, reverse=True):
+            step = self.inputs.prepare(ScheduledBatch(), bs)  # all padding: any content will do
+            logits, out = self.logits[:bs], self.sampled_ids[:bs]
+
+            def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = logits) -> None:
+                logits.copy_(self._logits(fb))
+
+            try:
+                graph = self.backend.device.capture_graph(forward)
+            except NotImplementedError as exc:  # the backend cannot capture this model's ops
+                logger.warning("decode graphs are off, steps run eagerly: %s", exc)
+                graph = None
+            if graph is None:
+                self.graphs, self.draws, self.logits = {}, {}, None
+                return
+            self.graphs[bs] = graph
+            for greedy in (True, False):
+
+                def draw(
+                    p: SamplingInputs = step.sampling,
+                    g: bool = greedy,
+                    x: torch.Tensor = logits,
+                    y: torch.Tensor = out,
+                ) -> None:
+                    self.sampler.draw(x, p, g, y)
+
+                runner = self.backend.device.capture_graph(draw)
+                assert runner is not None
+                self.draws[(bs, greedy)] = runner
+        self.last_hidden = None
+
+    def bucket_for(self, batch: ScheduledBatch) -> int | None:
+        """The graph bucket that serves `batch`, None for an eager step."""
+        if not self.graphs or len(batch) > max(self.graphs):
+            return None
+        if any(n != 1 for n in batch.num_new_tokens) or any(batch.num_draft_tokens):
+            return None
+        return min(b for b in self.graphs if b >= len(batch))
+
+    # ------------------------------------------------------------------ steps
+
+    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
+        """Device only: the forward of one step -> logits (S, V) float32 at fb.logits_indices."""
+        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.sampled_ids))
         hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm)
         self.last_hidden = hidden
-        if fb.logits_indices.numel() == 0:
-            return torch.empty((0, self.model.config.vocab_size), dtype=torch.float32, device=self.device)
-        logits: torch.Tensor = self.model.compute_logits(hidden[fb.logits_indices])  # (S, V)
+        logits: torch.Tensor = self.model.compute_logits(hidden[fb.logits_indices])
         return logits.float()
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> tuple[PreparedStep, torch.Tensor]:
+        """Launch one step's forward -> (the prepared step, logits (rows, V) float32 on the
+        device: 1 + draft rows per sampling request in batch order, then padding rows)."""
+        bucket = self.bucket_for(batch)
+        step = self.inputs.prepare(batch, bucket)
+        if bucket is None:
+            return step, self._logits(step.forward)
+        assert self.logits is not None
+        self.graphs[bucket].replay()
+        return step, self.logits[:bucket]
+
+    @torch.inference_mode()
+    def draw(self, step: PreparedStep, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """Sample every row of `logits` on the device -> sampled_ids[:rows] (a persistent view
+        that the next step's placeholders read)."""
+        rows = step.num_rows
+        if step.bucket is not None:
+            self.draws[(step.bucket, greedy)].replay()
+        else:
+            self.sampler.draw(logits, step.sampling, greedy, self.sampled_ids[:rows])
+        return self.sampled_ids[:rows]
 
     @torch.inference_mode()
     def run_idle(self) -> None:
@@ -111,47 +186,3 @@ class ModelRunner:
             attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
         )  # fmt: skip
         self.model.forward(fb, self.kv_caches)
-
-    @torch.inference_mode()
-    def propose(
-        self,
-        seqs: list[Sequence],
-        spans: list[tuple[int, int]],
-        hidden_rows: list[int],
-        num_drafts: list[int],
-    ) -> list[list[tuple[int, float]]]:
-        """num_drafts[b] draft tokens for request b, each with its probability under the MTP head.
-
-        The head first runs over positions spans[b] = [start, end) of request b: position p takes
-        the model's hidden state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1,
-        and writes the head's own cache. Its output at end - 1 predicts token end + 1, the first
-        draft (end = num_tokens - 1: the token after the last known one). Each further draft runs
-        the head one position on, on its own previous output and the previous draft (the model's
-        hidden state there is not known yet; the next step's run over verified positions
-        rewrites those cache rows). Greedy drafts: verification keeps the outputs exact anyway."""
-        assert self.last_hidden is not None and self.mtp_caches
-        tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
-        fb = _forward_batch(seqs, spans, tokens, [1] * len(seqs), self.block_size, self.device)
-        rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(
-            self.device
-        )
-        out = self.model.forward_mtp(fb, self.last_hidden[rows], self.mtp_caches)  # (T, Dm)
-        h = out[fb.logits_indices]  # (B, Dm): the head's output at each request's last position
-        drafts: list[list[tuple[int, float]]] = [[] for _ in seqs]
-        live = list(range(len(seqs)))  # requests that want another draft
-        for j in range(max(num_drafts)):
-            probs = torch.softmax(self.model.compute_logits(h), dim=-1)  # (len(live), V)
-            top_p, top_t = probs.max(dim=-1)
-            for b, t, p in zip(live, top_t.tolist(), top_p.tolist()):
-                drafts[b].append((int(t), float(p)))
-            keep = [i for i, b in enumerate(live) if num_drafts[b] > j + 1]
-            if not keep:
-                break
-            live = [live[i] for i in keep]
-            pos = [spans[b][1] + j for b in live]  # the head's next position, fed the last draft
-            fb = _forward_batch(
-                [seqs[b] for b in live], [(q, q + 1) for q in pos], [[drafts[b][-1][0]] for b in live],
-                [1] * len(live), self.block_size, self.device,
-            )  # fmt: skip
-            h = self.model.forward_mtp(fb, h[keep], self.mtp_caches)
-        return drafts

@@ -64,6 +64,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_tokens >= seq.max_total_tokens:  # its last token is pending (async): it
+                i += 1  # finishes once the host reads that token
+                continue
             if seq.num_uncomputed_tokens + len(seq.draft) > budget:
                 seq.draft = []  # no room to verify it this step
             n = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
@@ -121,8 +124,13 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:
+        """seq is done: drop it (from the queue too, when it was preempted while its last token
+        was still pending) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
         self.block_manager.free_sequence(seq)
 
     def abort_all(self) -> list[Sequence]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from deepinfer.engine.outputs import Logprob
 from deepinfer.engine.sampling_params import SamplingParams
 
@@ -23,9 +21,13 @@ class SequenceStatus(Enum):
 class Sequence:
     """A request: prompt + generated tokens, KV blocks, progress and stop state.
 
-    token_ids holds the prompt followed by the output. num_computed_tokens counts the tokens
-    whose K rows are in the cache; after a preemption it returns to 0 and the whole
-    prompt + output so far is recomputed (prefill) before the next token is sampled.
+    token_ids holds the prompt followed by the output tokens the host has seen. With async
+    scheduling one more token may be pending: sampled by a step still on the device, counted in
+    num_tokens (the scheduler plans with it) and fed to the next step as a placeholder for row
+    pending_row of the sampler's output, appended to token_ids once the host reads it.
+    num_computed_tokens counts the tokens whose K rows are in the cache (or are written by a
+    step already launched); after a preemption it returns to 0 and the whole prompt + output so
+    far is recomputed (prefill) before the next token is sampled.
     """
 
     def __init__(
@@ -34,15 +36,18 @@ class Sequence:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator | None = None,
+        seed: int = 0,
         detokenizer: IncrementalDetokenizer | None = None,
+        max_total_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.seed = seed  # int64: with the position sampled, it fixes the sampling noise
+        # prompt + output never exceed this (max_tokens, max_model_len)
+        self.max_total_tokens = max_total_tokens if max_total_tokens is not None else 2**62
         self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -57,10 +62,13 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.grammar: Any = None  # xgrammar.GrammarMatcher of a structured-output request
         self.draft: list[int] = []  # speculative tokens after token_ids, verified next step
+        self.num_pending = 0  # tokens sampled on the device, not yet in token_ids (0 or 1)
+        self.pending_row = -1  # the sampler output row of the pending token
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt + output tokens, the pending one included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,6 +80,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has seen."""
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property

@@ -72,13 +72,14 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
-        q_pe = small.rope(q_pe.contiguous(), batch.positions, cos_sin, self.interleaved)
+        q_pe = small.rope(q_pe, batch.positions, cos_sin, self.interleaved)
 
+        # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: (T, C + R) -> the cache.
         kv = self.kv_a_proj_with_mqa(x)  # (T, C + R)
-        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())[0]  # (T, C)
-        k_pe = small.rope(k_pe.contiguous().unsqueeze(1), batch.positions, cos_sin, self.interleaved)
-        self.backend.device.write_kv(cache, torch.cat([latent, k_pe[:, 0]], dim=-1), batch.slot_mapping)
+        self.backend.device.write_mla_kv(
+            cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, batch.positions, cos_sin,
+            self.interleaved, batch.slot_mapping,
+        )  # fmt: skip
 
         gemm = self.backend.gemm
         # Per-head products through the backend (batch-invariant when it is): (H, T, .) views.

@@ -66,7 +66,10 @@ def paged_attention(
     """Ragged causal attention over the paged cache. q (T, H, D) -> (T, H, v_dim) in q's dtype."""
     out = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
     start = 0
-    for b, (kv_len, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+    # Lengths from the device tensors: the host copies may be upper bounds (graph replays).
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = meta.query_start_loc.diff().tolist()
+    for b, (kv_len, n) in enumerate(zip(seq_lens, query_lens)):
         if n == 0:
             continue
         if n > kv_len:

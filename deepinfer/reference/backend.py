@@ -7,6 +7,7 @@ same code elsewhere, e.g. as the baseline in GPU benchmarks.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +17,9 @@ from deepinfer.backend.ops import (
     CollectiveOps,
     DeviceOps,
     GemmOps,
+    GraphRunner,
     MoeOps,
+    RerunGraph,
     SmallOps,
 )
 from deepinfer.backend.types import (
@@ -60,6 +63,10 @@ class ReferenceDevice(DeviceOps):
         free, total = torch.get_device_module(self._device).mem_get_info(self._device)
         return int(free), int(total)
 
+    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
+        """Emulated graphs: replay runs `fn` again (see RerunGraph)."""
+        return RerunGraph(fn)
+
 
 class ReferenceAttention(AttentionOps):
     def prefill(
@@ -96,7 +103,7 @@ CAPABILITIES = Capabilities(
     dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16),
     supports_fp8=True,  # emulated: FP8 weights are dequantised to float32 inside each op
     supports_batch_invariant=True,
-    supports_graphs=False,
+    supports_graphs=True,  # emulated (RerunGraph): a replay runs the captured function again
 )
 
 

@@ -44,6 +44,33 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x045D9F3B  # below 2**31: a 32-bit value times it stays below 2**63, exact in int64
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of uint32 values held in int64."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    x = (((x >> 16) ^ x) * _MIX) & _MASK32
+    return (x >> 16) ^ x
+
+
+def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B,) seeds, (B,) offsets -> (B, V) float32 Exp(1) draws, a pure function of the three.
+
+    key  = mix32(mix32(seed_lo ^ mix32(seed_hi)) ^ offset_lo)    (lo / hi: the 32-bit halves)
+    bits = mix32(key ^ mix32(v))                                  for token id v
+    u    = ((bits >> 8) + 0.5) / 2**24                            in (0, 1), exact in float32
+    noise = -log(u)
+    """
+    s, o = seeds.long(), offsets.long()
+    key = mix32(mix32((s & _MASK32) ^ mix32((s >> 32) & _MASK32)) ^ (o & _MASK32))  # (B,)
+    tok = mix32(torch.arange(vocab_size, dtype=torch.int64, device=seeds.device))  # (V,)
+    bits = mix32(key[:, None] ^ tok[None, :])  # (B, V)
+    u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(u)
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
 ) -> torch.Tensor:

@@ -1,0 +1,270 @@
+"""Input preparation: one step's tokens, positions, cache slots, attention metadata and sampling
+parameters, written on the host into one pinned staging buffer and sent with ONE copy into a
+persistent device buffer. The model reads typed views of that device buffer.
+
+Graphs need their inputs at fixed addresses: a decode step of a graph bucket (Bp requests, one
+token each) always uses the same layout, so the views of a bucket are the same tensors at every
+step, and the graph captured with them reads whatever the latest copy put there. Eager steps
+(prefill, chunked prefill, speculative verification) use views cut to their own sizes.
+
+Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
+device) are written as placeholders -(row + 1), row being where the previous step's sampler put
+that token in `sampled_ids`; the runner resolves them on the device before the embedding.
+
+Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns), in bytes from
+the start of the buffer: int64 [input_ids T | positions T | slot_mapping T | logits_indices S |
+seeds S | offsets S | top_k S], float32 [temperature S | top_p S | min_p S], int32 [seq_lens B |
+query_start_loc B+1 | block_tables B*MB].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata
+from deepinfer.engine.scheduler import ScheduledBatch
+from deepinfer.engine.sequence import Sequence
+from deepinfer.models.forward_batch import ForwardBatch
+
+_I64 = ("input_ids", "positions", "slot_mapping", "logits_indices", "seeds", "offsets", "top_k")
+_F32 = ("temperature", "top_p", "min_p")
+_I32 = ("seq_lens", "query_start_loc", "block_tables")
+
+
+def _lengths(t: int, b: int, s: int, mb: int) -> dict[str, int]:
+    n = dict.fromkeys(_I64, s)
+    n.update(input_ids=t, positions=t, slot_mapping=t, **dict.fromkeys(_F32, s))
+    n.update(seq_lens=b, query_start_loc=b + 1, block_tables=b * mb)
+    return n
+
+
+def layout(t: int, b: int, s: int, mb: int) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """name -> (byte offset, count, dtype) of each field, and the total size in bytes."""
+    n = _lengths(t, b, s, mb)
+    fields: dict[str, tuple[int, int, torch.dtype]] = {}
+    off = 0
+    for names, dtype, size in ((_I64, torch.int64, 8), (_F32, torch.float32, 4), (_I32, torch.int32, 4)):
+        for name in names:
+            fields[name] = (off, n[name], dtype)
+            off += n[name] * size
+    return fields, off
+
+
+@dataclass(frozen=True)
+class SamplingInputs:
+    """Per sampled row (S,), on the device: temperature (0 = greedy), top_k (<= 0: off), top_p,
+    min_p, and the (seed, offset) pair the noise of that row is drawn from."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
+class PreparedStep:
+    """A scheduled batch laid out on the device. `bucket` is the graph bucket size (the batch
+    padded to Bp decode rows) or None for an eager step. sampling_seqs[i] owns logits row i."""
+
+    batch: ScheduledBatch
+    forward: ForwardBatch
+    sampling: SamplingInputs
+    sampling_seqs: list[Sequence]
+    bucket: int | None
+
+    @property
+    def num_rows(self) -> int:
+        """Logits rows the step produces (the bucket size for a graph step)."""
+        return self.bucket if self.bucket is not None else len(self.sampling_seqs)
+
+
+class StepInputs:
+    """The persistent device buffer of step inputs, its pinned staging twins, and the views."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        block_size: int,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.device = backend.device.device()
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)  # block-table columns of a graph step
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        rows = max(max_num_tokens, max_num_seqs)
+        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks)
+        self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        # Two staging buffers: the host fills one while the copy from the other may be queued.
+        self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
+        self._copied = [backend.device.new_event() for _ in range(2)]
+        self._turn = 0
+        self._bucket_views: dict[int, dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ views
+
+    @staticmethod
+    def _views(buf: torch.Tensor, fields: dict[str, tuple[int, int, torch.dtype]]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (off, count, dtype) in fields.items():
+            size = torch.empty((), dtype=dtype).element_size()
+            out[name] = buf[off : off + count * size].view(dtype)
+        return out
+
+    def _device_views(self, t: int, b: int, s: int, mb: int, bucket: bool) -> dict[str, torch.Tensor]:
+        if bucket and b in self._bucket_views:
+            return self._bucket_views[b]
+        fields, _ = layout(t, b, s, mb)
+        views = self._views(self._device_buf, fields)
+        views["block_tables"] = views["block_tables"].view(b, mb)
+        if bucket:
+            self._bucket_views[b] = views
+        return views
+
+    # ------------------------------------------------------------------ building a step
+
+    def prepare(self, batch: ScheduledBatch, bucket: int | None) -> PreparedStep:
+        """Lay `batch` out and queue its copy. Request b computes tokens [start, start + n) of its
+        sequence (start = num_computed_tokens), its draft tokens last; a request whose last
+        computed token is its last token samples: it gets logits for that token and each draft
+        (1 + draft rows, in order). With `bucket`, the batch (decode rows only) is padded to that
+        many requests: padding rows write no cache row (slot -1) and see one cache row."""
+        seqs = batch.seqs
+        num_tokens = batch.num_tokens
+        b = len(seqs) if bucket is None else bucket
+        t = num_tokens if bucket is None else bucket
+        rows: list[int] = []  # the token index of each logits row
+        offsets: list[int] = []  # the position each row samples (its noise offset)
+        sampling_seqs: list[Sequence] = []
+        start = 0
+        for seq, n, nd in zip(seqs, batch.num_new_tokens, batch.num_draft_tokens):
+            if seq.num_computed_tokens + n - nd == seq.num_tokens:
+                rows.extend(range(start + n - 1 - nd, start + n))
+                offsets.extend(range(seq.num_tokens, seq.num_tokens + 1 + nd))
+                sampling_seqs.extend([seq] * (1 + nd))
+            start += n
+        s = len(rows) if bucket is None else bucket
+        mb = self.max_blocks if bucket is not None else max((len(q.block_table) for q in seqs), default=1)
+        mb = max(mb, 1)
+        fields, nbytes = layout(t, b, s, mb)
+
+        turn = self._turn
+        self._turn ^= 1
+        self._copied[turn].synchronize()  # the copy that last read this staging buffer is done
+        host = self._views(self._staging[turn], fields)
+        np_ = {k: v.numpy() for k, v in host.items()}
+        self._fill_tokens(np_, batch, t)
+        self._fill_attention(np_, batch, b, mb)
+        np_["logits_indices"][: len(rows)] = rows
+        np_["logits_indices"][len(rows) :] = np.arange(len(rows), s)
+        self._fill_sampling(np_, sampling_seqs, offsets, s)
+
+        dev = self._device_buf[:nbytes]
+        dev.copy_(self._staging[turn][:nbytes], non_blocking=True)
+        self._copied[turn].record()
+        views = self._device_views(t, b, s, mb, bucket is not None)
+        if bucket is None:
+            seq_lens_host = tuple(q.num_computed_tokens + n for q, n in zip(seqs, batch.num_new_tokens))
+            query_lens_host = tuple(batch.num_new_tokens)
+        else:  # upper bounds: the graph was captured with them and replays any shorter length
+            seq_lens_host = (self.max_model_len,) * b
+            query_lens_host = (1,) * b
+        attn = AttentionMetadata(
+            block_tables=views["block_tables"],
+            seq_lens=views["seq_lens"],
+            query_start_loc=views["query_start_loc"],
+            seq_lens_host=seq_lens_host,
+            query_lens_host=query_lens_host,
+            max_query_len=max(query_lens_host, default=0),
+            max_seq_len=max(seq_lens_host, default=0),
+        )
+        forward = ForwardBatch(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            slot_mapping=views["slot_mapping"],
+            attn=attn,
+            logits_indices=views["logits_indices"],
+        )
+        sampling = SamplingInputs(
+            temperature=views["temperature"],
+            top_k=views["top_k"],
+            top_p=views["top_p"],
+            min_p=views["min_p"],
+            seeds=views["seeds"],
+            offsets=views["offsets"],
+        )
+        return PreparedStep(batch, forward, sampling, sampling_seqs, bucket)
+
+    def _fill_tokens(self, h: dict[str, np.ndarray], batch: ScheduledBatch, t: int) -> None:
+        """input_ids, positions, slot_mapping; padding tokens: id 0, position 0, slot -1.
+        Built as Python lists and stored once per field (the per-request loop is the host's
+        hot path at large batch)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+            start = seq.num_computed_tokens
+            stop = start + n - nd
+            known = len(seq.token_ids)
+            table = seq.block_table
+            if stop <= known:
+                ids.extend(seq.token_ids[start:stop])
+            else:  # the pending token (async): a placeholder resolved on the device
+                assert stop == known + 1 and seq.pending_row >= 0, "one pending token at most"
+                ids.extend(seq.token_ids[start:known])
+                ids.append(-(seq.pending_row + 1))
+            ids.extend(seq.draft[:nd])
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                span = range(start, start + n)
+                pos.extend(span)
+                slots.extend(table[p // bs] * bs + p % bs for p in span)
+        n_real = len(ids)
+        h["input_ids"][:n_real] = ids
+        h["positions"][:n_real] = pos
+        h["slot_mapping"][:n_real] = slots
+        h["input_ids"][n_real:t] = 0
+        h["positions"][n_real:t] = 0
+        h["slot_mapping"][n_real:t] = -1
+
+    def _fill_attention(self, h: dict[str, np.ndarray], batch: ScheduledBatch, b: int, mb: int) -> None:
+        """seq_lens, query_start_loc, block_tables; padding requests: one query token seeing one
+        cache row (any block: its output is discarded)."""
+        tables = h["block_tables"].reshape(b, mb)
+        real = len(batch.seqs)
+        h["seq_lens"][:real] = [q.num_computed_tokens + n for q, n in zip(batch.seqs, batch.num_new_tokens)]
+        h["seq_lens"][real:] = 1
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        np.cumsum(batch.num_new_tokens, out=qsl[1 : real + 1])
+        qsl[real + 1 :] = qsl[real] + np.arange(1, b - real + 1)
+        for r, seq in enumerate(batch.seqs):
+            tables[r, : len(seq.block_table)] = seq.block_table
+        tables[real:, 0] = 0
+
+    @staticmethod
+    def _fill_sampling(h: dict[str, np.ndarray], seqs: list[Sequence], offsets: list[int], s: int) -> None:
+        """Per sampled row; padding rows are greedy."""
+        k = len(seqs)
+        h["temperature"][:k] = [0.0 if q.params.greedy else q.params.temperature for q in seqs]
+        h["top_k"][:k] = [q.params.top_k for q in seqs]
+        h["top_p"][:k] = [q.params.top_p for q in seqs]
+        h["min_p"][:k] = [q.params.min_p for q in seqs]
+        h["seeds"][:k] = [q.seed for q in seqs]
+        h["offsets"][:k] = offsets
+        for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+            h[name][k:s] = value
+        h["seeds"][k:s] = 0
+        h["offsets"][k:s] = 0

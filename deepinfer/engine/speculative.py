@@ -1,0 +1,203 @@
+"""Speculative decoding with the checkpoint's MTP head: verify last step's drafts, draft anew.
+
+A request that carries k draft tokens gets 1 + k logits rows: the token after its last one is
+sampled from the first as usual; while the token just sampled equals the next draft, that draft
+was right and the token after it is sampled from the next row (once the previous one is
+appended, so penalties, grammars and the request's noise offsets see the same history as in
+plain decoding). Sampling first and comparing after is exact: the emitted tokens follow the
+model's distribution whatever the drafts. Then the MTP head drafts the next ones.
+
+These steps are synchronous: the next step's drafts depend on this step's accepted tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.backend.types import AttentionMetadata
+from deepinfer.engine.kv_cache import BlockManager
+from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
+from deepinfer.engine.sequence import Sequence
+from deepinfer.models.forward_batch import ForwardBatch
+
+
+def mtp_batch(
+    seqs: list[Sequence],
+    spans: list[tuple[int, int]],
+    tokens: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """The MTP head's input: request b computes positions spans[b] = [start, end) with input
+    tokens tokens[b] (position p writes cache slot block_table[p // BS] * BS + p % BS); its last
+    position gets logits."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_indices: list[int] = []
+    for seq, (start, end), ids in zip(seqs, spans, tokens):
+        input_ids.extend(ids)
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        logits_indices.append(len(input_ids) - 1)
+    max_blocks = max(len(s.block_table) for s in seqs)
+    block_tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)  # (B, MB)
+    for b, seq in enumerate(seqs):
+        block_tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        input_ids=dev(input_ids),
+        positions=dev(positions),
+        slot_mapping=dev(slots),
+        attn=AttentionMetadata.build(
+            block_tables.to(device), [e for _, e in spans], [e - s for s, e in spans]
+        ),
+        logits_indices=dev(logits_indices),
+    )
+
+
+class SpeculativeDecoder:
+    """One synchronous step with drafts: forward, verification, MTP proposals."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        outputs: OutputProcessor,
+        num_speculative_tokens: int,
+        min_draft_confidence: float,
+        max_model_len: int,
+    ) -> None:
+        self.runner, self.scheduler, self.sampler, self.outputs = runner, scheduler, sampler, outputs
+        self.block_manager: BlockManager = scheduler.block_manager
+        self.k = num_speculative_tokens
+        self.min_draft_confidence = min_draft_confidence
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # drafts verified, and accepted
+        self.num_accepted_tokens = 0
+
+    def step(self, batch: ScheduledBatch) -> list[Sequence]:
+        starts = [s.num_computed_tokens for s in batch.seqs]
+        _, logits = self.runner.forward(batch)  # (rows, V): 1 + draft rows per sampling request
+        self.scheduler.advance(batch)
+        finished: list[Sequence] = []
+        sampling, first_rows, drafted = [], [], []  # drafted: (seq, logits row of its 1st draft)
+        row = 0
+        for seq, nd in zip(batch.seqs, batch.num_draft_tokens):
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+                first_rows.append(row)
+                if nd:
+                    drafted.append((seq, row + 1))
+                    self.num_draft_tokens += nd
+                row += 1 + nd
+        accepted: dict[int, int] = {}  # id(seq) -> drafts accepted this step
+        if sampling:
+            self._sample_and_append(logits[first_rows], sampling, finished)
+        j, pending = 0, drafted
+        while pending:  # draft j was right if the token just sampled equals it
+            right = [(s, r) for s, r in pending if not s.is_finished and s.token_ids[-1] == s.draft[j]]
+            for seq, _ in right:
+                self.scheduler.accept_draft(seq)
+                accepted[id(seq)] = accepted.get(id(seq), 0) + 1
+            self.num_accepted_tokens += len(right)
+            if right:
+                self._sample_and_append(logits[[r for _, r in right]], [s for s, _ in right], finished)
+            j += 1
+            pending = [(s, r + 1) for s, r in right if len(s.draft) > j]
+        for seq in batch.seqs:
+            seq.draft = []
+        self._propose(batch, starts, accepted)
+        return finished
+
+    def _sample_and_append(
+        self, logits: torch.Tensor, seqs: list[Sequence], finished: list[Sequence]
+    ) -> None:
+        tokens, logprobs = self.sampler.sample_now(logits, seqs, [s.num_tokens for s in seqs])
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            self.outputs.append_and_check(seq, token, logprobs.get(row), finished)
+
+    def _propose(self, batch: ScheduledBatch, starts: list[int], accepted: dict[int, int]) -> None:
+        """Run the MTP head over the positions computed this step whose next token is now known,
+        and give each request that reached its last known token drafts for the next step (no
+        more than fit below max_model_len, cut at the first the head is not confident of)."""
+        seqs, spans, rows, ks = [], [], [], []  # ks: drafts wanted (0: not at its last token yet)
+        row = 0
+        for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
+            valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
+            end = min(start + valid, seq.num_tokens - 1)
+            if not seq.is_finished and end > start:
+                k = 0
+                if end == seq.num_tokens - 1:  # draft positions num_tokens .. num_tokens + k - 1
+                    k = min(self.k, self.max_model_len - seq.num_tokens)
+                    # the chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
+                    if k > 1 and not self.block_manager.allocate(seq, k):
+                        k = 1
+                seqs.append(seq)
+                spans.append((start, end))
+                rows.append(row)
+                ks.append(k)
+            row += n
+        if not seqs:
+            return
+        drafts = self.propose(seqs, spans, rows, [max(k, 1) for k in ks])
+        for seq, k, chain in zip(seqs, ks, drafts):
+            for token, prob in chain[:k]:
+                if prob < self.min_draft_confidence:
+                    break
+                seq.draft.append(token)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+    ) -> list[list[tuple[int, float]]]:
+        """num_drafts[b] draft tokens for request b, each with its probability under the MTP head.
+
+        The head first runs over positions spans[b] = [start, end) of request b: position p takes
+        the model's hidden state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1,
+        and writes the head's own cache. Its output at end - 1 predicts token end + 1, the first
+        draft (end = num_tokens - 1: the token after the last known one). Each further draft runs
+        the head one position on, on its own previous output and the previous draft (the model's
+        hidden state there is not known yet; the next step's run over verified positions
+        rewrites those cache rows). Greedy drafts: verification keeps the outputs exact anyway."""
+        runner, model = self.runner, self.runner.model
+        assert runner.last_hidden is not None and runner.mtp_caches
+        bs, device = runner.block_size, runner.device
+        tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
+        fb = mtp_batch(seqs, spans, tokens, bs, device)
+        rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(device)
+        out = model.forward_mtp(fb, runner.last_hidden[rows], runner.mtp_caches)  # (T, Dm)
+        h = out[fb.logits_indices]  # (B, Dm): the head's output at each request's last position
+        drafts: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        live = list(range(len(seqs)))  # requests that want another draft
+        for j in range(max(num_drafts)):
+            probs = torch.softmax(model.compute_logits(h), dim=-1)  # (len(live), V)
+            top_p, top_t = probs.max(dim=-1)
+            for b, t, p in zip(live, top_t.tolist(), top_p.tolist()):
+                drafts[b].append((int(t), float(p)))
+            keep = [i for i, b in enumerate(live) if num_drafts[b] > j + 1]
+            if not keep:
+                break
+            live = [live[i] for i in keep]
+            pos = [spans[b][1] + j for b in live]  # the head's next position, fed the last draft
+            fb = mtp_batch(
+                [seqs[b] for b in live],
+                [(q, q + 1) for q in pos],
+                [[drafts[b][-1][0]] for b in live],
+                bs,
+                device,
+            )
+            h = model.forward_mtp(fb, h[keep], runner.mtp_caches)
+        return drafts

@@ -1,0 +1,209 @@
+"""Async scheduling and decode graphs change no request's output.
+
+The baseline is the plain engine: synchronous steps, eager forwards. Against it, token for token
+(and text, finish reasons, log-probabilities): async scheduling, graph replays padded to the
+batch-size buckets, and both, under greedy and seeded sampling, penalties, stop strings,
+min_tokens, structured output, preemption in a small KV pool, chunked prefill and prefix
+caching. The reference backend's graphs are emulated (a replay runs the captured function again
+with its capture-time host values), so a graph step here reads exactly what a real replay reads.
+The same comparison runs on the cuda backend's kernels under the Triton interpreter
+(tests/test_cuda_interpret.py runs this file with -k cuda).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer.engine.model_runner import graph_buckets
+from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+
+TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+PROMPTS = ["The capital of France is", "Hello", "def fibonacci(n):", "1, 2, 3,", "import os", "Once"]
+MODES = {
+    "async": {"async_scheduling": True, "enforce_eager": True},
+    "graphs": {"async_scheduling": False, "enforce_eager": False},
+    "async+graphs": {"async_scheduling": True, "enforce_eager": False},
+}
+BASELINE = {"async_scheduling": False, "enforce_eager": True}
+
+
+def make(backend: str, **kw: Any) -> LLM:
+    args: dict[str, Any] = {"backend": backend, "dtype": "float32", "block_size": 16, "max_model_len": 128}
+    return LLM(str(TINY), **{**args, **kw})
+
+
+def mixed_params() -> list[SamplingParams]:
+    """One request of each kind, different lengths so that requests leave the batch at different
+    steps (the batch shrinks through the buckets)."""
+    return [
+        SamplingParams(temperature=0, max_tokens=21, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=11, max_tokens=13, logprobs=3),
+        SamplingParams(temperature=0.7, seed=5, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=15),
+        SamplingParams(temperature=0, repetition_penalty=1.3, min_tokens=6, max_tokens=19, stop=["e"]),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=9, stop_token_ids=[5, 9, 13]),
+    ]
+
+
+def outputs(llm: LLM, params: list[SamplingParams], prompts: list[str] = PROMPTS) -> list[tuple[Any, ...]]:
+    res = llm.generate(prompts, params, use_tqdm=False)
+    return [
+        (
+            r.outputs[0].token_ids,
+            r.outputs[0].text,
+            r.outputs[0].finish_reason,
+            r.outputs[0].stop_reason,
+            [
+                sorted((t, round(v.logprob, 4), v.rank) for t, v in lp.items())
+                for lp in r.outputs[0].logprobs or []
+            ],
+        )
+        for r in res
+    ]
+
+
+def graph_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Record (batch size, bucket) of every step the runner serves from a graph."""
+    runner = llm.llm_engine.runner
+    real = runner.bucket_for
+    seen: list[tuple[int, int]] = []
+
+    def spy(batch: Any) -> int | None:
+        bucket = real(batch)
+        if bucket is not None:
+            seen.append((len(batch), bucket))
+        return bucket
+
+    monkeypatch.setattr(runner, "bucket_for", spy)
+    return seen
+
+
+BACKENDS = ["cuda"] if INTERPRET else ["reference"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 48},  # preemption, chunked prefill
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 24},
+    ],
+    ids=["plain", "preempting", "prefix-cache"],
+)
+def test_async_and_graphs_equal_the_plain_engine(
+    backend: str, engine_args: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = mixed_params()
+    prompts = PROMPTS
+    if "enable_prefix_caching" in engine_args:  # shared prefixes: later requests hit the cache
+        prompts = [(PROMPTS[0] + " ") * 5 + p for p in PROMPTS]
+    baseline = make(backend, **BASELINE, **engine_args)
+    expected = outputs(baseline, params, prompts)
+    for name, mode in MODES.items():
+        llm = make(backend, **mode, **engine_args)
+        seen = graph_steps(llm, monkeypatch)
+        assert outputs(llm, params, prompts) == expected, name
+        if not mode["enforce_eager"]:
+            assert seen, f"{name}: no step replayed a graph"
+            assert any(b < bucket for b, bucket in seen), f"{name}: no step was padded to its bucket"
+        if "num_gpu_blocks_override" in engine_args:
+            assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        if "enable_prefix_caching" in engine_args:
+            assert llm.llm_engine.block_manager.num_prefix_hits > 0
+        engine = llm.llm_engine
+        assert not engine.has_unfinished()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_structured_output_async_and_graphs(backend: str) -> None:
+    pytest.importorskip("xgrammar")
+    regex = StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3}){2}")
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=24, structured_outputs=regex) for i in range(3)
+    ] + [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    prompts = PROMPTS[:4]
+    expected = outputs(make(backend, **BASELINE), params, prompts)
+    for name, mode in MODES.items():
+        assert outputs(make(backend, **mode), params, prompts) == expected, name
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("mtp") / "ckpt", tiny_config(), seed=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_decoding_with_async_scheduling_equals_plain_decoding(
+    backend: str, mtp_ckpt: Path
+) -> None:
+    """Speculative steps run synchronously whatever async_scheduling says; outputs stay exact."""
+    args: dict[str, Any] = {"backend": backend, "dtype": "float32", "block_size": 8, "max_model_len": 96}
+    prompts = [
+        {"prompt_token_ids": [5 + (7 * i + 3 * j) % 120 for j in range(n)]} for i, n in enumerate([3, 17, 9])
+    ]
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=12, ignore_eos=True) for i in range(3)
+    ]
+    plain = LLM(str(mtp_ckpt), **args, async_scheduling=False, enforce_eager=True)
+    spec = LLM(str(mtp_ckpt), **args, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert not spec.llm_engine.async_scheduling and not spec.llm_engine.runner.graphs
+    got = [r.outputs[0].token_ids for r in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == [r.outputs[0].token_ids for r in plain.generate(prompts, params, use_tqdm=False)]
+    assert spec.llm_engine.num_draft_tokens > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    """The noise is a function of (seed, position): a seeded request alone and among others
+    (with graphs and async scheduling on) samples the same tokens."""
+    llm = make("reference")
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([PROMPTS[2]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 20, 7)]
+    batch = llm.generate(PROMPTS[:4], [others[0], others[1], p, others[2]], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+
+
+def test_graph_buckets_cover_every_batch_size() -> None:
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(256)[:12] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80]
+    assert graph_buckets(256)[-1] == 256
+    for n in (3, 7, 100, 255, 300):
+        buckets = graph_buckets(n)
+        assert buckets == sorted(set(buckets)) and buckets[-1] >= n and buckets[-2] < n
+
+
+def test_enforce_eager_captures_nothing() -> None:
+    assert not make("reference", enforce_eager=True).llm_engine.runner.graphs
+    graphs = make("reference", max_num_seqs=20).llm_engine.runner.graphs
+    assert sorted(graphs) == graph_buckets(20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariant_mode_with_graphs_and_async(backend: str) -> None:
+    """batch_invariant=True: a request's tokens AND log-probabilities are bitwise the same alone
+    and in batches of other sizes (other buckets, other padding), graphs and async scheduling on."""
+    llm = make(backend, dtype="bfloat16", batch_invariant=True)
+    assert llm.llm_engine.runner.graphs and llm.llm_engine.async_scheduling
+    p = SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    def run(prompts: list[str], at: int) -> tuple[list[int], list[list[tuple[int, float]]]]:
+        params = [
+            SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))
+        ]
+        params[at] = p
+        out = llm.generate(prompts, params, use_tqdm=False)[at].outputs[0]
+        assert out.logprobs is not None
+        return out.token_ids, [sorted((t, v.logprob) for t, v in lp.items()) for lp in out.logprobs]
+
+    alone = run([PROMPTS[0]], 0)
+    assert run([PROMPTS[1], PROMPTS[0], PROMPTS[2]], 1) == alone
+    assert run(PROMPTS, 0) == alone
