@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Whole GPU check of the CUDA backend in one go: install from the working tree, run the
 # conformance suite for `cuda` on the GPU (heavy cases included) and the benchmarks.
-# Writes under $OUT (default bench/results/local): gpu.txt, kernel_tests.log, conformance.log,
+# Writes under $OUT (default bench/results/local): gpu.txt, kernel_tests.log, engine_tests.log, conformance.log,
 # conformance.xml, bench.log, bench_cuda.json, bench_cuda.md.
 #   usage: OUT=/some/dir ci/gpu_check.sh [--skip-bench] [--skip-conformance]
-#   env: CONF_TIMEOUT, BENCH_TIMEOUT, KERNEL_TIMEOUT (seconds), WORKERS, BENCH_ARGS (e.g. --only decode)
+#   env: CONF_TIMEOUT, BENCH_TIMEOUT, KERNEL_TIMEOUT, ENGINE_TIMEOUT (seconds), WORKERS,
+#        BENCH_ARGS (e.g. --only decode)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -40,6 +41,11 @@ status=0
 echo "== kernel tests (tests/test_cuda_kernels.py on the GPU)"
 timeout "${KERNEL_TIMEOUT:-90}" $PY -m pytest tests/test_cuda_kernels.py -q -rfs -p no:cacheprovider 2>&1 \
   | tee "$OUT/kernel_tests.log" | tail -n 30
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== engine on the GPU: async scheduling and CUDA graphs equal the plain engine"
+timeout "${ENGINE_TIMEOUT:-240}" env DEEPINFER_TEST_BACKEND=cuda $PY -m pytest tests/test_async_graphs.py -q -rfs \
+  -p no:cacheprovider 2>&1 | tee "$OUT/engine_tests.log" | tail -n 30
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 if [ $run_conf = 1 ]; then

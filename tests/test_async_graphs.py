@@ -7,7 +7,7 @@ min_tokens, structured output, preemption in a small KV pool, chunked prefill an
 caching. The reference backend's graphs are emulated (a replay runs the captured function again
 with its capture-time host values), so a graph step here reads exactly what a real replay reads.
 The same comparison runs on the cuda backend's kernels under the Triton interpreter
-(tests/test_cuda_interpret.py runs this file with -k cuda).
+(tests/test_cuda_interpret.py) and, with real CUDA graphs, on a GPU (ci/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def graph_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, in
     return seen
 
 
-BACKENDS = ["cuda"] if INTERPRET else ["reference"]
+# cuda under the Triton interpreter (tests/test_cuda_interpret.py), or on a GPU with
+# DEEPINFER_TEST_BACKEND=cuda (ci/gpu_check.sh: real CUDA graphs)
+BACKENDS = [os.environ.get("DEEPINFER_TEST_BACKEND") or ("cuda" if INTERPRET else "reference")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -161,10 +163,11 @@ def test_speculative_decoding_with_async_scheduling_equals_plain_decoding(
     assert spec.llm_engine.num_draft_tokens > 0
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_sampling_does_not_depend_on_the_batch(backend: str) -> None:
     """The noise is a function of (seed, position): a seeded request alone and among others
     (with graphs and async scheduling on) samples the same tokens."""
-    llm = make("reference")
+    llm = make(backend)
     p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate([PROMPTS[2]], p, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (3, 20, 7)]
@@ -183,8 +186,10 @@ def test_graph_buckets_cover_every_batch_size() -> None:
 
 def test_enforce_eager_captures_nothing() -> None:
     assert not make("reference", enforce_eager=True).llm_engine.runner.graphs
-    graphs = make("reference", max_num_seqs=20).llm_engine.runner.graphs
-    assert sorted(graphs) == graph_buckets(20)
+    llm = make("reference", max_num_seqs=20)
+    assert sorted(llm.llm_engine.runner.graphs) == graph_buckets(20)  # the last bucket, 24, > 20
+    params = SamplingParams(temperature=0.5, seed=1, max_tokens=3, ignore_eos=True)
+    assert all(len(r.outputs[0].token_ids) == 3 for r in llm.generate(PROMPTS * 4, params, use_tqdm=False))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

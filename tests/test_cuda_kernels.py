@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 is set for the whole process (tests/test_cuda_interpret.py ru
 that way in a subprocess, so other tests never see the variable). They cover paths the
 conformance suite does not reach at its sizes: several KV splits and the combine kernel,
 bitwise batch invariance across different split counts, exact FP8 rounding, the grouped GEMM's
-tile table and row gather.
+tile table and row gather, the one-launch MoE alignment (sort + tile table) against the torch
+composition it replaces, the noise hash bit for bit, and the DEEPINFER_CUDA_UNFUSED switch.
 """
 
 from __future__ import annotations
@@ -25,13 +26,26 @@ pytestmark = pytest.mark.skipif(
 DEV = torch.device("cuda") if GPU and not INTERPRET else torch.device("cpu")
 
 if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
+    import triton
+    import triton.language as tl
+    from deepinfer_cuda import backend as cuda_backend
     from deepinfer_cuda.backend import sort_by_expert
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
 
-from deepinfer.backend.types import AttentionMetadata  # noqa: E402
+    @triton.jit
+    def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
+        tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
+
+
+from deepinfer.backend.types import AttentionMetadata, BackendOptions, RouterConfig  # noqa: E402
 from deepinfer.reference import gemm as ref_gemm  # noqa: E402
+from deepinfer.reference import moe as ref_moe  # noqa: E402
+from deepinfer.reference import small as ref_small  # noqa: E402
 from deepinfer.testing.tolerances import assert_bitwise_equal  # noqa: E402
 
 
@@ -286,3 +300,152 @@ def test_weighted_combine_and_write_kv(gen: torch.Generator) -> None:
     small_k.write_kv(cache, y.to(DEV), torch.tensor([7, -1, 0, 3, -1, 4], device=DEV))
     flat = cache.view(8, 10).cpu()
     assert torch.equal(flat[[7, 0, 3, 4]], y[[0, 2, 3, 5]]) and not flat[[1, 2, 5, 6]].any()
+
+
+def ids_with_idle_experts(t: int, k: int, e: int, gen: torch.Generator) -> torch.Tensor:
+    """(T, K) int32 distinct experts per token drawn from every third expert only, so that most
+    experts (the first and the last included) receive no rows."""
+    pool = torch.arange(1, e - 1, 3)
+    return torch.stack([pool[torch.randperm(pool.numel(), generator=gen)[:k]] for _ in range(t)]).to(
+        torch.int32
+    )
+
+
+@pytest.mark.parametrize(
+    "t,k,e,block_m",
+    [(0, 8, 256, 16), (1, 8, 256, 16), (37, 3, 9, 64), (131, 6, 64, 16), (101, 8, 256, 16), (9, 8, 384, 128)],
+)
+def test_align_matches_the_torch_composition(
+    gen: torch.Generator, t: int, k: int, e: int, block_m: int
+) -> None:
+    """One launch: order (stable), token, src_to_dst, counts and the tile table equal to
+    sort_by_expert + order // K + gemm.tile_table, bit for bit. T*K is never a multiple of the
+    kernel's row block here except 0 (808 rows = 25 blocks of 32 and 8 rows for E = 256); idle
+    experts sit first, last and between used ones."""
+    assert t * k <= moe_k.ALIGN_MAX_ROWS  # the single-program kernel, not the torch fallback
+    ids = ids_with_idle_experts(t, k, e, gen) if t else torch.empty((0, k), dtype=torch.int32)
+    a = moe_k.align(ids.to(DEV), e, block_m)
+    order, src_to_dst, counts = sort_by_expert(ids, e)
+    group, rows, n = gemm_k.tile_table(counts, t * k, block_m)
+    assert t == 0 or (counts[0] == 0 and counts[-1] == 0)
+    for got, want, what in [
+        (a.order, order, "order"), (a.token, order // k, "token"), (a.src_to_dst, src_to_dst, "src_to_dst"),
+        (a.counts, counts, "counts"),
+    ]:  # fmt: skip
+        assert_bitwise_equal(got.cpu(), want, what=what)
+    assert a.tiles is not None and a.tiles.num_tiles == n and a.tiles.block_m == block_m
+    assert_bitwise_equal(a.tiles.group.cpu(), group, what="tile_group")
+    assert_bitwise_equal(a.tiles.rows.cpu(), rows, what="tile_rows")
+    no_tiles = moe_k.align(ids.to(DEV), e)
+    assert no_tiles.tiles is None and torch.equal(no_tiles.order.cpu(), order)
+
+
+def test_align_with_repeated_ids_and_int64_ids(gen: torch.Generator) -> None:
+    """A token may name one expert twice (the contract does not forbid it; expert parallelism
+    passes (n, 1) ids): stability still holds, int64 ids as int32."""
+    ids = torch.randint(0, 5, (57, 4), generator=gen)
+    a = moe_k.align(ids.to(DEV), 7, 16)
+    order, src_to_dst, counts = sort_by_expert(ids, 7)
+    assert torch.equal(a.order.cpu(), order) and torch.equal(a.src_to_dst.cpu(), src_to_dst)
+    assert torch.equal(a.counts.cpu(), counts)
+
+
+def test_align_above_the_single_program_limit(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ALIGN_MAX_ROWS the torch sort takes over; the tile table stays one launch."""
+    monkeypatch.setattr(moe_k, "ALIGN_MAX_ROWS", 64)
+    ids = ids_with_idle_experts(40, 4, 30, gen)
+    a = moe_k.align(ids.to(DEV), 30, 16)
+    order, src_to_dst, counts = sort_by_expert(ids, 30)
+    group, rows, _ = gemm_k.tile_table(counts, 160, 16)
+    assert torch.equal(a.order.cpu(), order) and torch.equal(a.token.cpu(), order // 4)
+    assert torch.equal(a.src_to_dst.cpu(), src_to_dst) and torch.equal(a.counts.cpu(), counts)
+    assert (
+        a.tiles is not None
+        and torch.equal(a.tiles.rows.cpu(), rows)
+        and torch.equal(a.tiles.group.cpu(), group)
+    )
+
+
+def test_tile_table_kernel_and_grouped_gemm_with_a_shared_table(gen: torch.Generator) -> None:
+    sizes = torch.tensor([0, 5, 16, 0, 33, 1, 0], dtype=torch.int64)
+    m = int(sizes.sum())
+    tiles = moe_k.tile_table(sizes.to(DEV), m, 16)
+    group, rows, n = gemm_k.tile_table(sizes, m, 16)
+    assert (
+        tiles.num_tiles == n and torch.equal(tiles.group.cpu(), group) and torch.equal(tiles.rows.cpu(), rows)
+    )
+    x = torch.randn((m, 24), generator=gen)
+    w = torch.randn((7, 20, 24), generator=gen)
+    cfg = gemm_k.grouped_config(m, False, False)
+    assert cfg.block_m == 16
+    args = (x.to(DEV), w.to(DEV), sizes.to(DEV))
+    shared = gemm_k.grouped_gemm(*args, out_dtype=torch.float32, config=cfg, tiles=tiles)
+    own = gemm_k.grouped_gemm(*args, out_dtype=torch.float32, config=cfg)
+    assert_bitwise_equal(shared.cpu(), own.cpu(), what="grouped GEMM with a precomputed tile table")
+    with pytest.raises(ValueError, match="tile table"):
+        gemm_k.grouped_gemm(*args, out_dtype=torch.float32, tiles=moe_k.tile_table(sizes.to(DEV), m, 64))
+
+
+def test_mix32_is_the_reference_hash() -> None:
+    """The integer hash of the noise kernel, bit for bit (uint32 wrap-around = the reference's
+    masked int64 arithmetic), on edge values and a spread of others."""
+    x = torch.cat([
+        torch.tensor([0, 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1]),
+        torch.randint(0, 2**32, (2000,), generator=torch.Generator().manual_seed(1)),
+    ])  # fmt: skip
+    y = torch.empty_like(x, device=DEV)
+    _mix32_probe[(triton.cdiv(x.numel(), 512),)](x.to(DEV), y, x.numel(), BLOCK=512)
+    assert_bitwise_equal(y.cpu(), ref_small.mix32(x), what="mix32")
+
+
+def test_route_ties_go_to_the_lowest_id() -> None:
+    """Equal selection scores: lowest expert ids first, as torch.topk on the CPU orders them;
+    groups too (equal group scores keep the lowest groups)."""
+    logits = torch.zeros((2, 32))
+    logits[1, 20] = 1.0  # one clear winner, then ties
+    for config in (
+        RouterConfig("sigmoid", top_k=4),
+        RouterConfig("sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum"),
+    ):
+        _, ids = moe_k.route(logits.to(DEV), config)
+        assert ids.cpu().tolist() == [[0, 1, 2, 3], [20, 0, 1, 2]], config
+
+
+def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_CUDA_UNFUSED=1 at creation: the composed paths, with the same results (the MoE
+    layer bit for bit: same sort, same tile table, same kernels)."""
+    fused = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    unfused = cuda_backend.create_cuda_backend(BackendOptions())
+    assert fused.moe.fused and not unfused.moe.fused and not unfused.device.fused and not unfused.small.fused
+    config = RouterConfig(
+        "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True
+    )
+    logits, bias = torch.randn((9, 32), generator=gen), torch.randn(32, generator=gen) * 0.1
+    (w1, i1), (w2, i2) = (b.moe.route(logits.to(DEV), config, bias.to(DEV)) for b in (fused, unfused))
+    rw, ri = ref_moe.route(logits, config, bias)
+    assert torch.equal(i1.cpu(), ri) and torch.equal(i2.cpu(), ri)
+    for w in (w1, w2):  # the reference's torch ops on the device or the kernel: float32 rounding apart
+        torch.testing.assert_close(w.cpu(), rw, rtol=1e-6, atol=1e-6)
+    x = torch.randn((9, 40), generator=gen).to(DEV)
+    w13, w_2 = torch.randn((32, 48, 40), generator=gen) * 0.2, torch.randn((32, 40, 24), generator=gen) * 0.2
+    y1, y2 = (b.moe.fused_moe(x, w1, i1, w13.to(DEV), w_2.to(DEV)) for b in (fused, unfused))
+    assert_bitwise_equal(y1.cpu(), y2.cpu(), what="fused_moe, fused vs unfused")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_write_kv_casts_in_the_kernel_like_torch(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """float32 rows (a strided view) cast in the kernel, round to nearest even: ties included
+    (the interpreter's own bf16 cast truncates), and the carry into the next binade."""
+    ties = torch.tensor(
+        [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-11, 1 + 3 * 2**-11, 2 - 2**-9, 65519.0]
+    )
+    wide = torch.randn((5, 20), generator=gen) * 4
+    wide[0, 2 : 2 + ties.numel()] = ties
+    kv = wide[:, 2:18]  # (5, 16), row stride 20
+    cache = torch.zeros((2, 4, 16), dtype=dtype, device=DEV)
+    slots = torch.tensor([6, 0, -1, 3, 7])
+    small_k.write_kv(cache, kv.to(DEV), slots.to(DEV))
+    flat = cache.view(8, 16).cpu()
+    keep = slots >= 0
+    assert_bitwise_equal(flat[slots[keep]], kv[keep].to(dtype), what="write_kv cast")

@@ -147,15 +147,18 @@ class DeviceOps(_Part):
         Every source is read before any destination is written; destinations are distinct."""
         ref_memory.copy_blocks(cache, src, dst)
 
-    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
         """Capture `fn` for replay, or None where the backend has no graphs
-        (Capabilities.supports_graphs is False): callers then run `fn` eagerly.
+        (Capabilities.supports_graphs is False): callers then run `fn` eagerly. With
+        `share_with` (a graph this backend captured), the new graph allocates from that graph's
+        memory pool: capture the largest of a set first and share its pool with the rest.
 
         What a replay may rely on: the device tensors `fn` read at capture keep their addresses
         and are refilled in place by the caller; every host value `fn` computed at capture
         (shapes, Python ints, the host lengths in AttentionMetadata) is frozen. So `fn` must not
-        read the device from the host (no .item(), .tolist(), nonzero, data-dependent shapes).
-        Graphs captured by one backend share one memory pool; capture the largest first."""
+        read the device from the host (no .item(), .tolist(), nonzero, data-dependent shapes)."""
         return None
 
     def peak_memory_bytes(self) -> int | None:

@@ -30,6 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
     g.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
     g.add_argument("--seed", type=int, default=0, help="engine seed (and the request seed in generate)")
+    g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps as graphs")
+    g.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="process each step's tokens before scheduling the next (no overlap of host and device)",
+    )
     g.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -50,6 +57,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
+        "enforce_eager": args.enforce_eager,
+        "async_scheduling": args.async_scheduling,
         "speculative_config": (
             {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
             if args.num_speculative_tokens

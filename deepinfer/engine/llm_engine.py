@@ -149,7 +149,7 @@ class LLMEngine:
         self.in_flight: SampledStep | None = None  # the last step's tokens, not yet processed
         # two pinned buffers: a step's tokens land in one while the host reads the other's
         self._host_tokens = [
-            self.backend.device.pinned_empty((config.max_num_seqs,), torch.int64) for _ in range(2)
+            self.backend.device.pinned_empty((self.runner.max_rows,), torch.int64) for _ in range(2)
         ]
         self._host_turn = 0
         self._structured: StructuredOutputs | None = None  # made at the first structured request
@@ -353,9 +353,10 @@ class LLMEngine:
         host = self._host_tokens[self._host_turn][: tokens.shape[0]]
         self._host_turn ^= 1
         host.copy_(tokens, non_blocking=True)
+        lp_host = lp.to_host(self.backend.device.pinned_empty) if lp is not None else None
         ready = self.backend.device.new_event()
         ready.record()
-        return SampledStep(seqs, host, lp.to("cpu") if lp is not None else None, ready)
+        return SampledStep(seqs, host, lp_host, ready)
 
     to_output = staticmethod(OutputProcessor.to_output)
 

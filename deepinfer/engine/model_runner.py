@@ -64,8 +64,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = backend.device.device()
         self.vocab_size: int = model.config.vocab_size
-        self.inputs = StepInputs(backend, block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
-        self.sampled_ids = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        # most requests (rows) in a step: max_num_seqs, padded up to a graph bucket
+        self.max_rows = graph_buckets(max_num_seqs)[-1]
+        self.inputs = StepInputs(backend, block_size, max_num_batched_tokens, self.max_rows, max_model_len)
+        self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
         self.last_hidden: torch.Tensor | None = None  # (T, Dm) of the last eager step, for MTP
@@ -110,8 +112,9 @@ class ModelRunner:
             def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = logits) -> None:
                 logits.copy_(self._logits(fb))
 
+            first = next(iter(self.graphs.values()), None)  # the largest: its pool serves all
             try:
-                graph = self.backend.device.capture_graph(forward)
+                graph = self.backend.device.capture_graph(forward, share_with=first)
             except NotImplementedError as exc:  # the backend cannot capture this model's ops
                 logger.warning("decode graphs are off, steps run eagerly: %s", exc)
                 graph = None
@@ -129,7 +132,7 @@ class ModelRunner:
                 ) -> None:
                     self.sampler.draw(x, p, g, y)
 
-                runner = self.backend.device.capture_graph(draw)
+                runner = self.backend.device.capture_graph(draw, share_with=graph)
                 assert runner is not None
                 self.draws[(bs, greedy)] = runner
         self.last_hidden = None

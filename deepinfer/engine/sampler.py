@@ -13,6 +13,7 @@ that need none cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,15 @@ class LogprobTensors:
     sampled: torch.Tensor
     rank: torch.Tensor
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> LogprobTensors:
+    def to_host(self, pinned_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> LogprobTensors:
+        """Copies in host buffers from `pinned_empty` (the backend's), queued without waiting:
+        valid once the step's event has completed."""
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return pinned_empty(tuple(t.shape), t.dtype).copy_(t, non_blocking=True)
+
         return LogprobTensors(
-            self.rows,
-            *(t.to(device, non_blocking=non_blocking) for t in (self.top_values, self.top_ids)),
-            *(t.to(device, non_blocking=non_blocking) for t in (self.sampled, self.rank)),
+            self.rows, copy(self.top_values), copy(self.top_ids), copy(self.sampled), copy(self.rank)
         )
 
     def entries(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, dict[int, Logprob]]:
@@ -170,4 +175,8 @@ class Sampler:
         self.draw(logits, params, all(p.greedy for p in ps), tokens)
         lp = self.logprobs(raw, seqs, tokens)
         token_list = [int(t) for t in tokens.tolist()]
-        return token_list, (lp.to("cpu").entries(seqs, token_list) if lp is not None else {})
+        if lp is None:
+            return token_list, {}
+        return token_list, lp.to_host(lambda shape, dtype: torch.empty(shape, dtype=dtype)).entries(
+            seqs, token_list
+        )

@@ -63,7 +63,9 @@ class ReferenceDevice(DeviceOps):
         free, total = torch.get_device_module(self._device).mem_get_info(self._device)
         return int(free), int(total)
 
-    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
         """Emulated graphs: replay runs `fn` again (see RerunGraph)."""
         return RerunGraph(fn)
 

@@ -69,8 +69,11 @@ class AscendDevice(DeviceOps):
     def read_kv(self, cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
         return kv_cache.read(cache, slots)
 
-    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
-        return AscendGraph(self._ns, self._attention, fn)
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
+        pool = share_with.pool if isinstance(share_with, AscendGraph) else None
+        return AscendGraph(self._ns, self._attention, fn, pool)
 
 
 @dataclass
@@ -87,13 +90,16 @@ class _Task:
 class AscendGraph(GraphRunner):
     """An NPUGraph of `fn` with in-graph updates of the attention lengths (see module doc)."""
 
-    def __init__(self, ns: Any, attention: AscendAttention, fn: Callable[[], object]) -> None:
+    def __init__(
+        self, ns: Any, attention: AscendAttention, fn: Callable[[], object], pool: Any = None
+    ) -> None:
         self._ns = ns
         self._graph = ns.NPUGraph()
         self._tasks: list[_Task] = []
+        self.pool = pool if pool is not None else ns.graph_pool_handle()  # shared by later captures
         attention.issuer = self._issue
         try:
-            with ns.graph(self._graph):
+            with ns.graph(self._graph, pool=self.pool):
                 fn()
         finally:
             attention.issuer = None

@@ -3,10 +3,19 @@
 Device: torch.cuda (streams, events, pinned buffers, CUDA graphs). Under TRITON_INTERPRET=1 on
 a machine without a GPU the same parts run the same Triton kernels in the interpreter on CPU
 tensors (no streams or graphs there); that is how CI checks the kernels.
+
+Fused decode paths (fewer launches per step): the MoE router in one kernel, the expert sort and
+the grouped GEMM's tile table in one (computed once per layer, shared by both expert GEMMs),
+MLA's cache write (norm + rope + store) in one, the sampling noise in one.
+DEEPINFER_CUDA_UNFUSED=1, read when the backend is created, switches those back to the composed
+paths they replace (routing in torch as the reference computes it, the torch sort and a torch
+tile table per GEMM, write_mla_kv and exponential_noise as the contract's defaults) so that a
+benchmark can measure what the fusion buys. Results agree within each op's contract either way.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -21,18 +30,35 @@ from deepinfer.backend.ops import (
     GemmOps,
     GraphRunner,
     MoeOps,
+    RerunGraph,
     SmallOps,
 )
-from deepinfer.backend.types import AttentionMetadata, BackendOptions, Capabilities, PagedKVCache
+from deepinfer.backend.types import (
+    AttentionMetadata,
+    BackendOptions,
+    Capabilities,
+    PagedKVCache,
+    RouterConfig,
+)
 from deepinfer.reference import memory as ref_memory
+from deepinfer.reference import moe as ref_moe
+from deepinfer.reference import small as ref_small
 from deepinfer.reference.backend import _host_memory
 from deepinfer_cuda import vendor
 from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels import gemm as gemm_k
+from deepinfer_cuda.kernels import moe as moe_k
 from deepinfer_cuda.kernels import small as small_k
+from deepinfer_cuda.kernels.moe import sort_by_expert
 from deepinfer_cuda.plugin import interpreting
 
 FP8 = torch.float8_e4m3fn
+UNFUSED_ENV = "DEEPINFER_CUDA_UNFUSED"
+
+
+def fused_from_env() -> bool:
+    """False when DEEPINFER_CUDA_UNFUSED is set (to anything but 0): the composed paths."""
+    return os.environ.get(UNFUSED_ENV, "0") in ("", "0")
 
 
 # --------------------------------------------------------------------------- device / memory
@@ -49,11 +75,11 @@ class CudaGraphRunner(GraphRunner):
 
 
 class CudaDevice(DeviceOps):
-    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+    def __init__(self, options: BackendOptions, device: torch.device, fused: bool = True) -> None:
         super().__init__(options)
         self._device = device
+        self.fused = fused
         self._is_cuda = device.type == "cuda"
-        self._graph_pool: Any = None
 
     def device(self) -> torch.device:
         return self._device
@@ -86,14 +112,39 @@ class CudaDevice(DeviceOps):
         """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
         small_k.write_kv(_cache_tensor(cache), kv, slot_mapping)
 
-    def capture_graph(self, fn: Callable[[], object]) -> GraphRunner | None:
+    def write_mla_kv(
+        self,
+        cache: PagedKVCache,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One Triton kernel (norm + rope + cast + store; replaces two contiguous copies, the
+        norm, the rope, a cat and the store). Unfused, or a cache dtype the kernel does not
+        round like torch: the contract's composition."""
+        t = _cache_tensor(cache)
+        args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
+        if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
+            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args)
+        else:
+            super().write_mla_kv(cache, kv, *args)
+
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
         """Runs `fn` once eagerly on a side stream (compiles kernels, warms the allocator),
-        then captures it into a CUDA graph sharing one memory pool with earlier captures.
-        None on the interpreter (no graphs on the CPU)."""
+        then captures it into a CUDA graph, in share_with's memory pool or a new one. On the
+        interpreter (no graphs on the CPU) the contract's stand-in, RerunGraph."""
         if not self._is_cuda:
-            return None
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
+            return RerunGraph(fn)
+        if isinstance(share_with, CudaGraphRunner):
+            pool = share_with.graph.pool()
+        else:  # a new pool: one whose graphs were all freed must not be captured into again
+            pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
@@ -101,9 +152,16 @@ class CudaDevice(DeviceOps):
         torch.cuda.current_stream(self._device).wait_stream(side)
         torch.cuda.synchronize(self._device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with torch.cuda.graph(graph, pool=pool):
             fn()
         return CudaGraphRunner(graph)
+
+    def peak_memory_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self._device)) if self._is_cuda else None
+
+    def reset_peak_memory(self) -> None:
+        if self._is_cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
 
 
 def _cache_tensor(cache: PagedKVCache) -> torch.Tensor:
@@ -180,12 +238,34 @@ class CudaAttention(AttentionOps):
 
 
 class CudaGemm(GemmOps):
+    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+        super().__init__(options)
+        self.fused = fused
+
+    def _tiles(self, group_sizes: torch.Tensor, rows: int, fp8: bool) -> gemm_k.TileTable | None:
+        """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
+        if not self.fused:
+            return None
+        return moe_k.tile_table(
+            group_sizes, rows, gemm_k.grouped_config(rows, fp8, self.batch_invariant).block_m
+        )
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """cuBLAS through torch; batch-invariant mode uses the fixed-tile Triton matmul instead
         (cuBLAS may change kernel, and reduction order, with M)."""
         if self.batch_invariant:
             return gemm_k.matmul(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """cuBLAS bmm; batch-invariant mode: the fixed-tile Triton matmul per group (G launches,
+        each row's result independent of M), not the reference's row-by-row loop."""
+        if not self.batch_invariant:
+            return torch.bmm(x, weight.transpose(1, 2))
+        out = torch.empty((x.shape[0], x.shape[1], weight.shape[1]), dtype=x.dtype, device=x.device)
+        for g in range(x.shape[0]):
+            out[g] = gemm_k.matmul(x[g], weight[g])
+        return out
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         return gemm_k.quantize_fp8(x, block)
@@ -208,8 +288,9 @@ class CudaGemm(GemmOps):
 
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         return gemm_k.grouped_gemm(
-            x, weight, group_sizes, out_dtype=x.dtype, batch_invariant=self.batch_invariant
-        )
+            x, weight, group_sizes, out_dtype=x.dtype, batch_invariant=self.batch_invariant,
+            tiles=self._tiles(group_sizes, x.shape[0], False),
+        )  # fmt: skip
 
     def grouped_gemm_fp8(
         self,
@@ -223,33 +304,45 @@ class CudaGemm(GemmOps):
         xq, xs = gemm_k.quantize_fp8(x)
         return gemm_k.grouped_gemm(
             xq, weight, group_sizes, out_dtype=x.dtype, x_scale=xs, weight_scale=weight_scale.float(),
-            batch_invariant=self.batch_invariant,
+            batch_invariant=self.batch_invariant, tiles=self._tiles(group_sizes, x.shape[0], True),
         )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- moe
 
 
-def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids (T, K) -> (order (T*K,) sorted row -> source row t*K+k, src_to_dst (T*K,), counts (E,)),
-    stable in source order, with no host synchronisation."""
-    flat = ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    src_to_dst = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, src_to_dst, counts
-
-
 class CudaMoe(MoeOps):
-    """Routing stays in torch (a handful of small device ops, no host sync); permutation by a
-    stable sort; expert MLPs by the Triton grouped GEMM; the weighted combine in Triton."""
+    """Fused: the router in one Triton kernel; the stable expert sort, src_to_dst, counts and the
+    grouped GEMM's tile table in another (kernels/moe.py); expert MLPs by the Triton grouped
+    GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
+    torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
+
+    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+        super().__init__(options)
+        self.fused = fused
+
+    def route(
+        self,
+        logits: torch.Tensor,
+        config: RouterConfig,
+        correction_bias: torch.Tensor | None = None,
+        hash_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fused:
+            return ref_moe.route(logits, config, correction_bias, hash_ids)
+        return moe_k.route(logits, config, correction_bias, hash_ids)
+
+    def _align(self, ids: torch.Tensor, num_experts: int, block_m: int | None) -> moe_k.Alignment:
+        if self.fused:
+            return moe_k.align(ids, num_experts, block_m)
+        order, src_to_dst, counts = sort_by_expert(ids, num_experts)
+        return moe_k.Alignment(order, order // ids.shape[1], src_to_dst, counts, None)
 
     def permute(
         self, x: torch.Tensor, ids: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        order, src_to_dst, counts = sort_by_expert(ids, num_experts)
-        return x[order // ids.shape[1]], src_to_dst, counts
+        a = self._align(ids, num_experts, None)
+        return x[a.token], a.src_to_dst, a.counts
 
     def unpermute(
         self, y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor
@@ -265,7 +358,9 @@ class CudaMoe(MoeOps):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._mlp(x_sorted, counts, w13, w2, w13_scale, w2_scale, gather=None)
+        cfg = self._config(x_sorted.shape[0], w13_scale)
+        tiles = moe_k.tile_table(counts, x_sorted.shape[0], cfg.block_m) if self.fused else None
+        return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, gather=None)
 
     def fused_moe(
         self,
@@ -278,19 +373,27 @@ class CudaMoe(MoeOps):
         w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like the default composition, but the first GEMM reads token rows straight from x
-        through the sorted ids (no permuted copy of x)."""
+        through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
+        counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
-        order, src_to_dst, counts = sort_by_expert(ids, w13.shape[0])
-        y = self._mlp(x, counts, w13, w2, w13_scale, w2_scale, gather=order // ids.shape[1])
-        return small_k.weighted_combine(y, src_to_dst, weights)
+        cfg = self._config(ids.numel(), w13_scale)
+        a = self._align(ids, w13.shape[0], cfg.block_m)
+        y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
+        return small_k.weighted_combine(y, a.src_to_dst, weights)
+
+    def _config(self, rows: int, w13_scale: torch.Tensor | None) -> gemm_k.GemmConfig:
+        """One tiling for both expert GEMMs (same rows, same FP8-ness), so one tile table serves."""
+        return gemm_k.grouped_config(rows, w13_scale is not None, self.batch_invariant)
 
     def _mlp(
         self,
         x: torch.Tensor,
         counts: torch.Tensor,
+        tiles: gemm_k.TileTable | None,
+        cfg: gemm_k.GemmConfig,
         w13: torch.Tensor,
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None,
@@ -300,22 +403,21 @@ class CudaMoe(MoeOps):
         if (w13_scale is None) != (w2_scale is None):
             raise ValueError("FP8 experts need both w13_scale and w2_scale")
         rows = gather.shape[0] if gather is not None else x.shape[0]
-        bi = self.batch_invariant
+
+        def gemm(
+            a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+            gather: torch.Tensor | None = None,
+        ) -> torch.Tensor:  # fmt: skip
+            return gemm_k.grouped_gemm(
+                a, w, counts, out_dtype=x.dtype, x_scale=a_scale, weight_scale=w_scale, gather=gather,
+                num_rows=rows, config=cfg, tiles=tiles,
+            )  # fmt: skip
+
         if w13_scale is None or w2_scale is None:
-            h = gemm_k.grouped_gemm(
-                x, w13, counts, out_dtype=x.dtype, gather=gather, num_rows=rows, batch_invariant=bi
-            )
-            a = small_k.silu_and_mul(h)
-            return gemm_k.grouped_gemm(a, w2, counts, out_dtype=x.dtype, batch_invariant=bi)
+            return gemm(small_k.silu_and_mul(gemm(x, w13, None, None, gather)), w2, None, None)
         xq, xs = gemm_k.quantize_fp8(x)  # per-token quantisation commutes with the row gather
-        h = gemm_k.grouped_gemm(
-            xq, w13, counts, out_dtype=x.dtype, x_scale=xs, weight_scale=w13_scale.float(), gather=gather,
-            num_rows=rows, batch_invariant=bi,
-        )  # fmt: skip
-        aq, a_s = gemm_k.quantize_fp8(small_k.silu_and_mul(h))
-        return gemm_k.grouped_gemm(
-            aq, w2, counts, out_dtype=x.dtype, x_scale=a_s, weight_scale=w2_scale.float(), batch_invariant=bi
-        )
+        aq, a_s = gemm_k.quantize_fp8(small_k.silu_and_mul(gemm(xq, w13, xs, w13_scale.float(), gather)))
+        return gemm(aq, w2, a_s, w2_scale.float())
 
 
 # --------------------------------------------------------------------------- collectives / small ops
@@ -332,8 +434,12 @@ class CudaCollectives(CollectiveOps):
 
 
 class CudaSmall(SmallOps):
-    """Triton rms_norm, rope, silu_and_mul and bitmask; sampling stays in torch (sort-based
-    top-k / top-p over the vocabulary, already a handful of device kernels)."""
+    """Triton rms_norm, rope, silu_and_mul, bitmask and the sampling noise; sampling stays in
+    torch (sort-based top-k / top-p over the vocabulary, already a handful of device kernels)."""
+
+    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+        super().__init__(options)
+        self.fused = fused
 
     def rms_norm(
         self,
@@ -358,6 +464,12 @@ class CudaSmall(SmallOps):
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         small_k.apply_token_bitmask(logits, bitmask)
+
+    def exponential_noise(self, seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """One Triton kernel (the reference's hash, bit for bit; -log within float32 rounding)."""
+        if not self.fused:
+            return ref_small.exponential_noise(seeds, offsets, vocab_size)
+        return small_k.exponential_noise(seeds, offsets, vocab_size)
 
 
 # --------------------------------------------------------------------------- factory
@@ -387,7 +499,7 @@ def capabilities_for(device: torch.device) -> Capabilities:
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         supports_fp8=fp8,
         supports_batch_invariant=True,
-        supports_graphs=device.type == "cuda",
+        supports_graphs=True,  # CUDA graphs; RerunGraph under the interpreter
     )
 
 
@@ -396,14 +508,15 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
     device = cuda_device(options)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    fused = fused_from_env()
     return Backend(
         name="cuda",
         options=options,
         capabilities=capabilities_for(device),
-        device=CudaDevice(options, device),
+        device=CudaDevice(options, device, fused),
         attention=CudaAttention(options),
-        gemm=CudaGemm(options),
-        moe=CudaMoe(options),
+        gemm=CudaGemm(options, fused),
+        moe=CudaMoe(options, fused),
         collectives=CudaCollectives(options, device),
-        small=CudaSmall(options),
+        small=CudaSmall(options, fused),
     )

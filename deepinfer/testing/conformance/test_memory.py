@@ -7,8 +7,9 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import KVCacheSpec
-from deepinfer.testing.helpers import randn
-from deepinfer.testing.tolerances import assert_bitwise_equal
+from deepinfer.reference import small as ref_small
+from deepinfer.testing.helpers import oracle, randn
+from deepinfer.testing.tolerances import TOLERANCES, assert_bitwise_equal, assert_close
 
 SPECS = [  # (num_blocks, block_size, latent_dim, rope_dim)
     (5, 16, 512, 64),  # MLA absorbed: K 576 wide
@@ -160,3 +161,107 @@ def test_capture_graph(backend: Backend, device: torch.device) -> None:
     runner.replay()
     backend.device.synchronize()
     assert torch.equal(out.cpu(), torch.full((8,), 6.0))
+
+
+def rope_table(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
+    """(P, R) float32 rows [cos | sin] of p * base^(-2i/R)."""
+    inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).float()
+
+
+def mla_rows(
+    kv: torch.Tensor,
+    w: torch.Tensor,
+    positions: torch.Tensor,
+    table: torch.Tensor,
+    latent: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """The contract's composition on the CPU, in the inputs' dtypes: [rms_norm | rope] (T, C + R)."""
+    normed, _ = ref_small.rms_norm(kv[:, :latent], w, 1e-6)
+    k_pe = ref_small.rope(kv[:, None, latent:], positions, table, interleaved)[:, 0]
+    return torch.cat([normed, k_pe], dim=-1)
+
+
+MLA_SPECS = [  # (num_blocks, block_size, latent_dim, rope_dim)
+    (4, 16, 512, 64),  # DeepSeek MLA: 512 latent + 64 rope
+    (5, 3, 9, 4),  # small odd sizes
+    (3, 4, 33, 6),
+    (3, 8, 16, 0),  # K = V latent: no rope part
+]
+
+
+@pytest.mark.parametrize("spec_args", MLA_SPECS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("kv_dtype", ["cache", "float32"], ids=["kv_as_cache", "kv_f32"])
+def test_write_mla_kv(
+    backend: Backend,
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spec_args: tuple[int, ...],
+    interleaved: bool,
+    kv_dtype: str,
+) -> None:
+    """Stored rows = [rms_norm(kv[:, :C]) * w | rope(kv[:, C:])] cast to the cache dtype, with kv a
+    column slice of a wider buffer, padding slots (-1) anywhere, and every other slot untouched."""
+    nb, bs, latent, rope = spec_args
+    kv_dt = dtype if kv_dtype == "cache" else torch.float32
+    spec = KVCacheSpec(nb, bs, latent, rope, dtype)
+    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    all_slots = torch.arange(nb * bs)
+    before = randn((nb * bs, spec.head_dim), dtype, "cpu", gen)  # old contents must survive
+    backend.device.write_kv(cache, before.to(device), all_slots.to(device))
+
+    n = nb * bs // 2 + 1
+    slots = torch.randperm(nb * bs, generator=gen)[:n]
+    slots[:: max(1, n // 3)] = -1
+    slots[-1] = -1
+    wide = randn((n, spec.head_dim + 3), kv_dt, "cpu", gen, 2.0)
+    kv = wide[:, 1 : 1 + spec.head_dim]  # (T, C + R) inside the wider projection output
+    w = (1 + randn((latent,), torch.float32, "cpu", gen, 0.2)).to(kv_dt)
+    table = rope_table(700, rope)  # (P, 0) without a rope part
+    positions = torch.randint(0, 700, (n,), generator=gen)
+    backend.device.write_mla_kv(
+        cache, kv.to(device), w.to(device), 1e-6, positions.to(device), table.to(device), interleaved,
+        slots.to(device),
+    )  # fmt: skip
+    stored = backend.device.read_kv(cache, all_slots.to(device)).cpu()
+    keep = slots >= 0
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert_bitwise_equal(
+        stored[untouched], before[untouched], what="slots not written (padding rows skipped)"
+    )
+
+    got = stored[slots[keep]]
+    coarse = max((dtype, kv_dt), key=lambda d: TOLERANCES[d].rtol)
+    expected = mla_rows(oracle(kv), oracle(w), positions, table.double(), latent, interleaved)
+    assert_close(got, expected[keep], coarse, what="write_mla_kv rows vs the float64 reference")
+    # the same composition in the same dtypes (kv's, then the cache's): a rounding apart at most,
+    # plus float32 differences inside the norm and rope (summation order, FMA)
+    same = mla_rows(kv, w, positions, table, latent, interleaved)[keep].to(dtype).double()
+    budget = torch.finfo(coarse).eps + 16 * torch.finfo(torch.float32).eps
+    err = (got.double() - same).abs()
+    assert (err <= budget * same.abs().clamp(min=1.0)).all(), (
+        f"write_mla_kv differs from the composition in {kv_dt} -> {dtype} by {err.max().item():.3e}"
+    )
+
+
+def test_write_mla_kv_empty_and_all_padding(
+    backend: Backend, device: torch.device, gen: torch.Generator
+) -> None:
+    dt = backend.capabilities.dtypes[0]
+    spec = KVCacheSpec(2, 4, 8, 4, dt)
+    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    table = rope_table(16, 4).to(device)
+    w = torch.ones(8, dtype=dt, device=device)
+    empty = torch.empty(0, dtype=torch.long, device=device)
+    backend.device.write_mla_kv(
+        cache, torch.empty((0, 12), dtype=dt, device=device), w, 1e-6, empty, table, True, empty
+    )
+    rows = randn((3, 12), dt, device, gen)
+    pad = torch.full((3,), -1, device=device)
+    backend.device.write_mla_kv(cache, rows, w, 1e-6, torch.zeros_like(pad), table, False, pad)
+    assert not backend.device.read_kv(cache, torch.arange(8, device=device)).any()

@@ -18,6 +18,10 @@ V3 = RouterConfig(
 V2 = RouterConfig(
     "softmax", top_k=3, num_groups=4, topk_groups=2, group_score="max", routed_scaling_factor=16.0
 )
+V3_FULL = RouterConfig(  # DeepSeek-V3 / R1: 256 experts, top-8 of the 4 best of 8 groups
+    "sigmoid", top_k=8, num_groups=8, topk_groups=4, group_score="top2_sum", renormalize=True,
+    routed_scaling_factor=2.5,
+)  # fmt: skip
 V4 = RouterConfig("sqrtsoftplus", top_k=4, renormalize=True, routed_scaling_factor=1.5)
 ROUTERS = {  # name: (config, experts, with correction bias)
     "softmax_greedy": (RouterConfig("softmax", top_k=2), 16, False),  # V2-Lite
@@ -34,6 +38,19 @@ ROUTERS = {  # name: (config, experts, with correction bias)
         True,
     ),
     "softmax_top1": (RouterConfig("softmax", top_k=1, routed_scaling_factor=2.0), 12, False),
+    # the published routers at full size
+    "deepseek_v3": (V3_FULL, 256, True),
+    "deepseek_v2_lite": (RouterConfig("softmax", top_k=6), 64, False),  # greedy top-6 of 64
+    "deepseek_v2_group_max": (  # V2: 160 experts, top-6 of the 3 best of 8 groups (max score)
+        RouterConfig("softmax", top_k=6, num_groups=8, topk_groups=3, routed_scaling_factor=16.0),
+        160,
+        False,
+    ),
+    "sigmoid_384_experts": (
+        RouterConfig("sigmoid", top_k=8, renormalize=True, routed_scaling_factor=2.8),
+        384,
+        True,
+    ),
 }
 
 
@@ -62,9 +79,27 @@ def test_route(backend: Backend, gen: torch.Generator, name: str, tokens: int) -
     assert_close(w, rw, torch.float32, what="router weights")
 
 
+def test_route_sqrtsoftplus_extreme_logits(backend: Backend, gen: torch.Generator) -> None:
+    """sqrt(softplus) where softplus switches to x (above 20) and where it is tiny (log1p of a
+    tiny exp: selection among small scores must still follow the reference)."""
+    dev = backend.device.device()
+    experts = 24
+    logits = torch.rand((9, experts), generator=gen) * 80 - 40  # [-40, 40)
+    logits[0] = torch.linspace(-38, -20, experts)  # all tiny scores
+    logits[1, :4] = torch.tensor([19.5, 20.0, 20.5, 35.0])
+    config = RouterConfig("sqrtsoftplus", top_k=6, renormalize=True, routed_scaling_factor=1.5)
+    weights, ids = backend.moe.route(logits.to(dev), config)
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config)
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert_close(w, rw, torch.float32, what="router weights")
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "sqrtsoftplus"])
-def test_route_hash(backend: Backend, gen: torch.Generator, scoring: str) -> None:
-    tokens, experts, top_k = 11, 20, 3
+@pytest.mark.parametrize("experts,top_k", [(20, 3), (256, 8)], ids=["E20-K3", "E256-K8"])
+def test_route_hash(backend: Backend, gen: torch.Generator, scoring: str, experts: int, top_k: int) -> None:
+    tokens = 11
     dev = backend.device.device()
     config = RouterConfig(scoring, top_k=top_k, renormalize=scoring != "softmax", routed_scaling_factor=1.5)  # type: ignore[arg-type]
     logits = randn((tokens, experts), torch.float32, dev, gen)
@@ -97,6 +132,22 @@ def test_permute(backend: Backend, dtype: torch.dtype, gen: torch.Generator, tok
     x_sorted, src_to_dst, counts = backend.moe.permute(x, ids.to(dev), experts)
     rx, rs, rc = ref_moe.permute(x.cpu(), ids, experts)
     assert src_to_dst.dtype == torch.int64 and counts.dtype == torch.int64
+    assert torch.equal(counts.cpu(), rc), "expert counts"
+    assert torch.equal(src_to_dst.cpu(), rs), "src_to_dst (stable order within an expert)"
+    assert torch.equal(x_sorted.cpu(), rx), "permuted rows"
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(120, 8, 256), (700, 8, 256), (97, 6, 64)])
+def test_permute_many_rows(
+    backend: Backend, gen: torch.Generator, tokens: int, top_k: int, experts: int
+) -> None:
+    """Decode-to-prefill sizes (DeepSeek-V3's 256 experts, top-8; V2-Lite's 64, top-6): thousands
+    of token copies, stable within each expert."""
+    dev = backend.device.device()
+    x = randn((tokens, 8), torch.float32, dev, gen)
+    ids = random_ids(tokens, top_k, experts, gen)
+    x_sorted, src_to_dst, counts = backend.moe.permute(x, ids.to(dev), experts)
+    rx, rs, rc = ref_moe.permute(x.cpu(), ids, experts)
     assert torch.equal(counts.cpu(), rc), "expert counts"
     assert torch.equal(src_to_dst.cpu(), rs), "src_to_dst (stable order within an expert)"
     assert torch.equal(x_sorted.cpu(), rx), "permuted rows"

@@ -303,3 +303,62 @@ def test_sample_after_token_bitmask(backend: Backend, gen: torch.Generator) -> N
         out = backend.small.sample(**{k: v.to(dev) for k, v in inputs.items()}, exp_noise=noise.to(dev)).cpu()
         assert allowed[torch.arange(batch), out].all(), "sampled a token the bitmask disallowed"
         assert torch.equal(out, ref_small.sample(**inputs, exp_noise=noise)), "differs from the reference"
+
+
+def noise_inputs(gen: torch.Generator, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) int64 seeds over the whole [0, 2**63) range (0 and 2**63 - 1 included) and offsets
+    past 2**32 (only their low 32 bits enter the hash)."""
+    seeds = torch.randint(0, 2**63 - 1, (batch,), generator=gen, dtype=torch.int64)
+    offsets = torch.randint(0, 2**40, (batch,), generator=gen, dtype=torch.int64)
+    if batch >= 2:
+        seeds[0], seeds[1] = 0, 2**63 - 1
+        offsets[0] = 0
+    return seeds, offsets
+
+
+@pytest.mark.parametrize("batch,vocab", [(0, 10), (1, 1), (2, 7), (5, 1000), (3, 2500)])
+def test_exponential_noise_matches_reference(
+    backend: Backend, gen: torch.Generator, batch: int, vocab: int
+) -> None:
+    """Same hash as the reference, so the same draws up to float32 rounding of -log(u)."""
+    dev = backend.device.device()
+    seeds, offsets = noise_inputs(gen, batch)
+    noise = backend.small.exponential_noise(seeds.to(dev), offsets.to(dev), vocab)
+    expected = ref_small.exponential_noise(seeds, offsets, vocab)
+    assert noise.dtype == torch.float32 and noise.shape == (batch, vocab)
+    # a few float32 ulps of -log(u); a different hash would differ by O(1)
+    torch.testing.assert_close(noise.cpu(), expected, rtol=5e-7, atol=1e-12)
+
+
+def test_exponential_noise_is_a_pure_function(backend: Backend, gen: torch.Generator) -> None:
+    """A row depends on its (seed, offset) only: not on the batch around it, its place in the
+    batch or earlier calls; other offsets or seeds give other draws."""
+    dev = backend.device.device()
+    vocab = 300
+    seeds, offsets = noise_inputs(gen, 6)
+    full = backend.small.exponential_noise(seeds.to(dev), offsets.to(dev), vocab).cpu()
+    perm = torch.tensor([4, 0, 5, 2])
+    part = backend.small.exponential_noise(seeds[perm].to(dev), offsets[perm].to(dev), vocab).cpu()
+    assert torch.equal(part, full[perm]), "a row changed with the batch around it"
+    again = backend.small.exponential_noise(seeds.to(dev), offsets.to(dev), vocab).cpu()
+    assert torch.equal(again, full), "a second call drew other noise (hidden generator state?)"
+    next_pos = backend.small.exponential_noise(seeds.to(dev), (offsets + 1).to(dev), vocab).cpu()
+    other_seed = backend.small.exponential_noise((seeds ^ 1).to(dev), offsets.to(dev), vocab).cpu()
+    for other, what in ((next_pos, "offset"), (other_seed, "seed")):
+        same = (other == full).float().mean(dim=-1)
+        assert (same < 0.05).all(), f"another {what} must give other draws (shared fraction {same.max():.3f})"
+
+
+def test_exponential_noise_statistics(backend: Backend, gen: torch.Generator) -> None:
+    """Exp(1): mean 1, P(noise > 1) = exp(-1), positive and finite; 262144 draws, bounds at
+    about 4 standard deviations (deterministic for the fixed seeds)."""
+    dev = backend.device.device()
+    seeds, offsets = noise_inputs(gen, 64)
+    noise = backend.small.exponential_noise(seeds.to(dev), offsets.to(dev), 4096).cpu().double()
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    n = noise.numel()
+    assert abs(noise.mean().item() - 1.0) < 4 / math.sqrt(n), f"mean {noise.mean().item():.4f}"
+    p = math.exp(-1)
+    frac = (noise > 1).double().mean().item()
+    assert abs(frac - p) < 4 * math.sqrt(p * (1 - p) / n), f"P(noise > 1) = {frac:.4f}, want {p:.4f}"
+    assert abs((noise > 3).double().mean().item() - math.exp(-3)) < 0.003, "tail P(noise > 3)"

@@ -2,11 +2,14 @@
 # (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
 """Helpers shared by the kernels: interpreter workarounds and small launch utilities.
 
-Under TRITON_INTERPRET=1 (CI on a CPU) two interpreter defects are worked around, both only in
+Under TRITON_INTERPRET=1 (CI on a CPU) three interpreter defects are worked around, all only in
 that mode (the compiled path is untouched):
   * tl.dot on bfloat16 / float16 operands returns garbage: operands are upcast to float32 first.
   * float32 -> float8e4nv conversion drops the carry when rounding reaches the next binade
     (1.95 -> 1.0): values are rounded to the e4m3 grid in float32 before the cast.
+  * float32 -> bfloat16 conversion truncates: `to_dtype` rounds to nearest even in float32 first.
+And libdevice (extern calls) does not run in the interpreter: `log` / `log1p` use NumPy's there
+and libdevice's (within an ulp, like torch's) on the GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 IS_INTERPRET: tl.constexpr = tl.constexpr(INTERPRET)
@@ -74,6 +78,41 @@ def to_e4m3(x):
     if IS_INTERPRET:
         x = round_to_e4m3(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr):
+    """float32 -> dtype (float32, bfloat16 or float16) rounding to nearest even, as torch's casts
+    do, on both the device and the interpreter (whose bfloat16 cast truncates: the value is
+    rounded on its float32 bits first, then the cast is exact)."""
+    if IS_INTERPRET:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if dtype == tl.bfloat16:
+            b = x.to(tl.uint32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+            x = b.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def log(x):
+    """Natural logarithm of float32 x within an ulp, pinned to libdevice's logf on the GPU (the
+    noise kernel's -log(u) matched torch's bit for bit on an H200) and NumPy's in the
+    interpreter, rather than whatever tl.log lowers to."""
+    if IS_INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.log(x)
+
+
+@triton.jit
+def log1p(x):
+    """log(1 + x) of float32 x, accurate for tiny x (softplus of very negative logits)."""
+    if IS_INTERPRET:
+        u = 1.0 + x
+        # Goldberg's correction: exact log of the rounded u, rescaled by x / (u - 1)
+        return tl.where(u == 1.0, x, tl.log(u) * (x / tl.where(u == 1.0, 1.0, u - 1.0)))
+    else:
+        return libdevice.log1p(x)
 
 
 def _patch_interpreter_index() -> None:

@@ -328,10 +328,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # --------------------------------------------------------------------------- grouped GEMM
 
 
+@dataclass(frozen=True)
+class TileTable:
+    """The grouped GEMM's M-tiles mapped to groups (see tile_table). A MoE layer computes it once
+    (kernels/moe.py, with the expert sort) and both expert GEMMs use it: they sort the same rows
+    with the same block_m."""
+
+    group: torch.Tensor  # (n,) int32: the group of each tile
+    rows: torch.Tensor  # (n, 2) int32: [start, end) sorted rows of each tile (empty: spare tile)
+    num_tiles: int  # n = ceil(M / block_m) + E, an upper bound known without a host sync
+    block_m: int
+
+
 def tile_table(
     group_sizes: torch.Tensor, num_rows: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Map M-tiles to groups without a host sync (moe_align_block_size, unpadded).
+    """Map M-tiles to groups without a host sync (moe_align_block_size, unpadded), in torch
+    (~20 small launches; kernels/moe.py computes the same table in one).
 
     Rows are sorted by group. Returns (tile_group (n,) int32, tile_rows (n, 2) int32 [start, end)
     of each tile, n): n = ceil(M / block_m) + E is an upper bound; spare tiles are empty."""
@@ -416,10 +429,13 @@ def grouped_gemm(
     num_rows: int | None = None,
     batch_invariant: bool = False,
     config: GemmConfig | None = None,
+    tiles: TileTable | None = None,
 ) -> torch.Tensor:
     """Rows sorted by group times weight[group]^T. x (M, K) (or, with gather (R,), the source of
     sorted row r is x[gather[r]]), weight (E, N, K), group_sizes (E,) summing to the row count.
-    FP8 when x_scale / weight_scale are given (x and weight e4m3). -> (rows, N) out_dtype."""
+    FP8 when x_scale / weight_scale are given (x and weight e4m3). -> (rows, N) out_dtype.
+    tiles: a precomputed tile table for these group sizes (its block_m is the config's);
+    without it the table is computed here, in torch."""
     e, n, k = weight.shape
     rows = num_rows if num_rows is not None else (gather.shape[0] if gather is not None else x.shape[0])
     if x.shape[-1] != k:
@@ -433,7 +449,13 @@ def grouped_gemm(
         return out.zero_()
     fp8 = x_scale is not None
     cfg = config or grouped_config(rows, fp8, batch_invariant)
-    tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
+    if tiles is None:
+        tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
+    elif tiles.block_m != cfg.block_m or tiles.num_tiles != triton.cdiv(rows, cfg.block_m) + e:
+        raise ValueError(f"grouped_gemm: tile table for block_m {tiles.block_m} and {tiles.num_tiles} tiles "
+                         f"does not fit {rows} rows of {e} groups in block_m {cfg.block_m}")  # fmt: skip
+    else:
+        tile_group, tile_rows, n_tiles = tiles.group, tiles.rows, tiles.num_tiles
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     # the kernel indexes scales with unit stride along the K blocks

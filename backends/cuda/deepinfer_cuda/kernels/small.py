@@ -1,7 +1,8 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
 # (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
 """Row-wise kernels: rms_norm (+ fused residual add), rotary embedding, silu_and_mul, token
-bitmask, the KV-cache row store, and the MoE weighted combine.
+bitmask, the KV-cache row store, MLA's fused cache write (norm + rope + store), the MoE
+weighted combine, and the counter-based exponential noise of sampling.
 
 Each program owns whole rows and reduces a row in one pass with a fixed block, so a row's
 result never depends on the other rows (batch-invariant by construction).
@@ -13,7 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda.kernels.common import next_pow2
+from deepinfer_cuda.kernels.common import log, next_pow2, to_dtype
+
+# Float dtypes the kernels cast between exactly as torch does (to_dtype: round to nearest even).
+CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -165,17 +169,23 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 @triton.jit
-def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, D, stride_kv, stride_slot, BLOCK: tl.constexpr):
+def _write_kv_kernel(
+    kv_ptr, cache_ptr, slot_ptr, D, stride_kv, stride_slot, stride_c, CAST: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     if slot >= 0:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         row = tl.load(kv_ptr + t * stride_kv + cols, mask=cols < D, other=0.0)
-        tl.store(cache_ptr + slot * stride_slot + cols, row, mask=cols < D)
+        if CAST:  # exact into float32, then one round-to-nearest-even cast, as torch's .to()
+            row = to_dtype(row.to(tl.float32), cache_ptr.dtype.element_ty)
+        tl.store(cache_ptr + slot * stride_c + cols, row, mask=cols < D)
 
 
 def write_kv(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """cache (NB, BS, D) contiguous; kv (T, D); slot_mapping (T,) (-1 skips a row). No host sync."""
+    """cache (NB, BS, D) contiguous; kv (T, D) (a strided view is fine); slot_mapping (T,)
+    (-1 skips a row). One launch, no host sync: casts between float32 / bfloat16 / float16 happen
+    in the kernel; other dtype pairs (FP8 caches, float64 rows) are cast in torch first."""
     t, d = kv.shape
     if cache.shape[-1] != d:
         raise ValueError(f"write_kv: rows of width {d} into a cache of width {cache.shape[-1]}")
@@ -183,13 +193,14 @@ def write_kv(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) 
         raise ValueError(f"write_kv: slot_mapping must be ({t},), got {tuple(slot_mapping.shape)}")
     if t == 0 or d == 0:
         return
-    # cast in torch (round-to-nearest-even, the reference's rounding); the kernel only moves rows
-    kv = kv.to(cache.dtype).contiguous()
-    slot_mapping = slot_mapping.contiguous()  # the kernel reads slot t at offset t
+    if kv.dtype != cache.dtype and (kv.dtype not in CAST_DTYPES or cache.dtype not in CAST_DTYPES):
+        kv = kv.to(cache.dtype)
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     block = min(1024, next_pow2(d))
     _write_kv_kernel[(t, triton.cdiv(d, block))](
-        kv, cache, slot_mapping, d, kv.stride(0), d, BLOCK=block, num_warps=4
-    )
+        kv, cache, slot_mapping, d, kv.stride(0), slot_mapping.stride(0), d,
+        CAST=kv.dtype != cache.dtype, BLOCK=block, num_warps=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -222,5 +233,139 @@ def weighted_combine(y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: 
     block = min(1024, next_pow2(d))
     _combine_kernel[(t, triton.cdiv(d, block))](
         y, src_to_dst.contiguous(), w, out, k, d, y.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out
+
+
+@triton.jit
+def _write_mla_kv_kernel(
+    kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, C, HALF, eps,
+    stride_kv, stride_pos, stride_cs, stride_slot, D,
+    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """One token: cache[slot] = [rms_norm(kv[:C]) * w | rope(kv[C:])]. Each half is rounded to
+    kv's dtype first (what the two small ops return), then to the cache's (what write_kv does)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    if slot >= 0:
+        src = kv_ptr + t * stride_kv
+        dst = cache_ptr + slot * D
+        kv_ty = kv_ptr.dtype.element_ty
+        cache_ty = cache_ptr.dtype.element_ty
+        # latent: rms_norm in float32, as _rms_norm_kernel computes it
+        cols = tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        h = tl.load(src + cols, mask=cmask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / C + eps)
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = to_dtype(h * rstd * w, kv_ty).to(tl.float32)
+        tl.store(dst + cols, to_dtype(y, cache_ty), mask=cmask)
+        if ROPE:  # rope of the last R = 2 * HALF columns, as _rope_kernel computes it
+            i = tl.arange(0, BLOCK_R)
+            rmask = i < HALF
+            pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+            cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rmask, other=0.0).to(tl.float32)
+            sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rmask, other=0.0).to(tl.float32)
+            if INTERLEAVED:
+                c1 = C + 2 * i
+                c2 = C + 2 * i + 1
+            else:
+                c1 = C + i
+                c2 = C + HALF + i
+            x1 = tl.load(src + c1, mask=rmask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + c2, mask=rmask, other=0.0).to(tl.float32)
+            y1 = to_dtype(x1 * cos - x2 * sin, kv_ty).to(tl.float32)
+            y2 = to_dtype(x2 * cos + x1 * sin, kv_ty).to(tl.float32)
+            tl.store(dst + c1, to_dtype(y1, cache_ty), mask=rmask)
+            tl.store(dst + c2, to_dtype(y2, cache_ty), mask=rmask)
+
+
+def write_mla_kv(
+    cache: torch.Tensor,
+    kv: torch.Tensor,
+    latent_dim: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """MLA's cache write in one launch, one program per token (graph-safe: no host sync).
+    cache (NB, BS, C + R) contiguous; kv (T, C + R), the raw kv_a output (a strided view is fine);
+    C = latent_dim; norm_weight (C,); positions, slot_mapping (T,) int (slot -1: skip the row);
+    cos_sin_cache (P, R) float rows [cos | sin] (unused when R = 0)."""
+    t, d = kv.shape
+    c, r = latent_dim, d - latent_dim
+    if cache.shape[-1] != d or not cache.is_contiguous():
+        raise ValueError(
+            f"write_mla_kv: rows of width {d} into a contiguous cache of width {cache.shape[-1]}"
+        )
+    if c <= 0 or r < 0 or r % 2 or (r and cos_sin_cache.shape[-1] != r):
+        raise ValueError(
+            f"write_mla_kv: latent {c} + an even rotary width {r} (= the cos_sin_cache width "
+            f"{cos_sin_cache.shape[-1]}) must make the row width {d}"
+        )
+    if norm_weight.shape != (c,):
+        raise ValueError(f"write_mla_kv: norm_weight must be ({c},), got {tuple(norm_weight.shape)}")
+    if positions.shape != (t,) or slot_mapping.shape != (t,):
+        raise ValueError(f"write_mla_kv: positions and slot_mapping must be ({t},)")
+    if kv.dtype not in CAST_DTYPES or cache.dtype not in CAST_DTYPES:
+        raise ValueError(f"write_mla_kv: dtypes {kv.dtype} -> {cache.dtype}; supported: {CAST_DTYPES}")
+    if t == 0:
+        return
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    _write_mla_kv_kernel[(t,)](
+        kv, norm_weight.contiguous(), positions, cs, slot_mapping, cache, c, r // 2, eps,
+        kv.stride(0), positions.stride(0), cs.stride(0), slot_mapping.stride(0), d,
+        INTERLEAVED=interleaved, BLOCK_C=next_pow2(c), BLOCK_R=next_pow2(r // 2, 1), ROPE=r > 0,
+        num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def mix32(x):
+    """deepinfer.reference.small.mix32 on uint32 x: the multiplies wrap modulo 2**32, which is
+    what the reference's `& 0xFFFFFFFF` emulates in int64."""
+    x = ((x >> 16) ^ x) * 0x045D9F3B
+    x = ((x >> 16) ^ x) * 0x045D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _exp_noise_kernel(seed_ptr, off_ptr, out_ptr, V, stride_s, stride_o, stride_out, BLOCK: tl.constexpr):
+    """BLOCK tokens of row b: -log(u), u from the reference's hash of (seed, offset, token)."""
+    b = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seed_ptr + b * stride_s).to(tl.int64)  # in [0, 2**63): >> 32 is the high half
+    off = tl.load(off_ptr + b * stride_o).to(tl.int64)
+    # int64 -> uint32 keeps the low 32 bits
+    key = mix32(mix32(seed.to(tl.uint32) ^ mix32((seed >> 32).to(tl.uint32))) ^ off.to(tl.uint32))
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    bits = mix32(key ^ mix32(v.to(tl.uint32)))
+    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)  # exact: 24 bits + 1/2
+    tl.store(out_ptr + b * stride_out + v, -log(u), mask=v < V)
+
+
+def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B,) int64 seeds and offsets -> (B, V) float32 Exp(1) noise, one launch, no state."""
+    b = seeds.shape[0]
+    if seeds.shape != (b,) or offsets.shape != (b,):
+        raise ValueError(f"exponential_noise: seeds and offsets must be (B,), got {tuple(seeds.shape)}, "
+                         f"{tuple(offsets.shape)}")  # fmt: skip
+    out = torch.empty((b, vocab_size), dtype=torch.float32, device=seeds.device)
+    if b == 0 or vocab_size == 0:
+        return out
+    block = 1024
+    _exp_noise_kernel[(b, triton.cdiv(vocab_size, block))](
+        seeds,
+        offsets,
+        out,
+        vocab_size,
+        seeds.stride(0),
+        offsets.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        num_warps=4,
     )
     return out

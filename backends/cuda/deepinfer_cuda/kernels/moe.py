@@ -1,0 +1,315 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""MoE routing and alignment kernels: the router in one launch, and the stable expert sort plus
+the grouped GEMM's tile table in another (the torch compositions they replace are kept as the
+oracle in tests/test_cuda_kernels.py and as the DEEPINFER_CUDA_UNFUSED=1 path).
+
+Router: one program per token row. Scores (softmax / sigmoid / sqrtsoftplus) in float32, the
+correction bias for selection only, group-limited selection, then top-k by iterated argmax
+(ties to the lowest expert id; ids in descending selection score, as torch.topk returns them).
+The row is held as a (groups, experts per group) tile padded to powers of two with -inf, so
+E = 256 (DeepSeek-V3) is an 8 x 32 tile and E = 384 ungrouped a 1 x 512 one.
+
+Alignment: one program does a counting sort of the T*K token copies by expert over blocks of
+rows: a histogram pass, then per block each copy goes to its expert's next free sorted row plus
+the number of earlier copies of the block with the same expert, so the order is stable in source
+order like torch.sort(stable=True); the same program then writes the tile table. Shapes depend
+on T, K and E only: no host sync, graph-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backend.types import RouterConfig
+from deepinfer_cuda.kernels.common import log1p, next_pow2
+from deepinfer_cuda.kernels.gemm import TileTable
+
+SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+# One program sorts every row, 32 rows per step (256 experts) at about 0.8 us a step, so its
+# time grows with T*K while the torch sort (many programs) stays near 50 us. On an H200, in CUDA
+# graphs, E = 256: 3.6 us at 8 rows, 28 us at 512, 55 us at 1024 against 51 us for the torch
+# sort plus the one-launch tile table; 108 against 52 us at 2048. Above this many token copies
+# (prefill) the torch sort takes over; the tile table stays one launch either way.
+ALIGN_MAX_ROWS = 1024
+
+
+# --------------------------------------------------------------------------- router
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, hash_ptr, w_ptr, ids_ptr, E, stride_l, stride_h, scaling,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One token: logits (E,) -> weights (K,) float32 and ids (K,) int32."""
+    t = tl.program_id(0).to(tl.int64)
+    size = E // GROUPS
+    gi = tl.arange(0, BLOCK_G)
+    g = gi[:, None]
+    j = tl.arange(0, BLOCK_S)[None, :]
+    e = g * size + j  # (BLOCK_G, BLOCK_S) expert id
+    valid = (g < GROUPS) & (j < size)
+    neg = float("-inf")
+    x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=neg).to(tl.float32)
+    if SCORING == 0:  # softmax over the E experts (padding: exp(-inf) = 0)
+        p = tl.exp(x - tl.max(tl.max(x, 1), 0))
+        s = p / tl.sum(tl.sum(p, 1), 0)
+    elif SCORING == 1:
+        s = 1.0 / (1.0 + tl.exp(-x))
+    else:  # sqrt(softplus(x)), torch's softplus: x above its threshold 20, else log1p(exp(x))
+        s = tl.sqrt_rn(tl.where(x > 20.0, x, log1p(tl.exp(x))))
+    s = tl.where(valid, s, 0.0)
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    if HASH:  # the experts are given; weights are the scores there
+        for k in range(TOP_K):
+            pick = tl.load(hash_ptr + t * stride_h + k).to(tl.int32)
+            w = tl.where(ks == k, tl.sum(tl.sum(tl.where(e == pick, s, 0.0), 1), 0), w)
+            ids = tl.where(ks == k, pick, ids)
+    else:
+        sel = s
+        if HAS_BIAS:
+            sel += tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        sel = tl.where(valid, sel, neg)
+        if GROUPS > 1:
+            if TOP2_SUM:  # the two best biased scores of each group (a tied best counts twice)
+                m1 = tl.max(sel, 1)
+                first = tl.min(tl.where(sel == m1[:, None], j, BLOCK_S), 1)
+                group_score = m1 + tl.max(tl.where(j == first[:, None], neg, sel), 1)
+            else:
+                group_score = tl.max(sel, 1)
+            group_score = tl.where(gi < GROUPS, group_score, neg)
+            keep = gi < 0  # (BLOCK_G,) all False
+            for _ in range(TOPK_GROUPS):  # iterated argmax over the groups, ties to the lowest
+                cand = tl.where(keep, neg, group_score)
+                best = tl.max(cand, 0)
+                pick_g = tl.min(tl.where((cand == best) & ~keep & (gi < GROUPS), gi, BLOCK_G), 0)
+                keep |= gi == pick_g
+            sel = tl.where(keep[:, None], sel, neg)
+        taken = e < 0  # all False
+        for k in range(TOP_K):  # iterated argmax: descending selection score, ties to the lowest id
+            cand = tl.where(taken, neg, sel)
+            best = tl.max(tl.max(cand, 1), 0)
+            pick = tl.min(tl.min(tl.where((cand == best) & ~taken & valid, e, E), 1), 0)
+            pick = tl.minimum(pick, E - 1)  # never out of range (NaN scores match nothing)
+            taken |= e == pick
+            w = tl.where(ks == k, tl.sum(tl.sum(tl.where(e == pick, s, 0.0), 1), 0), w)
+            ids = tl.where(ks == k, pick, ids)
+    if RENORMALIZE:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    kmask = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=kmask)
+
+
+def route(
+    logits: torch.Tensor,
+    config: RouterConfig,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) -> (weights (T, K) float32, ids (T, K) int32) in one launch; the meaning is
+    deepinfer.reference.moe.route's (RouterConfig)."""
+    t, e = logits.shape
+    k = config.top_k
+    if config.scoring not in SCORING:
+        raise ValueError(f"unknown router scoring {config.scoring!r}; expected one of {sorted(SCORING)}")
+    if not 0 < k <= e:
+        raise ValueError(f"route: top_k {k} must be in [1, {e}]")
+    groups = config.num_groups if hash_ids is None else 1
+    if groups > 1 and (e % groups or not 0 < config.topk_groups <= groups):
+        raise ValueError(f"route: {e} experts in {groups} groups keeping {config.topk_groups}")
+    if hash_ids is not None and hash_ids.shape != (t, k):
+        raise ValueError(f"route: hash_ids must be ({t}, {k}), got {tuple(hash_ids.shape)}")
+    if correction_bias is not None and correction_bias.shape != (e,):
+        raise ValueError(f"route: correction_bias must be ({e},), got {tuple(correction_bias.shape)}")
+    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+    if t == 0:
+        return weights, ids
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    bias = correction_bias.contiguous() if correction_bias is not None else None
+    hashed = hash_ids if hash_ids is None or hash_ids.stride(-1) == 1 else hash_ids.contiguous()
+    _route_kernel[(t,)](
+        logits, bias if bias is not None else logits, hashed if hashed is not None else ids, weights, ids,
+        e, logits.stride(0), hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
+        SCORING=SCORING[config.scoring], HAS_BIAS=bias is not None, HASH=hashed is not None,
+        RENORMALIZE=config.renormalize, TOP_K=k, GROUPS=groups, TOPK_GROUPS=config.topk_groups,
+        TOP2_SUM=config.group_score == "top2_sum",
+        BLOCK_G=next_pow2(groups, 2), BLOCK_S=next_pow2(e // groups), BLOCK_K=next_pow2(k, 2), num_warps=4,
+    )  # fmt: skip
+    return weights, ids
+
+
+# --------------------------------------------------------------------------- alignment
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Token copies (row s = t*K + k of ids (T, K)) sorted by expert, stable in source order.
+
+    order      (T*K,) int64  sorted row -> source row s
+    token      (T*K,) int64  sorted row -> source token s // K (the first GEMM's row gather)
+    src_to_dst (T*K,) int64  source row -> sorted row
+    counts     (E,)   int64  copies per expert
+    tiles      the grouped GEMM's tile table for these counts, when asked for
+    """
+
+    order: torch.Tensor
+    token: torch.Tensor
+    src_to_dst: torch.Tensor
+    counts: torch.Tensor
+    tiles: TileTable | None
+
+
+@triton.jit
+def _tile_table_part(
+    counts, ex, E, NUM_TILES, group_ptr, rows_ptr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr
+):  # fmt: skip
+    """counts (BLOCK_E,) int32 (0 past E), ex = arange(BLOCK_E) -> the tile table exactly as
+    gemm.tile_table computes it. Expert-major: step j writes every expert's j-th tile (as many
+    steps as the busiest expert has tiles: one or two at decode sizes); then the spare tiles past
+    the last used one, which gemm.tile_table gives to group E - 1 with an empty row range."""
+    real = ex < E
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    first = tl.cumsum(tiles, 0) - tiles  # (BLOCK_E,) first tile of each expert
+    row_off = tl.cumsum(counts, 0) - counts  # (BLOCK_E,) first sorted row of each expert
+    for j in range(0, tl.max(tiles, 0)):
+        has = real & (j < tiles)
+        start = row_off + j * BLOCK_M
+        tl.store(group_ptr + first + j, ex, mask=has)
+        tl.store(rows_ptr + 2 * (first + j), start, mask=has)
+        tl.store(rows_ptr + 2 * (first + j) + 1, tl.minimum(start + BLOCK_M, row_off + counts), mask=has)
+    last = ex == E - 1
+    last_off = tl.sum(tl.where(last, row_off, 0), 0)
+    last_first = tl.sum(tl.where(last, first, 0), 0)
+    for t0 in range(tl.sum(tiles, 0), NUM_TILES, BLOCK_T):
+        tt = t0 + tl.arange(0, BLOCK_T)
+        ok = tt < NUM_TILES
+        start = last_off + (tt - last_first) * BLOCK_M
+        tl.store(group_ptr + tt, tl.zeros_like(tt) + E - 1, mask=ok)
+        tl.store(rows_ptr + 2 * tt, start, mask=ok)
+        tl.store(rows_ptr + 2 * tt + 1, start, mask=ok)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, order_ptr, token_ptr, s2d_ptr, counts_ptr, group_ptr, rows_ptr, M, E, K, NUM_TILES,
+    TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """One program: stable counting sort of the M = T*K flat ids by expert, then the tile table."""
+    ex = tl.arange(0, BLOCK_E)
+    ri = tl.arange(0, BLOCK_R)
+    # pass 1: the histogram, BLOCK_R rows at a time
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for r0 in range(0, M, BLOCK_R):
+        r = r0 + ri
+        ids = tl.load(ids_ptr + r, mask=r < M, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=r < M)
+    tl.store(counts_ptr + ex, counts.to(tl.int64), mask=ex < E)
+    # pass 2: row r goes to (next free row of its expert) + (earlier rows of the block with the
+    # same expert): stable in row order
+    base = tl.cumsum(counts, 0) - counts  # (BLOCK_E,) next free sorted row of each expert
+    for r0 in range(0, M, BLOCK_R):
+        r = r0 + ri
+        ok = r < M
+        ids = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int32)
+        earlier = (ids[:, None] == ids[None, :]) & (ri[None, :] < ri[:, None])  # (BLOCK_R, BLOCK_R)
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        dst = tl.sum(tl.where(ids[:, None] == ex[None, :], base[None, :], 0), 1) + rank  # base[ids] + rank
+        base += tl.histogram(ids, BLOCK_E, mask=ok)
+        tl.store(s2d_ptr + r, dst.to(tl.int64), mask=ok)
+        tl.store(order_ptr + dst, r.to(tl.int64), mask=ok)
+        tl.store(token_ptr + dst, (r // K).to(tl.int64), mask=ok)
+    if TILES:
+        _tile_table_part(counts, ex, E, NUM_TILES, group_ptr, rows_ptr, BLOCK_M, BLOCK_T)
+
+
+@triton.jit
+def _tile_table_kernel(
+    counts_ptr, group_ptr, rows_ptr, E, NUM_TILES,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """One program: counts (E,) -> the tile table (the grouped GEMM's, without a sort)."""
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
+    _tile_table_part(counts, ex, E, NUM_TILES, group_ptr, rows_ptr, BLOCK_M, BLOCK_T)
+
+
+SPARE_TILES_BLOCK = 128  # spare tiles written per step (a 1-D block)
+
+
+def _block_rows(block_e: int) -> int:
+    """Rows per step of the sort: its (rows, BLOCK_E) one-hot tile holds about 8K elements."""
+    return max(8, 8192 // block_e)
+
+
+def _empty_tiles(num_rows: int, num_experts: int, block_m: int, device: torch.device) -> TileTable:
+    n = triton.cdiv(num_rows, block_m) + num_experts
+    return TileTable(
+        group=torch.empty((n,), dtype=torch.int32, device=device),
+        rows=torch.empty((n, 2), dtype=torch.int32, device=device),
+        num_tiles=n,
+        block_m=block_m,
+    )
+
+
+def tile_table(group_sizes: torch.Tensor, num_rows: int, block_m: int) -> TileTable:
+    """gemm.tile_table's table (same values) in one launch: group_sizes (E,) summing to num_rows."""
+    e = group_sizes.shape[0]
+    tiles = _empty_tiles(num_rows, e, block_m, group_sizes.device)
+    block_e = next_pow2(e)
+    _tile_table_kernel[(1,)](
+        group_sizes, tiles.group, tiles.rows, e, tiles.num_tiles,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_T=SPARE_TILES_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return tiles
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch composition: ids (T, K) -> (order, src_to_dst, counts) as in Alignment, via a
+    stable sort (no host synchronisation; ~8 launches)."""
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    src_to_dst = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, src_to_dst, counts
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Alignment:
+    """ids (T, K) int -> Alignment, with the tile table for block_m when given. One launch up to
+    ALIGN_MAX_ROWS copies; beyond, the torch sort plus the one-launch tile table."""
+    t, k = ids.shape
+    m, e = t * k, num_experts
+    dev = ids.device
+    if m > ALIGN_MAX_ROWS:
+        order, src_to_dst, counts = sort_by_expert(ids, e)
+        tiles = tile_table(counts, m, block_m) if block_m is not None else None
+        return Alignment(order, order // k, src_to_dst, counts, tiles)
+    flat = ids.reshape(-1)
+    flat = flat if flat.stride(0) == 1 else flat.contiguous()
+    order = torch.empty((m,), dtype=torch.int64, device=dev)
+    token = torch.empty((m,), dtype=torch.int64, device=dev)
+    src_to_dst = torch.empty((m,), dtype=torch.int64, device=dev)
+    counts = torch.empty((e,), dtype=torch.int64, device=dev)
+    tiles = _empty_tiles(m, e, block_m, dev) if block_m is not None else None
+    block_e = next_pow2(e)
+    _align_kernel[(1,)](
+        flat, order, token, src_to_dst, counts,
+        tiles.group if tiles is not None else counts, tiles.rows if tiles is not None else counts,
+        m, e, k, tiles.num_tiles if tiles is not None else 0,
+        TILES=tiles is not None, BLOCK_M=block_m or 16, BLOCK_R=_block_rows(block_e), BLOCK_E=block_e,
+        BLOCK_T=SPARE_TILES_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return Alignment(order, token, src_to_dst, counts, tiles)
