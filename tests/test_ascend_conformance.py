@@ -27,7 +27,7 @@ def run_suite(soc: int, *extra: str) -> subprocess.CompletedProcess[str]:
         "-p", "deepinfer.testing.plugin", "--pyargs", "deepinfer.testing.conformance",
         "--deepinfer-backend", "ascend", *extra,
     ]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
 
 
 def assert_passed(proc: subprocess.CompletedProcess[str], soc: int) -> None:
@@ -53,6 +53,6 @@ def test_engine_speculative_decoding_on_the_simulation() -> None:
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.npu_sim.plugin",
         str(ROOT / "tests" / "test_speculative.py"), "-k", "ascend_backend",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "1 passed" in proc.stdout, out[-4000:]

@@ -212,3 +212,17 @@ def test_batch_invariant_mode_with_graphs_and_async(backend: str) -> None:
     alone = run([PROMPTS[0]], 0)
     assert run([PROMPTS[1], PROMPTS[0], PROMPTS[2]], 1) == alone
     assert run(PROMPTS, 0) == alone
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_context_limit_with_chunked_prefill(mode: str) -> None:
+    """A prompt of exactly max_model_len tokens, prefilled in chunks, gets one token; one near
+    the limit stops there ("length"), with the last token still in flight under async."""
+    llm = make("reference", **MODES[mode], max_model_len=64, max_num_batched_tokens=16)
+    full = {"prompt_token_ids": [3 + i % 900 for i in range(64)]}
+    near = {"prompt_token_ids": [5 + i % 900 for i in range(57)]}
+    out = llm.generate(
+        [full, near], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )
+    assert [len(r.outputs[0].token_ids) for r in out] == [1, 7]
+    assert [r.outputs[0].finish_reason for r in out] == ["length", "length"]

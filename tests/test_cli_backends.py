@@ -86,6 +86,6 @@ def test_conformance_without_pytest_says_how_to_install() -> None:
         "import sys\nsys.modules['pytest'] = None  # as if pytest were not installed\n"
         "from deepinfer.cli import main\nmain(['conformance', '--backend', 'reference'])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert out.returncode != 0
     assert "deepinfer conformance needs pytest" in out.stderr and "pip install" in out.stderr

@@ -14,7 +14,7 @@ TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 
 def deepinfer(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deepinfer", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "deepinfer", *args], cwd=cwd, capture_output=True, text=True, timeout=900
     )
 
 

@@ -3,8 +3,11 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
 
 1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
-3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py)
-   and expert parallelism over two processes against one (tests/test_expert_parallel.py).
+3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py),
+   expert parallelism over two processes against one (tests/test_expert_parallel.py), and async
+   scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py).
+Each subprocess gets a generous limit (SUBPROCESS_TIMEOUT): the interpreter is slow, and on a busy
+machine several times slower; the limit only catches a hang.
 What the interpreter cannot show (speed, CUDA graphs, streams) is listed in docs/cuda.md.
 """
 
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT = float(os.environ.get("DEEPINFER_TEST_SUBPROCESS_TIMEOUT", "2400"))
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("deepinfer_cuda") is None,
@@ -26,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("DEEPINFER_BACKEND", None)
     return subprocess.run(
@@ -39,8 +43,7 @@ def test_conformance_suite_under_interpreter() -> None:
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     res = _run(
         ["-p", "deepinfer.testing.plugin", "--pyargs", "deepinfer.testing.conformance",
-         "--deepinfer-backend", "cuda", *workers],
-        timeout=600,
+         "--deepinfer-backend", "cuda", *workers]
     )  # fmt: skip
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"conformance suite failed for cuda under TRITON_INTERPRET=1:\n{tail}"
@@ -48,21 +51,28 @@ def test_conformance_suite_under_interpreter() -> None:
 
 
 def test_kernel_tests_under_interpreter() -> None:
-    res = _run([str(REPO / "tests" / "test_cuda_kernels.py")], timeout=300)
+    res = _run([str(REPO / "tests" / "test_cuda_kernels.py")])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"kernel tests failed under TRITON_INTERPRET=1:\n{tail}"
     assert " passed" in res.stdout and "skipped" not in res.stdout, tail
 
 
 def test_engine_speculative_decoding_under_interpreter() -> None:
-    res = _run([str(REPO / "tests" / "test_speculative.py"), "-k", "cuda_backend"], timeout=300)
+    res = _run([str(REPO / "tests" / "test_speculative.py"), "-k", "cuda_backend"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"speculative decoding on cuda failed under TRITON_INTERPRET=1:\n{tail}"
     assert "1 passed" in res.stdout, tail
 
 
 def test_engine_expert_parallel_under_interpreter() -> None:
-    res = _run([str(REPO / "tests" / "test_expert_parallel.py"), "-k", "cuda"], timeout=300)
+    res = _run([str(REPO / "tests" / "test_expert_parallel.py"), "-k", "cuda"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"expert parallelism on cuda failed under TRITON_INTERPRET=1:\n{tail}"
     assert "2 passed" in res.stdout, tail  # bf16 and FP8 expert weights
+
+
+def test_engine_async_scheduling_and_graphs_under_interpreter() -> None:
+    res = _run([str(REPO / "tests" / "test_async_graphs.py"), "-k", "plain-cuda or seeded or invariant"])
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"async scheduling / graphs on cuda failed under TRITON_INTERPRET=1:\n{tail}"
+    assert "3 passed" in res.stdout, tail

@@ -30,7 +30,7 @@ def test_registration_is_cheap() -> None:
         "assert not torch.cuda.is_initialized()\n"
     )
     res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=False
     )
     assert res.returncode == 0, res.stderr[-2000:]
 

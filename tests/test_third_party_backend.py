@@ -126,7 +126,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [*cmd, "--disable-pip-version-check", "--target", str(target), str(src)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert (target / "deepinfer_toy" / "plugin.py").exists()

@@ -64,8 +64,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_tokens >= seq.max_total_tokens:  # its last token is pending (async): it
-                i += 1  # finishes once the host reads that token
+            if seq.num_pending and seq.num_tokens >= seq.max_total_tokens:  # its last token is
+                i += 1  # pending (async): it finishes once the host reads that token
                 continue
             if seq.num_uncomputed_tokens + len(seq.draft) > budget:
                 seq.draft = []  # no room to verify it this step
