@@ -235,7 +235,7 @@ def test_logprobs_match_a_float64_softmax_of_the_model_logits(llm: LLM) -> None:
     )
     sched = ref.llm_engine.scheduler
     sched.add(seq)
-    logits = ref.llm_engine.runner.forward(sched.schedule())[1][0].double()
+    logits = ref.llm_engine.runner.forward(sched.schedule()).logits[0].double()
     logp = torch.log_softmax(logits, dim=-1)
     first = out.logprobs[0]
     top = logp.topk(4)

@@ -321,7 +321,7 @@ class LLMEngine:
         if len(batch) == 0:  # only requests whose last token is still in flight are left
             assert self.in_flight is not None, "scheduler made no progress"
             return self._process_in_flight()
-        step, logits = self.runner.forward(batch)
+        step, logits, _ = self.runner.forward(batch)
         self.scheduler.advance(batch)
         finished = self._process_in_flight()
         if step.sampling_seqs:

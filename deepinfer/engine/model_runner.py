@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,6 +44,16 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> 
     return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
+class ForwardOutput(NamedTuple):
+    """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
+    sampling request in batch order, then padding rows), and the final hidden states (T, Dm)
+    of an eager step (None for a graph replay: they stay inside the graph)."""
+
+    step: PreparedStep
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
 class ModelRunner:
     """Owns the step inputs, the KV caches (and the MTP head's, for speculative decoding), the
     logits / sampled-ids buffers and the graphs."""
@@ -70,7 +80,6 @@ class ModelRunner:
         self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
-        self.last_hidden: torch.Tensor | None = None  # (T, Dm) of the last eager step, for MTP
         self.logits: torch.Tensor | None = None  # (max bucket, V) float32: graph outputs
         self.graphs: dict[int, GraphRunner] = {}  # bucket -> forward
         self.draws: dict[tuple[int, bool], GraphRunner] = {}  # (bucket, greedy) -> draw
@@ -91,7 +100,7 @@ class ModelRunner:
         real, self.kv_caches = self.kv_caches, caches
         try:
             step = self.inputs.prepare(ScheduledBatch(), bucket)
-            logits = self._logits(step.forward)
+            _, logits = self._logits(step.forward)
             self.sampler.draw(logits, step.sampling, False, self.sampled_ids[:bucket])
             dev.synchronize()
             peak = dev.peak_memory_bytes()
@@ -110,7 +119,7 @@ class ModelRunner:
             logits, out = self.logits[:bs], self.sampled_ids[:bs]
 
             def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = logits) -> None:
-                logits.copy_(self._logits(fb))
+                logits.copy_(self._logits(fb)[1])
 
             first = next(iter(self.graphs.values()), None)  # the largest: its pool serves all
             try:
@@ -135,7 +144,6 @@ class ModelRunner:
                 runner = self.backend.device.capture_graph(draw, share_with=graph)
                 assert runner is not None
                 self.draws[(bs, greedy)] = runner
-        self.last_hidden = None
 
     def bucket_for(self, batch: ScheduledBatch) -> int | None:
         """The graph bucket that serves `batch`, None for an eager step."""
@@ -147,25 +155,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
 
-    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
-        """Device only: the forward of one step -> logits (S, V) float32 at fb.logits_indices."""
+    def _logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
+        fb.logits_indices)."""
         fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.sampled_ids))
         hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm)
-        self.last_hidden = hidden
         logits: torch.Tensor = self.model.compute_logits(hidden[fb.logits_indices])
-        return logits.float()
+        return hidden, logits.float()
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> tuple[PreparedStep, torch.Tensor]:
-        """Launch one step's forward -> (the prepared step, logits (rows, V) float32 on the
-        device: 1 + draft rows per sampling request in batch order, then padding rows)."""
+    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
+        """Launch one step's forward: a graph replay for a decode batch that fits a bucket."""
         bucket = self.bucket_for(batch)
         step = self.inputs.prepare(batch, bucket)
         if bucket is None:
-            return step, self._logits(step.forward)
+            hidden, logits = self._logits(step.forward)
+            return ForwardOutput(step, logits, hidden)
         assert self.logits is not None
         self.graphs[bucket].replay()
-        return step, self.logits[:bucket]
+        return ForwardOutput(step, self.logits[:bucket], None)
 
     @torch.inference_mode()
     def draw(self, step: PreparedStep, logits: torch.Tensor, greedy: bool) -> torch.Tensor:

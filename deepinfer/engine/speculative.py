@@ -83,10 +83,13 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
+        self.hidden: torch.Tensor | None = None  # the model's final hidden states of this step
 
     def step(self, batch: ScheduledBatch) -> list[Sequence]:
         starts = [s.num_computed_tokens for s in batch.seqs]
-        _, logits = self.runner.forward(batch)  # (rows, V): 1 + draft rows per sampling request
+        _, logits, hidden = self.runner.forward(batch)  # logits (rows, V): 1 + draft rows per request
+        assert hidden is not None, "speculative steps run eagerly"
+        self.hidden = hidden  # (T, Dm): what the MTP head drafts from, in propose
         self.scheduler.advance(batch)
         finished: list[Sequence] = []
         sampling, first_rows, drafted = [], [], []  # drafted: (seq, logits row of its 1st draft)
@@ -166,19 +169,19 @@ class SpeculativeDecoder:
         """num_drafts[b] draft tokens for request b, each with its probability under the MTP head.
 
         The head first runs over positions spans[b] = [start, end) of request b: position p takes
-        the model's hidden state of p (last_hidden row hidden_rows[b] + p - start) and token p + 1,
+        the model's hidden state of p (self.hidden row hidden_rows[b] + p - start) and token p + 1,
         and writes the head's own cache. Its output at end - 1 predicts token end + 1, the first
         draft (end = num_tokens - 1: the token after the last known one). Each further draft runs
         the head one position on, on its own previous output and the previous draft (the model's
         hidden state there is not known yet; the next step's run over verified positions
         rewrites those cache rows). Greedy drafts: verification keeps the outputs exact anyway."""
         runner, model = self.runner, self.runner.model
-        assert runner.last_hidden is not None and runner.mtp_caches
+        assert self.hidden is not None and runner.mtp_caches
         bs, device = runner.block_size, runner.device
         tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
         fb = mtp_batch(seqs, spans, tokens, bs, device)
         rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(device)
-        out = model.forward_mtp(fb, runner.last_hidden[rows], runner.mtp_caches)  # (T, Dm)
+        out = model.forward_mtp(fb, self.hidden[rows], runner.mtp_caches)  # (T, Dm)
         h = out[fb.logits_indices]  # (B, Dm): the head's output at each request's last position
         drafts: list[list[tuple[int, float]]] = [[] for _ in seqs]
         live = list(range(len(seqs)))  # requests that want another draft
