@@ -1,89 +1,124 @@
-"""The contract's default collectives (CollectiveOps) over two processes: the reference backend
-over gloo on the CPU, and the cuda backend over NCCL where two GPUs are visible."""
+"""The contract's default collectives (CollectiveOps) across processes: the reference backend over
+gloo on the CPU (two and three ranks), the cuda backend over NCCL where two GPUs are visible.
+
+Every case has a deadline (deepinfer.testing.collectives.run_collectives): a rank that hangs in
+a collective is killed and the test fails saying so, instead of hanging CI.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import warnings
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.multiprocessing.spawn import spawn
 
-from deepinfer.backend.registry import BackendRegistry
-from deepinfer.backend.types import BackendOptions
+from deepinfer.backend import Availability, Backend, BackendInfo, BackendOptions, hookimpl
+from deepinfer.reference.backend import ReferenceCollectives, create_reference_backend
+from deepinfer.testing.collectives import CollectivesUnavailable, run_collectives
 
-WORLD = 2
-
-
-def _worker(rank: int, store_path: str, name: str, dist_backend: str) -> None:
-    warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames the *_tensor collectives
-    backend = BackendRegistry.discover().create(name, BackendOptions(device_index=rank))
-    c = backend.collectives
-    assert c.dist_backend == dist_backend
-    dev = backend.device.device()
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    torch.set_default_device(dev)  # every tensor below is made on the backend's device
-    dist.init_process_group(c.dist_backend, init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    try:
-        # all_reduce: sum, in place
-        t = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1)
-        out = c.all_reduce(t)
-        assert out is t and torch.equal(t, torch.arange(6, dtype=torch.float32).view(2, 3) * 3)
-
-        # all_gather: rank-ordered concatenation along dim 0
-        mine = torch.full((2, 3), float(rank)) + torch.arange(3)
-        gathered = c.all_gather(mine)
-        assert torch.equal(
-            gathered, torch.cat([torch.full((2, 3), float(r)) + torch.arange(3) for r in range(WORLD)])
-        )
-
-        # reduce_scatter: this rank's slice of the sum
-        full = torch.arange(8, dtype=torch.float32).view(4, 2) + 10 * rank
-        part = c.reduce_scatter(full)
-        total = torch.stack(
-            [torch.arange(8, dtype=torch.float32).view(4, 2) + 10 * r for r in range(WORLD)]
-        ).sum(0)
-        assert torch.equal(part, total[2 * rank : 2 * rank + 2])
-
-        # all_to_all_single with uneven splits (and an empty one): send[r][d] rows from r to d
-        send = [[1, 3], [2, 0]]
-        rows = sum(send[rank])
-        x = torch.stack([torch.tensor([float(rank), float(i)]) for i in range(rows)]).view(rows, 2)
-        y = c.all_to_all_single(x, [send[r][rank] for r in range(WORLD)], send[rank])
-        start = {r: sum(send[r][:rank]) for r in range(WORLD)}  # where my rows start in r's buffer
-        expected = [
-            torch.tensor([float(r), float(start[r] + i)]) for r in range(WORLD) for i in range(send[r][rank])
-        ]
-        assert torch.equal(y, torch.stack(expected)), (rank, y)
-
-        # even split (None) and a rank with nothing to send
-        even = c.all_to_all_single(torch.full((4, 1), float(rank)))
-        assert torch.equal(even, torch.tensor([[0.0], [0.0], [1.0], [1.0]]))
-        empty = c.all_to_all_single(torch.empty((0, 5)), [0, 0], [0, 0])
-        assert empty.shape == (0, 5)
-
-        # broadcast from rank 1, in place
-        b = torch.full((3,), float(rank))
-        assert c.broadcast(b, src=1) is b and torch.equal(b, torch.ones(3))
-
-        c.barrier()
-    finally:
-        dist.destroy_process_group()
+DEADLINE_S = 120.0  # spawning a rank imports torch; the checks themselves take a second
 
 
-def test_default_collectives_over_gloo(tmp_path: Path) -> None:
-    args = (str(tmp_path / "store"), "reference", "gloo")
-    spawn(_worker, args=args, nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
+@pytest.mark.parametrize("world", [2, 3])
+def test_default_collectives_over_gloo(world: int) -> None:
+    run_collectives("reference", world=world, timeout_s=DEADLINE_S)
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("deepinfer_cuda") is None or torch.cuda.device_count() < WORLD,
-    reason=f"needs deepinfer-cuda and {WORLD} visible GPUs",
+    importlib.util.find_spec("deepinfer_cuda") is None or torch.cuda.device_count() < 2,
+    reason="needs deepinfer-cuda and 2 visible GPUs",
 )
-def test_cuda_collectives_over_nccl(tmp_path: Path) -> None:
-    args = (str(tmp_path / "store"), "cuda", "nccl")
-    spawn(_worker, args=args, nprocs=WORLD, join=True)  # type: ignore[no-untyped-call]
+def test_cuda_collectives_over_nccl() -> None:
+    run_collectives("cuda", world=2, timeout_s=DEADLINE_S)
+
+
+# ---------------------------------------------------------------- the deadline and failures
+
+
+class HangingCollectives(ReferenceCollectives):
+    """Rank 1 never joins the all_reduce: rank 0 waits for it forever."""
+
+    def all_reduce(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1:
+            time.sleep(3600)
+        return super().all_reduce(t, group)
+
+
+class OffByOneGather(ReferenceCollectives):
+    """all_gather in the wrong rank order."""
+
+    def all_gather(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        out = super().all_gather(t, group)
+        return torch.cat(out.chunk(torch.distributed.get_world_size(group))[::-1])
+
+
+def _broken(name: str, collectives: type[ReferenceCollectives]) -> BackendInfo:
+    def create(options: BackendOptions) -> Backend:
+        ref = create_reference_backend(options)
+        return dataclasses.replace(ref, name=name, collectives=collectives(options, torch.device("cpu")))
+
+    return BackendInfo(name, "0", 0, False, lambda: Availability(True), create)
+
+
+def _one_device(options: BackendOptions) -> Backend:
+    """A backend with one device: device_index 1 cannot be created (a GPU box with one GPU)."""
+    if options.device_index != 0:
+        raise ValueError(f"device_index {options.device_index} out of range: 1 device")
+    return dataclasses.replace(create_reference_backend(options), name="one-device")
+
+
+class _Plugin:
+    @hookimpl
+    def deepinfer_backends(self) -> list[BackendInfo]:
+        return [
+            _broken("hanging", HangingCollectives),
+            _broken("gather-order", OffByOneGather),
+            BackendInfo("one-device", "0", 0, False, lambda: Availability(True), _one_device),
+        ]
+
+
+BROKEN = _Plugin()
+PLUGIN = f"{Path(__file__).stem}:BROKEN"  # importable in the spawned ranks (sys.path is passed on)
+
+
+def test_a_hung_collective_fails_within_the_deadline() -> None:
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank\(s\) \[0, 1\] did not finish within 15 s"):
+        run_collectives("hanging", plugins=[PLUGIN], timeout_s=15.0)
+    assert time.monotonic() - start < 15.0 + 30.0  # the deadline plus killing and joining
+
+
+def test_a_wrong_result_names_the_rank_and_the_op() -> None:
+    with pytest.raises(AssertionError, match=r"(?s)rank \d failed.*all_gather \(torch.float32\) is wrong"):
+        run_collectives("gather-order", plugins=[PLUGIN], timeout_s=DEADLINE_S)
+
+
+def test_a_second_device_that_cannot_be_created_is_unavailable_not_passed() -> None:
+    with pytest.raises(
+        CollectivesUnavailable, match="rank 1: cannot create backend 'one-device' with device_index=1"
+    ):
+        run_collectives("one-device", plugins=[PLUGIN], timeout_s=DEADLINE_S)
+
+
+def test_the_suite_reports_unrun_collectives_loudly() -> None:
+    """The conformance suite skips the two-process case for that backend with a warning and a
+    NOT CHECKED section in the terminal summary, even without -rs."""
+    path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]  # this module, for the plugin
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    cmd = [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "deepinfer.testing.plugin",
+        "--pyargs", "deepinfer.testing.conformance", "--deepinfer-backend", "one-device",
+        "--deepinfer-plugin", PLUGIN, "-k", "collectives", "-q", "-W", "ignore::FutureWarning",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600).stdout
+    assert "1 passed, 1 skipped" in out, out[-3000:]
+    assert "ConformanceGapWarning: NOT CHECKED: collectives over 2 processes" in out, out[-3000:]
+    section = out[out.index("deepinfer conformance: 1 case(s) NOT CHECKED for 'one-device'") :]
+    assert "test_collectives_across_two_processes" in section and "device_index=1" in section, section

@@ -49,7 +49,11 @@ def first_word_token(tokens: list[int], pieces: list[str], start: int) -> int:
         word = pieces[k].strip()
         if word.isalpha() and tokens.count(tokens[k]) == 1 and text.count(pieces[k]) == 1:
             return k
-    pytest.skip("no suitable token in the greedy continuation")
+    pytest.fail(
+        f"no token from index {start} on of the greedy continuation {tokens} is a plain word that occurs "
+        f"once (the tiny model or the engine changed): choose another PROMPT, or these tests check nothing",
+        pytrace=False,
+    )
 
 
 def test_stop_token_is_kept_in_token_ids_but_not_in_the_text(

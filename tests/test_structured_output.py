@@ -72,10 +72,84 @@ def test_json_schema(llm: LLM) -> None:
         assert isinstance(value["ok"], bool) and value["kind"] in ("a", "b")
 
 
+def close_json_prefix(text: str) -> str:
+    """`text` completed into a JSON text if it is a prefix of one: close an open string (and a
+    cut escape), finish a cut literal or number, give a dangling key or ':' or ',' a value, close
+    the open containers. json.loads of the result fails when `text` is no such prefix."""
+    stack: list[str] = []
+    after = "start"  # the last thing read: start, open, key, colon, comma, value
+    in_string = key = False
+    escape, hex_left, bare = False, 0, ""
+    for ch in text:
+        if in_string:
+            if hex_left:
+                hex_left -= 1
+            elif escape:
+                escape, hex_left = False, 4 if ch == "u" else 0
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string, after = False, "key" if key else "value"
+            continue
+        if bare and ch in ' \t\r\n,:]}"[{':
+            bare, after = "", "value"
+        if ch == '"':
+            in_string, key = True, bool(stack) and stack[-1] == "{" and after in ("open", "comma")
+        elif ch in "[{":
+            stack.append(ch)
+            after = "open"
+        elif ch in "]}":
+            stack.pop() if stack else None
+            after = "value"
+        elif ch == ":":
+            after = "colon"
+        elif ch == ",":
+            after = "comma"
+        elif ch not in " \t\r\n":
+            bare += ch
+    tail = ""
+    if in_string:
+        tail += ("0" * hex_left) + ("n" if escape else "") + '"'
+        after = "key" if key else "value"
+    elif bare:
+        literal = next((w for w in ("true", "false", "null") if w.startswith(bare)), None)
+        tail += literal[len(bare) :] if literal else ("0" if bare[-1] in "-+.eE" else "")
+        after = "value"
+    if after == "key":
+        tail += ":null"
+    elif after == "colon" or (after == "comma" and stack and stack[-1] == "["):
+        tail += "null"
+    elif after == "comma":
+        tail += '"":null'
+    return text + tail + "".join("}" if c == "{" else "]" for c in reversed(stack))
+
+
+def test_close_json_prefix() -> None:
+    """The helper closes every prefix of JSON objects and keeps invalid text invalid."""
+    value = {
+        "a": [1, -2.5e-3, True, False, None, 'x"y\\z\u00e9\n', {"b": {}}, []],
+        "c": "\U0001f600",
+        "": 0.0,
+    }
+    for text in (json.dumps(value), json.dumps(value, ensure_ascii=False), json.dumps(value, indent=1)):
+        for i in range(1, len(text) + 1):
+            assert isinstance(json.loads(close_json_prefix(text[:i])), dict), text[:i]
+    for bad in ['{"a" 1', "{1", '{"a":1 "b"', "{]", '{"a":tx', '{"a":1}x', '{"a":--1']:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(close_json_prefix(bad))
+
+
 def test_json_object_and_grammar(llm: LLM) -> None:
-    # a JSON object: whatever the model writes before max_tokens is the prefix of one
-    for text, _ in generate(llm, StructuredOutputsParams(json_object=True), max_tokens=12):
+    # a JSON object: a finished output parses as one; one cut by max_tokens is a prefix of one (it
+    # parses once its open string, literal and containers are closed)
+    for text, reason in generate(llm, StructuredOutputsParams(json_object=True), max_tokens=40):
         assert text.startswith("{"), text
+        what = "a JSON object" if reason == "stop" else "a prefix of a JSON object"
+        try:
+            value = json.loads(text if reason == "stop" else close_json_prefix(text))
+        except json.JSONDecodeError as exc:
+            raise AssertionError(f"finish_reason {reason}: not {what}: {exc}: {text!r}") from exc
+        assert isinstance(value, dict), text
     for text, reason in generate(llm, StructuredOutputsParams(grammar='root ::= "a" ("b" | "c") "d" [0-9]')):
         assert reason == "stop" and re.fullmatch("a[bc]d[0-9]", text), text
 

@@ -7,15 +7,36 @@ moved to the backend's device. `oracle(t)` gives the float64 CPU copy the refere
 
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.backend.ops import Backend
+from deepinfer.backend.registry import BackendRegistry
 from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
+
+
+def registry_with(plugins: Sequence[str] = ()) -> BackendRegistry:
+    """The registry of the installed entry points plus `plugins`: each "MODULE" or
+    "MODULE:ATTRIBUTE" names a plugin (a module or object implementing the deepinfer_backends
+    hook) that is not installed, e.g. a backend under development or one built inside a test.
+    A plugin that fails to import or to register raises ValueError naming it."""
+    registry = BackendRegistry.discover()
+    for spec in plugins:
+        module, _, attr = spec.partition(":")
+        try:
+            plugin: object = importlib.import_module(module)
+            for part in filter(None, attr.split(".")):
+                plugin = getattr(plugin, part)
+            registry.register_plugin(plugin, spec)
+        except Exception as exc:
+            raise ValueError(f"backend plugin {spec!r}: {type(exc).__name__}: {exc}") from exc
+    return registry
 
 
 def randn(

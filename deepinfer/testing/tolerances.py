@@ -5,7 +5,7 @@ copies of the very same inputs, so input rounding is not part of the error):
 
     |actual - expected| <= atol + rtol * |expected|      elementwise
 
-Inputs are scaled so that outputs are O(1) (weights by 1/sqrt(K), attention scale 1/sqrt(D)).
+Inputs are scaled so that outputs are O(1) (weights by 1/sqrt(K), attention scales near 1/sqrt(D)).
 The budgets allow a few output roundings plus a low-precision intermediate (e.g. attention
 probabilities rounded to the input dtype before the P @ V product, or TF32 tensor cores for
 float32). Ops that quantise activations to FP8 themselves get FP8_ACT on top: two correct

@@ -65,6 +65,14 @@ def make_q(
     return randn((tokens, h, d), dtype, device, gen, sc)
 
 
+def softmax_scale(head_dim: int, gen: torch.Generator) -> float:
+    """The `scale` a case passes: D^-0.5 times a factor in [1/3, 3] away from 1. Models do not
+    pass D^-0.5 (DeepSeek's absorbed MLA: qk_head_dim^-0.5 = 192^-0.5 times the YaRN mscale^2,
+    over a 576-wide K), so a kernel that derives the scale from the head size must fail."""
+    factor = 1.3 + 1.7 * float(torch.rand((), generator=gen))
+    return float(head_dim**-0.5 * (factor if torch.rand((), generator=gen) < 0.5 else 1 / factor))
+
+
 def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Generator, decode: bool) -> None:
     seq, qlen = list(case.seq_lens), list(case.query_lens)
     batch = make_paged_batch(
@@ -92,7 +100,7 @@ def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Genera
     if case.topk is not None:
         pick = edge_topk_indices if case.topk_edge else topk_indices_for
         topk = pick(seq, qlen, case.topk, gen)
-    scale = case.head_dim**-0.5
+    scale = softmax_scale(case.head_dim, gen)
     op = backend.attention.decode if decode else backend.attention.prefill
     out = op(
         q, batch.cache, meta, scale=scale, v_dim=case.v_dim, window=case.window, sinks=sinks,

@@ -1,8 +1,11 @@
-"""Collectives on a one-process group with the backend's own torch.distributed backend.
+"""Collectives with the backend's own torch.distributed backend: in two processes (where a no-op
+or a wrong rank order shows), and on a one-process group (the degenerate world of one).
 
-Multi-process behaviour of the default implementations is tested in deepinfer's own tests
-(tests/test_collectives.py); here every op must run on the backend's device and return the
-right shapes and values for world size 1.
+Two processes: deepinfer.testing.collectives spawns one process per rank; each creates the
+backend with device_index = rank (a GPU backend needs two devices), joins a group over a file
+store and checks every op. A rank that hangs fails the test after a bounded wait. Where the
+dist backend is unavailable, or a second device cannot be created, the cases are skipped LOUDLY
+(a warning, a NOT CHECKED reason and a section in the terminal summary).
 """
 
 from __future__ import annotations
@@ -16,16 +19,45 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend.ops import Backend
+from deepinfer.testing.collectives import CollectivesUnavailable, run_collectives
+from deepinfer.testing.plugin import skip_unchecked
+
+WORLD = 2
+TIMEOUT_S = 240.0  # spawning a rank imports torch (and, for some backends, a compiler) first
+
+
+def require_dist_backend(backend: Backend) -> str:
+    __tracebackhide__ = True
+    name = backend.collectives.dist_backend
+    assert isinstance(name, str) and name, "collectives.dist_backend must name a torch.distributed backend"
+    if not dist.is_backend_available(name):
+        skip_unchecked(
+            "collectives",
+            f"backend {backend.name!r} claims torch.distributed backend {name!r}, which is not "
+            f"available in this process",
+        )
+    return name
+
+
+def test_collectives_across_two_processes(
+    backend: Backend, backend_name: str, backend_plugins: list[str]
+) -> None:
+    """all_reduce, all_gather (each claimed dtype), reduce_scatter, all_to_all_single (uneven,
+    even, empty), broadcast and barrier across two ranks, compared exactly."""
+    require_dist_backend(backend)
+    try:
+        run_collectives(backend_name, world=WORLD, plugins=backend_plugins, timeout_s=TIMEOUT_S)
+    except CollectivesUnavailable as exc:
+        skip_unchecked(f"collectives over {WORLD} processes", str(exc))
+    except AssertionError as exc:  # the rank's own traceback is in the message
+        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="module")
 def group(backend: Backend) -> Iterator[None]:
-    name = backend.collectives.dist_backend
-    assert isinstance(name, str) and name
+    name = require_dist_backend(backend)
     if dist.is_initialized():
-        pytest.skip("a torch.distributed process group already exists in this process")
-    if not dist.is_backend_available(name):
-        pytest.skip(f"torch.distributed backend {name!r} is not available in this process")
+        skip_unchecked("collectives in one process", "a torch.distributed process group already exists")
     fd, path = tempfile.mkstemp(prefix="deepinfer-conformance-")
     os.close(fd)
     os.unlink(path)

@@ -35,6 +35,49 @@ def test_rms_norm(
         assert_close(h, rh, dtype, what="rms_norm residual sum")
 
 
+# Row magnitudes where eps decides the result: all zeros (0 / sqrt(0 + eps) = 0, never NaN),
+# 1e-20 (x^2 underflows float32: only eps keeps the scale finite), 1e-4 (mean(x^2) = 1e-8, far
+# below eps), 1e-3 (mean(x^2) = eps) and ordinary rows.
+ROW_SCALES = (0.0, 1e-20, 1e-4, 1e-3, 1.0, 0.0)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2], ids=["eps1e-6", "eps1e-2"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_zero_and_tiny_rows(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, with_residual: bool, eps: float
+) -> None:
+    """All-zero rows and rows so small that eps dominates the mean square: the result is finite
+    (zeros stay zeros) and scaled by eps exactly as the reference says. With a residual, one row's
+    residual is -x (h = 0) and tiny rows get tiny residuals."""
+    dev = backend.device.device()
+    scales = torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None]
+    rows = torch.randn((len(ROW_SCALES), 136), generator=gen, dtype=torch.float64)
+    x = (rows * scales).to(dtype)
+    w = (1 + randn((136,), torch.float32, "cpu", gen, 0.1)).to(dtype).to(dev)
+    res = None
+    if with_residual:
+        r = (torch.randn(rows.shape, generator=gen, dtype=torch.float64) * scales).to(dtype)
+        x[-1] = rows[-1].to(dtype)  # an ordinary x cancelled by its residual: h = 0
+        r[-1] = -x[-1]
+        res = r.to(dev)
+    x = x.to(dev)
+    y, h = backend.small.rms_norm(x, w, eps, res)
+    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), eps, None if res is None else oracle(res))
+    assert y.dtype == dtype
+    finite = torch.isfinite(y.cpu()).all(dim=-1)
+    if not finite.all():
+        scale = [ROW_SCALES[i] for i in (~finite).nonzero().flatten().tolist()]
+        raise AssertionError(
+            f"rms_norm gave NaN/inf on rows of magnitude {scale} (0: all zeros; eps={eps} belongs inside "
+            f"the square root: x / sqrt(mean(x^2) + eps))"
+        )
+    assert_close(y, ry, dtype, what=f"rms_norm y on zero / tiny rows (eps={eps})")
+    if res is not None:
+        assert h is not None and rh is not None
+        assert_close(h, rh, dtype, what="rms_norm residual sum on zero / tiny rows")
+        assert not h.cpu()[-1].any(), "x + (-x) must be an all-zero row"
+
+
 def cos_sin_cache(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
     inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
@@ -247,6 +290,71 @@ def test_sample_never_picks_filtered_tokens(backend: Backend, gen: torch.Generat
         seen[torch.arange(batch), out] = True
     assert not (seen & ~allowed).any(), "a filtered-out token was sampled"
     assert (seen.sum(dim=-1) > 1).any(), "sampling rows never varied with the noise"
+
+
+# The distribution the draws must follow. One vocabulary, probabilities at temperature 1:
+DIST_PROBS = (0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02)
+# (temperature, top_k, top_p, min_p, what it checks, the expected distribution over DIST_PROBS'
+# ranks, worked out by hand). Filters act on the tempered distribution (vLLM, transformers):
+# logits / T first, then top-k, top-p over the top-k survivors renormalised, then min-p. Top-p
+# keeps the smallest set whose mass REACHES top_p: the token that crosses the threshold stays.
+DIST_ROWS: list[tuple[float, int, float, float, str, tuple[float, ...]]] = [
+    # cumulative 0.40, 0.65, 0.80: the third token crosses 0.7 and is kept (0.4, 0.25, 0.15) / 0.8
+    (1.0, 0, 0.7, 0.0, "top-p keeps the token that crosses top_p", (0.5, 0.3125, 0.1875)),
+    # top-3 renormalised (0.5, 0.3125, 0.1875): 0.5 + 0.3125 reaches 0.75, the third is dropped
+    (1.0, 3, 0.75, 0.0, "top-p on the top-k survivors, renormalised", (0.6154, 0.3846)),
+    # T=2: p ~ sqrt(p), ratios to the best 1, .79, .61, .50, .35, ...: min-p 0.45 keeps 4 tokens
+    # (at T=1 the ratios are 1, .625, .375, ...: only 2 tokens)
+    (2.0, 0, 1.0, 0.45, "temperature before min-p", (0.3445, 0.2723, 0.2109, 0.1722)),
+    # T=0.5: p ~ p^2, cumulative .618, .860, ...: top-p 0.83 keeps 2 tokens
+    # (at T=1, cumulative .40, .65, .80, .90: 4 tokens)
+    (0.5, 0, 0.83, 0.0, "temperature before top-p", (0.7191, 0.2809)),
+    # temperature with top-k (p ~ p^(1/0.7) over the top 2), and alone
+    (0.7, 2, 1.0, 0.0, "temperature with top-k", (0.6618, 0.3382)),
+    (1.3, 0, 1.0, 0.0, "temperature alone", (0.3391, 0.2362, 0.1594, 0.1167, 0.0685, 0.0462, 0.0338)),
+]
+
+
+def test_sample_distribution(backend: Backend, gen: torch.Generator) -> None:
+    """4000 draws per setting (fresh exponential noise each) follow the tempered, filtered
+    distribution: every kept token within 4.5 standard deviations of its probability, every
+    filtered token never drawn. Token ids are shuffled so that rank and id differ."""
+    dev = backend.device.device()
+    n, vocab = 4000, len(DIST_PROBS)
+    perm = torch.randperm(vocab, generator=gen)  # token perm[i] has the i-th largest probability
+    base = torch.empty(vocab).scatter_(0, perm, torch.tensor(DIST_PROBS).log())
+    rows = len(DIST_ROWS)
+    settings = {
+        "temperature": torch.tensor([r[0] for r in DIST_ROWS], dtype=torch.float32),
+        "top_k": torch.tensor([r[1] for r in DIST_ROWS], dtype=torch.int64),
+        "top_p": torch.tensor([r[2] for r in DIST_ROWS], dtype=torch.float32),
+        "min_p": torch.tensor([r[3] for r in DIST_ROWS], dtype=torch.float32),
+    }
+    # the oracle agrees with the hand-worked distributions
+    scaled = base.expand(rows, vocab) / settings["temperature"][:, None]
+    kept = ref_small.filter_logits(scaled, settings["top_k"], settings["top_p"], settings["min_p"])
+    expected = torch.softmax(kept.double(), dim=-1)[:, perm]  # by rank
+    for r, row in enumerate(DIST_ROWS):
+        want = torch.tensor(row[5] + (0.0,) * (vocab - len(row[5])), dtype=torch.float64)
+        assert torch.allclose(expected[r], want, atol=1e-3), (row[4], expected[r].tolist())
+    inputs = {k: v.repeat_interleave(n) for k, v in settings.items()}
+    inputs["logits"] = base.expand(rows * n, vocab).contiguous()
+    noise = exp_noise(gen, (rows * n, vocab))
+    out = backend.small.sample(**{k: v.to(dev) for k, v in inputs.items()}, exp_noise=noise.to(dev)).cpu()
+    assert out.dtype == torch.int64 and out.shape == (rows * n,)
+    counts = torch.stack([torch.bincount(out[r * n : (r + 1) * n], minlength=vocab) for r in range(rows)])
+    counts = counts[:, perm].double()  # by rank
+    for r, row in enumerate(DIST_ROWS):
+        p = expected[r]
+        sigma = torch.sqrt(p * (1 - p) / n)
+        bad = ((counts[r] / n - p).abs() > 4.5 * sigma) | ((p == 0) & (counts[r] > 0))
+        if bad.any():
+            raise AssertionError(
+                f"sampling with temperature={row[0]} top_k={row[1]} top_p={row[2]} min_p={row[3]} "
+                f"({row[4]}): {n} draws gave counts {counts[r].long().tolist()} by probability rank, "
+                f"expected about {[round(float(q) * n) for q in p]}"
+            )
+    assert torch.equal(out, ref_small.sample(**inputs, exp_noise=noise)), "differs from the reference"
 
 
 def test_sample_extreme_filters(backend: Backend, gen: torch.Generator) -> None:

@@ -1,0 +1,220 @@
+"""Mutation tests of the conformance suite: the reference backend with one op subtly wrong must
+FAIL the suite, and the unmutated reference must pass the same cases (issue 16).
+
+Each mutant is a copy of the reference backend with one part replaced by a subclass that
+overrides one op with a wrong version a real port could ship. They are registered with the
+suite through `--deepinfer-plugin test_conformance_mutations:MUTANTS` (this module is importable
+in the suite's process and in the processes its collective cases spawn), and each run selects
+only the cases that concern it (-k): the whole module takes about 20 s on two idle cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer.backend import Availability, Backend, BackendInfo, BackendOptions, SmallOps, hookimpl
+from deepinfer.reference import small as ref_small
+from deepinfer.reference.backend import ReferenceAttention, ReferenceCollectives, create_reference_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGIN_SPEC = f"{Path(__file__).stem}:MUTANTS"
+
+
+# --------------------------------------------------------------------------- the mutants
+
+
+def filter_dropping_crossing_token(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """The reference filter with the classic top-p slip: keep tokens whose cumulative mass
+    INCLUDING themselves is <= top_p, so the token that crosses top_p is dropped."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)
+    k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop = probs.cumsum(dim=-1) > top_p[:, None]  # the bug: the reference tests the mass BEFORE
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def race(
+    logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    sampled = (torch.softmax(filtered, dim=-1) / noise).argmax(dim=-1)
+    return torch.where(temperature <= 0, logits.argmax(dim=-1), sampled)
+
+
+class TopPDropsCrossingToken(SmallOps):
+    def sample(self, logits, temperature, top_k, top_p, min_p, exp_noise):  # type: ignore[no-untyped-def]
+        logits = logits.float()
+        scaled = logits / torch.where(temperature <= 0, 1.0, temperature)[:, None]
+        return race(
+            logits, filter_dropping_crossing_token(scaled, top_k, top_p, min_p), temperature, exp_noise
+        )
+
+
+class TemperatureAfterFilters(SmallOps):
+    def sample(self, logits, temperature, top_k, top_p, min_p, exp_noise):  # type: ignore[no-untyped-def]
+        logits = logits.float()
+        filtered = ref_small.filter_logits(logits, top_k, top_p, min_p)  # the bug: filters first
+        tempered = filtered / torch.where(temperature <= 0, 1.0, temperature)[:, None]
+        return race(logits, tempered, temperature, exp_noise)
+
+
+class RmsNormWithoutEps(SmallOps):
+    def rms_norm(self, x, weight, eps, residual=None):  # type: ignore[no-untyped-def]
+        h = x.float() if residual is None else x.float() + residual.float()
+        y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True)) * weight.float()  # the bug: no eps
+        return y.to(x.dtype), (None if residual is None else h.to(x.dtype))
+
+
+class NoOpCollectives(ReferenceCollectives):
+    """Every op returns its input (or a copy): exactly right in a world of one."""
+
+    def all_reduce(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return t
+
+    def all_gather(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return t.clone()
+
+    def reduce_scatter(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return t.clone()
+
+    def all_to_all_single(
+        self,
+        t: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        group: Any = None,
+    ) -> torch.Tensor:
+        return t.clone()
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+        return t
+
+    def barrier(self, group: Any = None) -> None:
+        pass
+
+
+class AttentionIgnoresScale(ReferenceAttention):
+    def prefill(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):  # type: ignore[no-untyped-def]
+        return super().prefill(
+            q, cache, meta, scale=q.shape[-1] ** -0.5, v_dim=v_dim, window=window, sinks=sinks,
+            topk_indices=topk_indices,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # the backend is mutant-<name>
+    part: str  # the Backend field replaced
+    make: Callable[[BackendOptions], Any]  # options -> the wrong part
+    select: str  # -k expression of the cases that concern it
+    caught_by: tuple[str, ...]  # test functions that must fail (others may fail too)
+    message: str  # text the failure must contain
+
+    def create(self, options: BackendOptions) -> Backend:
+        ref = create_reference_backend(options)
+        return dataclasses.replace(ref, name=f"mutant-{self.name}", **{self.part: self.make(options)})
+
+
+MUTANT_LIST = [
+    Mutant(
+        "top-p", "small", TopPDropsCrossingToken, "test_sample", ("test_sample_distribution",),
+        "(top-p keeps the token that crosses top_p): 4000 draws gave counts",
+    ),
+    Mutant(
+        "temperature", "small", TemperatureAfterFilters, "test_sample", ("test_sample_distribution",),
+        "(temperature before min-p): 4000 draws gave counts",
+    ),
+    Mutant(
+        "rms-eps", "small", RmsNormWithoutEps, "rms_norm", ("test_rms_norm_zero_and_tiny_rows",),
+        "rms_norm gave NaN/inf on rows of magnitude [0.0",
+    ),
+    Mutant(
+        "collectives", "collectives", lambda o: NoOpCollectives(o, torch.device("cpu")), "collectives",
+        ("test_collectives_across_two_processes",), "all_reduce (torch.float32) is wrong",
+    ),
+    Mutant(
+        "attention-scale", "attention", AttentionIgnoresScale,
+        "(test_decode or test_prefill) and float32 and (block_boundaries or window_sinks_kv512 or fresh "
+        "or chunked or sinks_extreme)",
+        ("test_decode", "test_prefill"), "elements outside atol",
+    ),
+]  # fmt: skip
+MUTANTS_BY_NAME = {m.name: m for m in MUTANT_LIST}
+
+
+class _MutantPlugin:
+    """A deepinfer backend plugin providing one backend per mutant."""
+
+    @hookimpl
+    def deepinfer_backends(self) -> list[BackendInfo]:
+        def probe() -> Availability:
+            return Availability(True, "the reference backend with one op broken on purpose")
+
+        return [BackendInfo(f"mutant-{m.name}", "0", 0, False, probe, m.create) for m in MUTANT_LIST]
+
+
+MUTANTS = _MutantPlugin()
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+def suite_command(backend: str, select: str) -> list[str]:
+    return [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "deepinfer.testing.plugin",
+        "--pyargs", "deepinfer.testing.conformance", "--deepinfer-backend", backend,
+        "--deepinfer-plugin", PLUGIN_SPEC, "-k", select, "-q", "-rfE", "-W", "ignore::FutureWarning",
+    ]  # fmt: skip
+
+
+def run_suite(backend: str, select: str) -> tuple[int, str]:
+    """Run the selected conformance cases against `backend` in a fresh process (the cases spawn
+    processes and initialise torch.distributed); (exit code, output)."""
+    path = [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]  # this module, for the plugin
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    env.pop("DEEPINFER_REFERENCE_DEVICE", None)
+    proc = subprocess.run(
+        suite_command(backend, select), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def failed_tests(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
+
+
+def test_the_reference_passes_the_cases_that_catch_the_mutants() -> None:
+    code, output = run_suite("reference", " or ".join(f"({m.select})" for m in MUTANT_LIST))
+    assert code == 0, output[-6000:]
+    summary = output.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    assert "NOT CHECKED" not in output, output[-3000:]  # the collectives ran in two processes
+
+
+@pytest.mark.parametrize("name", list(MUTANTS_BY_NAME))
+def test_the_mutant_fails(name: str) -> None:
+    mutant = MUTANTS_BY_NAME[name]
+    code, output = run_suite(f"mutant-{name}", mutant.select)
+    assert code == 1, f"mutant {name} was not caught (exit code {code}):\n{output[-6000:]}"
+    failed = failed_tests(output)
+    assert failed, output[-6000:]
+    for test in mutant.caught_by:
+        assert any(f"::{test}" in line for line in failed), f"{test} did not fail:\n" + "\n".join(failed)
+    assert mutant.message in output, output[-6000:]
