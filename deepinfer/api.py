@@ -9,12 +9,19 @@ Bad input: every request of a generate() call is validated (and tokenised) befor
 starts; the first bad one raises ValueError / TypeError naming its index, and nothing of that
 call is run. The LLM object stays usable for the next call, and so it does after an error in
 the middle of a call (the requests in flight are dropped).
+
+Threads: one LLM may be called from several threads; its calls run one at a time, each as if
+it were alone. Expert parallelism: an error on any rank raises on every rank (see
+deepinfer.parallel.rank_sync).
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -29,6 +36,20 @@ from deepinfer.engine.tokenizer import Tokenizer
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 PromptType = str | dict[str, Any]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _one_call_at_a_time(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenate[LLM, P], R]:
+    """The engine serves one call at a time: a call from another thread waits for it."""
+
+    @functools.wraps(method)
+    def serialised(self: LLM, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return serialised
 
 
 class LLM:
@@ -54,6 +75,7 @@ class LLM:
         enable_expert_parallel: bool = False,
         enforce_eager: bool = False,
         async_scheduling: bool = True,
+        distributed_timeout_s: float = 300.0,
     ) -> None:
         check_model_dir(model)
         config = EngineConfig(
@@ -74,14 +96,17 @@ class LLM:
             enable_expert_parallel=enable_expert_parallel,
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
+            distributed_timeout_s=distributed_timeout_s,
         )
         self.llm_engine = LLMEngine(config)
+        self._lock = threading.RLock()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an engine built directly (e.g. around a random-weight model for benchmarks)."""
         llm = cls.__new__(cls)
         llm.llm_engine = engine
+        llm._lock = threading.RLock()
         return llm
 
     def get_tokenizer(self) -> Tokenizer:
@@ -89,6 +114,7 @@ class LLM:
             raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
         return self.llm_engine.tokenizer
 
+    @_one_call_at_a_time
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -98,7 +124,8 @@ class LLM:
         """Generate completions; outputs come back in prompt order.
 
         prompts: a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
-        sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+        sampling_params: one for all prompts, or one per prompt (default: the model's
+            generation_config.json, else SamplingParams(); see LLMEngine.default_sampling_params).
         """
         engine = self.llm_engine
         try:
@@ -106,7 +133,7 @@ class LLM:
                 prompts = [prompts]
             prompts = list(prompts)
             if sampling_params is None:
-                sampling_params = SamplingParams()
+                sampling_params = engine.default_sampling_params()
             if isinstance(sampling_params, SamplingParams):
                 params = [sampling_params] * len(prompts)
             else:
@@ -114,15 +141,16 @@ class LLM:
                 if len(params) != len(prompts):
                     raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
             seqs = engine.make_sequences(prompts, params)
-        except (ValueError, TypeError):
-            engine.all_ranks(False)  # expert parallelism: the other ranks must not wait for this one
+        except BaseException as exc:
+            engine.all_ranks(False, exc)  # expert parallelism: the other ranks raise too, naming exc
             raise
-        if not engine.all_ranks(True):
-            raise RuntimeError("generate failed on another expert-parallel rank (its error is raised there)")
+        if not engine.all_ranks(True):  # raises, naming the rank, where another could not start
+            raise RuntimeError("generate failed on another expert-parallel rank")
         with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             engine.run_to_completion(seqs, bar)
         return [engine.to_output(seq) for seq in seqs]
 
+    @_one_call_at_a_time
     def chat(
         self,
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
@@ -133,10 +161,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of conversations, formatted with the checkpoint's chat template."""
-        tok = self.get_tokenizer()
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts: list[PromptType] = []
-        for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
-            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        try:
+            tok = self.get_tokenizer()
+            conversations = messages if messages and isinstance(messages[0], list) else [messages]
+            for conv in conversations:
+                text = tok.apply_chat_template(conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+                ids = tok.encode(text, add_special_tokens=False)
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+        except BaseException as exc:
+            self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would
+            raise
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -33,6 +33,10 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+# Tokens per KV block: Ascend's fused paged MLA attention (npu_fused_infer_attention_score)
+# takes blocks of at most 1024 tokens; the CUDA (Triton) and reference kernels take any size, and
+# larger blocks only waste memory (a request holds at least one block).
+MAX_BLOCK_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class EngineConfig:
     gpu_memory_utilization: share of the device's memory the engine may use in all; the KV pool
         gets what is left of that share after the model is loaded.
     num_gpu_blocks_override / kv_cache_memory_bytes: size the KV pool explicitly instead.
-    block_size: tokens per KV block.
+    block_size: tokens per KV block, 1..MAX_BLOCK_SIZE (1024).
     seed: seeds the per-request generators of requests that have no seed of their own.
     enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
     batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
@@ -56,6 +60,12 @@ class EngineConfig:
         torch.distributed group (one process per rank, already initialised, e.g. by torchrun);
         each rank serves its own requests with the full attention (attention data parallelism)
         and every rank must call generate the same number of times.
+    distributed_timeout_s: with expert parallelism, the longest a rank waits for the others at
+        the status exchange that starts each call and each step (so also the longest skew
+        between the ranks' generate calls, and the longest step); a rank that does not come in
+        time breaks the group, and every rank then raises RuntimeError saying which and why
+        (deepinfer.parallel.rank_sync). A failure that a rank raises is known to every rank at
+        the next step, without waiting.
     enforce_eager: never capture graphs (vLLM's name); by default decode steps replay graphs
         captured per batch-size bucket where the backend has graphs.
     async_scheduling: the host schedules and prepares step n+1 while the device runs step n;
@@ -86,6 +96,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     enforce_eager: bool = False
     async_scheduling: bool = True
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         def positive(name: str, value: int | None) -> None:
@@ -98,6 +109,11 @@ class EngineConfig:
         positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         positive("block_size", self.block_size)
+        if self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(
+                f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens (Ascend's fused paged MLA attention "
+                f"takes blocks of at most {MAX_BLOCK_SIZE}), got {self.block_size}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not isinstance(self.seed, int):
@@ -106,6 +122,9 @@ class EngineConfig:
         _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
         if self.enable_expert_parallel and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
+            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -68,8 +69,28 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _fail(exc: Exception) -> int:
-    print(f"error: {exc}", file=sys.stderr)
+    """One line on stderr, exit status 2."""
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"error: {message}", file=sys.stderr)
     return 2
+
+
+# What a user's input (arguments, files, checkpoint) can cause: a one-line error, no traceback.
+USER_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OSError, BackendError)
+
+
+def _check_writable(path_arg: str, flag: str) -> Path:
+    """The output path, or OSError saying why it cannot be written (checked before a long run)."""
+    path = Path(path_arg)
+    parent = path.parent
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path_arg}: is a directory")
+    if not parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path_arg}: directory {parent} does not exist")
+    target = path if path.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise PermissionError(f"{flag} {path_arg}: {target} is not writable")
+    return path
 
 
 # --------------------------------------------------------------------------- generate
@@ -141,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             outputs = llm.chat(convs, params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except (ValueError, TypeError, FileNotFoundError, BackendError) as exc:
+    except USER_ERRORS as exc:
         return _fail(exc)
     for prompt, out in zip(args.prompt, outputs):
         c = out.outputs[0]
@@ -200,6 +221,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if kwargs["max_model_len"] is None:
         kwargs["max_model_len"] = args.input_len + args.output_len
     try:
+        output_json = _check_writable(args.output_json, "--output-json") if args.output_json else None
         if args.random_config:
             config_file = resolve_config(args.random_config)
             config = EngineConfig(model=str(config_file.parent), **kwargs)
@@ -220,7 +242,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         outputs = llm.generate(requests, params)
         engine.backend.device.synchronize()
         elapsed = time.perf_counter() - start
-    except (ValueError, TypeError, FileNotFoundError, BackendError) as exc:
+    except USER_ERRORS as exc:
         return _fail(exc)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -246,6 +268,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tokens_per_s']:.2f} total tokens/s, "
         f"{r['input_tokens_per_s']:.2f} input tokens/s, {r['output_tokens_per_s']:.2f} output tokens/s"
     )
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    if output_json is not None:
+        try:
+            output_json.write_text(json.dumps(result, indent=2) + "\n")
+        except OSError as exc:
+            return _fail(OSError(f"--output-json {args.output_json}: cannot write: {exc.strerror or exc}"))
     return 0

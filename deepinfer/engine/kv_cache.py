@@ -13,6 +13,7 @@ content until they are handed out again, least recently freed first.
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 from deepinfer.engine.sequence import Sequence
@@ -132,6 +133,61 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         seq.block_table.clear()
+
+
+# Host bytes the BlockManager spends per block (a Block with __slots__, its list slot, its entry
+# in the free OrderedDict, its id), measured with tracemalloc at 227 and rounded up.
+HOST_BYTES_PER_BLOCK = 256
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to a new allocation (MemAvailable; all of it where
+    /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n < 2**50 else f"{n / 2**40:.3g} TiB"
+
+
+def check_kv_pool_fits(
+    num_blocks: int,
+    bytes_per_block: int,
+    block_size: int,
+    free_device_bytes: int,
+    device_is_host: bool,
+    source: str,
+    host_bytes: int | None = None,
+) -> None:
+    """Raise ValueError naming `source` (the setting that asked for num_blocks, e.g.
+    "num_gpu_blocks_override=10**12") unless a pool of num_blocks fits, checked before anything
+    is allocated: its tensors in the free device memory, the block manager's objects
+    (HOST_BYTES_PER_BLOCK each) in the available host memory (`host_bytes`, default
+    available_host_memory()); both in host memory when the device is the host."""
+    host_free = available_host_memory() if host_bytes is None else host_bytes
+    if device_is_host:
+        checks = [(bytes_per_block + HOST_BYTES_PER_BLOCK, host_free, "host memory (the device is the host)")]
+    else:
+        checks = [
+            (bytes_per_block, free_device_bytes, "free device memory"),
+            (HOST_BYTES_PER_BLOCK, host_free, "host memory for the block manager"),
+        ]
+    for per_block, have, what in checks:
+        have = max(have, 0)
+        if num_blocks * per_block > have:
+            raise ValueError(
+                f"{source}: a KV pool of {num_blocks} blocks of {block_size} tokens ({bytes_per_block} "
+                f"bytes of KV cache and {HOST_BYTES_PER_BLOCK} bytes of host bookkeeping per block) needs "
+                f"{_gib(num_blocks * per_block)} of {what}, but {_gib(have)} is available; at most "
+                f"{have // per_block} blocks fit"
+            )
 
 
 def num_blocks_from_memory(

@@ -192,22 +192,30 @@ class LLMEngine:
     def _num_kv_blocks(self, graph_reserve: int) -> int:
         """KV blocks: as asked, or what the memory share holds once `graph_reserve` bytes are
         set aside for the graphs' memory pool."""
+        from deepinfer.engine.kv_cache import check_kv_pool_fits
+
         c, bs = self.config, self.config.block_size
         one = self.model.kv_cache_spec(1, bs)
         layers = self.model.num_kv_layers + (1 if self.num_speculative_tokens else 0)
         bytes_per_block = one.bytes_per_token * bs * layers
+        free, total = self.backend.device.memory_info()
         if c.num_gpu_blocks_override is not None:
             num_blocks = c.num_gpu_blocks_override
+            source = f"num_gpu_blocks_override={num_blocks}"
         else:
             if c.kv_cache_memory_bytes is not None:
                 num_blocks = c.kv_cache_memory_bytes // bytes_per_block
+                source = f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}"
             else:
-                free, total = self.backend.device.memory_info()
                 num_blocks = num_blocks_from_memory(
                     free - graph_reserve, total, c.gpu_memory_utilization, bytes_per_block
                 )
+                source = f"gpu_memory_utilization={c.gpu_memory_utilization}"
             # Never more than every request slot at full length could use.
             num_blocks = min(num_blocks, c.max_num_seqs * cdiv(self.max_model_len, bs))
+        # Before anything is allocated: the pool in device memory, the block manager in host memory.
+        on_host = self.backend.device.device().type == "cpu"
+        check_kv_pool_fits(num_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}, "
@@ -220,9 +228,13 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def make_sequence(self, prompt: str | dict[str, Any] | list[int], params: SamplingParams) -> Sequence:
-        """Validate and tokenise one request (ValueError / TypeError if it cannot be served)."""
+        """Validate and tokenise one request (ValueError / TypeError if it cannot be served).
+
+        The sampling parameters are validated as they are now (their fields may have changed
+        since construction) and the request keeps its own copy (SamplingParams.for_request)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params = params.for_request()
         text: str | None
         if (
             isinstance(prompt, dict)
@@ -263,6 +275,8 @@ class LLMEngine:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}")
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0  # keeps every token: off (and small enough for any backend's kernel)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         grammar = None
@@ -298,6 +312,38 @@ class LLMEngine:
                 raise type(exc)(f"prompt {i}: {exc}") from exc
         return seqs
 
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a generate() call that passes none (vLLM's
+        generation_config="auto"): SamplingParams() with the temperature, top_p, top_k, min_p,
+        repetition_penalty and max_new_tokens (as max_tokens) that the model directory's
+        generation_config.json sets, read with transformers' GenerationConfig (only the values
+        that differ from its defaults, as vLLM does); plain SamplingParams() without the file.
+        Read at each call (a small file), a new object each time. ValueError naming the file
+        if it cannot be read or holds a value SamplingParams refuses."""
+        path = Path(self.config.model) / "generation_config.json"
+        if not path.is_file():
+            return SamplingParams()
+        from transformers import GenerationConfig
+
+        try:
+            config = GenerationConfig.from_pretrained(str(path.parent), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path} cannot be read: {exc}") from exc
+        given = config.to_diff_dict()
+        names = {  # generation_config.json -> SamplingParams: what vLLM takes from the model
+            "temperature": "temperature",
+            "top_p": "top_p",
+            "top_k": "top_k",
+            "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty",
+            "max_new_tokens": "max_tokens",
+        }
+        kwargs = {ours: given[theirs] for theirs, ours in names.items() if given.get(theirs) is not None}
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 
@@ -305,8 +351,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def abort_all(self) -> None:
+        """Drop every request (after an error in a step): finish_reason "abort"."""
         self.in_flight = None
-        self.scheduler.abort_all()
+        for seq in self.scheduler.abort_all():
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
 
     # ------------------------------------------------------------------ the step
 
@@ -360,37 +409,48 @@ class LLMEngine:
 
     to_output = staticmethod(OutputProcessor.to_output)
 
-    def _count_ranks(self, flag: bool) -> int:
-        assert self.expert_parallel is not None
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.runner.device)
-        return int(self.backend.collectives.all_reduce(t).item())
-
-    def all_ranks(self, flag: bool) -> bool:
-        """flag on every expert-parallel rank (this rank's flag without expert parallelism)."""
+    def all_ranks(self, flag: bool, error: BaseException | None = None) -> bool:
+        """The start of a generate call: whether it starts on every expert-parallel rank (this
+        rank's flag without expert parallelism). A rank that cannot start passes flag=False and
+        its error: the other ranks raise RuntimeError naming that rank and error, and it gets
+        False. RuntimeError if the ranks' group is broken, or breaks because a rank does not
+        come within distributed_timeout_s (deepinfer.parallel.rank_sync)."""
         if self.expert_parallel is None:
             return flag
-        return self._count_ranks(flag) == self.expert_parallel.world_size
-
-    def any_rank(self, flag: bool) -> bool:
-        return flag if self.expert_parallel is None else self._count_ranks(flag) > 0
+        if flag:
+            error = None
+        elif error is None:
+            error = RuntimeError("no reason given")
+        return self.expert_parallel.sync.start_call(self.config.distributed_timeout_s, error)
 
     def run_to_completion(self, seqs: Iterable[Sequence], progress: Any = None) -> None:
         """Add seqs and step until every request is done. On any error (or Ctrl-C) the
-        requests still in flight are dropped, so the engine is ready for the next call."""
+        requests still in flight are dropped (reported as "abort"), so the engine is ready for
+        the next call.
+
+        Expert parallelism: the ranks step together, each step after a status exchange, until
+        none has requests left; a rank without any runs forwards with no tokens, for the MoE
+        exchanges. A step that raises on one rank raises on every rank at the next exchange,
+        naming that rank and its error (deepinfer.parallel.rank_sync)."""
         for seq in seqs:
             self.add(seq)
+        sync = self.expert_parallel.sync if self.expert_parallel is not None else None
         try:
+            if sync is not None and sync.exchanges_per_forward is None:  # count a forward's exchanges
+                sync.run_forward(self.runner.run_idle, self.runner.run_idle)
             while True:
                 busy = self.has_unfinished()
-                if self.expert_parallel is not None:  # ranks step together: MoE layers exchange
-                    if not self.any_rank(busy):
-                        break
+                if sync is None:
                     if not busy:
-                        self.runner.run_idle()
-                        continue
-                elif not busy:
+                        break
+                    finished = self.step()
+                elif not sync.start_step(busy):
                     break
-                finished = self.step()
+                elif busy:
+                    finished = sync.run_forward(self.step, self.runner.run_idle)
+                else:  # the other ranks still step: this one joins their MoE exchanges
+                    sync.run_forward(self.runner.run_idle, self.runner.run_idle)
+                    continue
                 if progress is not None and finished:
                     progress.update(len(finished))
         except BaseException:

@@ -4,10 +4,20 @@ against the stop conditions; finished requests free their blocks.
 With async scheduling this runs one step late: while the device computes step n + 1, the host
 reads step n's tokens (`SampledStep`, copied back without blocking and marked by an event).
 A request that finished at step n was already scheduled in step n + 1: that row is ignored.
+
+Failure isolation: an exception while one request's token is appended and checked (its grammar
+rejects the token, its detokenisation or the decoding of its logprobs fails) finishes that
+request alone with finish_reason "abort" (vLLM's name), its output as it was before that token;
+the other requests go on, and the error is logged. What cannot be pinned on one request is not
+isolated and fails the whole generate() call (the engine drops the requests in flight and keeps
+serving): the forward, the logits processors and the draw (penalties, grammar bitmasks, top-k /
+top-p), the copy of the tokens to the host, and the scheduler's and the KV-cache manager's own
+bookkeeping.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +28,8 @@ from deepinfer.engine.sampler import LogprobTensors
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.tokenizer import Tokenizer, find_stop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,11 +69,30 @@ class OutputProcessor:
     def append_and_check(
         self, seq: Sequence, token: int, lp: dict[int, Logprob] | None, finished: list[Sequence]
     ) -> None:
-        if self.append(seq, token, lp):
+        """append(); a request that finished is dropped from the scheduler and added to finished.
+        If appending fails, the request alone is aborted (see the module docstring)."""
+        before = (len(seq.token_ids), len(seq.output_logprobs), seq.cumulative_logprob, seq.output_text)
+        try:
+            done = self.append(seq, token, lp)
+        except Exception as exc:  # one request's failure must not fail the others' step
+            self.abort(seq, before, exc)
+            done = True
+        if done:
             self.scheduler.finish(seq)
             finished.append(seq)
         else:
             self.scheduler.block_manager.cache_full_blocks(seq)
+
+    @staticmethod
+    def abort(seq: Sequence, before: tuple[int, int, float, str], exc: Exception) -> None:
+        """Finish seq with "abort": its output back to what it was before the failing token
+        (`before`: number of token_ids and of logprob entries, cumulative logprob, text)."""
+        num_tokens, num_logprobs, cumulative, text = before
+        del seq.token_ids[num_tokens:]
+        del seq.output_logprobs[num_logprobs:]
+        seq.cumulative_logprob, seq.output_text = cumulative, text
+        seq.finish_reason, seq.stop_reason = "abort", None
+        logger.warning("request %s aborted: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
 
     def append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""
@@ -109,16 +140,21 @@ class OutputProcessor:
 
     @staticmethod
     def to_output(seq: Sequence) -> RequestOutput:
+        """The request's output so far. finished exactly when finish_reason is set: a request the
+        engine dropped without one (abort_all) is reported as "abort"."""
         want_lp = seq.params.logprobs is not None
+        reason = seq.finish_reason
+        if reason is None and seq.is_finished:
+            reason = "abort"
         completion = CompletionOutput(
             index=0,
             text=seq.output_text,
             token_ids=seq.output_token_ids,
             cumulative_logprob=seq.cumulative_logprob if want_lp else None,
             logprobs=seq.output_logprobs if want_lp else None,
-            finish_reason=seq.finish_reason,
+            finish_reason=reason,
             stop_reason=seq.stop_reason,
         )
         return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished=seq.is_finished
+            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished=reason is not None
         )

@@ -19,7 +19,8 @@ class CompletionOutput:
     """One generated completion.
 
     finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
-    max_model_len) or None while unfinished. stop_reason: the stop string or stop token id
+    max_model_len), "abort" (dropped: an error in its own processing, or in the step it was
+    part of) or None while unfinished. stop_reason: the stop string or stop token id
     that ended it, None for EOS or length.
     logprobs: per generated token, {token_id: Logprob} for the top-`logprobs` tokens and the
     sampled one; None when not requested.

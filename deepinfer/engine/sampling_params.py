@@ -1,9 +1,18 @@
-"""SamplingParams: how one request is decoded (vLLM's names and defaults)."""
+"""SamplingParams: how one request is decoded (vLLM's names and defaults).
+
+Validation happens from the object as it is when a request is added, not only at construction:
+vLLM's own examples change fields afterwards (`sp.stop = [...]`, `sp.n = 3`). `validate()` checks
+every field (type, range, finiteness); the constructor calls it, and so does the engine for each
+request it adds, which then runs with its own checked copy (`for_request()`): values derived from
+the fields (the stop strings) are those of that moment, and later changes to the caller's object
+reach the next request, never one already in flight.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import numbers
+from dataclasses import dataclass, fields
 
 from deepinfer.engine.structured import StructuredOutputsParams
 
@@ -12,38 +21,54 @@ from deepinfer.engine.structured import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64).
 SEED_MIN, SEED_END = -(2**63), 2**64
+# The sampler holds top_k in int64 and temperatures and penalties in float32: a value past these
+# would overflow there (and e.g. -inf / inf logits turn into NaN), so it is refused up front.
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer (Python's or numpy's), but not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-@dataclass
+def _is_number(x: object) -> bool:
+    """A finite real number (not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(slots=True)
 class SamplingParams:
-    """Decoding parameters of one request. Invalid values raise ValueError at construction.
+    """Decoding parameters of one request. Invalid values raise ValueError, naming the field and
+    the value, at construction and again when a request is added (fields may change in between;
+    setting a field that does not exist is an AttributeError, as in vLLM).
 
     temperature: 0 = greedy (so is anything below 1e-5, as in vLLM); otherwise logits /
-        temperature before filtering.
+        temperature before filtering. At most float32's largest value.
     top_p: keep the smallest set of tokens whose probability reaches top_p, in (0, 1].
-    top_k: keep the k most likely tokens; 0 or -1 = off.
+    top_k: keep the k most likely tokens; 0 or -1 = off; below 2**63 (a k past the vocabulary
+        keeps every token).
     min_p: drop tokens whose probability is below min_p * the top probability, in [0, 1].
-    seed: per-request seed; the tokens then do not depend on the other requests in the batch.
-    max_tokens: most tokens to generate (None: up to max_model_len).
-    min_tokens: no EOS / stop_token_ids before this many tokens.
+    seed: per-request seed in [-2**63, 2**64); the tokens then do not depend on the other
+        requests in the batch.
+    max_tokens: most tokens to generate, >= 1 (None: up to max_model_len).
+    min_tokens: no EOS / stop_token_ids before this many tokens, in [0, max_tokens].
     stop: string(s) that end generation; the stop string is not included in the text.
     include_stop_str_in_output: keep the stop string (or the text of the EOS / stop token) at
         the end of the text.
-    stop_token_ids: token ids that end generation (kept in token_ids).
+    stop_token_ids: token ids that end generation (kept in token_ids), each in [0, vocab size).
     ignore_eos: keep generating after EOS.
     logprobs: return the log-probabilities of this many most likely tokens (and of the sampled
-        one) at each generated position; None = off. Taken from the raw model logits.
+        one) at each generated position, in [0, vocab size]; None = off. Taken from the raw
+        model logits.
     presence_penalty, frequency_penalty: subtracted from the logits of tokens already generated
         (once / per occurrence), each in [-2, 2].
     repetition_penalty: > 1 discourages tokens seen in the prompt or output (logit / p if
-        positive, * p if negative); 1 = off.
+        positive, * p if negative); 1 = off; a normal float32 (about 1.2e-38 to 3.4e38).
     skip_special_tokens: leave special tokens out of the text.
     structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings or
-        an EBNF grammar (StructuredOutputsParams; needs xgrammar).
+        an EBNF grammar (StructuredOutputsParams; needs xgrammar). Not with min_tokens.
     n, best_of: vLLM's completions per prompt; only 1 is supported (send a prompt several times,
         with different seeds, for several completions).
 
@@ -72,59 +97,75 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     n: int = 1
     best_of: int | None = None
-    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
+        self.validate()
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    def validate(self) -> None:
+        """Check every field as it is now; ValueError naming the first bad field and its value.
+        Limits that depend on the model (token ids and logprobs below the vocabulary size, a
+        tokenizer for stop strings) are the engine's to check when it adds the request."""
+
         def number(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not _is_number(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             return float(value)
 
-        if number("temperature") < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0.0 < number("top_p") <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if not 0.0 <= number("min_p") <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
-        for name in ("n", "best_of"):
+        def integer(name: str, what: str, low: int, high: int | None = None, none_ok: bool = False) -> None:
             value = getattr(self, name)
-            if value is None and name == "best_of":
-                continue
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-            if value != 1:
+            if value is None and none_ok:
+                return
+            if not _is_int(value) or value < low or (high is not None and value > high):
+                raise ValueError(f"{name} must be {what}, got {value!r}")
+
+        temperature = number("temperature")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if temperature > FLOAT32_MAX:
+            raise ValueError(
+                f"temperature must be at most {FLOAT32_MAX:.4g} (float32), got {self.temperature!r}"
+            )
+        if not 0.0 < number("top_p") <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        integer("top_k", "an integer in [-1, 2**63) (0 or -1 = off)", -1, INT64_MAX)
+        if not 0.0 <= number("min_p") <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        integer("seed", "an integer in [-2**63, 2**64) or None", SEED_MIN, SEED_END - 1, none_ok=True)
+        for name in ("n", "best_of"):
+            integer(name, "an integer >= 1", 1, none_ok=name == "best_of")
+            value = getattr(self, name)
+            if value is not None and value != 1:
                 raise ValueError(
                     f"{name}={value}: several completions per prompt are not supported; "
                     "send the prompt that many times (with different seeds) instead"
                 )
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        integer("max_tokens", "an integer >= 1 (or None)", 1, none_ok=True)
+        integer("min_tokens", "an integer >= 0", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        self.stop_strings = self._check_stop(self.stop)
-        if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids
-            ):
-                raise ValueError(
-                    f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}"
-                )
-            self.stop_token_ids = list(self.stop_token_ids)
+            raise ValueError(
+                f"min_tokens ({self.min_tokens!r}) must not exceed max_tokens ({self.max_tokens!r})"
+            )
+        self._check_stop(self.stop)
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 (or None), got {self.logprobs!r}")
+        integer("logprobs", "an integer >= 0 (or None)", 0, none_ok=True)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not FLOAT32_TINY <= number("repetition_penalty") <= FLOAT32_MAX:
+            raise ValueError(
+                "repetition_penalty must be > 0 (1 = off) and a normal float32, "
+                f"got {self.repetition_penalty!r}"
+            )
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -134,23 +175,51 @@ class SamplingParams:
             )
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError(
-                "min_tokens cannot be combined with structured_outputs: the grammar decides where "
-                "the output ends (it may allow only EOS before min_tokens)"
+                "min_tokens cannot be combined with structured_outputs: the grammar decides where the "
+                f"output ends (it may allow only EOS before min_tokens); got min_tokens={self.min_tokens!r}"
             )
-        if number("repetition_penalty") <= 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    def for_request(self) -> SamplingParams:
+        """validate(), then a copy of the fields as they are now: what one request runs with.
+        Numbers become Python ints / floats (numpy's too), stop and stop_token_ids new lists, so
+        later changes to this object (or to its lists) do not reach the request."""
+        self.validate()
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            values[name] = float(values[name])
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n", "best_of"):
+            if values[name] is not None:
+                values[name] = int(values[name])
+        values["stop"] = list(self.stop_strings) or None
+        if self.stop_token_ids is not None:
+            values["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        return SamplingParams(**values)
 
     @staticmethod
-    def _check_stop(stop: object) -> tuple[str, ...]:
+    def _check_stop(stop: object) -> None:
         if stop is None:
-            return ()
+            return
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
-            raise ValueError("stop strings must not be empty")
-        return tuple(stop)
+            raise ValueError(f"stop strings must not be empty, got {stop!r}")
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The stop strings, from `stop` as it is now (a string is one stop string)."""
+        stop = self.stop
+        if stop is None:
+            return ()
+        return (stop,) if isinstance(stop, str) else tuple(stop)
 
     @property
     def greedy(self) -> bool:

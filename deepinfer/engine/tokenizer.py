@@ -102,15 +102,22 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        source = "the chat_template argument" if chat_template else f"{self.path}/tokenizer_config.json"
         try:
-            return env.from_string(template).render(
+            compiled = env.from_string(template)
+        except TemplateError as exc:
+            raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
+        try:
+            return compiled.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from exc
+        except TemplateError as exc:  # raise_exception(...) in the template, or a sandbox refusal
+            raise ValueError(f"chat template failed ({source}): {exc}") from exc
+        except Exception as exc:  # the template's own code: OverflowError, TypeError, ZeroDivisionError, ...
+            raise ValueError(f"chat template failed ({source}): {type(exc).__name__}: {exc}") from exc
 
 
 class IncrementalDetokenizer:

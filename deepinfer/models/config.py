@@ -2,7 +2,14 @@
 
 Parsing accepts both the published layout (`rope_scaling` with `type`, top-level `rope_theta`) and
 the one transformers 5 writes (`rope_parameters` with `rope_type` and `rope_theta` inside).
-Everything a user can get wrong raises `ModelConfigError` naming the field.
+Everything a user can get wrong raises `ModelConfigError` naming the field: wrong types, sizes
+below 1, non-finite or non-positive numbers (`rms_norm_eps` of -1 or NaN), routing that cannot
+pick `num_experts_per_tok` experts.
+
+A field config.json omits gets transformers' default for that model type (`HF_DEFAULTS`, the
+defaults of transformers' DeepseekV2Config / DeepseekV3Config, compared field by field in
+tests/test_hostile_checkpoints.py), so a sparse config.json runs the model transformers (and
+vLLM, which reads configs through transformers) would run. transformers is not imported here.
 """
 
 from __future__ import annotations
@@ -25,6 +32,81 @@ NOT_YET_SUPPORTED = {
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# transformers' defaults (DeepseekV2Config / DeepseekV3Config, transformers 5) for every field
+# deepinfer reads. None: transformers has no usable default; deepinfer then asks for the field
+# where it is used (num_experts_per_tok of a MoE model) or reads it as 1 (n_group, topk_group:
+# one group is no group limit). DeepSeek-V4 (DeepseekV4Config) is refused above, so has no row.
+_SHARED_DEFAULTS: dict[str, Any] = {
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "rope_theta": 10000.0,
+}
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": _SHARED_DEFAULTS
+    | {
+        "vocab_size": 102400,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": None,
+        "moe_intermediate_size": 1407,
+        "first_k_dense_replace": 0,
+        "topk_method": "greedy",
+        "n_group": None,
+        "topk_group": None,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "max_position_embeddings": 2048,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "deepseek_v3": _SHARED_DEFAULTS
+    | {
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 1,
+    },
+}
+# Fields transformers' config classes do not have, as their modeling code behaves: V2 scores
+# with softmax, V3 with sigmoid and bias-corrected group routing (noaux_tc); both make every
+# layer from first_k_dense_replace on MoE (moe_layer_freq 1); V2 rotates interleaved pairs and
+# has no MTP layer.
+IMPLIED_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "scoring_func": "softmax",
+        "moe_layer_freq": 1,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+    },
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1},
+}
 
 
 class ModelConfigError(ValueError):
@@ -52,19 +134,24 @@ class RopeConfig:
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float = 0.0  # 0: not given
     mscale_all_dim: float = 0.0
     attention_factor: float | None = None  # explicit cos/sin factor (transformers' field), rare
 
     @property
     def cos_sin_factor(self) -> float:
         """Factor on cos and sin: yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
-        (1 for the published configs, whose two mscales are equal)."""
+        when both mscales are given and non-zero (1 for the published configs, whose two mscales
+        are equal), else yarn_get_mscale(factor) (transformers' rule)."""
         if self.kind != "yarn":
             return 1.0
         if self.attention_factor is not None:
             return float(self.attention_factor)
-        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
+        if self.mscale and self.mscale_all_dim:
+            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return yarn_get_mscale(self.factor)
 
     @property
     def softmax_scale_factor(self) -> float:
@@ -166,76 +253,108 @@ class ModelConfig:
 
 # --------------------------------------------------------------------------- parsing
 
+_MISSING = object()
+
 
 class _Fields:
-    """Typed access to the raw dict with messages that name the field."""
+    """Typed access to the raw dict with messages that name the field. A field the dict omits
+    takes `defaults[name]` (transformers' default); one that is null reads as not given."""
 
-    def __init__(self, raw: dict[str, Any]) -> None:
-        self.raw = raw
+    def __init__(self, raw: dict[str, Any], defaults: dict[str, Any], where: str = "config.json") -> None:
+        self.raw, self.defaults, self.where = raw, defaults, where
 
-    def get_int(self, name: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.raw.get(name, default)
+    def value(self, name: str, default: Any = _MISSING) -> Any:
+        if name in self.raw:
+            return self.raw[name]
+        return self.defaults.get(name) if default is _MISSING else default
+
+    def error(self, message: str) -> ModelConfigError:
+        return ModelConfigError(f"{self.where}: {message}")
+
+    def get_int(self, name: str, default: Any = _MISSING, minimum: int = 1) -> int:
+        value = self.value(name, default)
         if value is None:
-            raise ModelConfigError(f"config.json: missing required field {name!r}")
+            raise self.error(f"missing required field {name!r}")
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ModelConfigError(f"config.json: {name!r} must be an integer, got {value!r}")
+            raise self.error(f"{name!r} must be an integer, got {value!r}")
         if value < minimum:
-            raise ModelConfigError(f"config.json: {name!r} must be >= {minimum}, got {value}")
+            raise self.error(f"{name!r} must be >= {minimum}, got {value}")
         return value
 
     def get_opt_int(self, name: str, minimum: int = 1) -> int | None:
-        return None if self.raw.get(name) is None else self.get_int(name, minimum=minimum)
+        return None if self.value(name) is None else self.get_int(name, minimum=minimum)
 
-    def get_float(self, name: str, default: float) -> float:
-        value = self.raw.get(name, default)
-        if value is None:
+    def get_float(
+        self, name: str, default: float, positive: bool = False, falsy_is_default: bool = False
+    ) -> float:
+        value = self.value(name, default)
+        if value is None or (falsy_is_default and not value):
             value = default
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ModelConfigError(f"config.json: {name!r} must be a number, got {value!r}")
+            raise self.error(f"{name!r} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise self.error(f"{name!r} must be a finite number, got {value!r}")
+        if positive and value <= 0:
+            raise self.error(f"{name!r} must be > 0, got {value!r}")
         return float(value)
 
     def get_bool(self, name: str, default: bool) -> bool:
-        value = self.raw.get(name, default)
+        value = self.value(name, default)
         if value is None:
-            return default
+            return False  # transformers tests these fields for truth: null is false
         if not isinstance(value, bool):
-            raise ModelConfigError(f"config.json: {name!r} must be true or false, got {value!r}")
+            raise self.error(f"{name!r} must be true or false, got {value!r}")
         return value
 
     def get_choice(self, name: str, default: str, options: tuple[str, ...]) -> str:
-        value = self.raw.get(name, default) or default
+        value = self.value(name, default) or default
         if value not in options:
-            raise ModelConfigError(f"config.json: {name!r} is {value!r}; supported: {', '.join(options)}")
+            raise self.error(f"{name!r} is {value!r}; supported: {', '.join(options)}")
         return str(value)
 
+    def get_token_id(self, name: str) -> int | None:
+        value = self.value(name)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise self.error(f"{name!r} must be a non-negative integer, got {value!r}")
+        return value
 
-def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+
+def _parse_rope(raw: dict[str, Any], f: _Fields) -> RopeConfig:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
         raise ModelConfigError("config.json: 'rope_scaling' / 'rope_parameters' must be an object")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta_fields = _Fields(params if "rope_theta" in params else raw, f.defaults)
+    theta = theta_fields.get_float("rope_theta", f.defaults["rope_theta"], positive=True)
     kind = params.get("rope_type", params.get("type")) or "default"
     if kind not in ("default", "yarn"):
         raise ModelConfigError(f"config.json: rope type {kind!r} is not supported; supported: default, yarn")
     if kind == "default":
-        return RopeConfig(theta=float(theta))
-    f = _Fields(params)
+        return RopeConfig(theta=theta)
     if params.get("factor") is None:
         raise ModelConfigError("config.json: YaRN rope scaling needs 'factor'")
-    original = params.get("original_max_position_embeddings")
-    if original is None:
+    if params.get("original_max_position_embeddings") is None:
         raise ModelConfigError("config.json: YaRN rope scaling needs 'original_max_position_embeddings'")
+    if params.get("truncate", True) is not True:
+        raise ModelConfigError(
+            f"config.json: rope 'truncate' {params['truncate']!r} is not supported; supported: true"
+        )
+    rf = _Fields(params, {}, "config.json rope scaling")
     attention_factor = params.get("attention_factor")
     return RopeConfig(
-        theta=float(theta),
+        theta=theta,
         kind="yarn",
-        factor=f.get_float("factor", 1.0),
-        original_max_position_embeddings=f.get_int("original_max_position_embeddings"),
-        beta_fast=f.get_float("beta_fast", 32.0),
-        beta_slow=f.get_float("beta_slow", 1.0),
-        mscale=f.get_float("mscale", 1.0),
-        mscale_all_dim=f.get_float("mscale_all_dim", 0.0),
-        attention_factor=None if attention_factor is None else float(attention_factor),
+        factor=rf.get_float("factor", 1.0, positive=True),
+        original_max_position_embeddings=rf.get_int("original_max_position_embeddings"),
+        # transformers reads a missing or zero beta as its default (`get("beta_fast") or 32`)
+        beta_fast=rf.get_float("beta_fast", 32.0, falsy_is_default=True),
+        beta_slow=rf.get_float("beta_slow", 1.0, falsy_is_default=True),
+        mscale=rf.get_float("mscale", 0.0),
+        mscale_all_dim=rf.get_float("mscale_all_dim", 0.0),
+        attention_factor=None
+        if attention_factor is None
+        else rf.get_float("attention_factor", 1.0, positive=True),
     )
 
 
@@ -252,7 +371,7 @@ def _parse_quantization(raw: dict[str, Any]) -> Fp8Config | None:
     if fmt != "e4m3":
         raise ModelConfigError(f"config.json: FP8 format {fmt!r} is not supported; supported: e4m3")
     block = q.get("weight_block_size", [128, 128])
-    if list(block) != [128, 128]:
+    if not isinstance(block, list) or block != [128, 128]:
         raise ModelConfigError(
             f"config.json: weight_block_size {block!r} is not supported; supported: [128, 128]"
         )
@@ -261,20 +380,20 @@ def _parse_quantization(raw: dict[str, Any]) -> Fp8Config | None:
         raise ModelConfigError(
             f"config.json: activation_scheme {scheme!r} is not supported; supported: dynamic"
         )
-    return Fp8Config(
-        fmt=fmt, weight_block_size=(128, 128), activation_scheme=scheme, scale_fmt=q.get("scale_fmt")
-    )
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise ModelConfigError(f"config.json: scale_fmt {scale_fmt!r} is not supported; supported: ue8m0")
+    return Fp8Config(fmt=fmt, weight_block_size=(128, 128), activation_scheme=scheme, scale_fmt=scale_fmt)
 
 
 def _parse_eos(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, int) for v in value):
-        return tuple(value)
+    values = value if isinstance(value, list) else [value]
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        return tuple(values)
     raise ModelConfigError(
-        f"config.json: 'eos_token_id' must be an integer or a list of integers, got {value!r}"
+        f"config.json: 'eos_token_id' must be an integer or a list of integers, each >= 0, got {value!r}"
     )
 
 
@@ -290,23 +409,27 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported model_type {model_type!r}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    f = _Fields(raw)
-    if raw.get("hidden_act", "silu") != "silu":
+    f = _Fields(raw, HF_DEFAULTS[model_type] | IMPLIED_DEFAULTS[model_type])
+    if f.value("hidden_act") != "silu":
         raise ModelConfigError(
-            f"config.json: hidden_act {raw['hidden_act']!r} is not supported; supported: silu"
+            f"config.json: hidden_act {f.value('hidden_act')!r} is not supported; supported: silu"
         )
     if f.get_bool("attention_bias", False):
         raise ModelConfigError(
             "config.json: attention_bias true is not supported (DeepSeek models have none)"
         )
 
-    v3 = model_type == "deepseek_v3"
-    n_routed = f.get_int("n_routed_experts", 0, minimum=0)
-    topk_method = f.get_choice("topk_method", "noaux_tc" if v3 else "greedy", TOPK_METHODS)
-    scoring = f.get_choice("scoring_func", "sigmoid" if v3 else "softmax", SCORING_FUNCS)
-    n_group = f.get_int("n_group", 1) if raw.get("n_group") is not None else 1
-    topk_group = f.get_int("topk_group", 1) if raw.get("topk_group") is not None else 1
-    top_k = f.get_int("num_experts_per_tok", 1) if n_routed else (raw.get("num_experts_per_tok") or 1)
+    d = f.defaults
+    n_routed = f.get_int("n_routed_experts", minimum=0)
+    topk_method = f.get_choice("topk_method", d["topk_method"], TOPK_METHODS)
+    scoring = f.get_choice("scoring_func", d["scoring_func"], SCORING_FUNCS)
+    # None (V2's default, or null): one group, i.e. no group limit
+    n_group = 1 if f.value("n_group") is None else f.get_int("n_group")
+    topk_group = 1 if f.value("topk_group") is None else f.get_int("topk_group")
+    if n_routed:
+        top_k = f.get_int("num_experts_per_tok")
+    else:  # dense: unused, but still a number of experts if given
+        top_k = 1 if f.value("num_experts_per_tok") is None else f.get_int("num_experts_per_tok")
     dtype_name = raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"
     if dtype_name not in _DTYPES:
         raise ModelConfigError(f"config.json: torch_dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
@@ -324,25 +447,25 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         v_head_dim=f.get_int("v_head_dim"),
         q_lora_rank=f.get_opt_int("q_lora_rank"),
         n_routed_experts=n_routed,
-        n_shared_experts=f.get_int("n_shared_experts", 0, minimum=0),
-        num_experts_per_tok=int(top_k),
+        n_shared_experts=f.get_int("n_shared_experts", minimum=0),
+        num_experts_per_tok=top_k,
         moe_intermediate_size=f.get_int("moe_intermediate_size") if n_routed else 0,
-        first_k_dense_replace=f.get_int("first_k_dense_replace", 0, minimum=0),
-        moe_layer_freq=f.get_int("moe_layer_freq", 1),
+        first_k_dense_replace=f.get_int("first_k_dense_replace", minimum=0),
+        moe_layer_freq=f.get_int("moe_layer_freq"),
         topk_method=topk_method,
         scoring_func=scoring,
         n_group=n_group,
         topk_group=topk_group,
-        norm_topk_prob=f.get_bool("norm_topk_prob", False),
-        routed_scaling_factor=f.get_float("routed_scaling_factor", 1.0),
-        rms_norm_eps=f.get_float("rms_norm_eps", 1e-6),
-        max_position_embeddings=f.get_int("max_position_embeddings", 4096),
-        rope=_parse_rope(raw),
-        rope_interleave=f.get_bool("rope_interleave", True),
-        tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=_parse_eos(raw.get("eos_token_id")),
-        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", 0, minimum=0),
+        norm_topk_prob=f.get_bool("norm_topk_prob", d["norm_topk_prob"]),
+        routed_scaling_factor=f.get_float("routed_scaling_factor", d["routed_scaling_factor"], positive=True),
+        rms_norm_eps=f.get_float("rms_norm_eps", d["rms_norm_eps"], positive=True),
+        max_position_embeddings=f.get_int("max_position_embeddings"),
+        rope=_parse_rope(raw, f),
+        rope_interleave=f.get_bool("rope_interleave", d["rope_interleave"]),
+        tie_word_embeddings=f.get_bool("tie_word_embeddings", d["tie_word_embeddings"]),
+        bos_token_id=f.get_token_id("bos_token_id"),
+        eos_token_id=_parse_eos(f.value("eos_token_id")),
+        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", minimum=0),
         quantization=_parse_quantization(raw),
         torch_dtype=_DTYPES[dtype_name],
     )
