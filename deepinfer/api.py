@@ -21,17 +21,20 @@ import functools
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-import torch
 from tqdm.auto import tqdm
 
-from deepinfer.config import EngineConfig
-from deepinfer.engine.llm_engine import LLMEngine, check_model_dir
+from deepinfer.engine.args import engine_config, resolve_engine_config
+from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputsParams
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.tokenizer import ChatMessage
+from deepinfer.log import configure_logging
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
@@ -53,66 +56,40 @@ def _one_call_at_a_time(method: Callable[Concatenate[LLM, P], R]) -> Callable[Co
 
 
 class LLM:
-    """An offline engine over one checkpoint directory. Arguments: see EngineConfig."""
+    """An offline engine over one checkpoint (a directory, or a Hugging Face repo id in the local
+    hub cache).
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        backend: str = "auto",
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int = 64,
-        seed: int = 0,
-        enable_prefix_caching: bool = False,
-        batch_invariant: bool = False,
-        speculative_config: dict[str, Any] | None = None,
-        enable_expert_parallel: bool = False,
-        enforce_eager: bool = False,
-        async_scheduling: bool = True,
-        distributed_timeout_s: float = 300.0,
-    ) -> None:
-        check_model_dir(model)
-        config = EngineConfig(
-            model=str(model),
-            backend=backend,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            block_size=block_size,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            batch_invariant=batch_invariant,
-            speculative_config=speculative_config,
-            enable_expert_parallel=enable_expert_parallel,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-            distributed_timeout_s=distributed_timeout_s,
-        )
+    Keyword arguments: the engine arguments, with vLLM's names (tokenizer, revision, backend,
+    dtype, quantization, max_model_len, max_num_seqs, max_num_batched_tokens,
+    gpu_memory_utilization, kv_cache_memory_bytes, block_size, seed, enable_prefix_caching,
+    enforce_eager, speculative_config, enable_expert_parallel, generation_config, max_logprobs,
+    trust_remote_code=False, tensor_parallel_size=1, enable_chunked_prefill=True, ...). Their one
+    definition, with help and checks, is deepinfer.config.EngineConfig; `deepinfer generate
+    --help` lists them and docs/vllm.md compares them with vLLM's. An unknown name is an error
+    naming the nearest supported one; a bad value a ValueError naming the argument.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        configure_logging()
+        config = resolve_engine_config(engine_config(model, kwargs, "LLM()"))
         self.llm_engine = LLMEngine(config)
         self._lock = threading.RLock()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an engine built directly (e.g. around a random-weight model for benchmarks)."""
+        configure_logging()
         llm = cls.__new__(cls)
         llm.llm_engine = engine
         llm._lock = threading.RLock()
         return llm
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The checkpoint's Hugging Face tokenizer: transformers' AutoTokenizer over its files
+        (fast, local files only, no remote code), the one the engine encodes prompts with."""
         if self.llm_engine.tokenizer is None:
             raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
-        return self.llm_engine.tokenizer
+        return self.llm_engine.tokenizer.hf_tokenizer
 
     @_one_call_at_a_time
     def generate(
@@ -121,7 +98,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate completions; outputs come back in prompt order.
+        """Generate completions; outputs come back in prompt order, one RequestOutput per prompt
+        (with n CompletionOutputs where SamplingParams.n > 1).
 
         prompts: a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
         sampling_params: one for all prompts, or one per prompt (default: the model's
@@ -146,28 +124,50 @@ class LLM:
             raise
         if not engine.all_ranks(True):  # raises, naming the rank, where another could not start
             raise RuntimeError("generate failed on another expert-parallel rank")
-        with tqdm(total=len(seqs), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            engine.run_to_completion(seqs, bar)
+        # a request with n > 1 (or best_of) completions runs as that many sequences (seq.group)
+        every = [s for seq in seqs for s in seq.group]
+        desc = "Processed prompts" if len(every) == len(seqs) else "Processed completions"
+        with tqdm(total=len(every), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
+            engine.run_to_completion(every, bar)
         return [engine.to_output(seq) for seq in seqs]
 
     @_one_call_at_a_time
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
-        list of conversations, formatted with the checkpoint's chat template."""
+        """Generate replies to one conversation (a list of {"role", "content"} messages, OpenAI
+        style: content may be a list of {"type": "text", "text": ...} parts, an assistant tool-call
+        turn may have content None) or to a list of conversations.
+
+        Each is rendered by the tokenizer's apply_chat_template (get_tokenizer(); the template is
+        chat_template, else the checkpoint's: chat_template.jinja or tokenizer_config.json) with
+        add_generation_prompt, continue_final_message (continue the last assistant message; needs
+        add_generation_prompt=False), tools (JSON schemas) and chat_template_kwargs (the template's
+        own variables, e.g. DeepSeek's thinking switch), as transformers and vLLM do.
+        """
         prompts: list[PromptType] = []
         try:
-            tok = self.get_tokenizer()
+            tok = self.llm_engine.tokenizer
+            if tok is None:
+                raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
             for conv in conversations:
-                text = tok.apply_chat_template(conv, add_generation_prompt, chat_template)  # type: ignore[arg-type]
-                ids = tok.encode(text, add_special_tokens=False)
+                text, ids = tok.apply_chat_template(
+                    conv,  # type: ignore[arg-type]
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
         except BaseException as exc:
             self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would

@@ -3,7 +3,12 @@
 deepinfer backends                      list discovered backends and which one would be chosen
 deepinfer conformance --backend NAME    run the backend conformance suite
 deepinfer generate --prompt TEXT        generate with the shipped tiny model (or --model DIR)
+deepinfer run-batch -i IN -o OUT        serve a file of OpenAI batch requests (vLLM's run-batch)
 deepinfer bench ...                     offline throughput benchmark
+deepinfer --version
+
+Logs go to stderr at INFO (the backend and why, the weights' load time, the KV-cache size);
+DEEPINFER_LOG_LEVEL=WARNING (or DEBUG, ...) changes that.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"deepinfer {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("backends", help="list discovered backends and the one that would be selected")
@@ -46,16 +52,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_backends)
 
     from deepinfer.engine.commands import add_bench_parser, add_generate_parser
+    from deepinfer.engine.run_batch import add_run_batch_parser
     from deepinfer.testing.runner import add_conformance_parser
 
     add_conformance_parser(sub)
     add_generate_parser(sub)
+    add_run_batch_parser(sub)
     add_bench_parser(sub)
     return parser
 
 
+def version() -> str:
+    """The installed distribution's version (the package's own when not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("deepinfer")
+    except PackageNotFoundError:
+        from deepinfer import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from deepinfer.log import configure_logging
+
     args = build_parser().parse_args(argv)
+    try:
+        configure_logging("INFO")
+    except ValueError as exc:  # a DEEPINFER_LOG_LEVEL that names no level
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 

@@ -1,5 +1,10 @@
 """Engine configuration: frozen dataclasses built from the arguments of `LLM(...)`.
 
+EngineConfig is the one definition of the engine's arguments: each field carries its help text
+and its check in its metadata (`engine_arg`). `LLM(**kwargs)` is validated against these fields,
+and the command line's engine options are generated from them (deepinfer.engine.args), so the
+API, the config and the CLI cannot drift apart.
+
 The model's own configuration (from config.json) is `deepinfer.models.config.ModelConfig`.
 Runtime state that depends on the model and the device (the resolved max_model_len, the number
 of KV blocks) lives in the engine, never written back here.
@@ -7,7 +12,9 @@ of KV blocks) lives in the engine, never written back here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -37,94 +44,293 @@ MAX_SPECULATIVE_TOKENS = 8
 # takes blocks of at most 1024 tokens; the CUDA (Triton) and reference kernels take any size, and
 # larger blocks only waste memory (a request holds at least one block).
 MAX_BLOCK_SIZE = 1024
+QUANTIZATIONS = ("fp8",)  # checkpoint formats `quantization` may name (None: the checkpoint's own)
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory holding a generation_config.json
+
+Check = Callable[[str, Any], None]
+
+
+# --------------------------------------------------------------------------- checks
+# Each takes (field name, value) and raises ValueError naming both.
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if value is not None and (not _is_int(value) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _integer(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _boolean(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _string(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _optional_string(name: str, value: Any) -> None:
+    if value is not None:
+        _string(name, value)
+
+
+def _dtype(name: str, value: Any) -> None:
+    parse_dtype(value)
+
+
+def _unit_share(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def _block_size(name: str, value: Any) -> None:
+    _positive_int(name, value)
+    if value > MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"{name} must be in 1..{MAX_BLOCK_SIZE} tokens (Ascend's fused paged MLA attention "
+            f"takes blocks of at most {MAX_BLOCK_SIZE}), got {value}"
+        )
+
+
+def _seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def _quantization(name: str, value: Any) -> None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(
+            f"{name}={value!r} is not supported; choose None (the checkpoint's own format) or "
+            f"{', '.join(repr(q) for q in QUANTIZATIONS)} (an FP8 checkpoint); deepinfer does not "
+            "quantize weights when it loads them"
+        )
+
+
+def _generation_config(name: str, value: Any) -> None:
+    _string(name, value)
+
+
+def _max_logprobs(name: str, value: Any) -> None:
+    if not _is_int(value) or value < -1:
+        raise ValueError(f"{name} must be an integer >= 0, or -1 for no limit, got {value!r}")
+
+
+def _speculative_config(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+
+
+def _chunked_prefill(name: str, value: Any) -> None:
+    if value is None or value is True:
+        return
+    if value is False:
+        raise ValueError(
+            f"{name}=False is not supported: deepinfer always prefills a prompt longer than what "
+            "is left of a step's token budget in chunks (max_num_batched_tokens per step), and the "
+            "outputs do not depend on the chunking; leave it True (or None)"
+        )
+    _boolean(name, value)
+
+
+def _tensor_parallel_size(name: str, value: Any) -> None:
+    _positive_int(name, value)
+    if value != 1:
+        raise ValueError(
+            f"{name}={value} is not supported: deepinfer spreads a model over several devices with "
+            "attention data parallelism and MoE expert parallelism instead (enable_expert_parallel=True, "
+            "one process per device, e.g. under torchrun); use tensor_parallel_size=1"
+        )
+
+
+def _trust_remote_code(name: str, value: Any) -> None:
+    _boolean(name, value)
+    if value:
+        raise ValueError(
+            f"{name}=True is not supported: deepinfer never runs code that ships with a checkpoint; it "
+            "reads config.json, the safetensors weights and tokenizer.json itself, so every DeepSeek "
+            f"checkpoint it supports loads with {name}=False (the default)"
+        )
+
+
+def engine_arg(default: Any, help: str, check: Check, **cli: Any) -> Any:
+    """An EngineConfig field: its default, its help (the CLI's too), its check, and argparse
+    settings for its generated command-line option (e.g. choices=..., type=..., aliases=[...])."""
+    return field(default=default, metadata={"help": help, "check": check, "cli": cli})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A command-line value holding a JSON object (e.g. --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the user asked of the engine (vLLM's argument names).
+    """What the user asked of the engine, with vLLM's argument names. Each field's help is in
+    its metadata (`deepinfer generate --help` prints them; docs/vllm.md compares with vLLM).
 
-    model: checkpoint directory (config.json, safetensors, tokenizer.json).
-    backend: backend name or "auto" (see deepinfer.backend.registry).
-    dtype: model dtype; "auto" keeps the checkpoint's.
-    max_model_len: longest prompt + output in tokens; None = the model's max_position_embeddings.
-    max_num_seqs: most requests in one step.
-    max_num_batched_tokens: token budget of one step; longer prompts are prefilled in chunks.
-    gpu_memory_utilization: share of the device's memory the engine may use in all; the KV pool
-        gets what is left of that share after the model is loaded.
-    num_gpu_blocks_override / kv_cache_memory_bytes: size the KV pool explicitly instead.
-    block_size: tokens per KV block, 1..MAX_BLOCK_SIZE (1024).
-    seed: seeds the per-request generators of requests that have no seed of their own.
-    enable_prefix_caching: reuse KV blocks of identical prefixes (hashed per full block).
-    batch_invariant: ask the backend for batch-invariant ops (results independent of batch).
-    enable_expert_parallel: shard the routed experts over the ranks of the default
-        torch.distributed group (one process per rank, already initialised, e.g. by torchrun);
-        each rank serves its own requests with the full attention (attention data parallelism)
-        and every rank must call generate the same number of times.
-    distributed_timeout_s: with expert parallelism, the longest a rank waits for the others at
-        the status exchange that starts each call and each step (so also the longest skew
-        between the ranks' generate calls, and the longest step); a rank that does not come in
-        time breaks the group, and every rank then raises RuntimeError saying which and why
-        (deepinfer.parallel.rank_sync). A failure that a rank raises is known to every rank at
-        the next step, without waiting.
-    enforce_eager: never capture graphs (vLLM's name); by default decode steps replay graphs
-        captured per batch-size bucket where the backend has graphs.
-    async_scheduling: the host schedules and prepares step n+1 while the device runs step n;
-        tokens reach the host one step late and outputs equal synchronous scheduling. Steps
-        that carry speculative drafts, and expert-parallel ranks, run synchronously.
-    speculative_config: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step
-        with the checkpoint's MTP head (run k times in a chain, as vLLM does past the checkpoint's
-        one MTP layer) and verifies them with the model in the next step (vLLM's names;
-        "deepseek_mtp" is accepted too). Outputs are those of plain decoding.
-        "min_draft_confidence": p (default 0) schedules a draft for verification only when the
-        head gives it probability >= p, so that unlikely drafts cost no verification work.
+    Cross-field rules: speculative_config cannot be combined with enable_expert_parallel.
     """
 
-    model: str
-    backend: str = "auto"
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    block_size: int = 64
-    seed: int = 0
-    enable_prefix_caching: bool = False
-    batch_invariant: bool = False
-    speculative_config: dict[str, Any] | None = None
-    enable_expert_parallel: bool = False
-    enforce_eager: bool = False
-    async_scheduling: bool = True
-    distributed_timeout_s: float = 300.0
+    model: str = field(
+        metadata={
+            "help": "checkpoint directory (config.json, safetensors, tokenizer.json), or the id of a "
+            "Hugging Face repo in the local hub cache (e.g. deepseek-ai/DeepSeek-V2-Lite; never "
+            "downloaded)",
+            "check": _string,
+            "cli": {"skip": True},  # each subcommand defines --model with its own default
+        }
+    )
+    tokenizer: str | None = engine_arg(
+        None,
+        "tokenizer directory (tokenizer.json, tokenizer_config.json) or cached hub repo id; default: "
+        "the model's; it must hold the model's vocabulary",
+        _optional_string,
+    )
+    revision: str | None = engine_arg(
+        None,
+        "hub revision (branch, tag or commit) of a repo id given as model; default: main",
+        _optional_string,
+    )
+    backend: str = engine_arg(
+        "auto", "backend name, or auto (an explicit choice, else DEEPINFER_BACKEND, else the best available "
+        "accelerator, else reference; see `deepinfer backends`)", _string,
+    )  # fmt: skip
+    dtype: str | torch.dtype = engine_arg(  # noqa: RUF009 - engine_arg returns a dataclasses.field
+        "auto",
+        "model dtype; auto keeps the checkpoint's (bfloat16 for FP8 checkpoints)",
+        _dtype,
+        choices=["auto", *DTYPES],
+    )
+    quantization: str | None = engine_arg(
+        None,
+        "weight format: None = whatever the checkpoint is; fp8 = the checkpoint must be an FP8 one "
+        "(e4m3 with 128x128 block scales); weights are never quantized on load",
+        _quantization,
+        choices=list(QUANTIZATIONS),
+    )
+    max_model_len: int | None = engine_arg(
+        None, "longest prompt + output in tokens; default: the model's max_position_embeddings", _positive_int
+    )
+    max_num_seqs: int = engine_arg(256, "most requests in one step", _positive_int)
+    max_num_batched_tokens: int = engine_arg(
+        8192,
+        "token budget of one step; longer prompts are prefilled in chunks over several steps",
+        _positive_int,
+    )
+    enable_chunked_prefill: bool | None = engine_arg(
+        True, "chunked prefill; always on in deepinfer (False is an error)", _chunked_prefill
+    )
+    gpu_memory_utilization: float = engine_arg(
+        0.9,
+        "share of the device's memory the engine may use in all; the KV cache gets what is left of it "
+        "once the model is loaded",
+        _unit_share,
+    )
+    num_gpu_blocks_override: int | None = engine_arg(
+        None, "KV cache size in blocks (instead of gpu_memory_utilization)", _positive_int
+    )
+    kv_cache_memory_bytes: int | None = engine_arg(
+        None, "KV cache size in bytes (instead of gpu_memory_utilization)", _positive_int
+    )
+    block_size: int = engine_arg(64, f"tokens per KV block, 1..{MAX_BLOCK_SIZE}", _block_size)
+    seed: int = engine_arg(0, "seeds the generators of requests that have no seed of their own", _integer)
+    enable_prefix_caching: bool = engine_arg(
+        False, "reuse the KV blocks of identical prompt prefixes (hashed per full block)", _boolean
+    )
+    batch_invariant: bool = engine_arg(
+        False,
+        "ask the backend for batch-invariant ops: a request's tokens do not depend on the other "
+        "requests in its batch",
+        _boolean,
+    )
+    speculative_config: dict[str, Any] | None = engine_arg(  # noqa: RUF009 - a dataclasses.field
+        None,
+        'speculative decoding with the checkpoint\'s MTP head: {"method": "mtp", '
+        '"num_speculative_tokens": k} drafts k tokens per step (the head run k times in a chain, as vLLM '
+        'does; "deepseek_mtp" is accepted too) and verifies them in the next step; outputs are those of '
+        'plain decoding. "min_draft_confidence": p verifies only drafts the head gives probability >= p',
+        _speculative_config,
+        type=_json_object,
+        metavar="JSON",
+    )
+    enable_expert_parallel: bool = engine_arg(
+        False,
+        "shard the routed experts over the ranks of the default torch.distributed group (one process "
+        "per device, e.g. under torchrun); each rank serves its own requests with the whole attention "
+        "(attention data parallelism) and every rank must call generate the same number of times",
+        _boolean,
+    )
+    tensor_parallel_size: int = engine_arg(
+        1,
+        "1 only: deepinfer shards with enable_expert_parallel instead",
+        _tensor_parallel_size,
+        aliases=["-tp"],
+    )
+    distributed_timeout_s: float = engine_arg(
+        300.0,
+        "with expert parallelism, the longest a rank waits for the others at the status exchange that "
+        "starts each call and each step (so also the longest skew between the ranks' generate calls, and "
+        "the longest step); past it every rank raises RuntimeError naming the late rank "
+        "(deepinfer.parallel.rank_sync). A failure a rank raises reaches every rank at the next step",
+        _seconds,
+    )
+    enforce_eager: bool = engine_arg(
+        False,
+        "never capture graphs; by default decode steps replay graphs captured per batch-size bucket "
+        "where the backend has them",
+        _boolean,
+    )
+    async_scheduling: bool = engine_arg(
+        True,
+        "schedule and prepare step n+1 on the host while the device runs step n (same outputs as "
+        "synchronous scheduling); speculative steps and expert-parallel ranks run synchronously",
+        _boolean,
+    )
+    generation_config: str = engine_arg(
+        "auto",
+        "default sampling parameters of a generate() call without any: auto = the model's "
+        "generation_config.json, vllm = SamplingParams() defaults, or a directory holding a "
+        "generation_config.json",
+        _generation_config,
+    )
+    max_logprobs: int = engine_arg(
+        20,
+        "most log-probabilities a request may ask for (SamplingParams.logprobs); -1 = no limit",
+        _max_logprobs,
+    )
+    trust_remote_code: bool = engine_arg(
+        False, "False only: deepinfer never runs code shipped with a checkpoint", _trust_remote_code
+    )
 
     def __post_init__(self) -> None:
-        def positive(name: str, value: int | None) -> None:
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        positive("max_model_len", self.max_model_len)
-        positive("max_num_seqs", self.max_num_seqs)
-        positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
-        positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        positive("block_size", self.block_size)
-        if self.block_size > MAX_BLOCK_SIZE:
-            raise ValueError(
-                f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens (Ascend's fused paged MLA attention "
-                f"takes blocks of at most {MAX_BLOCK_SIZE}), got {self.block_size}"
-            )
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        parse_dtype(self.dtype)
+        for f in fields(self):
+            f.metadata["check"](f.name, getattr(self, f.name))
         _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
         if self.enable_expert_parallel and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
-        timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e9:
-            raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from their defaults (model always), e.g. for a log line."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.default is MISSING or getattr(self, f.name) != f.default
+        }
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -159,3 +365,8 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype | None:
         return parse_dtype(self.dtype)
+
+
+def engine_fields() -> list[Field[Any]]:
+    """EngineConfig's fields: the engine arguments of LLM(...) and of the command line."""
+    return list(fields(EngineConfig))

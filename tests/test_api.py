@@ -111,7 +111,7 @@ def test_bad_prompt_raises_naming_it_and_the_engine_keeps_serving(llm: LLM, make
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"presence_penalty": 3.0}, "presence_penalty"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"temperature": float("nan")}, "temperature must be a finite number"),
     ],
 )

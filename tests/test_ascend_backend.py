@@ -187,7 +187,7 @@ def test_graph_replay_updates_sequence_lengths(backend: Backend) -> None:
     out = torch.zeros(3, 4, 512, dtype=torch.bfloat16)
 
     def step() -> None:
-        backend.device.write_kv(batch.cache, rows, slots)
+        backend.kv_cache.write_kv(batch.cache, rows, slots)
         out.copy_(backend.attention.decode(q, batch.cache, meta, scale=0.05, v_dim=512))
 
     runner = backend.device.capture_graph(step)
@@ -209,7 +209,7 @@ def test_graph_replay_updates_sequence_lengths(backend: Backend) -> None:
     expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, ref_meta, 0.05, 512)
     assert_close(out, expected, torch.bfloat16, what="replayed decode")
     assert not torch.equal(out, first)
-    assert_close(backend.device.read_kv(batch.cache, slots[:3]), oracle(rows[:3]), torch.bfloat16)
+    assert_close(backend.kv_cache.read_kv(batch.cache, slots[:3]), oracle(rows[:3]), torch.bfloat16)
 
 
 def test_graph_replay_without_update_uses_stale_lengths(backend: Backend) -> None:

@@ -3,9 +3,11 @@
 The baseline is the plain engine: synchronous steps, eager forwards. Against it, token for token
 (and text, finish reasons, log-probabilities): async scheduling, graph replays padded to the
 batch-size buckets, and both, under greedy and seeded sampling, penalties, stop strings,
-min_tokens, structured output, preemption in a small KV pool, chunked prefill and prefix
-caching. The reference backend's graphs are emulated (a replay runs the captured function again
-with its capture-time host values), so a graph step here reads exactly what a real replay reads.
+min_tokens, structured output, several completions per prompt (n / best_of), whole-vocabulary
+and prompt log-probabilities, logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens,
+detokenize=False, preemption in a small KV pool, chunked prefill and prefix caching. The
+reference backend's graphs are emulated (a replay runs the captured function again with its
+capture-time host values), so a graph step here reads exactly what a real replay reads.
 The same comparison runs on the cuda backend's kernels under the Triton interpreter
 (tests/test_cuda_interpret.py) and, with real CUDA graphs, on a GPU (ci/gpu_check.sh).
 """
@@ -123,6 +125,150 @@ def test_async_and_graphs_equal_the_plain_engine(
         engine = llm.llm_engine
         assert not engine.has_unfinished()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def feature_params() -> list[SamplingParams]:
+    """The vLLM sampling features, one request each (with PROMPTS): several completions
+    (n, best_of), whole-vocabulary and prompt log-probabilities, logit_bias, allowed_token_ids,
+    bad_words, truncate_prompt_tokens, detokenize=False."""
+    return [
+        SamplingParams(
+            n=3, temperature=0.9, top_k=30, seed=3, max_tokens=11, ignore_eos=True, prompt_logprobs=2
+        ),
+        SamplingParams(best_of=3, n=2, temperature=1.0, seed=8, max_tokens=14, logprobs=-1),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=9, logit_bias={5: 2.0, 9: -1.0, 200: 3.0}),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=list(range(30, 330))),
+        SamplingParams(temperature=0.7, seed=4, max_tokens=16, bad_words=["the", "is a"], prompt_logprobs=0),
+        SamplingParams(
+            temperature=0.6,
+            seed=6,
+            max_tokens=7,
+            truncate_prompt_tokens=3,
+            detokenize=False,
+            logprobs=2,
+            presence_penalty=0.4,
+        ),
+    ]
+
+
+def feature_outputs(
+    llm: LLM, params: list[SamplingParams], prompts: list[str]
+) -> tuple[list[tuple[Any, ...]], list[float]]:
+    """Everything but the log-probability values (token ids, texts, ranks of the logprob
+    entries), and those values in order (compared within a tolerance: a whole vocabulary of
+    float32 values rounded would sit on rounding boundaries)."""
+    values: list[float] = []
+
+    def entries(lps: Any) -> list[Any]:
+        out = []
+        for e in lps:
+            if e is None:
+                out.append(None)
+                continue
+            if len(e) < 100:
+                out.append(sorted((t, v.rank) for t, v in e.items()))
+            else:  # a whole vocabulary: near-ties may swap ranks; each rank is there once
+                out.append((sorted(e), sorted(v.rank for v in e.values())))
+            values.extend(v.logprob for _, v in sorted(e.items()))
+        return out
+
+    def cumulative(c: Any) -> bool:
+        if c.cumulative_logprob is not None:
+            values.append(c.cumulative_logprob)
+        return c.cumulative_logprob is None
+
+    results = [
+        (
+            r.prompt_token_ids,
+            entries(r.prompt_logprobs or []),
+            [
+                (
+                    c.index,
+                    c.token_ids,
+                    c.text,
+                    c.finish_reason,
+                    c.stop_reason,
+                    cumulative(c),
+                    entries(c.logprobs or []),
+                )
+                for c in r.outputs
+            ],
+        )
+        for r in llm.generate(prompts, params, use_tqdm=False)
+    ]
+    return results, values
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 8},  # preemption, chunked prefill
+        {"enable_prefix_caching": True, "max_num_batched_tokens": 24},
+    ],
+    ids=["plain", "preempting", "prefix-cache"],
+)
+def test_sampling_features_async_and_graphs(
+    backend: str, engine_args: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The processors run between the forward graph and the draw; prompt log-probabilities need
+    the hidden states of every prompt position, so those steps run eagerly (also when a chunk of
+    one prompt token would fit a graph bucket): outputs equal the plain engine's."""
+    params = feature_params()
+    prompts = PROMPTS
+    if "enable_prefix_caching" in engine_args:
+        prompts = [(PROMPTS[0] + " ") * 5 + p for p in PROMPTS]
+    baseline = make(backend, **BASELINE, **engine_args, max_logprobs=-1)
+    expected, expected_values = feature_outputs(baseline, params, prompts)
+    assert len(expected[0][2]) == 3 and len(expected[1][2]) == 2
+    assert expected[5][2][0][2] == "" and len(expected[5][0]) <= 3
+    for name, mode in MODES.items():
+        llm = make(backend, **mode, **engine_args, max_logprobs=-1)
+        seen = graph_steps(llm, monkeypatch)
+        got, values = feature_outputs(llm, params, prompts)
+        assert got == expected, name
+        assert values == pytest.approx(expected_values, rel=0, abs=1e-4), name
+        if not mode["enforce_eager"]:
+            assert seen, f"{name}: no step replayed a graph"
+        if "num_gpu_blocks_override" in engine_args:
+            assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        if "enable_prefix_caching" in engine_args:
+            assert llm.llm_engine.block_manager.num_prefix_hits > 0
+        engine = llm.llm_engine
+        assert not engine.has_unfinished()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprobs_in_one_token_chunks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget of 4 tokens with 3 requests decoding leaves 1 token a step for a prompt with
+    prompt_logprobs: such all-one-token steps would fit a graph bucket but run eagerly (they need
+    the hidden states), and give the plain engine's log-probabilities."""
+    prompts: list[Any] = [{"prompt_token_ids": [5 + i, 9]} for i in range(3)]
+    prompts.append({"prompt_token_ids": [3 + (7 * j) % 900 for j in range(20)]})
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3))
+    kw: dict[str, Any] = {"max_num_batched_tokens": 4, "max_num_seqs": 4}
+    expected = feature_outputs(make(backend, **BASELINE, **kw), params, prompts)
+    for name, mode in MODES.items():
+        llm = make(backend, **mode, **kw)
+        runner = llm.llm_engine.runner
+        real = runner.bucket_for
+        forced: list[int] = []  # decode-shaped steps with prompt log-probabilities to compute
+
+        def spy(batch: Any, real: Any = real, forced: list[int] = forced) -> int | None:
+            bucket = real(batch)
+            if all(n == 1 for n in batch.num_new_tokens) and any(s.wants_prompt_logprobs for s in batch.seqs):
+                assert bucket is None
+                forced.append(len(batch))
+            return bucket
+
+        monkeypatch.setattr(runner, "bucket_for", spy)
+        got = feature_outputs(llm, params, prompts)
+        assert got[0] == expected[0], name
+        assert got[1] == pytest.approx(expected[1], rel=0, abs=1e-4), name
+        assert forced, f"{name}: no prompt chunk of one token"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

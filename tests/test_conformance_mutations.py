@@ -22,7 +22,16 @@ from typing import Any
 import pytest
 import torch
 
-from deepinfer.backend import Availability, Backend, BackendInfo, BackendOptions, SmallOps, hookimpl
+from deepinfer.backend import (
+    NO_MODIFIERS,
+    Availability,
+    Backend,
+    BackendInfo,
+    BackendOptions,
+    SmallOps,
+    hookimpl,
+)
+from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import small as ref_small
 from deepinfer.reference.backend import ReferenceAttention, ReferenceCollectives, create_reference_backend
 
@@ -76,10 +85,10 @@ class TemperatureAfterFilters(SmallOps):
 
 
 class RmsNormWithoutEps(SmallOps):
-    def rms_norm(self, x, weight, eps, residual=None):  # type: ignore[no-untyped-def]
-        h = x.float() if residual is None else x.float() + residual.float()
+    def rms_norm(self, x, weight, eps):  # type: ignore[no-untyped-def]
+        h = x.float()
         y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True)) * weight.float()  # the bug: no eps
-        return y.to(x.dtype), (None if residual is None else h.to(x.dtype))
+        return y.to(x.dtype)
 
 
 class NoOpCollectives(ReferenceCollectives):
@@ -111,11 +120,35 @@ class NoOpCollectives(ReferenceCollectives):
 
 
 class AttentionIgnoresScale(ReferenceAttention):
-    def prefill(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):  # type: ignore[no-untyped-def]
-        return super().prefill(
-            q, cache, meta, scale=q.shape[-1] ** -0.5, v_dim=v_dim, window=window, sinks=sinks,
-            topk_indices=topk_indices,
-        )  # fmt: skip
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        return super().prefill(q, cache, meta, scale=q.shape[-1] ** -0.5, v_dim=v_dim, modifiers=modifiers)
+
+
+class AttentionNaNWhenNoKey(ReferenceAttention):
+    """The classic 0/0: a query row whose top-k list names no visible key gets NaN (an empty
+    softmax) instead of the edge rule's zeros."""
+
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        out = super().prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
+        if modifiers.topk_indices is None:
+            return out
+        start = 0
+        for kv_len, n in zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist()):
+            positions = torch.arange(kv_len - n, kv_len)
+            topk = modifiers.topk_indices[start : start + n].cpu()
+            seen = ref_attention.visible_mask(positions, kv_len, modifiers.window, topk).any(dim=-1)
+            out[start : start + n][~seen] = float("nan")
+            start += n
+        return out
+
+
+class AttentionWindowOffByOne(ReferenceAttention):
+    """p - j <= window instead of < window: one key too many."""
+
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        if modifiers.window is not None:
+            modifiers = dataclasses.replace(modifiers, window=modifiers.window + 1)
+        return super().prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
 
 
 @dataclass(frozen=True)
@@ -126,6 +159,7 @@ class Mutant:
     select: str  # -k expression of the cases that concern it
     caught_by: tuple[str, ...]  # test functions that must fail (others may fail too)
     message: str  # text the failure must contain
+    located: tuple[str, ...] = ()  # more text it must contain: the failure's place and parameters
 
     def create(self, options: BackendOptions) -> Backend:
         ref = create_reference_backend(options)
@@ -154,6 +188,22 @@ MUTANT_LIST = [
         "(test_decode or test_prefill) and float32 and (block_boundaries or window_sinks_kv512 or fresh "
         "or chunked or sinks_extreme)",
         ("test_decode", "test_prefill"), "elements outside atol",
+        ("worst at request ", ", head ", ", column ", "scale="),
+    ),
+    # located failure messages: the place (request, query row, head) and the case's parameters
+    Mutant(
+        "attention-no-key-nan", "attention", AttentionNaNWhenNoKey,
+        "(test_decode and float32 and topk_edge) or test_row_that_sees_no_key",
+        ("test_decode", "test_row_that_sees_no_key_is_zero"),
+        "32 element(s) NaN where the reference is finite, the first at request 2, query row 0 "
+        "(position 39 of KV length 40), head 0, column 0",
+        ("top-k 6 (edge lists", "no window", "sees no key and must output zeros (without sinks)"),
+    ),
+    Mutant(
+        "attention-window", "attention", AttentionWindowOffByOne,
+        "(test_decode or test_prefill) and float32 and window_1",
+        ("test_decode", "test_prefill"), "elements outside atol",
+        ("worst at request ", ", head ", "window=1,"),
     ),
 ]  # fmt: skip
 MUTANTS_BY_NAME = {m.name: m for m in MUTANT_LIST}
@@ -218,3 +268,5 @@ def test_the_mutant_fails(name: str) -> None:
     for test in mutant.caught_by:
         assert any(f"::{test}" in line for line in failed), f"{test} did not fail:\n" + "\n".join(failed)
     assert mutant.message in output, output[-6000:]
+    for text in mutant.located:
+        assert text in output, f"the failure message does not say {text!r}:\n{output[-6000:]}"

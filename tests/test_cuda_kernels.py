@@ -417,7 +417,9 @@ def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -
     fused = cuda_backend.create_cuda_backend(BackendOptions())
     monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
-    assert fused.moe.fused and not unfused.moe.fused and not unfused.device.fused and not unfused.small.fused
+    assert (
+        fused.moe.fused and not unfused.moe.fused and not unfused.kv_cache.fused and not unfused.small.fused
+    )
     config = RouterConfig(
         "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True
     )

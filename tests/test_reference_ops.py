@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, RouterConfig
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, KVCacheSpec, RouterConfig
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
@@ -132,7 +132,7 @@ def test_paged_attention(
                 topk[row, :topk_k] = torch.randperm(kv_len, generator=gen)[:topk_k]
                 row += 1
     scale = d**-0.5
-    out = ref_attention.paged_attention(q, cache, meta, scale, dv, window, sinks, topk)
+    out = ref_attention.paged_attention(q, cache, meta, scale, dv, AttentionModifiers(window, sinks, topk))
     expected = naive_attention(q, keys, query_lens, scale, dv, window, sinks, topk)
     assert out.shape == (t, heads, dv)
     close(out, expected)
@@ -140,7 +140,7 @@ def test_paged_attention(
 
 def test_decode_requires_decode_metadata() -> None:
     be = create_reference_backend()
-    cache = be.device.allocate_kv_cache(KVCacheSpec(2, 4, 4, 0, torch.float32), 1)[0]
+    cache = be.kv_cache.allocate(KVCacheSpec(2, 4, 4, 0, torch.float32), 1)[0]
     meta = AttentionMetadata.build(torch.zeros((1, 1), dtype=torch.int32), [2], [2])
     with pytest.raises(ValueError, match="one query token"):
         be.attention.decode(torch.zeros((2, 1, 4)), cache, meta, scale=1.0, v_dim=4)
@@ -424,11 +424,9 @@ def test_rms_norm(gen: torch.Generator) -> None:
     x = torch.randn((3, 10), generator=gen, dtype=F64)
     r = torch.randn((3, 10), generator=gen, dtype=F64)
     w = torch.randn(10, generator=gen, dtype=F64)
-    y, h = ref_small.rms_norm(x, w, 1e-6)
-    assert h is None
+    y = ref_small.rms_norm(x, w, 1e-6)
     close(y, x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w)
-    y, h = ref_small.rms_norm(x, w, 1e-6, r)
-    assert h is not None
+    y, h = ref_small.add_rms_norm(x, r, w, 1e-6)
     close(h, x + r)
     close(y, (x + r) / torch.sqrt(((x + r) ** 2).mean(-1, keepdim=True) + 1e-6) * w)
 

@@ -29,7 +29,12 @@ from deepinfer.reference.backend import create_reference_backend
 
 
 def info(
-    name: str, priority: int = 10, available: bool = True, reason: str = "", accelerator: bool = True
+    name: str,
+    priority: int = 10,
+    available: bool = True,
+    reason: str = "",
+    accelerator: bool = True,
+    explicit_only: bool = False,
 ) -> BackendInfo:
     def probe() -> Availability:
         return Availability(available, reason or ("found" if available else "not found"))
@@ -39,7 +44,7 @@ def info(
         backend.name = name
         return backend
 
-    return BackendInfo(name, "1.0", priority, accelerator, probe, factory)
+    return BackendInfo(name, "1.0", priority, accelerator, probe, factory, explicit_only=explicit_only)
 
 
 class FakePlugin:
@@ -127,6 +132,65 @@ def test_equal_priority_accelerators_are_an_error_naming_both() -> None:
         reg.select()
     assert "'cuda-like'" in str(exc.value) and "'npu-like'" in str(exc.value)
     assert reg.select("npu-like").name == "npu-like"  # an explicit choice resolves it
+
+
+def test_any_available_candidate_beats_the_reference_whatever_its_priority() -> None:
+    """Priority only orders the candidates of automatic selection: priority 0 still wins over
+    the fallback."""
+    reg = make_registry(info("low", priority=0))
+    assert reg.select().name == "low"
+
+
+def test_explicit_only_backends_are_chosen_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = make_registry(info("dev", priority=500, explicit_only=True))
+    assert reg.select().name == "reference"  # never automatically, whatever its priority
+    assert reg.select("dev").name == "dev"
+    monkeypatch.setenv("DEEPINFER_BACKEND", "dev")
+    assert reg.select().name == "dev"
+    monkeypatch.delenv("DEEPINFER_BACKEND")
+    # nor does it take part in ties, nor hide a lower-priority candidate
+    reg = make_registry(info("a", 100), info("b", 100, explicit_only=True), info("c", 5))
+    assert reg.select().name == "a"
+    assert [i.name for i in reg.candidates()] == ["a", "c"]
+    # named but unavailable: an error with the probe's reason, never a fallback
+    reg = make_registry(info("dev", explicit_only=True, available=False, reason="driver too old"))
+    with pytest.raises(BackendUnavailableError, match="driver too old"):
+        reg.select("dev")
+
+
+@pytest.mark.parametrize(
+    "accelerator,explicit_only,name,selection",
+    [
+        (True, False, "gpu", "auto"),
+        (True, True, "gpu", "explicit"),
+        (False, False, "toy", "explicit"),
+        (False, True, "toy", "explicit"),
+        (False, False, "reference", "fallback"),
+    ],
+)
+def test_selection_table(accelerator: bool, explicit_only: bool, name: str, selection: str) -> None:
+    """The table of hookspecs.BackendInfo and the registry's module docstring."""
+    i = info(name, accelerator=accelerator, explicit_only=explicit_only)
+    assert i.selection == selection
+    reg = BackendRegistry()
+    reg.register_plugin(FakePlugin(i), "p")
+    if name != "reference":
+        reg.register_plugin(FakePlugin(info("reference", priority=0, accelerator=False)), "ref")
+    assert (reg.select().name == name) == (selection in ("auto", "fallback"))
+    assert reg.select(name).name == name
+
+
+def test_describe_shows_the_selection_column() -> None:
+    reg = make_registry(info("fast", 20), info("dev", 50, explicit_only=True), info("gone", available=False))
+    reg.load_errors["broken"] = "ImportError: libfoo.so"
+    table = reg.describe().splitlines()
+    assert table[0].split() == ["name", "version", "priority", "available", "selection", "reason"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert rows["fast"][1:5] == ["1.0", "20", "yes", "auto"]
+    assert rows["dev"][1:5] == ["1.0", "50", "yes", "explicit"]
+    assert rows["gone"][3:5] == ["no", "auto"]
+    assert rows["reference"][3:5] == ["yes", "fallback"]
+    assert rows["broken"][1:5] == ["?", "-", "no", "-"] and "libfoo.so" in table[-1]
 
 
 def test_equal_priority_is_fine_when_one_is_unavailable() -> None:

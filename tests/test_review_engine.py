@@ -155,13 +155,12 @@ def test_tiny_temperature_is_greedy(llm: LLM, base: tuple[list[int], list[str]],
     assert outs[0].outputs[0].token_ids != base[0]
 
 
-def test_n_and_best_of_one_are_accepted_more_is_a_clear_error() -> None:
+def test_n_and_best_of_are_checked() -> None:
     assert SamplingParams(n=1, best_of=1).n == 1
     assert SamplingParams(n=1, best_of=None).best_of is None
-    with pytest.raises(ValueError, match="n=2: several completions per prompt are not supported"):
-        SamplingParams(n=2)
-    with pytest.raises(ValueError, match="best_of=3"):
-        SamplingParams(best_of=3)
+    assert SamplingParams(n=3, best_of=5).best_of == 5  # several completions: tests/test_sampling_features.py
+    with pytest.raises(ValueError, match="best_of must be an integer >= n"):
+        SamplingParams(n=3, best_of=2)
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
         SamplingParams(n=0)
 

@@ -39,11 +39,13 @@ packages = ["deepinfer_toy"]
 PLUGIN = '''
 """deepinfer backends "toy" (correct) and "toy-broken" (two subtle bugs)."""
 
+import dataclasses
+
 import torch
 
 from deepinfer.backend import (
-    AttentionOps, Availability, Backend, BackendInfo, BackendOptions, Capabilities, CollectiveOps,
-    DeviceOps, GemmOps, MoeOps, SmallOps, hookimpl,
+    NO_MODIFIERS, AttentionOps, Availability, Backend, BackendInfo, BackendOptions, Capabilities,
+    CollectiveOps, DeviceOps, GemmOps, KVCacheOps, MoeOps, SmallOps, hookimpl,
 )
 from deepinfer.reference import attention as ref_attention
 
@@ -60,8 +62,8 @@ class ToyDevice(DeviceOps):
 
 
 class ToyAttention(AttentionOps):  # decode: the contract's default (check, then prefill)
-    def prefill(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):
-        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):
+        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, modifiers)
 
 
 class ToyGemm(GemmOps):
@@ -77,9 +79,9 @@ class ToyCollectives(CollectiveOps):
 
 
 class BrokenAttention(ToyAttention):
-    def decode(self, q, cache, meta, *, scale, v_dim, window=None, sinks=None, topk_indices=None):
-        return super().decode(q, cache, meta, scale=scale, v_dim=v_dim, window=window, sinks=None,
-                              topk_indices=topk_indices)  # forgets the sinks
+    def decode(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):
+        forgot = dataclasses.replace(modifiers, sinks=None)  # forgets the sinks
+        return super().decode(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=forgot)
 
 
 class BrokenGemm(ToyGemm):
@@ -93,6 +95,7 @@ def _create(options, broken=False):
         options=options,
         capabilities=Capabilities(dtypes=(torch.float32, torch.bfloat16)),
         device=ToyDevice(options),
+        kv_cache=KVCacheOps(options),
         attention=(BrokenAttention if broken else ToyAttention)(options),
         gemm=(BrokenGemm if broken else ToyGemm)(options),
         moe=MoeOps(options),

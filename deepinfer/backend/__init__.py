@@ -1,6 +1,7 @@
 """The backend contract: types, op interfaces, plugin hooks and the registry."""
 
 from deepinfer.backend.hookspecs import BackendInfo, hookimpl
+from deepinfer.backend.host import HostEvent, HostStream, host_memory_info
 from deepinfer.backend.ops import (
     AttentionOps,
     Backend,
@@ -8,7 +9,9 @@ from deepinfer.backend.ops import (
     DeviceOps,
     GemmOps,
     GraphRunner,
+    KVCacheOps,
     MoeOps,
+    RerunGraph,
     SmallOps,
 )
 from deepinfer.backend.registry import (
@@ -19,17 +22,23 @@ from deepinfer.backend.registry import (
     get_backend,
 )
 from deepinfer.backend.types import (
+    NO_MODIFIERS,
     AttentionMetadata,
+    AttentionModifiers,
     Availability,
     BackendOptions,
     Capabilities,
+    Event,
     KVCacheSpec,
     PagedKVCache,
     RouterConfig,
+    Stream,
 )
 
 __all__ = [
+    "NO_MODIFIERS",
     "AttentionMetadata",
+    "AttentionModifiers",
     "AttentionOps",
     "Availability",
     "Backend",
@@ -41,14 +50,21 @@ __all__ = [
     "Capabilities",
     "CollectiveOps",
     "DeviceOps",
+    "Event",
     "GemmOps",
     "GraphRunner",
+    "HostEvent",
+    "HostStream",
+    "KVCacheOps",
     "KVCacheSpec",
     "MoeOps",
     "PagedKVCache",
+    "RerunGraph",
     "RouterConfig",
     "SmallOps",
+    "Stream",
     "UnknownBackendError",
     "get_backend",
     "hookimpl",
+    "host_memory_info",
 ]

@@ -1,10 +1,14 @@
 """The backend contract: the op interfaces every accelerator implements.
 
-A backend is a `Backend` made of six narrow parts. In each part, methods marked
-`@abstractmethod` are required; every other method is optional and defaults to the reference
-implementation (plain PyTorch, runs on any torch device), so a new port works on day one and
-is accelerated op by op. The reference implementation defines what each op means; the
-conformance suite (deepinfer.testing) holds every backend to it.
+A backend is a `Backend` made of seven narrow parts. In each part, methods marked
+`@abstractmethod` are required; every other method is optional and has a default, so a new port
+works on day one and is accelerated op by op. Two kinds of defaults:
+  - leaf ops (rms_norm, rope, route, quantize_fp8, ...) default to the reference implementation
+    (deepinfer.reference: plain PyTorch, any torch device), which also defines what they mean;
+  - composite ops (experts, fused_moe, grouped_gemm, linear_fp8, write_mla_kv, add_rms_norm,
+    decode, ...) default to a composition of THIS BACKEND's own ops, reached through the part's
+    `backend`: speed up grouped_gemm and the default experts get faster too.
+docs/porting.md has the table of every default: what it calls and when to override it.
 
 Shape symbols are listed in deepinfer/backend/types.py. All ops take and return tensors on
 the backend's device. Unless an op says otherwise, outputs are new tensors and inputs are
@@ -15,20 +19,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.types import (
+    NO_MODIFIERS,
     AttentionMetadata,
+    AttentionModifiers,
     BackendOptions,
     Capabilities,
+    Event,
     KVCacheSpec,
     PagedKVCache,
     RouterConfig,
+    Stream,
 )
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
@@ -37,10 +46,24 @@ from deepinfer.reference import small as ref_small
 
 
 class _Part:
-    """Common base of the parts: keeps the options the backend was created with."""
+    """Common base of the parts: the options the backend was created with, and the Backend the
+    part belongs to (set when the Backend is assembled), through which composite defaults call
+    the backend's other ops."""
 
     def __init__(self, options: BackendOptions) -> None:
         self.options = options
+        self._backend: Backend | None = None
+
+    @property
+    def backend(self) -> Backend:
+        """The Backend this part belongs to (the last one assembled with it)."""
+        backend: Backend | None = getattr(self, "_backend", None)
+        if backend is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not part of a Backend yet: build the Backend(...) that holds "
+                "it before calling its ops (defaults reach the other parts through it)"
+            )
+        return backend
 
     @property
     def batch_invariant(self) -> bool:
@@ -68,11 +91,26 @@ class RerunGraph(GraphRunner):
         self.fn()
 
 
-# --------------------------------------------------------------------------- device / memory
+@contextmanager
+def _torch_stream(stream: Any) -> Iterator[Any]:
+    with stream:  # torch.Stream makes itself current inside `with`
+        yield stream
+
+
+# --------------------------------------------------------------------------- device
 
 
 class DeviceOps(_Part):
-    """Device handle, synchronisation, memory, streams, the paged KV pool and graphs."""
+    """Device handle, synchronisation, memory, streams, events, pinned buffers and graphs.
+
+    Streams, events and pinned buffers: on the CPU the defaults are host stand-ins (HostStream,
+    HostEvent, unpinned tensors), right only because CPU work is synchronous. On any other device
+    they are torch's device-generic torch.Stream / torch.Event and pin_memory=True, which work
+    when the device's torch integration implements them (CUDA does; a PrivateUse1 device must
+    register stream, event and host-allocator hooks). An event that reports completion before the
+    device has finished lets the engine read a host buffer that is still being written: override
+    these four methods unless the conformance suite's stream test passes on the real device.
+    """
 
     @abstractmethod
     def device(self) -> torch.device:
@@ -84,39 +122,93 @@ class DeviceOps(_Part):
 
     @abstractmethod
     def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory, as the driver reports them."""
+        """(free, total) bytes of device memory, as the driver reports them. The engine sizes the
+        KV pool from `free`: report what a new allocation can really get."""
 
-    def new_stream(self) -> Any:
-        """A new stream for overlapping work; devices without streams return a host stand-in."""
-        return ref_memory.HostStream()
+    def _synchronous(self) -> bool:
+        return self.device().type == "cpu"
 
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        """Context manager that makes `stream` current for the ops issued inside it."""
+    def new_stream(self) -> Stream:
+        """A new stream for overlapping work. Default: HostStream on the CPU, torch.Stream(device)
+        elsewhere."""
+        if self._synchronous():
+            return HostStream()
+        stream: Stream = torch.Stream(self.device())
+        return stream
+
+    def stream_context(self, stream: Stream) -> AbstractContextManager[object]:
+        """Context manager that makes `stream` current for the ops issued inside it. Default:
+        nothing on the CPU; a torch.Stream's own `with` elsewhere."""
+        if isinstance(stream, torch.Stream):
+            return _torch_stream(stream)
         return nullcontext(stream)
 
-    def new_event(self) -> Any:
-        """A new event with record() / synchronize() / query()."""
-        return ref_memory.HostEvent()
+    def new_event(self) -> Event:
+        """A new event with record() / synchronize() / query(). Default: HostEvent (always
+        complete) on the CPU, torch.Event(device) elsewhere."""
+        if self._synchronous():
+            return HostEvent()
+        event: Event = torch.Event(self.device())
+        return event
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host tensor the device can copy from asynchronously."""
-        return torch.empty(shape, dtype=dtype)
+        """An uninitialised host tensor the device can copy from and to asynchronously
+        (non_blocking=True). Default: plain host memory on the CPU, pin_memory=True elsewhere."""
+        return torch.empty(shape, dtype=dtype, pin_memory=not self._synchronous())
 
-    def allocate_kv_cache(self, spec: KVCacheSpec, num_layers: int) -> list[PagedKVCache]:
-        """One zero-filled cache per layer. Backends that change the layout override the
-        four KV methods together (allocate, write, read, and, if needed, copy)."""
-        return ref_memory.allocate_kv_cache(spec, num_layers, self.device())
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
+        """Capture `fn` for replay, or None where the backend has no graphs
+        (Capabilities.supports_graphs is False): callers then run `fn` eagerly. With
+        `share_with` (a graph this backend captured), the new graph allocates from that graph's
+        memory pool: capture the largest of a set first and share its pool with the rest.
+
+        What a replay may rely on: the device tensors `fn` read at capture keep their addresses
+        and are refilled in place by the caller; every host value `fn` computed at capture
+        (shapes, Python ints, the host lengths in AttentionMetadata) is frozen. So `fn` must not
+        read the device from the host (no .item(), .tolist(), nonzero, data-dependent shapes):
+        the ops of a decode step (attention, the KV writes, the MoE path) must all be free of
+        host syncs before a backend claims graphs. Several defaults are not (they loop over
+        group sizes or request lengths on the host)."""
+        return None
+
+    def peak_memory_bytes(self) -> int | None:
+        """Most device memory held by tensors since the last reset_peak_memory (None: the
+        device does not say). The engine sizes its graph memory with it."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak_memory_bytes measurement."""
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+class KVCacheOps(_Part):
+    """The paged KV cache: its layout (allocate), the writes each step issues, reads for tests
+    and tools, block copies. All optional: the defaults keep the layout PagedKVCache describes,
+    one (NB, BS, D) tensor per layer. A backend that changes the layout overrides allocate,
+    write_kv and read_kv together (write_mla_kv's default ends in write_kv, and copy_blocks works
+    on any layout whose tensors keep the block index first, which every layout must)."""
+
+    def allocate(self, spec: KVCacheSpec, num_layers: int) -> list[PagedKVCache]:
+        """One zero-filled cache per layer, on the backend's device. Every tensor of a cache has
+        spec.num_blocks as its FIRST dimension."""
+        return ref_memory.allocate_kv_cache(spec, num_layers, self.backend.device.device())
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K rows in the cache, in place.
 
-        kv: (T, D) in any float dtype (cast to the cache dtype); slot_mapping: (T,) int64 with
-        slot = block_id * BS + offset; a slot of -1 skips that row (padding).
+        kv: (T, D) in any float dtype (cast to the cache dtype), possibly a strided view;
+        slot_mapping: (T,) int64 with slot = block_id * BS + offset; a slot of -1 skips that row
+        (padding). Default: boolean-mask indexing (a host sync: override it before claiming graphs).
         """
         ref_memory.write_kv(cache, kv, slot_mapping)
 
     def read_kv(self, cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-        """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype. For tests and tools."""
+        """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype. The conformance suite
+        checks a layout through it; the engine does not call it."""
         return ref_memory.read_kv(cache, slots)
 
     def write_mla_kv(
@@ -134,40 +226,21 @@ class DeviceOps(_Part):
         the row stored at slot_mapping[t] is [rms_norm(kv[t, :C]) * norm_weight | rope(kv[t, C:])],
         with rms_norm and rope as the small ops define them (rope at positions (T,) int64).
         C = cache.spec.latent_dim, R = cache.spec.rope_dim; a slot of -1 skips the row.
-        Default: the two small ops (reference), then this part's write_kv (any layout)."""
+        Default: this backend's small.rms_norm and small.rope, then this part's write_kv."""
+        small = self.backend.small
         c = cache.spec.latent_dim
-        latent, _ = ref_small.rms_norm(kv[:, :c], norm_weight, eps)
+        latent = small.rms_norm(kv[:, :c], norm_weight, eps)
         k_pe = kv[:, c:]
         if k_pe.shape[1]:
-            k_pe = ref_small.rope(k_pe[:, None], positions, cos_sin_cache, interleaved)[:, 0]
-        self.write_kv(cache, torch.cat([latent, k_pe], dim=-1), slot_mapping)
+            k_pe = small.rope(k_pe[:, None], positions, cos_sin_cache, interleaved)[:, 0]
+        self.write_kv(cache, torch.cat([latent, k_pe.to(latent.dtype)], dim=-1), slot_mapping)
 
     def copy_blocks(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor.
-        Every source is read before any destination is written; destinations are distinct."""
+        Every source is read before any destination is written; destinations are distinct.
+        Default: one indexed copy per tensor along the first (block) dimension, right for every
+        layout; override only to do it in one launch."""
         ref_memory.copy_blocks(cache, src, dst)
-
-    def capture_graph(
-        self, fn: Callable[[], object], share_with: GraphRunner | None = None
-    ) -> GraphRunner | None:
-        """Capture `fn` for replay, or None where the backend has no graphs
-        (Capabilities.supports_graphs is False): callers then run `fn` eagerly. With
-        `share_with` (a graph this backend captured), the new graph allocates from that graph's
-        memory pool: capture the largest of a set first and share its pool with the rest.
-
-        What a replay may rely on: the device tensors `fn` read at capture keep their addresses
-        and are refilled in place by the caller; every host value `fn` computed at capture
-        (shapes, Python ints, the host lengths in AttentionMetadata) is frozen. So `fn` must not
-        read the device from the host (no .item(), .tolist(), nonzero, data-dependent shapes)."""
-        return None
-
-    def peak_memory_bytes(self) -> int | None:
-        """Most device memory held by tensors since the last reset_peak_memory (None: the
-        device does not say). The engine sizes its graph memory with it."""
-        return None
-
-    def reset_peak_memory(self) -> None:
-        """Start a new peak_memory_bytes measurement."""
 
 
 # --------------------------------------------------------------------------- attention
@@ -177,13 +250,14 @@ class AttentionOps(_Part):
     """Paged latent attention (MLA absorbed form: one shared KV head, V a prefix of K).
 
     scores[h, j] = scale * <q[h, :D], K[j, :D]> over the request's visible positions j;
-    out[h] = sum_j softmax(scores[h])_j * K[j, :v_dim]. Softmax in float32.
-    Optional modifiers, the same in both ops:
-      window:       position p sees only j with p - j < window (sliding window of `window` keys).
-      sinks:        (H,) float32 per-head sink logit; adds exp(sinks[h]) to the softmax
-                    denominator (it takes probability mass and contributes no value).
-      topk_indices: (rows, Kt) int32 absolute positions each query row may see (-1 = unused),
-                    intersected with the causal and window limits (sparse attention).
+    out[h] = sum_j softmax(scores[h])_j * K[j, :v_dim]. Softmax in float32. `scale` is the
+    caller's (models do not pass D^-0.5); v_dim <= cache.spec.latent_dim.
+
+    Visible positions: query row i of request b sits at absolute position
+    p = seq_lens[b] - query_len[b] + i and sees cached positions j <= p (causal), further limited
+    by `modifiers` (AttentionModifiers: sliding window, per-head sinks, sparse top-k indices).
+    The edge rules are the modifiers' (see AttentionModifiers): a row that sees no key outputs
+    zeros, with or without sinks; top-k ids are a set, -1 unused, ids past the KV length ignored.
     Cache rows past a request's KV length (never written, or stale) may hold anything, NaN
     included: they must not reach the output, even through a zero softmax weight (0 * NaN).
 
@@ -201,18 +275,14 @@ class AttentionOps(_Part):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         """One query token per request. q: (B, H, D) -> (B, H, v_dim) in q's dtype.
         Requires meta.is_decode_only (ValueError otherwise). Batch-invariant backends use a FIXED
         split size over KV. Default: the check, then `prefill`; override for a dedicated kernel."""
         if not meta.is_decode_only:
             raise ValueError("decode attention needs exactly one query token per request")
-        return self.prefill(
-            q, cache, meta, scale=scale, v_dim=v_dim, window=window, sinks=sinks, topk_indices=topk_indices
-        )
+        return self.prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
 
     @abstractmethod
     def prefill(
@@ -223,12 +293,11 @@ class AttentionOps(_Part):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         """Ragged causal attention over a cached prefix (chunked prefill; any query lengths,
-        decode rows included). q: (T, H, D) -> (T, H, v_dim) in q's dtype."""
+        decode rows and empty requests included). q: (T, H, D), possibly a strided view with
+        stride(-1) == 1 -> (T, H, v_dim) in q's dtype."""
 
 
 # --------------------------------------------------------------------------- gemm
@@ -237,9 +306,10 @@ class AttentionOps(_Part):
 class GemmOps(_Part):
     """Dense and grouped matrix products, in floating point and FP8 e4m3 with block scales.
 
-    FP8 convention (DeepSeek's): scales MULTIPLY. A weight (N, K) e4m3 has a float32 scale per
-    128x128 block, (ceil(N/128), ceil(K/128)); activations have one per token per 128 channels,
-    (M, ceil(K/128)); value = fp8 * scale.
+    FP8 format: deepinfer.backend.fp8 (DeepSeek's). Scales MULTIPLY. A weight (N, K) e4m3 has a
+    float32 scale per 128x128 block, (ceil(N/128), ceil(K/128)); activations have one per token
+    per 128 channels, (M, ceil(K/128)); value = fp8 * scale. Scale tensors may be strided (e.g.
+    column-major, as TMA-based kernels keep them): their shapes, not their strides, are the contract.
     """
 
     @abstractmethod
@@ -248,15 +318,21 @@ class GemmOps(_Part):
 
     def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """One product per group: x (G, M, K), weight (G, N, K) -> (G, M, N) in x's dtype, with
-        out[g] = x[g] @ weight[g]^T. x may be a strided view. MLA uses it per head to absorb the
-        key up-projection into the query and to expand the latent output into each head's values."""
-        return ref_gemm.batched_linear(x, weight, self.batch_invariant)
+        out[g] = x[g] @ weight[g]^T. x and weight may be strided views. MLA uses it per head to
+        absorb the key up-projection into the query and to expand the latent output into each
+        head's values. Default: torch.bmm; batch-invariant: this part's linear per group."""
+        if not self.batch_invariant:
+            return torch.bmm(x, weight.transpose(1, 2))
+        out = torch.empty((x.shape[0], x.shape[1], weight.shape[1]), dtype=x.dtype, device=x.device)
+        for g in range(x.shape[0]):
+            out[g] = self.linear(x[g], weight[g])
+        return out
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token, per-`block`-channel symmetric quantisation.
         x (M, K) -> (xq (M, K) float8_e4m3fn, scale (M, ceil(K/block)) float32 = amax / 448).
         block 128 (DeepSeek's format) is required of every backend; other sizes are optional and a
-        backend that lacks one raises ValueError or NotImplementedError."""
+        backend that lacks one raises ValueError or NotImplementedError. Default: the reference."""
         return ref_gemm.quantize_fp8(x, block)
 
     def fp8_gemm(
@@ -269,7 +345,8 @@ class GemmOps(_Part):
     ) -> torch.Tensor:
         """Block-scaled FP8 product: (xq * x_scale) @ (weight * weight_scale)^T -> (M, N) out_dtype.
         xq (M, K) e4m3, x_scale (M, ceil(K/128)), weight (N, K) e4m3, weight_scale (ceil(N/128),
-        ceil(K/128)); accumulation in float32."""
+        ceil(K/128)); accumulation in float32. Default: the reference (dequantise both operands
+        to float32, then a float32 matmul: correct, slow, and memory-hungry)."""
         return ref_gemm.fp8_gemm(xq, x_scale, weight, weight_scale, out_dtype, self.batch_invariant)
 
     def linear_fp8(
@@ -279,15 +356,19 @@ class GemmOps(_Part):
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (M, K) float -> quantize_fp8 -> fp8_gemm -> (M, N) in x's dtype."""
+        """x (M, K) float -> (M, N) in x's dtype. Default: this part's quantize_fp8, then fp8_gemm."""
         xq, xs = self.quantize_fp8(x)
         y = self.fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
         return y if bias is None else y + bias
 
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """Rows sorted by group: x (M, K), weight (E, N, K), group_sizes (E,) int64 summing to M.
-        Rows of group e are multiplied by weight[e]^T -> (M, N) in x's dtype."""
-        return ref_gemm.grouped_gemm(x, weight, group_sizes, self.batch_invariant)
+        Rows of group e are multiplied by weight[e]^T -> (M, N) in x's dtype.
+        Default: this part's linear once per non-empty group (group_sizes read on the host)."""
+        out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+        for g, start, end in ref_gemm.group_bounds(group_sizes):
+            out[start:end] = self.linear(x[start:end], weight[g])
+        return out
 
     def grouped_gemm_fp8(
         self,
@@ -297,8 +378,13 @@ class GemmOps(_Part):
         group_sizes: torch.Tensor,
     ) -> torch.Tensor:
         """As grouped_gemm with weight (E, N, K) e4m3 and weight_scale (E, ceil(N/128),
-        ceil(K/128)); x (M, K) float is quantised per token per 128 channels first."""
-        return ref_gemm.grouped_gemm_fp8(x, weight, weight_scale, group_sizes, self.batch_invariant)
+        ceil(K/128)); x (M, K) float is quantised per token per 128 channels first.
+        Default: this part's quantize_fp8 once, then fp8_gemm once per non-empty group."""
+        xq, xs = self.quantize_fp8(x)
+        out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+        for g, start, end in ref_gemm.group_bounds(group_sizes):
+            out[start:end] = self.fp8_gemm(xq[start:end], xs[start:end], weight[g], weight_scale[g], x.dtype)
+        return out
 
 
 # --------------------------------------------------------------------------- moe
@@ -320,7 +406,8 @@ class MoeOps(_Part):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """logits (T, E) -> (weights (T, K) float32, ids (T, K) int32), see RouterConfig.
         correction_bias (E,) float32 changes selection only. hash_ids (T, K) fixes the selection
-        (hash routing by token id); weights still come from the scores at those experts."""
+        (hash routing by token id); weights still come from the scores at those experts. The
+        order of the K pairs within a row is free. Default: the reference (torch ops)."""
         return ref_moe.route(logits, config, correction_bias, hash_ids)
 
     def permute(
@@ -328,14 +415,15 @@ class MoeOps(_Part):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group token copies by expert (stable in source order).
         x (T, Dm), ids (T, K) -> (x_sorted (T*K, Dm), src_to_dst (T*K,) int64, counts (E,) int64)
-        with x_sorted[src_to_dst[t*K + k]] = x[t]."""
+        with x_sorted[src_to_dst[t*K + k]] = x[t]. Default: the reference (a stable sort)."""
         return ref_moe.permute(x, ids, num_experts)
 
     def unpermute(
         self, y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """Weighted combine: out[t] = sum_k weights[t, k] * y_sorted[src_to_dst[t*K + k]].
-        y_sorted (T*K, Dm), weights (T, K) float32 -> (T, Dm) in y's dtype (summed in float32)."""
+        y_sorted (T*K, Dm), weights (T, K) float32 -> (T, Dm) in y's dtype (summed in float32).
+        Default: the reference."""
         return ref_moe.unpermute(y_sorted, src_to_dst, weights)
 
     def experts(
@@ -348,8 +436,16 @@ class MoeOps(_Part):
         w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Expert MLP over expert-sorted rows: grouped_gemm(w13) -> silu_and_mul -> grouped_gemm(w2).
-        x_sorted (M, Dm), counts (E,) -> (M, Dm). FP8 (e4m3 weights, block scales) when scales given."""
-        return ref_moe.experts(x_sorted, counts, w13, w2, w13_scale, w2_scale, self.batch_invariant)
+        x_sorted (M, Dm), counts (E,) -> (M, Dm). FP8 (e4m3 weights, block scales) when scales given.
+        Default: this backend's gemm.grouped_gemm (or grouped_gemm_fp8) and small.silu_and_mul."""
+        if (w13_scale is None) != (w2_scale is None):
+            raise ValueError("FP8 experts need both w13_scale and w2_scale")
+        gemm, small = self.backend.gemm, self.backend.small
+        if w13_scale is not None and w2_scale is not None:
+            h = gemm.grouped_gemm_fp8(x_sorted, w13, w13_scale, counts)
+            return gemm.grouped_gemm_fp8(small.silu_and_mul(h), w2, w2_scale, counts)
+        h = gemm.grouped_gemm(x_sorted, w13, counts)
+        return gemm.grouped_gemm(small.silu_and_mul(h), w2, counts)
 
     def fused_moe(
         self,
@@ -361,7 +457,8 @@ class MoeOps(_Part):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The routed-expert output of a MoE layer: x (T, Dm), weights/ids (T, K) -> (T, Dm)."""
+        """The routed-expert output of a MoE layer: x (T, Dm), weights/ids (T, K) -> (T, Dm).
+        Default: this part's permute, experts and unpermute."""
         x_sorted, src_to_dst, counts = self.permute(x, ids, w13.shape[0])
         y = self.experts(x_sorted, counts, w13, w2, w13_scale, w2_scale)
         return self.unpermute(y, src_to_dst, weights)
@@ -374,7 +471,8 @@ class CollectiveOps(_Part):
     """Collectives over torch.distributed with the backend's process-group backend.
 
     `group` is a torch.distributed ProcessGroup (None = the default group). All ops act in
-    place where torch.distributed does and return the result tensor.
+    place where torch.distributed does and return the result tensor. The defaults call
+    torch.distributed directly; they are right for any dist backend that implements the ops.
     """
 
     @property
@@ -430,17 +528,22 @@ class CollectiveOps(_Part):
 class SmallOps(_Part):
     """Norms, rotary embedding, activations, logits masking and sampling. All optional."""
 
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """y = x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in float32.
-        With residual (same shape as x): h = x + residual is normalised and returned too:
-        (y, h); without: (y, None). x (..., Dm), weight (Dm,); y and h in x's dtype."""
-        return ref_small.rms_norm(x, weight, eps, residual)
+        x (..., Dm), possibly a strided view; weight (Dm,) in any float dtype; y in x's dtype.
+        Default: the reference."""
+        return ref_small.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused with the next norm: h = x + residual (summed in float32, stored
+        in x's dtype: the residual stream), y = rms_norm(h) -> (y, h), both in x's dtype.
+        residual: same shape as x (it may be x itself, or a view of the same buffer). A fused
+        kernel may normalise the sum before its rounding to x's dtype (a rounding apart).
+        Default: the add, then this part's rms_norm."""
+        h = (x.float() + residual.float()).to(x.dtype)
+        return self.rms_norm(h, weight, eps), h
 
     def rope(
         self,
@@ -451,16 +554,18 @@ class SmallOps(_Part):
     ) -> torch.Tensor:
         """Rotary embedding. x (T, H, R), positions (T,) int64, cos_sin_cache (P, R) float32 whose
         row p is [cos(p*f_0..f_{R/2-1}) | sin(...)]. interleaved: pairs (2i, 2i+1) rotate by f_i
-        (DeepSeek checkpoints); else pairs (i, i + R/2). Output in x's dtype and layout."""
+        (DeepSeek checkpoints); else pairs (i, i + R/2). Output in x's dtype. Default: the reference."""
         return ref_small.rope(x, positions, cos_sin_cache, interleaved)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, 2I) = [gate | up] -> silu(gate) * up, (M, I), computed in float32."""
+        """x (M, 2I) = [gate | up] -> silu(gate) * up, (M, I), computed in float32.
+        Default: the reference."""
         return ref_small.silu_and_mul(x)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        """In place: logits (B, V) float; bitmask (B, ceil(V/32)) int32, bit (v % 32) of word
-        v // 32 set = token v allowed. Disallowed logits become -inf."""
+        """In place: logits (B, V) float, possibly rows of a wider buffer; bitmask (B, ceil(V/32))
+        int32, bit (v % 32) of word v // 32 set = token v allowed. Disallowed logits become -inf.
+        Default: the reference."""
         ref_small.apply_token_bitmask(logits, bitmask)
 
     def exponential_noise(self, seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -469,7 +574,8 @@ class SmallOps(_Part):
         deepinfer.reference.small.exponential_noise for the exact hash). seeds, offsets (B,)
         int64 (seeds: any value; offsets >= 0: the position of the token being sampled)
         -> (B, vocab_size) float32. No generator state: a request's draws do not depend on the
-        batch, the step or a graph replay, only on its seed and the position it samples."""
+        batch, the step or a graph replay, only on its seed and the position it samples.
+        Default: the reference."""
         return ref_small.exponential_noise(seeds, offsets, vocab_size)
 
     def sample(
@@ -486,21 +592,30 @@ class SmallOps(_Part):
         from per-request generators, which makes sampling batch-invariant.
         Rows with temperature 0 take the argmax. Others: logits / temperature, keep the top_k
         largest, then the smallest set whose probability reaches top_p, then tokens with
-        p >= min_p * max p; sample by the exponential race argmax(p / noise). -> (B,) int64."""
+        p >= min_p * max p; sample by the exponential race argmax(p / noise). -> (B,) int64.
+        Default: the reference."""
         return ref_small.sample(logits, temperature, top_k, top_p, min_p, exp_noise)
 
 
 # --------------------------------------------------------------------------- the backend
 
+# KV-layout ops that lived on DeviceOps before KVCacheOps existed: a device part that still
+# defines one would be silently ignored, so assembling such a backend is an error.
+_MOVED_TO_KV_CACHE = ("allocate_kv_cache", "write_kv", "read_kv", "write_mla_kv", "copy_blocks")
+
 
 @dataclass
 class Backend:
-    """An accelerator as deepinfer sees it: its name, what it claims, and its six parts."""
+    """An accelerator as deepinfer sees it: its name, what it claims, and its seven parts.
+
+    Assembling a Backend binds every part to it (part.backend), through which the composite
+    defaults reach the other parts."""
 
     name: str
     options: BackendOptions
     capabilities: Capabilities
     device: DeviceOps
+    kv_cache: KVCacheOps
     attention: AttentionOps
     gemm: GemmOps
     moe: MoeOps
@@ -510,6 +625,36 @@ class Backend:
     def __post_init__(self) -> None:
         if self.options.batch_invariant and not self.capabilities.supports_batch_invariant:
             raise ValueError(f"backend {self.name!r} does not support batch-invariant mode")
+        for f in fields(self):
+            part = getattr(self, f.name)
+            kind = _PART_TYPES.get(f.name)
+            if kind is not None and not isinstance(part, kind):
+                raise TypeError(
+                    f"backend {self.name!r}: `{f.name}` must be a {kind.__name__} instance, "
+                    f"got {type(part).__name__}"
+                )
+        moved = [m for m in _MOVED_TO_KV_CACHE if hasattr(self.device, m)]
+        if moved:
+            raise TypeError(
+                f"backend {self.name!r}: {type(self.device).__name__} defines {', '.join(moved)}; the "
+                "KV-cache ops moved from DeviceOps to KVCacheOps (allocate_kv_cache is now "
+                "KVCacheOps.allocate): move them to a KVCacheOps subclass passed as kv_cache="
+            )
+        for part in self.parts():
+            part._backend = self
 
     def parts(self) -> Iterator[_Part]:
-        yield from (self.device, self.attention, self.gemm, self.moe, self.collectives, self.small)
+        yield from (
+            self.device, self.kv_cache, self.attention, self.gemm, self.moe, self.collectives, self.small
+        )  # fmt: skip
+
+
+_PART_TYPES: dict[str, type[_Part]] = {
+    "device": DeviceOps,
+    "kv_cache": KVCacheOps,
+    "attention": AttentionOps,
+    "gemm": GemmOps,
+    "moe": MoeOps,
+    "collectives": CollectiveOps,
+    "small": SmallOps,
+}

@@ -1,11 +1,24 @@
 """Backend discovery (entry points + pluggy) and selection.
 
 Selection rule (DESIGN section 3):
-  1. an explicit name (argument, else DEEPINFER_BACKEND) wins; unknown names and unavailable
-     backends are errors that list the known names or give the probe's reason;
-  2. otherwise the highest-priority available accelerator; two available accelerators of equal
-     top priority is an error naming both;
+  1. an explicit name (argument, else DEEPINFER_BACKEND) wins, whatever the backend's flags;
+     unknown names and unavailable backends are errors that list the known names or give the
+     probe's reason (never a silent fallback);
+  2. otherwise, among the CANDIDATES (is_accelerator=True and explicit_only=False) that are
+     available, the highest priority; two available candidates of equal top priority is an
+     error naming both;
   3. otherwise the reference backend, the last resort.
+
+So, per backend (BackendInfo.selection, the `selection` column of `deepinfer backends`):
+
+  is_accelerator  explicit_only  selection   chosen when named  chosen automatically
+  True            False          auto        yes                if available and of highest priority
+  True            True           explicit    yes                never
+  False           any            explicit    yes                never
+  False (reference)              fallback    yes                when no candidate is available
+
+Priority only orders the candidates: an available candidate of priority 1 beats the reference,
+and a backend that must not be picked by itself says explicit_only=True.
 """
 
 from __future__ import annotations
@@ -18,14 +31,13 @@ from typing import TYPE_CHECKING, cast
 
 import pluggy
 
-from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, PROJECT, BackendHookSpecs, BackendInfo
+from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, FALLBACK, PROJECT, BackendHookSpecs, BackendInfo
 from deepinfer.backend.types import Availability, BackendOptions
 
 if TYPE_CHECKING:
     from deepinfer.backend.ops import Backend
 
 ENV_VAR = "DEEPINFER_BACKEND"
-FALLBACK = "reference"
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 
@@ -104,6 +116,8 @@ class BackendRegistry:
             raise ValueError(f"plugin {plugin!r}: backend {info.name!r} is already registered")
         if not callable(info.probe) or not callable(info.factory):
             raise TypeError(f"plugin {plugin!r}: backend {info.name!r} needs callable probe and factory")
+        if not isinstance(info.priority, int) or isinstance(info.priority, bool):
+            raise TypeError(f"plugin {plugin!r}: backend {info.name!r} priority must be an int")
 
     @property
     def names(self) -> list[str]:
@@ -130,6 +144,34 @@ class BackendRegistry:
     def entries(self) -> list[BackendEntry]:
         return [BackendEntry(self._infos[n], self.availability(n)) for n in self.names]
 
+    def candidates(self) -> list[BackendInfo]:
+        """The available candidates of automatic selection (see the module docstring), highest
+        priority first."""
+        found = [
+            self._infos[n]
+            for n in self.names
+            if self._infos[n].selection == "auto" and self.availability(n).available
+        ]
+        return sorted(found, key=lambda i: -i.priority)
+
+    def describe(self) -> str:
+        """The table `deepinfer backends` prints: name, version, priority, available, selection
+        (auto / explicit / fallback, see the module docstring) and the probe's reason; plugins
+        that failed to load are listed with their error."""
+        rows = [("name", "version", "priority", "available", "selection", "reason")]
+        for entry in self.entries():
+            info, avail = entry.info, entry.availability
+            rows.append(
+                (
+                    info.name, info.version, str(info.priority), "yes" if avail.available else "no",
+                    info.selection, avail.reason,
+                )
+            )  # fmt: skip
+        for plugin, error in sorted(self.load_errors.items()):
+            rows.append((plugin, "?", "-", "no", "-", f"plugin failed to load: {error}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows)
+
     def select(self, name: str | None = None) -> BackendInfo:
         """Apply the selection rule; `name` None or "auto" defers to DEEPINFER_BACKEND, then auto."""
         if name in (None, "auto"):
@@ -140,14 +182,10 @@ class BackendRegistry:
             if not avail.available:
                 raise BackendUnavailableError(f"backend {name!r} is not available: {avail.reason}")
             return info
-        accelerators = [
-            self._infos[n]
-            for n in self.names
-            if self._infos[n].is_accelerator and self.availability(n).available
-        ]
-        if accelerators:
-            top = max(i.priority for i in accelerators)
-            best = [i for i in accelerators if i.priority == top]
+        candidates = self.candidates()
+        if candidates:
+            top = candidates[0].priority
+            best = [i for i in candidates if i.priority == top]
             if len(best) > 1:
                 both = " and ".join(repr(i.name) for i in best)
                 raise AmbiguousBackendError(

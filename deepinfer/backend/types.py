@@ -11,7 +11,7 @@ Symbols used in shape comments across deepinfer:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -73,15 +73,80 @@ class KVCacheSpec:
 
 @dataclass
 class PagedKVCache:
-    """A layer's paged KV cache. The tensors' layout belongs to the backend that allocated it.
+    """A layer's paged KV cache. The tensors' layout belongs to the backend that allocated it
+    (its KVCacheOps); model code and the engine never index `tensors`, they pass the handle back.
 
-    Model code never indexes `tensors`; it passes the handle to the backend's ops. The default
-    (reference) layout is one tensor (NB, BS, D). Every layout keeps the block index first so
-    that block copies are layout-agnostic.
+    The default layout (KVCacheOps' defaults, the reference backend's) is ONE tensor per layer,
+    (NB, BS, D) in spec.dtype with D = latent_dim + rope_dim: slot s = block * BS + offset lives at
+    [s // BS, s % BS], the latent first, then the rope part. A backend may split a row over several
+    tensors (e.g. latent and rope apart) or reorder what follows the block index, but the BLOCK
+    INDEX IS THE FIRST DIMENSION OF EVERY TENSOR: that is what lets the default copy_blocks (and
+    the engine's block bookkeeping) work on any layout.
     """
 
     spec: KVCacheSpec
     tensors: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class AttentionModifiers:
+    """What narrows or reweights the keys a query row sees beyond causality, passed to both
+    attention ops as one object (`modifiers=`; NO_MODIFIERS when there are none).
+
+    window:       int >= 1. The query at absolute position p sees the keys j with
+                  p - window < j <= p: the last `window` positions, itself included. A window
+                  longer than the sequence changes nothing.
+    sinks:        (H,) float32, one logit per query head: exp(sinks[h]) joins head h's softmax
+                  denominator and contributes no value (it only takes probability mass).
+    topk_indices: (T, Kt) integer, one row per query row (the rows of q): the absolute key
+                  positions that row may see, intersected with the causal limit and the window
+                  (sparse attention).
+
+    Edge rules every backend follows (the conformance suite checks each):
+      - a query row that sees no key outputs ZEROS, with or without sinks (the sink has no value,
+        so its probability mass contributes nothing). It happens when a top-k row lists nothing
+        visible; it must not produce NaN (0/0) or read a key it may not see;
+      - top-k ids are a SET: an id listed twice counts once (it is not weighted twice);
+      - top-k ids < 0 are unused (-1 by convention); an id >= the request's KV length, or past the
+        row's own position, is ignored: never an error and never read from the cache;
+      - the order of ids within a row does not matter.
+    """
+
+    window: int | None = None
+    sinks: torch.Tensor | None = None
+    topk_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"attention window must be >= 1, got {self.window}")
+        if self.sinks is not None and self.sinks.dim() != 1:
+            raise ValueError(f"attention sinks must be (H,), got shape {tuple(self.sinks.shape)}")
+        if self.topk_indices is not None and (
+            self.topk_indices.dim() != 2 or self.topk_indices.is_floating_point()
+        ):
+            raise ValueError(
+                "attention topk_indices must be an integer (T, Kt) tensor, got "
+                f"{self.topk_indices.dtype} {tuple(self.topk_indices.shape)}"
+            )
+
+    @property
+    def is_plain(self) -> bool:
+        """No window, no sinks, no top-k: causal attention over the whole prefix."""
+        return self.window is None and self.sinks is None and self.topk_indices is None
+
+    def describe(self) -> str:
+        """A short description for messages: 'window=8, sinks, top-k 6' or 'none'."""
+        parts = []
+        if self.window is not None:
+            parts.append(f"window={self.window}")
+        if self.sinks is not None:
+            parts.append("sinks")
+        if self.topk_indices is not None:
+            parts.append(f"top-k {self.topk_indices.shape[1]}")
+        return ", ".join(parts) or "none"
+
+
+NO_MODIFIERS = AttentionModifiers()
 
 
 @dataclass(frozen=True)
@@ -144,6 +209,34 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )
+
+
+@runtime_checkable
+class Stream(Protocol):
+    """A queue of device work (torch.cuda.Stream, torch.Stream, or the CPU's HostStream)."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work queued on this stream so far has finished."""
+
+    def wait_stream(self, stream: Any, /) -> None:
+        """Work queued on this stream later waits for the work queued on `stream` so far."""
+
+    def wait_event(self, event: Any, /) -> None:
+        """Work queued on this stream later waits for `event`."""
+
+
+@runtime_checkable
+class Event(Protocol):
+    """A marker in a stream (torch.cuda.Event, torch.Event, or the CPU's HostEvent)."""
+
+    def record(self, stream: Any = None, /) -> None:
+        """Mark the current point of `stream` (None: the current stream)."""
+
+    def synchronize(self) -> None:
+        """Block the host until the work before the recorded point has finished."""
+
+    def query(self) -> bool:
+        """Whether that work has finished, without blocking."""
 
 
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]

@@ -1,4 +1,8 @@
-"""`deepinfer generate` and `deepinfer bench`."""
+"""`deepinfer generate` and `deepinfer bench` (and the helpers `deepinfer run-batch` shares).
+
+Their engine options are generated from the engine arguments' one definition (EngineConfig's
+fields, deepinfer.engine.args): the same names, defaults, help and checks as `LLM(...)`.
+"""
 
 from __future__ import annotations
 
@@ -12,33 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.backend.registry import BackendError
+from deepinfer.engine.args import add_engine_arguments, engine_kwargs
 from deepinfer.engine.random_weights import REPO_MODEL_DIR
 
 DEFAULT_MODEL = REPO_MODEL_DIR / "tiny"
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--backend", default="auto", help="backend name (default: auto, see `deepinfer backends`)")
-    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
-    g.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)"
-    )
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of device memory to use")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--block-size", type=int, default=64, help="tokens per KV block")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV blocks of shared prefixes")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (and the request seed in generate)")
-    g.add_argument("--enforce-eager", action="store_true", help="never replay decode steps as graphs")
-    g.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="process each step's tokens before scheduling the next (no overlap of host and device)",
-    )
-    g.add_argument(
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The engine arguments (one option per EngineConfig field) and the shortcut
+    --num-speculative-tokens K (= --speculative-config '{"method": "mtp", "num_speculative_tokens": K}')."""
+    add_engine_arguments(p)
+    p.add_argument(
         "--num-speculative-tokens",
         type=int,
         default=0,
@@ -46,29 +34,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "backend": args.backend,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "num_gpu_blocks_override": args.num_gpu_blocks_override,
-        "block_size": args.block_size,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "seed": args.seed,
-        "enforce_eager": args.enforce_eager,
-        "async_scheduling": args.async_scheduling,
-        "speculative_config": (
-            {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
-            if args.num_speculative_tokens
-            else None
-        ),
-    }
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...) keyword arguments from the parsed engine options."""
+    kwargs = engine_kwargs(args)
+    k = getattr(args, "num_speculative_tokens", 0)
+    if k:
+        if kwargs.get("speculative_config") is not None:
+            raise ValueError("give --num-speculative-tokens or --speculative-config, not both")
+        kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    return kwargs
 
 
-def _fail(exc: Exception) -> int:
+def fail(exc: Exception) -> int:
     """One line on stderr, exit status 2."""
     message = " ".join(str(exc).split()) or type(exc).__name__
     print(f"error: {message}", file=sys.stderr)
@@ -79,7 +56,7 @@ def _fail(exc: Exception) -> int:
 USER_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OSError, BackendError)
 
 
-def _check_writable(path_arg: str, flag: str) -> Path:
+def check_writable(path_arg: str, flag: str) -> Path:
     """The output path, or OSError saying why it cannot be written (checked before a long run)."""
     path = Path(path_arg)
     parent = path.parent
@@ -101,9 +78,20 @@ def add_generate_parser(subparsers: Any) -> None:
         "generate", help="generate text from prompts (default model: the shipped tiny one)"
     )
     p.add_argument(
-        "--model", default=str(DEFAULT_MODEL), help=f"checkpoint directory (default: {DEFAULT_MODEL})"
+        "--model",
+        default=str(DEFAULT_MODEL),
+        help=f"checkpoint directory, or a Hugging Face repo id in the local hub cache "
+        f"(default: {DEFAULT_MODEL})",
     )
-    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for several)")
+    p.add_argument(
+        "--prompt", action="append", default=None, help="prompt text (repeat for several); - reads stdin"
+    )
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="prompts from a file (- = stdin): one per line, or JSONL (a .jsonl file, or every line a JSON "
+        'object): {"prompt": TEXT} or {"prompt_token_ids": [...]} per line',
+    )
     p.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
     )
@@ -125,14 +113,74 @@ def add_generate_parser(subparsers: Any) -> None:
     g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file)")
     g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     g.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat)")
-    _add_engine_args(p)
+    add_engine_options(p)
     p.set_defaults(func=cmd_generate)
+
+
+def parse_prompts(text: str, source: str, jsonl: bool = False) -> list[str | dict[str, Any]]:
+    """Prompts from a file's content: one per non-blank line, or, when `jsonl` or every non-blank
+    line is a JSON object, one JSON value per line: {"prompt": text}, {"prompt_token_ids": [...]}
+    or a JSON string. ValueError naming the source and the line."""
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{source}: no prompts (the input is empty)")
+    if not jsonl and not all(line.lstrip().startswith("{") for _, line in lines):
+        return [line for _, line in lines]
+    prompts: list[str | dict[str, Any]] = []
+    for n, line in lines:
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source} line {n}: not valid JSON: {exc}") from exc
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"prompt", "prompt_token_ids"})
+            if unknown or not value:
+                raise ValueError(
+                    f"{source} line {n}: a JSON prompt has 'prompt' (text) or 'prompt_token_ids', got keys "
+                    f"{sorted(value)}"
+                )
+        elif not isinstance(value, str):
+            raise ValueError(f"{source} line {n}: expected a JSON object or string, got {line.strip()!r}")
+        prompts.append(value)
+    return prompts
+
+
+def _read_text(path: str, flag: str) -> str:
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise OSError(f"{flag} {path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag} {path}: not UTF-8 text: {exc}") from exc
+
+
+def read_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
+    """--prompt (each, in order; - = the prompts on stdin) then --prompts-file."""
+    prompts: list[str | dict[str, Any]] = []
+    for prompt in args.prompt or []:
+        if prompt == "-":
+            prompts += parse_prompts(_read_text("-", "--prompt"), "stdin")
+        else:
+            prompts.append(prompt)
+    if args.prompts_file is not None:
+        source = "stdin" if args.prompts_file == "-" else args.prompts_file
+        text = _read_text(args.prompts_file, "--prompts-file")
+        prompts += parse_prompts(text, source, jsonl=args.prompts_file.endswith(".jsonl"))
+    if not prompts:
+        raise ValueError(
+            "give a prompt: --prompt TEXT (repeat for several), --prompt - (stdin) or --prompts-file FILE"
+        )
+    return prompts
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer.api import LLM, SamplingParams, StructuredOutputsParams
 
     try:
+        prompts = read_prompts(args)
         structured = None
         if args.json_schema is not None:
             path = Path(args.json_schema)
@@ -156,15 +204,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             repetition_penalty=args.repetition_penalty,
             structured_outputs=structured,
         )
-        llm = LLM(args.model, **_engine_kwargs(args))
+        if args.chat and not all(isinstance(p, str) for p in prompts):
+            raise ValueError("--chat takes text prompts, not prompt_token_ids")
+        llm = LLM(args.model, **llm_kwargs(args))
         if args.chat:
-            convs = [[{"role": "user", "content": p}] for p in args.prompt]
+            convs = [[{"role": "user", "content": p}] for p in prompts]
             outputs = llm.chat(convs, params)
         else:
-            outputs = llm.generate(args.prompt, params)
+            outputs = llm.generate(prompts, params)
     except USER_ERRORS as exc:
-        return _fail(exc)
-    for prompt, out in zip(args.prompt, outputs):
+        return fail(exc)
+    for prompt, out in zip(prompts, outputs):
         c = out.outputs[0]
         if args.json:
             record = {
@@ -188,15 +238,37 @@ def add_bench_parser(subparsers: Any) -> None:
         help="offline throughput on random prompts (as `vllm bench throughput --dataset-name random`)",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny model)")
     src.add_argument(
-        "--random-config", default=None, help="random weights for a config: NAME of model/NAME, or a path"
+        "--model",
+        default=None,
+        help="checkpoint directory or cached hub repo id (default: the shipped tiny model)",
     )
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-len", type=int, default=128, help="tokens per prompt")
-    p.add_argument("--output-len", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--output-json", default=None, help="also write the results to this file")
-    _add_engine_args(p)
+    src.add_argument(
+        "--random-config",
+        default=None,
+        help="random weights for a config: NAME of model/NAME, or a path; refused when the weights "
+        "cannot fit in the device's free memory (estimated from the config before anything is built)",
+    )
+    w = p.add_argument_group("workload (vLLM's `bench throughput` names)")
+    w.add_argument(
+        "--dataset-name", default="random", choices=["random"], help="random token ids (the only one)"
+    )
+    w.add_argument("--num-prompts", type=int, default=32, help="requests (default: 32)")
+    w.add_argument(
+        "--random-input-len", "--input-len", dest="input_len", type=int, default=128, help="tokens per prompt"
+    )
+    w.add_argument(
+        "--random-output-len", "--output-len", dest="output_len", type=int, default=32,
+        help="tokens generated per prompt",
+    )  # fmt: skip
+    w.add_argument(
+        "--output-json",
+        default=None,
+        help="also write the results to this file: vLLM's keys (elapsed_time, num_requests, "
+        "total_num_tokens, "
+        "requests_per_second, tokens_per_second) and deepinfer's",
+    )
+    add_engine_options(p)
     p.set_defaults(func=cmd_bench)
 
 
@@ -210,23 +282,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from deepinfer.api import LLM, SamplingParams
     from deepinfer.backend.registry import get_backend
     from deepinfer.backend.types import BackendOptions
-    from deepinfer.config import EngineConfig
+    from deepinfer.engine.args import engine_config, resolve_engine_config
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.random_weights import random_model, resolve_config
 
-    for name in ("num_prompts", "input_len", "output_len"):
+    flags = {
+        "num_prompts": "--num-prompts",
+        "input_len": "--random-input-len",
+        "output_len": "--random-output-len",
+    }
+    for name, flag in flags.items():
         if getattr(args, name) <= 0:
-            return _fail(ValueError(f"--{name.replace('_', '-')} must be positive"))
-    kwargs = _engine_kwargs(args)
-    if kwargs["max_model_len"] is None:
-        kwargs["max_model_len"] = args.input_len + args.output_len
+            return fail(ValueError(f"{flag} must be positive"))
     try:
-        output_json = _check_writable(args.output_json, "--output-json") if args.output_json else None
+        kwargs = llm_kwargs(args)
+        if kwargs["max_model_len"] is None:
+            kwargs["max_model_len"] = args.input_len + args.output_len
+        output_json = check_writable(args.output_json, "--output-json") if args.output_json else None
         if args.random_config:
             config_file = resolve_config(args.random_config)
-            config = EngineConfig(model=str(config_file.parent), **kwargs)
+            config = engine_config(config_file.parent, kwargs, "deepinfer bench")
+            config = resolve_engine_config(config, config_file)
             backend = get_backend(config.backend, BackendOptions(batch_invariant=config.batch_invariant))
-            model = random_model(config_file, backend, config.torch_dtype, config.seed)
+            model = random_model(
+                config_file, backend, config.torch_dtype, config.seed, config.gpu_memory_utilization
+            )
             llm = LLM.from_engine(LLMEngine(config, model=model, backend=backend))
             source = f"random weights, {config_file}"
         else:
@@ -243,10 +323,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         engine.backend.device.synchronize()
         elapsed = time.perf_counter() - start
     except USER_ERRORS as exc:
-        return _fail(exc)
+        return fail(exc)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {
+        # vLLM's `bench throughput --output-json` keys
+        "elapsed_time": elapsed,
+        "num_requests": len(outputs),
+        "total_num_tokens": num_in + num_out,
+        "requests_per_second": len(outputs) / elapsed,
+        "tokens_per_second": (num_in + num_out) / elapsed,
+        # deepinfer's
         "model": source,
         "backend": engine.backend.name,
         "num_prompts": args.num_prompts,
@@ -268,9 +355,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tokens_per_s']:.2f} total tokens/s, "
         f"{r['input_tokens_per_s']:.2f} input tokens/s, {r['output_tokens_per_s']:.2f} output tokens/s"
     )
+    print(f"Total num prompt tokens:  {num_in}\nTotal num output tokens:  {num_out}")
     if output_json is not None:
         try:
             output_json.write_text(json.dumps(result, indent=2) + "\n")
         except OSError as exc:
-            return _fail(OSError(f"--output-json {args.output_json}: cannot write: {exc.strerror or exc}"))
+            return fail(OSError(f"--output-json {args.output_json}: cannot write: {exc.strerror or exc}"))
     return 0

@@ -10,6 +10,7 @@ step's own tokens are processed right away. Steps with speculative drafts run sy
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -24,17 +25,19 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import get_backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.config import EngineConfig
+from deepinfer.engine.args import backend_choice_reason
 from deepinfer.engine.inputs import PreparedStep
 from deepinfer.engine.kv_cache import BlockManager, cdiv, num_blocks_from_memory
 from deepinfer.engine.model_runner import ModelRunner, graph_buckets
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
-from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.speculative import SpeculativeDecoder
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
+from deepinfer.log import configure_logging
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,18 @@ def _int64(seed: int) -> int:
     return seed - 2**64 if seed >= 2**63 else seed
 
 
+def completion_seed(seed: int, index: int) -> int:
+    """The int64 seed of completion `index` of a request seeded `seed` (n > 1, best_of): index 0
+    keeps the request's seed (so it samples what the request with n=1 samples), the others a
+    splitmix64 hash of (seed, index): independent noise, the same at every run."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & SEED_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & SEED_MASK
+    return _int64(x ^ (x >> 31))
+
+
 class LLMEngine:
     """Owns the backend, the model, the KV pool, the scheduler, the runner and the sampler."""
 
@@ -75,7 +90,9 @@ class LLMEngine:
         """Load config.model (a checkpoint directory) on the backend config.backend names.
         `model` (with the `backend` it was built on) may pass an already built model, e.g. random
         weights for benchmarks; the directory then only supplies the tokenizer, if it has one."""
+        configure_logging()
         self.config = config
+        logger.info("engine arguments (those not at their defaults): %s", config.changed())
         self.expert_parallel = (
             ExpertParallel.from_torch_distributed() if config.enable_expert_parallel else None
         )
@@ -83,6 +100,8 @@ class LLMEngine:
             device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.expert_parallel else 0
             options = BackendOptions(device_index=device_index, batch_invariant=config.batch_invariant)
             backend = get_backend(config.backend, options)
+            if logger.isEnabledFor(logging.INFO):
+                logger.info("backend %s: %s", backend.name, backend_choice_reason(config.backend))
         self.backend = backend
         if model is None:
             from deepinfer.models.loader import load_model
@@ -91,7 +110,10 @@ class LLMEngine:
             model = load_model(str(path), self.backend, config.torch_dtype, self.expert_parallel)
         else:
             path = Path(config.model)
-        self.tokenizer: Tokenizer | None = Tokenizer(path) if (path / "tokenizer.json").is_file() else None
+        tok_dir = Path(config.tokenizer) if config.tokenizer is not None else path  # LLM(tokenizer=...)
+        self.tokenizer: Tokenizer | None = (
+            Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        )
         self.model = model
         mc = model.config
         self.vocab_size: int = mc.vocab_size
@@ -121,9 +143,15 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks(graph_reserve)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         spec = model.kv_cache_spec(num_blocks, bs)
-        self.runner.kv_caches = self.backend.device.allocate_kv_cache(spec, model.num_kv_layers)
+        logger.info(
+            "KV cache: %d tokens (%d blocks of %d), %.1f MiB; %.2f requests of max_model_len=%d at once",
+            num_blocks * bs, num_blocks, bs,
+            num_blocks * bs * spec.bytes_per_token * model.num_kv_layers / 2**20,
+            num_blocks * bs / self.max_model_len, self.max_model_len,
+        )  # fmt: skip
+        self.runner.kv_caches = self.backend.kv_cache.allocate(spec, model.num_kv_layers)
         if self.num_speculative_tokens:  # the MTP head's own cache: same blocks and block tables
-            self.runner.mtp_caches = self.backend.device.allocate_kv_cache(spec, 1)
+            self.runner.mtp_caches = self.backend.kv_cache.allocate(spec, 1)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
         if buckets:
             counts = self.backend.device.peak_memory_bytes() is not None
@@ -261,6 +289,9 @@ class LLMEngine:
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise TypeError("prompt_token_ids must be a list of ints")
+        if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
+            k = params.truncate_prompt_tokens
+            ids = ids[-(self.max_model_len if k == -1 else k) :]
         if len(ids) == 0:
             raise ValueError("the prompt is empty (no tokens)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -273,12 +304,31 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {self.vocab_size}")
+        for name, value in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if value is None:
+                continue
+            if value > self.vocab_size:
+                raise ValueError(f"{name}={value} exceeds the vocabulary size {self.vocab_size}")
+            limit, wanted = self.config.max_logprobs, self.vocab_size if value == -1 else value
+            if limit >= 0 and wanted > limit:  # -1 asks for the whole vocabulary (vLLM's rule)
+                raise ValueError(
+                    f"{name}={value} is more than max_logprobs={limit}; raise the engine's "
+                    "max_logprobs (LLM(max_logprobs=...), -1 = no limit)"
+                )
+        for name, ids_ in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids_ if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
         if params.top_k >= self.vocab_size:
             params.top_k = 0  # keeps every token: off (and small enough for any backend's kernel)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
         grammar = None
         if params.structured_outputs is not None:
             if self.tokenizer is None:
@@ -288,14 +338,55 @@ class LLMEngine:
             grammar = self._structured.matcher(params.structured_outputs)
 
         seed = _int64(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
-        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         limit = self.max_model_len if params.max_tokens is None else len(ids) + params.max_tokens
-        seq = Sequence(
-            str(self._next_id), text, list(ids), params, seed, detok, min(limit, self.max_model_len)
-        )
-        seq.grammar = grammar
+        group: list[Sequence] = []
+        for i in range(params.num_sequences):  # n > 1 / best_of: one sequence per completion
+            child = params
+            if i > 0 and params.prompt_logprobs is not None:  # the first completion reports them
+                child = dataclasses.replace(params, prompt_logprobs=None)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                if self.tokenizer and params.detokenize
+                else None
+            )
+            request_id = str(self._next_id) if i == 0 else f"{i}_{self._next_id}"  # vLLM's child ids
+            seq = Sequence(
+                request_id,
+                text,
+                list(ids),
+                child,
+                completion_seed(seed, i),
+                detok,
+                min(limit, self.max_model_len),
+            )
+            if grammar is not None:  # each completion walks the grammar on its own
+                assert self._structured is not None and params.structured_outputs is not None
+                seq.grammar = grammar if i == 0 else self._structured.matcher(params.structured_outputs)
+            seq.index, seq.group, seq.bad_words_token_ids = i, group, bad_words
+            seq.needs_logprob = params.logprobs is not None or params.num_sequences > params.n
+            group.append(seq)
         self._next_id += 1
-        return seq
+        return group[0]
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenisation of bad_words: each word alone and after a space (a word at the
+        start of the text and inside it), the second only where it gives as many tokens and
+        another first token."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model directory has none")
+        out: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not alone or not spaced:
+                raise ValueError(f"bad_words: {word!r} gives no tokens")
+            out.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        bad = [t for word_ids in out for t in word_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return out
 
     def make_sequences(self, prompts: list[Any], params: list[SamplingParams]) -> list[Sequence]:
         """make_sequence for every request, all or nothing: the first bad request raises with
@@ -313,20 +404,29 @@ class LLMEngine:
         return seqs
 
     def default_sampling_params(self) -> SamplingParams:
-        """The sampling parameters of a generate() call that passes none (vLLM's
-        generation_config="auto"): SamplingParams() with the temperature, top_p, top_k, min_p,
+        """The sampling parameters of a generate() call that passes none, as the engine argument
+        generation_config says (vLLM's): "vllm" = SamplingParams(); "auto" = the model
+        directory's generation_config.json; a directory (or a .json file) = that one's. From
+        the file: SamplingParams() with the temperature, top_p, top_k, min_p,
         repetition_penalty and max_new_tokens (as max_tokens) that the model directory's
         generation_config.json sets, read with transformers' GenerationConfig (only the values
         that differ from its defaults, as vLLM does); plain SamplingParams() without the file.
         Read at each call (a small file), a new object each time. ValueError naming the file
         if it cannot be read or holds a value SamplingParams refuses."""
-        path = Path(self.config.model) / "generation_config.json"
+        source = self.config.generation_config
+        if source == "vllm":
+            return SamplingParams()
+        path = Path(self.config.model if source == "auto" else source)
+        if not path.is_file():
+            path = path / "generation_config.json"
         if not path.is_file():
             return SamplingParams()
         from transformers import GenerationConfig
 
         try:
-            config = GenerationConfig.from_pretrained(str(path.parent), local_files_only=True)
+            config = GenerationConfig.from_pretrained(
+                str(path.parent), config_file_name=path.name, local_files_only=True
+            )
         except (OSError, ValueError) as exc:
             raise ValueError(f"{path} cannot be read: {exc}") from exc
         given = config.to_diff_dict()
@@ -366,15 +466,27 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if self.speculative is not None:
             assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
-            return self.speculative.step(batch)
+            spans = self.runner.prompt_logprob_spans(batch)
+            finished = self.speculative.step(batch)
+            if spans:  # from the step's hidden states, which the speculative decoder keeps
+                assert self.speculative.hidden is not None
+                prompt_lp = self.runner.prompt_logprobs(spans, self.speculative.hidden)
+                assert prompt_lp is not None
+                self.outputs.add_prompt_logprobs(prompt_lp, finished)
+            return finished
         if len(batch) == 0:  # only requests whose last token is still in flight are left
             assert self.in_flight is not None, "scheduler made no progress"
             return self._process_in_flight()
-        step, logits, _ = self.runner.forward(batch)
+        step, logits, hidden = self.runner.forward(batch)
+        spans = self.runner.prompt_logprob_spans(batch)
+        prompt_lp = None
+        if spans:  # such steps run eagerly (ModelRunner.bucket_for): their hidden states are here
+            assert hidden is not None, "a step with prompt log-probabilities replayed a graph"
+            prompt_lp = self.runner.prompt_logprobs(spans, hidden)
         self.scheduler.advance(batch)
         finished = self._process_in_flight()
-        if step.sampling_seqs:
-            self.in_flight = self._launch_draw(step, logits)
+        if step.sampling_seqs or prompt_lp is not None:
+            self.in_flight = self._launch_draw(step, logits, prompt_lp)
             if not self.async_scheduling:
                 finished += self._process_in_flight()
         return finished
@@ -385,27 +497,34 @@ class LLMEngine:
         step, self.in_flight = self.in_flight, None
         return self.outputs.process(step)
 
-    def _launch_draw(self, step: PreparedStep, logits: torch.Tensor) -> SampledStep:
+    def _launch_draw(
+        self, step: PreparedStep, logits: torch.Tensor, prompt_lp: PromptLogprobs | None = None
+    ) -> SampledStep:
         """Logits processors (with every history up to date), the draw, and the copy of the
-        tokens to the host, all queued without waiting for the device."""
+        tokens (and of the step's prompt log-probabilities) to the host, all queued without
+        waiting for the device."""
         seqs = step.sampling_seqs
-        raw = logits
-        if self.sampler.needs_processing(seqs):
-            if any(s.params.logprobs is not None for s in seqs):
-                raw = logits.clone()  # log-probabilities come from the raw logits
-            self.sampler.process_logits(logits, seqs)
-        tokens = self.runner.draw(step, logits, greedy=all(s.params.greedy for s in seqs))
-        for row, seq in enumerate(seqs):
-            if not seq.is_finished:
-                seq.num_pending, seq.pending_row = 1, row
-        lp = self.sampler.logprobs(raw, seqs, tokens)
-        host = self._host_tokens[self._host_turn][: tokens.shape[0]]
-        self._host_turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        lp_host = lp.to_host(self.backend.device.pinned_empty) if lp is not None else None
+        pinned = self.backend.device.pinned_empty
+        host, lp_host = self._host_tokens[self._host_turn][:0], None
+        if seqs:
+            raw = logits
+            if self.sampler.needs_processing(seqs):
+                if any(s.needs_logprob for s in seqs):
+                    raw = logits.clone()  # log-probabilities come from the raw logits
+                self.sampler.process_logits(logits, seqs)
+            tokens = self.runner.draw(step, logits, greedy=all(s.params.greedy for s in seqs))
+            for row, seq in enumerate(seqs):
+                if not seq.is_finished:
+                    seq.num_pending, seq.pending_row = 1, row
+            lp = self.sampler.logprobs(raw, seqs, tokens)
+            host = self._host_tokens[self._host_turn][: tokens.shape[0]]
+            self._host_turn ^= 1
+            host.copy_(tokens, non_blocking=True)
+            lp_host = lp.to_host(pinned) if lp is not None else None
+        prompt_host = prompt_lp.to_host(pinned) if prompt_lp is not None else None
         ready = self.backend.device.new_event()
         ready.record()
-        return SampledStep(seqs, host, lp_host, ready)
+        return SampledStep(seqs, host, lp_host, ready, prompt_host)
 
     to_output = staticmethod(OutputProcessor.to_output)
 

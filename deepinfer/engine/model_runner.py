@@ -9,6 +9,10 @@ host (penalties, grammars) run between the two. Other steps run the same functio
 Everything a graph reads lives at a fixed address: the step inputs (deepinfer.engine.inputs),
 the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
 device (async scheduling) are resolved from sampled_ids as the first op of the forward.
+
+Prompt log-probabilities need the logits of every prompt position a step computes, not only of
+the sampled rows: steps that compute some run eagerly, and prompt_logprobs() takes the LM head
+over those rows of the step's final hidden states (in chunks), chunk by chunk of a prefill.
 """
 
 from __future__ import annotations
@@ -22,8 +26,16 @@ import torch
 from deepinfer.backend.ops import Backend, GraphRunner
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.engine.inputs import PreparedStep, SamplingInputs, StepInputs
-from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampler import (
+    LOGPROB_CHUNK_ELEMENTS,
+    LogprobTensors,
+    PromptLogprobs,
+    Sampler,
+    num_top_logprobs,
+    token_logprobs,
+)
 from deepinfer.engine.scheduler import ScheduledBatch
+from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -96,7 +108,9 @@ class ModelRunner:
         base = dev.peak_memory_bytes()
         if base is None:
             return None
-        caches = dev.allocate_kv_cache(self.model.kv_cache_spec(1, self.block_size), self.model.num_kv_layers)
+        caches = self.backend.kv_cache.allocate(
+            self.model.kv_cache_spec(1, self.block_size), self.model.num_kv_layers
+        )
         real, self.kv_caches = self.kv_caches, caches
         try:
             step = self.inputs.prepare(ScheduledBatch(), bucket)
@@ -151,6 +165,8 @@ class ModelRunner:
             return None
         if any(n != 1 for n in batch.num_new_tokens) or any(batch.num_draft_tokens):
             return None
+        if any(s.wants_prompt_logprobs for s in batch.seqs):  # needs the hidden states
+            return None
         return min(b for b in self.graphs if b >= len(batch))
 
     # ------------------------------------------------------------------ steps
@@ -174,6 +190,49 @@ class ModelRunner:
         assert self.logits is not None
         self.graphs[bucket].replay()
         return ForwardOutput(step, self.logits[:bucket], None)
+
+    @staticmethod
+    def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:
+        """Before the step's scheduled tokens count as computed: the prompt positions whose
+        log-probability the step's hidden states give, as (seq, first position, count, hidden row
+        of the token before it), and marks them launched (seq.prompt_logprob_pos). Position p
+        (0 < p < prompt length) is the step's if it computes position p - 1."""
+        spans = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.wants_prompt_logprobs:
+                start = seq.num_computed_tokens
+                first = seq.prompt_logprob_pos
+                assert first > start, "a prompt position's logits were skipped (prefix cache?)"
+                last = min(start + n, seq.num_prompt_tokens - 1)
+                if last >= first:
+                    spans.append((seq, first, last - first + 1, row + first - 1 - start))
+                    seq.prompt_logprob_pos = last + 1
+            row += n
+        return spans
+
+    @torch.inference_mode()
+    def prompt_logprobs(
+        self, spans: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
+    ) -> PromptLogprobs | None:
+        """Device: the log-probabilities of the prompt positions `spans` (prompt_logprob_spans)
+        from the step's final hidden states (T, Dm): the LM head over those rows, in chunks of
+        rows, the raw log-softmax, the prompt token's value and rank and the top-k."""
+        if not spans:
+            return None
+        rows = torch.cat([hidden[r : r + count] for _, _, count, r in spans])  # (R, Dm)
+        targets: list[int] = []
+        for seq, first, count, _ in spans:
+            targets.extend(seq.prompt_token_ids[first : first + count])
+        target = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        k = max(num_top_logprobs(seq.params.prompt_logprobs, self.vocab_size) for seq, *_ in spans)
+        chunk = max(1, LOGPROB_CHUNK_ELEMENTS // self.vocab_size)
+        parts = [
+            token_logprobs(self.model.compute_logits(rows[i : i + chunk]), target[i : i + chunk], k)
+            for i in range(0, rows.shape[0], chunk)
+        ]
+        values = LogprobTensors([], *(torch.cat(t) for t in zip(*parts)))
+        return PromptLogprobs([(seq, first, count) for seq, first, count, _ in spans], values)
 
     @torch.inference_mode()
     def draw(self, step: PreparedStep, logits: torch.Tensor, greedy: bool) -> torch.Tensor:

@@ -18,13 +18,20 @@ bookkeeping.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.engine.sampler import LogprobTensors
+from deepinfer.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from deepinfer.engine.sampler import LogprobTensors, PromptLogprobs
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.tokenizer import Tokenizer, find_stop
@@ -35,12 +42,14 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SampledStep:
     """A step's sampled tokens on their way to the host: seqs[i] owns tokens[i] (a host tensor
-    filled by a non-blocking copy, valid once `ready` has completed)."""
+    filled by a non-blocking copy, valid once `ready` has completed), with their log-probabilities
+    and the prompt log-probabilities the step computed (a step may have only those)."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor
     logprobs: LogprobTensors | None
     ready: Any  # the backend's event, recorded after the copies
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputProcessor:
@@ -51,13 +60,17 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._token_text: dict[int, str] = {}  # token id -> its text, for Logprob.decoded_token
 
     def process(self, step: SampledStep) -> list[Sequence]:
-        """Append each request's pending token; returns the requests that finished."""
+        """Record the step's prompt log-probabilities, append each request's pending token;
+        returns the requests that finished."""
         step.ready.synchronize()
+        finished: list[Sequence] = []
+        if step.prompt_logprobs is not None:
+            self.add_prompt_logprobs(step.prompt_logprobs, finished)
         tokens = [int(t) for t in step.tokens[: len(step.seqs)].tolist()]
         entries = step.logprobs.entries(step.seqs, tokens) if step.logprobs is not None else {}
-        finished: list[Sequence] = []
         for row, seq in enumerate(step.seqs):
             if seq.is_finished:
                 continue  # it finished at the previous step; this row was computed in vain
@@ -65,6 +78,33 @@ class OutputProcessor:
             seq.pending_row = -1
             self.append_and_check(seq, tokens[row], entries.get(row), finished)
         return finished
+
+    def add_prompt_logprobs(self, prompt_logprobs: PromptLogprobs, finished: list[Sequence]) -> None:
+        """Append a step's prompt log-probabilities (in prompt order: the steps that computed
+        them are processed in order) to their requests. A request whose entries fail to decode
+        is aborted alone (and added to finished)."""
+        for seq, first, entries in prompt_logprobs.entries():
+            if seq.finish_reason == "abort" or seq.prompt_logprobs is None:
+                continue
+            assert len(seq.prompt_logprobs) == first, "prompt log-probabilities out of order"
+            try:
+                seq.prompt_logprobs.extend(self.decoded(seq, e) for e in entries)
+            except Exception as exc:  # one request's failure must not fail the others' step
+                now = (len(seq.token_ids), len(seq.output_logprobs), seq.cumulative_logprob, seq.output_text)
+                self.abort(seq, now, exc)
+                if not seq.is_finished:
+                    self.scheduler.finish(seq)
+                    finished.append(seq)
+
+    def decoded(self, seq: Sequence, entry: PositionLogprobs) -> PositionLogprobs:
+        """entry with each token's text (decoded_token), unless seq has detokenize=False."""
+        if self.tokenizer is None or not seq.params.detokenize:
+            return entry
+        texts = self._token_text
+        for t in entry:
+            if t not in texts:
+                texts[t] = self.tokenizer.decode([t], False)
+        return {t: Logprob(v.logprob, v.rank, texts[t]) for t, v in entry.items()}
 
     def append_and_check(
         self, seq: Sequence, token: int, lp: dict[int, Logprob] | None, finished: list[Sequence]
@@ -97,11 +137,14 @@ class OutputProcessor:
     def append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""
         seq.token_ids.append(token)
+        now = time.time()
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
         p = seq.params
         if lp is not None:
-            if self.tokenizer is not None:
-                lp = {t: Logprob(v.logprob, v.rank, self.tokenizer.decode([t], False)) for t, v in lp.items()}
-            seq.output_logprobs.append(lp)
+            if p.logprobs is not None:  # else only the cumulative log-probability (best_of)
+                seq.output_logprobs.append(self.decoded(seq, lp))
             seq.cumulative_logprob += lp[token].logprob
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             raise RuntimeError(f"request {seq.request_id}: token {token} was sampled against its grammar")
@@ -140,21 +183,60 @@ class OutputProcessor:
 
     @staticmethod
     def to_output(seq: Sequence) -> RequestOutput:
-        """The request's output so far. finished exactly when finish_reason is set: a request the
-        engine dropped without one (abort_all) is reported as "abort"."""
+        """The output so far of the request seq heads (its completions: seq.group). finished
+        exactly when every completion has a finish_reason: a request the engine dropped without
+        one (abort_all) is reported as "abort". With best_of > n, the n completions of highest
+        cumulative log-probability, best first."""
+        group = seq.group
+        completions = [OutputProcessor._completion(s) for s in group]
+        n = seq.params.n
+        if len(completions) > n:  # best_of: rank by the sampled tokens' log-probabilities
+            completions.sort(key=lambda c: -(c.cumulative_logprob or 0.0))
+            completions = completions[:n]
+        for i, c in enumerate(completions):
+            c.index = i
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt,
+            seq.prompt_token_ids,
+            list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            completions,
+            finished=all(s.finish_reason is not None or s.is_finished for s in group),
+            metrics=OutputProcessor._metrics(group),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _completion(seq: Sequence) -> CompletionOutput:
         want_lp = seq.params.logprobs is not None
         reason = seq.finish_reason
         if reason is None and seq.is_finished:
             reason = "abort"
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=seq.index,
             text=seq.output_text,
             token_ids=seq.output_token_ids,
-            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-            logprobs=seq.output_logprobs if want_lp else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.needs_logprob else None,
+            logprobs=list(seq.output_logprobs) if want_lp else None,
             finish_reason=reason,
             stop_reason=seq.stop_reason,
         )
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], finished=reason is not None
-        )
+
+    @staticmethod
+    def _metrics(group: list[Sequence]) -> RequestMetrics:
+        """The request's metrics from its completions': earliest first_*, latest last / finish."""
+        ms = [s.metrics for s in group]
+
+        def pick(values: list[float | None], f: Any) -> float | None:
+            known = [v for v in values if v is not None]
+            return f(known) if known else None
+
+        m = RequestMetrics(arrival_time=ms[0].arrival_time)
+        m.first_scheduled_time = pick([x.first_scheduled_time for x in ms], min)
+        m.first_token_time = pick([x.first_token_time for x in ms], min)
+        m.last_token_time = pick([x.last_token_time for x in ms], max)
+        if all(x.finished_time is not None for x in ms):
+            m.finished_time = pick([x.finished_time for x in ms], max)
+        if m.first_scheduled_time is not None:
+            m.time_in_queue = m.first_scheduled_time - m.arrival_time
+        return m

@@ -6,9 +6,12 @@ and the noise of the exponential race, a pure function of (request seed, positio
 (backend.small.exponential_noise). So a seeded request samples the same tokens whatever shares
 its batch, whether the step ran eagerly or as a graph replay, in one step or after a preemption.
 
-Logits processors that need the request's history (penalties, min_tokens, grammar masks) run
-between the forward and the draw, after the host has read the previous step's tokens; rows
-that need none cost nothing.
+Logits processors run between the forward and the draw, after the host has read the previous
+step's tokens, in vLLM's order: allowed_token_ids, bad_words, logit_bias, penalties, min_tokens,
+grammar masks; rows that need none cost nothing.
+
+Log-probabilities (of sampled tokens, and of prompt tokens) come from the raw model logits, as
+vLLM's default: the log-softmax over the whole vocabulary, before any processor or filter.
 """
 
 from __future__ import annotations
@@ -52,6 +55,70 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
 
+def _banned_mask(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """(V,) bool: True where a token is not in seq's allowed_token_ids."""
+    mask = torch.ones(vocab, dtype=torch.bool)
+    mask[torch.tensor(seq.params.allowed_token_ids or [], dtype=torch.long)] = False
+    return mask.to(device)
+
+
+def _dense_bias(seq: Sequence, vocab: int, device: torch.device) -> torch.Tensor:
+    """(V,) float32: seq's logit_bias[t] at token t, 0 elsewhere."""
+    bias = seq.params.logit_bias or {}
+    dense = torch.zeros(vocab, dtype=torch.float32)
+    dense[torch.tensor(list(bias), dtype=torch.long)] = torch.tensor(list(bias.values()), dtype=torch.float32)
+    return dense.to(device)
+
+
+def _cached(
+    seq: Sequence,
+    make: Callable[[Sequence, int, torch.device], torch.Tensor],
+    vocab: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """make(seq, vocab, device): a device tensor derived from seq's parameters, made once per
+    request (and device) and kept in seq.logits_state."""
+    key = f"{make.__name__}@{device}"
+    value = seq.logits_state.get(key)
+    if value is None:
+        value = seq.logits_state[key] = make(seq, vocab, device)
+    return value
+
+
+def apply_allowed_and_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: tokens outside allowed_token_ids -> -inf, then + logit_bias. logits (S, V)."""
+    vocab, device = logits.shape[1], logits.device
+    for row, seq in enumerate(seqs):
+        if seq.is_finished:
+            continue
+        if seq.params.allowed_token_ids is not None:
+            logits[row].masked_fill_(_cached(seq, _banned_mask, vocab, device), float("-inf"))
+        if seq.params.logit_bias:
+            logits[row] += _cached(seq, _dense_bias, vocab, device)
+
+
+def banned_bad_word_tokens(seq: Sequence) -> list[int]:
+    """The last token of each tokenised bad word whose other tokens end the output so far
+    (vLLM: only output tokens count; a one-token bad word is always banned)."""
+    out = seq.num_output_tokens
+    ids = seq.token_ids
+    banned = []
+    for word in seq.bad_words_token_ids:
+        k = len(word) - 1
+        if k <= out and (k == 0 or ids[len(ids) - k :] == word[:-1]):
+            banned.append(word[-1])
+    return banned
+
+
+def apply_bad_words(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: each row's banned_bad_word_tokens -> -inf."""
+    for row, seq in enumerate(seqs):
+        if seq.bad_words_token_ids and not seq.is_finished:
+            banned = banned_bad_word_tokens(seq)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
 def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
     """In place: EOS and stop_token_ids cannot be sampled before min_tokens outputs."""
     for row, seq in enumerate(seqs):
@@ -66,10 +133,35 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
             logits[row, banned] = float("-inf")
 
 
+def num_top_logprobs(k: int | None, vocab_size: int) -> int:
+    """Top tokens an entry lists for a logprobs / prompt_logprobs value: None -> 0, -1 -> all."""
+    if k is None:
+        return 0
+    return vocab_size if k < 0 else min(k, vocab_size)
+
+
+# Rows of logits whose log-softmax is taken at once (bounds the (rows, V) temporaries).
+LOGPROB_CHUNK_ELEMENTS = 2**24
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device: log-softmax of logits (R, V) -> top (R, k) values and ids, then the value (R,)
+    and rank (R,) (1 + tokens strictly more likely) of tokens (R,) int64."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    value = logp.gather(1, tokens.view(-1, 1)).squeeze(1)  # (R,)
+    rank = (logp > value[:, None]).sum(dim=1) + 1  # (R,)
+    top_values, top_ids = logp.topk(min(k, logp.shape[1]), dim=1)
+    return top_values, top_ids, value, rank
+
+
 @dataclass
 class LogprobTensors:
-    """Device results for the rows that asked for log-probabilities (R of them), in row order:
-    top (R, k) values and ids of the raw log-softmax, the sampled token's value and rank (R,)."""
+    """Log-probability results, R rows, in row order: top (R, k) values and ids of the raw
+    log-softmax, the value and rank (R,) of the token at each row (the sampled one, or the
+    prompt token). rows: the owner of each row (a sampled row; for prompt log-probabilities,
+    see PromptLogprobs)."""
 
     rows: list[int]
     top_values: torch.Tensor
@@ -88,15 +180,46 @@ class LogprobTensors:
             self.rows, copy(self.top_values), copy(self.top_ids), copy(self.sampled), copy(self.rank)
         )
 
+    def position(self, j: int, k: int, token: int) -> dict[int, Logprob]:
+        """Host side: row j's entry: its top k tokens, then `token` (the row's own)."""
+        ids = self.top_ids[j, :k].tolist()
+        values = self.top_values[j, :k].tolist()
+        entry = {t: Logprob(v, r + 1) for r, (t, v) in enumerate(zip(ids, values))}
+        entry[token] = Logprob(float(self.sampled[j]), int(self.rank[j]))
+        return entry
+
     def entries(self, seqs: list[Sequence], tokens: list[int]) -> dict[int, dict[int, Logprob]]:
         """Host side: row -> {token: Logprob} (the top-k of that request and the sampled one)."""
-        out: dict[int, dict[int, Logprob]] = {}
-        for j, row in enumerate(self.rows):
-            entry: dict[int, Logprob] = {}
-            for r in range(int(seqs[row].params.logprobs or 0)):
-                entry[int(self.top_ids[j, r])] = Logprob(float(self.top_values[j, r]), r + 1)
-            entry[tokens[row]] = Logprob(float(self.sampled[j]), int(self.rank[j]))
-            out[row] = entry
+        vocab = self.top_values.shape[1]  # at least the largest k asked for
+        return {
+            row: self.position(j, num_top_logprobs(seqs[row].params.logprobs, vocab), tokens[row])
+            for j, row in enumerate(self.rows)
+        }
+
+
+@dataclass
+class PromptLogprobs:
+    """One step's prompt log-probabilities, on their way to the host: spans[i] = (seq, first
+    position, count): rows [sum of the previous counts, + count) of `values` hold seq's prompt
+    positions first .. first + count - 1 (the log-probability of the token there given the ones
+    before it)."""
+
+    spans: list[tuple[Sequence, int, int]]
+    values: LogprobTensors
+
+    def to_host(self, pinned_empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> PromptLogprobs:
+        return PromptLogprobs(self.spans, self.values.to_host(pinned_empty))
+
+    def entries(self) -> list[tuple[Sequence, int, list[dict[int, Logprob]]]]:
+        """Host side: (seq, first position, its entries) per span."""
+        out = []
+        j = 0
+        vocab = self.values.top_values.shape[1]
+        for seq, first, count in self.spans:
+            k = num_top_logprobs(seq.params.prompt_logprobs, vocab)
+            tokens = seq.prompt_token_ids[first : first + count]
+            out.append((seq, first, [self.values.position(j + i, k, t) for i, t in enumerate(tokens)]))
+            j += count
         return out
 
 
@@ -107,16 +230,19 @@ class Sampler:
 
     @staticmethod
     def needs_processing(seqs: list[Sequence]) -> bool:
-        """Whether any row needs a logits processor (penalties, min_tokens, a grammar)."""
+        """Whether any row needs a logits processor (allowed_token_ids, bad_words, logit_bias,
+        penalties, min_tokens, a grammar)."""
         return any(
-            not s.is_finished and (s.params.has_penalties or s.grammar is not None or s.params.min_tokens > 0)
-            for s in seqs
+            not s.is_finished and (s.params.has_logits_processors or s.grammar is not None) for s in seqs
         )
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Penalties, min_tokens and grammar masks, in place on rows 0..len(seqs)-1 of logits
-        (S, V) float32 (rows past them are padding). Needs each request's history up to now."""
+        """allowed_token_ids, bad_words, logit_bias, penalties, min_tokens and grammar masks, in
+        place on rows 0..len(seqs)-1 of logits (S, V) float32 (rows past them are padding).
+        Needs each request's history up to now."""
         rows = logits[: len(seqs)]
+        apply_allowed_and_bias(rows, seqs)
+        apply_bad_words(rows, seqs)
         apply_penalties(rows, seqs)
         apply_min_tokens(rows, seqs, self.eos_token_ids)
         grammars = [None if s.is_finished else s.grammar for s in seqs]
@@ -138,16 +264,14 @@ class Sampler:
     @staticmethod
     def logprobs(raw: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> LogprobTensors | None:
         """Top-k log-probabilities of the raw logits (and the sampled token's), on the device,
-        for the rows whose request asked for them; None when none did."""
-        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and not s.is_finished]
+        for the rows whose request needs them (logprobs, or best_of's ranking); None when none
+        does."""
+        rows = [i for i, s in enumerate(seqs) if s.needs_logprob and not s.is_finished]
         if not rows:
             return None
-        logp = torch.log_softmax(raw[rows].float(), dim=-1)  # (R, V)
-        sampled = logp.gather(1, tokens[rows].view(-1, 1)).squeeze(1)  # (R,)
-        rank = (logp > sampled[:, None]).sum(dim=1) + 1  # (R,)
-        k_max = max(int(seqs[i].params.logprobs or 0) for i in rows)
-        top_values, top_ids = logp.topk(min(k_max, logp.shape[1]), dim=1)
-        return LogprobTensors(rows, top_values, top_ids, sampled, rank)
+        vocab = raw.shape[1]
+        k_max = max(num_top_logprobs(seqs[i].params.logprobs, vocab) for i in rows)
+        return LogprobTensors(rows, *token_logprobs(raw[rows], tokens[rows], k_max))
 
     def sample_now(
         self, logits: torch.Tensor, seqs: list[Sequence], offsets: list[int]

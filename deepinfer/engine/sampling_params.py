@@ -33,6 +33,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def _short(value: object) -> str:
+    """repr(value), cut to 200 characters (a bad logit_bias may hold a whole vocabulary)."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _is_number(x: object) -> bool:
     """A finite real number (not a bool)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
@@ -60,8 +66,11 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (kept in token_ids), each in [0, vocab size).
     ignore_eos: keep generating after EOS.
     logprobs: return the log-probabilities of this many most likely tokens (and of the sampled
-        one) at each generated position, in [0, vocab size]; None = off. Taken from the raw
-        model logits.
+        one) at each generated position, in [0, vocab size]; -1 = the whole vocabulary; None =
+        off. Taken from the raw model logits (before penalties, biases and masks).
+    prompt_logprobs: the same for each prompt token (the log-probability of the token given the
+        tokens before it, and the top-k there); the first prompt token gets None. Requests
+        with prompt_logprobs do not read the prefix cache (every prompt position is computed).
     presence_penalty, frequency_penalty: subtracted from the logits of tokens already generated
         (once / per occurrence), each in [-2, 2].
     repetition_penalty: > 1 discourages tokens seen in the prompt or output (logit / p if
@@ -69,8 +78,20 @@ class SamplingParams:
     skip_special_tokens: leave special tokens out of the text.
     structured_outputs: constrain the output to a JSON schema, a regex, a choice of strings or
         an EBNF grammar (StructuredOutputsParams; needs xgrammar). Not with min_tokens.
-    n, best_of: vLLM's completions per prompt; only 1 is supported (send a prompt several times,
-        with different seeds, for several completions).
+    n: completions returned per prompt, >= 1. Each is sampled independently, with its own seed
+        derived from the request's (completion 0 uses the request's seed itself, so it equals
+        the n=1 request with that seed).
+    best_of: completions generated, >= n (None: n); the n with the highest cumulative
+        log-probability are returned, best first.
+    logit_bias: {token id: bias} added to the logits before sampling (finite biases).
+    allowed_token_ids: only these token ids may be sampled (a non-empty list).
+    bad_words: words that may not be generated: each word is tokenised (alone and after a
+        space, as vLLM does) and the last token of a tokenisation is banned whenever the output
+        so far ends with its other tokens.
+    truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 = max_model_len);
+        None = keep the whole prompt.
+    detokenize: False = no text (token ids only; no stop strings, logprobs without
+        decoded_token).
 
     Text: a stop string is cut from the text; EOS and stop_token_ids are kept in token_ids but
     their own text is left out, unless include_stop_str_in_output (as in vLLM). A stop string counts
@@ -97,6 +118,12 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     n: int = 1
     best_of: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,14 +161,8 @@ class SamplingParams:
         if not 0.0 <= number("min_p") <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         integer("seed", "an integer in [-2**63, 2**64) or None", SEED_MIN, SEED_END - 1, none_ok=True)
-        for name in ("n", "best_of"):
-            integer(name, "an integer >= 1", 1, none_ok=name == "best_of")
-            value = getattr(self, name)
-            if value is not None and value != 1:
-                raise ValueError(
-                    f"{name}={value}: several completions per prompt are not supported; "
-                    "send the prompt that many times (with different seeds) instead"
-                )
+        integer("n", "an integer >= 1", 1)
+        integer("best_of", f"an integer >= n ({self.n}) or None", self.n, none_ok=True)
         integer("max_tokens", "an integer >= 1 (or None)", 1, none_ok=True)
         integer("min_tokens", "an integer >= 0", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -154,10 +175,21 @@ class SamplingParams:
             not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        integer("logprobs", "an integer >= 0 (or None)", 0, none_ok=True)
+        if not self.detokenize and self.stop_strings:
+            raise ValueError(
+                f"stop strings need detokenize=True (they are matched in the text), got stop={self.stop!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            integer(name, "an integer >= -1 (-1 = the whole vocabulary) or None", -1, none_ok=True)
+        self._check_logits_processors()
+        value = self.truncate_prompt_tokens
+        if value is not None and (not _is_int(value) or (value < 1 and value != -1)):
+            raise ValueError(
+                f"truncate_prompt_tokens must be an integer >= 1, -1 (max_model_len) or None, got {value!r}"
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
@@ -194,13 +226,53 @@ class SamplingParams:
             "repetition_penalty",
         ):
             values[name] = float(values[name])
-        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "n", "best_of"):
+        for name in (
+            "top_k",
+            "seed",
+            "max_tokens",
+            "min_tokens",
+            "logprobs",
+            "n",
+            "best_of",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+        ):
             if values[name] is not None:
                 values[name] = int(values[name])
         values["stop"] = list(self.stop_strings) or None
         if self.stop_token_ids is not None:
             values["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.logit_bias is not None:
+            values["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            values["allowed_token_ids"] = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            values["bad_words"] = list(self.bad_words)
         return SamplingParams(**values)
+
+    def _check_logits_processors(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words (the token ids' upper bound is the engine's)."""
+        bias = self.logit_bias
+        if bias is not None and (
+            not isinstance(bias, dict)
+            or not all(_is_int(t) and t >= 0 for t in bias)
+            or not all(_is_number(b) and abs(b) <= FLOAT32_MAX for b in bias.values())
+        ):
+            raise ValueError(
+                f"logit_bias must be a dict of token id (>= 0) -> finite bias, got {_short(bias)}"
+            )
+        ids = self.allowed_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be a non-empty list of token ids >= 0, got {_short(ids)}"
+            )
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {_short(words)}")
 
     @staticmethod
     def _check_stop(stop: object) -> None:
@@ -220,6 +292,23 @@ class SamplingParams:
         if stop is None:
             return ()
         return (stop,) if isinstance(stop, str) else tuple(stop)
+
+    @property
+    def num_sequences(self) -> int:
+        """Completions generated for the request: best_of, or n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """Whether the logits need processing before the draw (besides temperature and the
+        top-k / top-p / min-p filters)."""
+        return (
+            self.has_penalties
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
+        )
 
     @property
     def greedy(self) -> bool:

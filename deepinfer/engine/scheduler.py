@@ -3,16 +3,19 @@
 Each step has a token budget (max_num_batched_tokens) and a request limit (max_num_seqs).
 Running requests go first, decodes before prompts still being prefilled; a prompt longer than
 what is left of the budget is prefilled in chunks over several steps (chunked prefill). Waiting
-requests are admitted in arrival order while budget, request slots and KV blocks last. When a
-running request needs a KV block and none is free, the running request of lowest priority (one
-still prefilling before one decoding, then the most recently admitted) is preempted: its blocks
-are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens generated
-so far) later. Nothing is lost and, since the recompute reproduces the same cache and a
-request's random generator only advances when it samples, outputs do not change.
+requests are admitted in arrival order while budget, request slots and KV blocks last, reusing
+their cached prefix blocks (prefix caching) except blocks at prompt positions whose
+log-probabilities are still to be computed (prompt_logprobs). When a running request needs a KV
+block and none is free, the running request of lowest priority (one still prefilling before one
+decoding, then the most recently admitted) is preempted: its blocks are freed and it goes back
+to the front of the queue, to be recomputed (prompt + tokens generated so far) later. Nothing is
+lost and, since the recompute reproduces the same cache and a request's random generator only
+advances when it samples, outputs do not change.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,13 +90,17 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
             prefix = bm.match_prefix(seq)
+            if seq.wants_prompt_logprobs:  # cached blocks must not hide a prompt position's logits:
+                prefix = prefix[: (seq.prompt_logprob_pos - 1) // bm.block_size]  # only those done
             num_cached = len(prefix) * bm.block_size
             n = min(seq.num_tokens - num_cached, budget)
             if not bm.allocate(seq, n, prefix):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
+            if seq.num_cached_tokens is None:  # the first admission (vLLM's num_cached_tokens)
+                seq.num_cached_tokens = num_cached
+                seq.metrics.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -131,14 +138,17 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.metrics.finished_time = time.time()
         self.block_manager.free_sequence(seq)
 
     def abort_all(self) -> list[Sequence]:
         """Drop every request (e.g. after an error in a step) and free their blocks."""
         dropped = list(self.running) + list(self.waiting)
+        now = time.time()
         for seq in dropped:
             self.block_manager.free_sequence(seq)
             seq.status = SequenceStatus.FINISHED
+            seq.metrics.finished_time = now
         self.running.clear()
         self.waiting.clear()
         return dropped

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
-from deepinfer.engine.outputs import Logprob
+from deepinfer.engine.outputs import PositionLogprobs, RequestMetrics
 from deepinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +29,15 @@ class Sequence:
     num_computed_tokens counts the tokens whose K rows are in the cache (or are written by a
     step already launched); after a preemption it returns to 0 and the whole prompt + output so
     far is recomputed (prefill) before the next token is sampled.
+
+    A request with several completions (n > 1 or best_of) is several Sequences, one per
+    completion (`index`), each sampled with its own seed; `group` lists them all, in index order,
+    and is shared by them (a request of one completion: [self]).
+
+    Prompt log-probabilities: prompt_logprobs holds the host's entries so far (None for position
+    0, then one per prompt token); prompt_logprob_pos is the next prompt position whose
+    log-probability a step has yet to compute (a recompute after preemption does not repeat
+    the positions already launched).
     """
 
     def __init__(
@@ -51,12 +61,12 @@ class Sequence:
         self.detokenizer = detokenizer
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prefix-cache hits at the last admission
+        self.num_cached_tokens: int | None = None  # prefix-cache hits at the first admission
         self.num_preemptions = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks, in order
         self.output_text = ""
-        self.output_logprobs: list[dict[int, Logprob]] = []
+        self.output_logprobs: list[PositionLogprobs] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -64,6 +74,17 @@ class Sequence:
         self.draft: list[int] = []  # speculative tokens after token_ids, verified next step
         self.num_pending = 0  # tokens sampled on the device, not yet in token_ids (0 or 1)
         self.pending_row = -1  # the sampler output row of the pending token
+        self.index = 0  # which completion of its request this is
+        self.group: list[Sequence] = [self]  # every completion of the request, in index order
+        # the sampled tokens' log-probabilities are needed (logprobs, or best_of ranks completions)
+        self.needs_logprob = params.logprobs is not None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.prompt_logprob_pos = 1
+        self.bad_words_token_ids: list[list[int]] = []  # the tokenised bad_words
+        self.logits_state: dict[str, Any] = {}  # device tensors the sampler caches (bias, masks)
+        self.metrics = RequestMetrics(arrival_time=time.time())
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +107,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions whose log-probability is still to be computed."""
+        return self.prompt_logprobs is not None and self.prompt_logprob_pos < self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:

@@ -75,20 +75,11 @@ class StructuredOutputs:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         xgr = _xgrammar()
-        hf = tokenizer.hf_tokenizer
-        vocab = [""] * vocab_size
-        for token, idx in hf.get_vocab(with_added_tokens=True).items():
-            if idx < vocab_size:
-                vocab[idx] = token
-        decoder = json.loads(hf.to_str()).get("decoder") or {}
-        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
-        if "ByteLevel" in kinds:
-            vocab_type = xgr.VocabType.BYTE_LEVEL
-        elif "ByteFallback" in kinds:
-            vocab_type = xgr.VocabType.BYTE_FALLBACK
-        else:
-            vocab_type = xgr.VocabType.RAW
-        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        # xgrammar reads the vocabulary and its encoding (byte-level, byte-fallback, raw) from the
+        # Hugging Face tokenizer itself, as vLLM and SGLang do.
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer.hf_tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids
+        )
         self._xgr = xgr
         self._compiler = xgr.GrammarCompiler(info)
 

@@ -1,13 +1,30 @@
-"""Tokenizer (the checkpoint's tokenizer.json via `tokenizers`), chat template and incremental
-detokenisation."""
+"""Tokenizer, chat template and incremental detokenisation.
+
+The tokenizer is the checkpoint's Hugging Face tokenizer: transformers' AutoTokenizer over its
+files (tokenizer.json, tokenizer_config.json, chat_template.jinja; fast tokenizer, no remote code,
+local files only). `LLM.get_tokenizer()` hands that object out and `LLM.chat` renders with its
+`apply_chat_template`, so prompts are what transformers (and vLLM) make of the same files. The
+engine's own encode / decode go straight to the `tokenizers.Tokenizer` inside it (the same
+pipeline without transformers' Python layers), and detokenisation streams through
+`tokenizers.decoders.DecodeStream`.
+"""
 
 from __future__ import annotations
 
+import inspect
 import json
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenizers import Tokenizer as HFTokenizer
+from jinja2 import TemplateError, TemplateSyntaxError
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ChatMessage = dict[str, Any]
 
 
 def read_json_file(path: Path) -> Any:
@@ -18,143 +35,213 @@ def read_json_file(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _token_content(value: object) -> str | None:
-    """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
-    if isinstance(value, dict):
-        content = value.get("content")
-        return content if isinstance(content, str) else None
-    return value if isinstance(value, str) else None
+def _load_hf_tokenizer(path: Path, config: dict[str, Any]) -> PreTrainedTokenizerBase:
+    """transformers' AutoTokenizer over the checkpoint directory, or a ValueError naming the file
+    it could not read."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(
+            path, use_fast=True, trust_remote_code=False, local_files_only=True
+        )
+    except Exception as exc:  # transformers and tokenizers raise many kinds; name the file that is bad
+        file = path / "tokenizer.json"
+        try:
+            BackendTokenizer.from_file(str(file))
+        except Exception as file_exc:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{file} is not a valid tokenizer file: {file_exc}") from file_exc
+        raise ValueError(
+            f"transformers cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if not getattr(hf, "is_fast", False):
+        raise ValueError(f"the tokenizer in {path} did not load as a fast (tokenizer.json) tokenizer")
+    # transformers 5 ignores tokenizer_config.json's add_bos_token when there is a tokenizer.json
+    # (the file's post-processor decides). DeepSeek's configs say add_bos_token: true, and
+    # transformers 4 (LlamaTokenizerFast) honoured it: so do we, where the post-processor does not
+    # already add BOS (the setter rebuilds the post-processor; encode then adds BOS once).
+    bos = hf.bos_token_id
+    if config.get("add_bos_token") is True and bos is not None and hf.encode("")[:1] != [bos]:
+        fast: Any = hf  # TokenizersBackend's add_bos_token setter rebuilds the post-processor
+        fast.add_bos_token = True
+    return hf
 
 
 class Tokenizer:
-    """Encode, decode and chat-format with the files of a checkpoint directory."""
+    """The checkpoint's tokenizer: `hf_tokenizer` is transformers' object (what users get), encode
+    and decode use the `tokenizers.Tokenizer` inside it (`backend`) directly."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.is_file():
+        if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         self.path = path
-        try:
-            self._tok = HFTokenizer.from_file(str(file))
-        except Exception as exc:  # the tokenizers library raises a bare Exception
-            raise ValueError(f"{file} is not a valid tokenizer file: {exc}") from exc
         cfg_file = path / "tokenizer_config.json"
         cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
         if not isinstance(cfg, dict):
             raise ValueError(f"{cfg_file} must hold a JSON object")
-        self.bos_token = _token_content(cfg.get("bos_token"))
-        self.eos_token = _token_content(cfg.get("eos_token"))
-        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        self.chat_template: str | None = template if isinstance(template, str) else None
-
-    @property
-    def hf_tokenizer(self) -> HFTokenizer:
-        """The underlying tokenizers.Tokenizer (for libraries that read its vocabulary)."""
-        return self._tok
+        self.hf_tokenizer: PreTrainedTokenizerBase = _load_hf_tokenizer(path, cfg)
+        self.backend: BackendTokenizer = self.hf_tokenizer.backend_tokenizer
+        self.bos_token_id: int | None = self.hf_tokenizer.bos_token_id
+        self.eos_token_id: int | None = self.hf_tokenizer.eos_token_id
 
     @property
     def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """Number of token ids, added tokens included (transformers' len(tokenizer))."""
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            assert self.bos_token_id is not None
-            ids = [self.bos_token_id, *ids]
+        """As hf_tokenizer.encode(text, add_special_tokens=...)."""
+        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        """The tokenizers decoder's text (transformers' decode adds nothing to it for BPE models)."""
+        return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
+        return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, str]],
-        add_generation_prompt: bool = True,
+        messages: list[ChatMessage],
+        *,
         chat_template: str | None = None,
-    ) -> str:
-        """Render the conversation with the checkpoint's chat template (jinja2, sandboxed)."""
-        template = chat_template or self.chat_template
-        if template is None:
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, list[int]]:
+        """(prompt text, prompt token ids) of one conversation, rendered by transformers'
+        apply_chat_template with the same arguments: the ids are those of
+        `hf_tokenizer.apply_chat_template(messages, tokenize=True, ...)`. chat_template_kwargs are
+        the template's own variables (e.g. DeepSeek's thinking switch). ValueError for malformed
+        messages, a missing template, and a template that does not compile or fails."""
+        _check_messages(messages)
+        hf = self.hf_tokenizer
+        if chat_template is None and hf.chat_template is None:
             raise ValueError(
-                f"the tokenizer in {self.path} has no chat template (tokenizer_config.json has no "
-                "'chat_template'); pass chat_template=... or use generate() with a plain prompt"
+                f"the tokenizer in {self.path} has no chat template (no chat_template.jinja, and "
+                "tokenizer_config.json has no 'chat_template'); pass chat_template=... or use generate() "
+                "with a plain prompt"
             )
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        source = "the chat_template argument" if chat_template else f"{self.path}/tokenizer_config.json"
+        kwargs = dict(chat_template_kwargs or {})
+        clash = sorted(set(kwargs) & _reserved_template_kwargs(hf))
+        if clash:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(clash)}: pass chat()'s own arguments instead"
+            )
+        source = self._template_source(chat_template, tools)
         try:
-            compiled = env.from_string(template)
-        except TemplateError as exc:
-            raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
-        try:
-            return compiled.render(
-                messages=messages,
+            text = hf.apply_chat_template(
+                messages,
+                tools=tools,  # type: ignore[arg-type]
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **kwargs,
             )
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
         except TemplateError as exc:  # raise_exception(...) in the template, or a sandbox refusal
             raise ValueError(f"chat template failed ({source}): {exc}") from exc
-        except Exception as exc:  # the template's own code: OverflowError, TypeError, ZeroDivisionError, ...
+        except Exception as exc:
+            if not _raised_in_template(exc):
+                raise  # transformers' own check of the arguments (ValueError, TypeError)
+            # the template's own code: OverflowError, TypeError, ZeroDivisionError, ...
             raise ValueError(f"chat template failed ({source}): {type(exc).__name__}: {exc}") from exc
+        assert isinstance(text, str)
+        # apply_chat_template(tokenize=True) encodes the text exactly so: no special tokens added
+        return text, self.encode(text, add_special_tokens=False)
+
+    def _template_source(self, chat_template: str | None, tools: list[dict[str, Any]] | None) -> str:
+        """Where the template that apply_chat_template uses comes from, for error messages."""
+        named = self.hf_tokenizer.chat_template
+        if chat_template is not None and not (isinstance(named, dict) and chat_template in named):
+            return "the chat_template argument"
+        name = chat_template or "default"
+        if chat_template is None and tools is not None and isinstance(named, dict) and "tool_use" in named:
+            name = "tool_use"
+        if name == "default":
+            file, in_config = self.path / "chat_template.jinja", "tokenizer_config.json"
+        else:
+            file = self.path / "additional_chat_templates" / f"{name}.jinja"
+            in_config = f"tokenizer_config.json, template {name!r}"
+        return str(file) if file.is_file() else str(self.path / in_config)
+
+
+def _check_messages(messages: object) -> None:
+    """A conversation is a non-empty list of {"role": str, "content": ...} dicts; content is a
+    string or a list of OpenAI content parts ({"type": "text", "text": ...}); an assistant turn may
+    leave it out or set it to None (a tool call)."""
+    problem = None
+    if not isinstance(messages, list) or not messages:
+        problem = "a conversation must be a non-empty list"
+    else:
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                problem = f"message {i} is not a dict with a string 'role'"
+            elif m.get("content") is None and m["role"] != "assistant":
+                problem = f"message {i} ({m['role']}) has no 'content'"
+            elif not isinstance(m.get("content"), (str, list, type(None))) or (
+                isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"])
+            ):
+                problem = f"message {i}: 'content' must be a string or a list of content-part dicts"
+            if problem:
+                break
+    if problem:
+        raise ValueError(f"messages must be a list of {{'role': str, 'content': ...}} dicts: {problem}")
+
+
+def _reserved_template_kwargs(hf: PreTrainedTokenizerBase) -> set[str]:
+    """apply_chat_template's own parameters and the variables it sets: not template variables."""
+    params = set(inspect.signature(hf.apply_chat_template).parameters) - {"kwargs"}
+    return params | {"messages", "documents"}
+
+
+def _raised_in_template(exc: BaseException) -> bool:
+    """Whether the exception came out of the template's code (jinja names compiled templates'
+    frames "<template>") rather than transformers' checks around it."""
+    return any(frame.filename == "<template>" for frame in traceback.extract_tb(exc.__traceback__))
 
 
 class IncrementalDetokenizer:
     """Turns a growing list of output tokens into text, a piece per new token.
 
-    A token may end inside a multi-byte character, and byte-level BPE decodes it to U+FFFD until
-    the rest arrives; so each step decodes a short window (prefix_offset..end) and emits only the
-    text past the previous window once it no longer ends in U+FFFD. The concatenated pieces equal
-    decoding all output tokens at once.
+    tokenizers' DecodeStream does the work: a token may end inside a multi-byte character, which
+    decodes to U+FFFD until the rest arrives, so the stream holds such tokens back and releases the
+    text once the character is complete. The concatenated pieces plus flush() equal decoding all
+    output tokens at once.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._last: list[int] = []  # the tokens of the last piece released (context for flush)
+        self._held: list[int] = []  # the tokens after them, not released yet
 
     def step(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is incomplete)."""
-        self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
-        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return full[len(prefix) :]
-        return ""
+        self._held.append(token_id)
+        piece: str | None = self._stream.step(self.backend, token_id)
+        if piece is None:
+            return ""
+        self._last, self._held = self._held, []
+        return piece
 
     def flush(self) -> str:
         """Text still held back at the end (an incomplete character decodes to U+FFFD)."""
-        prefix = self.tokenizer.decode(
-            self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens
-        )
-        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        return full[len(prefix) :]
+        if not self._held:
+            return ""
+        decode, skip = self.backend.decode, self.skip_special_tokens
+        # Decode after the same context, so a decoder that treats the first token specially
+        # (a Metaspace leading space) cuts where the released text ended.
+        prefix = decode(self._last, skip_special_tokens=skip)
+        full = decode(self._last + self._held, skip_special_tokens=skip)
+        self._last, self._held = [], []
+        self._stream = DecodeStream(skip_special_tokens=skip)
+        return str(full[len(prefix) :])
 
 
 def find_stop(text: str, new_len: int, stops: tuple[str, ...]) -> tuple[int, str] | None:

@@ -69,14 +69,14 @@ class MLAttention(nn.Module):
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
         q_pe = small.rope(q_pe, batch.positions, cos_sin, self.interleaved)
 
         # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: (T, C + R) -> the cache.
         kv = self.kv_a_proj_with_mqa(x)  # (T, C + R)
-        self.backend.device.write_mla_kv(
+        self.backend.kv_cache.write_mla_kv(
             cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, batch.positions, cos_sin,
             self.interleaved, batch.slot_mapping,
         )  # fmt: skip

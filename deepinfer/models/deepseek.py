@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h)). The residual add is fused into
-    the next norm (backend.small.rms_norm with residual)."""
+    the next norm (backend.small.add_rms_norm)."""
 
     def __init__(
         self, config: ModelConfig, backend: Backend, layer_idx: int, ep: ExpertParallel | None = None
@@ -57,15 +57,12 @@ class DecoderLayer(nn.Module):
         """x: this block's input (T, Dm) minus the pending residual; returns (mlp out, residual)."""
         if residual is None:
             residual = x
-            h, _ = self.input_layernorm(x)
+            h = self.input_layernorm(x)
         else:
-            h, res = self.input_layernorm(x, residual)
-            assert res is not None
-            residual = res
+            h, residual = self.input_layernorm.add(x, residual)
         h = self.self_attn(h, batch, cache, cos_sin)
-        h, res = self.post_attention_layernorm(h, residual)
-        assert res is not None
-        return self.mlp(h), res
+        h, residual = self.post_attention_layernorm.add(h, residual)
+        return self.mlp(h), residual
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dtype)
@@ -167,7 +164,7 @@ class DeepseekForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, batch, cache, self.cos_sin)
-        out: torch.Tensor = self.norm(x, residual)[0]
+        out: torch.Tensor = self.norm(x) if residual is None else self.norm.add(x, residual)[0]
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,10 +189,9 @@ class DeepseekForCausalLM(nn.Module):
         self._check_positions(batch)
         mtp = cast(MTPLayer, self.mtp[depth])
         e = nn.functional.embedding(batch.input_ids, self.embed_tokens)
-        h = mtp.eh_proj(torch.cat([mtp.enorm(e)[0], mtp.hnorm(hidden)[0]], dim=-1))  # (T, 2Dm) -> (T, Dm)
+        h = mtp.eh_proj(torch.cat([mtp.enorm(e), mtp.hnorm(hidden)], dim=-1))  # (T, 2Dm) -> (T, Dm)
         h, residual = mtp.block(h, None, batch, kv_caches[depth], self.cos_sin)
-        out: torch.Tensor = mtp.shared_head_norm(h, residual)[0]
-        return out
+        return mtp.shared_head_norm.add(h, residual)[0]
 
     # ------------------------------------------------------------------ loading
 

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.ops import Backend
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
-
-FP8_BLOCK = 128
 
 
 def _placeholder() -> torch.Tensor:
@@ -24,17 +23,20 @@ def _placeholder() -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, optionally fused with the residual add (backend.small.rms_norm)."""
+    """y = x / rms(x) * weight (backend.small.rms_norm); `add` fuses the residual add before it
+    (backend.small.add_rms_norm)."""
 
     def __init__(self, backend: Backend, dim: int, eps: float) -> None:
         super().__init__()
         self.backend, self.dim, self.eps = backend, dim, eps
         self.register_buffer("weight", _placeholder())
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.backend.small.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.small.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual)."""
+        return self.backend.small.add_rms_norm(x, residual, self.weight, self.eps)
 
     def load(self, reader: CheckpointReader, name: str, dtype: torch.dtype) -> None:
         self.weight = reader.get(name, (self.dim,), dtype)

@@ -22,7 +22,9 @@ skips the pass for weights you trust (the dtype checks stay: they cost nothing).
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,14 +32,16 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from deepinfer.backend.fp8 import FP8_DTYPE, dequantize_weight, weight_scale_shape
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
+logger = logging.getLogger(__name__)
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FP8_DTYPE = torch.float8_e4m3fn
 # Floating dtypes a checkpoint may store a non-FP8 weight in (cast to the model dtype on load).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SKIP_CHECK_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"
@@ -117,10 +121,6 @@ def _first_bad(t: torch.Tensor, bad: torch.Tensor) -> tuple[int, tuple[int, ...]
     return count, _index_of(first, tuple(t.shape)), value
 
 
-def _block_scale_shape(shape: tuple[int, int]) -> tuple[int, int]:
-    return (-(-shape[0] // 128), -(-shape[1] // 128))
-
-
 class CheckpointReader:
     """Tensor-by-tensor access to a safetensors checkpoint; remembers which tensors were read.
 
@@ -147,6 +147,8 @@ class CheckpointReader:
             for key in self._open(name).keys():  # noqa: SIM118 - safe_open is not iterable
                 self.location[key] = name
         self._read: set[str] = set()
+        self.progress: Any = None  # a tqdm bar counting the tensors read (load_model's)
+        self.bytes_read = 0
 
     def _list_files(self) -> list[str]:
         index = self.root / INDEX_FILE
@@ -208,6 +210,9 @@ class CheckpointReader:
         file = self.location[name]
         try:
             t: torch.Tensor = self._open(file).get_tensor(name)
+            self.bytes_read += t.numel() * t.element_size()
+            if self.progress is not None:
+                self.progress.update(1)
             return t
         except SafetensorError as exc:
             raise CorruptCheckpointError(f"{self.root / file}: cannot read tensor {name!r}: {exc}") from exc
@@ -290,15 +295,13 @@ class CheckpointReader:
             raise CheckpointError(
                 f"{prefix}.weight has a weight_scale_inv but dtype {w.dtype}, not float8_e4m3fn"
             )
-        return w, self.get(scale_name, _block_scale_shape(shape), torch.float32)
+        return w, self.get(scale_name, weight_scale_shape(*shape), torch.float32)
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         """`{prefix}.weight` in `dtype`; FP8 weights are dequantised (block * weight_scale_inv)."""
         w, s = self.linear(prefix, shape, dtype)
         if s is None:
             return w
-        from deepinfer.reference.gemm import dequantize_weight
-
         return dequantize_weight(w, s).to(dtype)
 
     def unread(self) -> list[tuple[str, str]]:
@@ -345,6 +348,17 @@ def _preflight(
             f"config.json: max_position_embeddings={c.max_position_embeddings} needs a {table / 2**30:.4g} "
             f"GiB rotary table, more than the {free / 2**30:.4g} GiB of free device memory"
         )
+
+
+def _progress_bar(total: int, expert_parallel: ExpertParallel | None) -> Any:
+    """A tqdm bar over the checkpoint's tensors, shown where deepinfer logs at INFO (the command
+    line, DEEPINFER_LOG_LEVEL=INFO) and, with expert parallelism, on rank 0 only."""
+    from tqdm.auto import tqdm
+
+    show = logging.getLogger("deepinfer").isEnabledFor(logging.INFO)
+    if expert_parallel is not None and expert_parallel.rank != 0:
+        show = False
+    return tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show, dynamic_ncols=True)
 
 
 def load_model(
@@ -394,8 +408,16 @@ def load_model(
     ) as reader:
         _preflight(config, reader, backend, expert_parallel)
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
-        model.load_weights(reader)
+        start = time.perf_counter()
+        with _progress_bar(len(reader.location), expert_parallel) as reader.progress:
+            model.load_weights(reader)
+        backend.device.synchronize()
         unread = reader.unread()
+        logger.info(
+            "weights of %s loaded in %.2f s: %d tensors, %.1f MiB read, on %s (%s)",
+            root, time.perf_counter() - start, len(reader.location) - len(unread), reader.bytes_read / 2**20,
+            backend.name, str(dtype).replace("torch.", ""),
+        )  # fmt: skip
     if unread:
         shown = "; ".join(f"{n!r} in {f}" for n, f in unread[:10])
         more = f" (and {len(unread) - 10} more)" if len(unread) > 10 else ""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from deepinfer.backend.fp8 import num_blocks
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.config import ModelConfig
@@ -143,8 +144,8 @@ class MoE(nn.Module):
         w2 = torch.empty((e, dm, inter_p), dtype=w_dtype, device=device)
         s13 = s2 = None
         if fp8:
-            s13 = torch.empty((e, 2 * -(-inter // 128), -(-dm // 128)), dtype=torch.float32, device=device)
-            s2 = torch.empty((e, -(-dm // 128), -(-inter // 128)), dtype=torch.float32, device=device)
+            s13 = torch.empty((e, 2 * num_blocks(inter), num_blocks(dm)), dtype=torch.float32, device=device)
+            s2 = torch.empty((e, num_blocks(dm), num_blocks(inter)), dtype=torch.float32, device=device)
         for i in range(e):
             gate = reader.linear(f"{prefix}.{first + i}.gate_proj", (inter, dm), dtype)
             up = reader.linear(f"{prefix}.{first + i}.up_proj", (inter, dm), dtype)

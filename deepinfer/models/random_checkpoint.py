@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.backend.fp8 import dequantize_weight, quantize_weight
 from deepinfer.models.config import ModelConfig
-from deepinfer.reference.gemm import dequantize_weight, quantize_weight
 
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",

@@ -106,7 +106,7 @@ class PagedRunner:
         self.device = backend.device.device()
         self.alloc = BlockAllocator(num_blocks, block_size, seed)
         spec = model.kv_cache_spec(num_blocks, block_size)
-        self.kv_caches: list[PagedKVCache] = backend.device.allocate_kv_cache(spec, model.num_kv_layers)
+        self.kv_caches: list[PagedKVCache] = backend.kv_cache.allocate(spec, model.num_kv_layers)
         self.last_batch: ForwardBatch | None = None
         self.last_hidden: torch.Tensor | None = None
 

@@ -1,13 +1,14 @@
 """Reference paged latent attention: one request at a time, float32 softmax.
 
-Semantics are documented on deepinfer.backend.ops.AttentionOps.
+Semantics are documented on deepinfer.backend.ops.AttentionOps and, for the modifiers and their
+edge rules, on deepinfer.backend.types.AttentionModifiers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.backend.types import NO_MODIFIERS, AttentionMetadata, AttentionModifiers, PagedKVCache
 from deepinfer.reference.memory import gather_request_kv
 
 
@@ -17,7 +18,8 @@ def visible_mask(
     window: int | None,
     topk_indices: torch.Tensor | None,
 ) -> torch.Tensor:
-    """(n, kv_len) bool: query at positions[i] may see key j (causal, window, top-k)."""
+    """(n, kv_len) bool: query at positions[i] may see key j (causal, window, top-k). Top-k ids
+    are a set: repeats count once, ids < 0 or >= kv_len are ignored."""
     j = torch.arange(kv_len, device=positions.device)
     mask = j[None, :] <= positions[:, None]
     if window is not None:
@@ -49,7 +51,7 @@ def attend(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs)  # rows that see nothing (top-k excluded all) output zeros
+    probs = torch.nan_to_num(probs)  # a row that sees no key outputs zeros (the edge rule)
     return torch.einsum("nhl,lv->nhv", probs, kf[:, :v_dim])
 
 
@@ -59,11 +61,10 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     v_dim: int,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-    topk_indices: torch.Tensor | None = None,
+    modifiers: AttentionModifiers = NO_MODIFIERS,
 ) -> torch.Tensor:
     """Ragged causal attention over the paged cache. q (T, H, D) -> (T, H, v_dim) in q's dtype."""
+    window, sinks, topk_indices = modifiers.window, modifiers.sinks, modifiers.topk_indices
     out = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
     start = 0
     # Lengths from the device tensors: the host copies may be upper bounds (graph replays).

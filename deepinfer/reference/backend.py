@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer.backend.host import host_memory_info
 from deepinfer.backend.ops import (
     AttentionOps,
     Backend,
@@ -18,12 +19,15 @@ from deepinfer.backend.ops import (
     DeviceOps,
     GemmOps,
     GraphRunner,
+    KVCacheOps,
     MoeOps,
     RerunGraph,
     SmallOps,
 )
 from deepinfer.backend.types import (
+    NO_MODIFIERS,
     AttentionMetadata,
+    AttentionModifiers,
     BackendOptions,
     Capabilities,
     PagedKVCache,
@@ -32,17 +36,6 @@ from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 
 DEVICE_ENV = "DEEPINFER_REFERENCE_DEVICE"
-
-
-def _host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory from /proc/meminfo (sysconf as a fallback)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return total, total
 
 
 class ReferenceDevice(DeviceOps):
@@ -59,7 +52,7 @@ class ReferenceDevice(DeviceOps):
 
     def memory_info(self) -> tuple[int, int]:
         if self._device.type == "cpu":
-            return _host_memory()
+            return host_memory_info()
         free, total = torch.get_device_module(self._device).mem_get_info(self._device)
         return int(free), int(total)
 
@@ -79,11 +72,9 @@ class ReferenceAttention(AttentionOps):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
-        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+        return ref_attention.paged_attention(q, cache, meta, scale, v_dim, modifiers)
 
 
 class ReferenceGemm(GemmOps):
@@ -125,6 +116,7 @@ def create_reference_backend(options: BackendOptions | None = None) -> Backend:
         options=options,
         capabilities=CAPABILITIES,
         device=ReferenceDevice(options, device),
+        kv_cache=KVCacheOps(options),
         attention=ReferenceAttention(options),
         gemm=ReferenceGemm(options),
         moe=MoeOps(options),

@@ -1,4 +1,4 @@
-"""Reference KV-cache layout and host stand-ins for streams and events.
+"""Reference KV-cache layout (the contract's default, see PagedKVCache).
 
 Layout: one tensor per layer, (NB, BS, D); slot s lives at [s // BS, s % BS].
 """
@@ -8,32 +8,6 @@ from __future__ import annotations
 import torch
 
 from deepinfer.backend.types import KVCacheSpec, PagedKVCache
-
-
-class HostStream:
-    """Stream stand-in for devices whose work is synchronous (the CPU)."""
-
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, other: object) -> None:
-        pass
-
-    def wait_event(self, event: object) -> None:
-        pass
-
-
-class HostEvent:
-    """Event stand-in for synchronous devices: always complete."""
-
-    def record(self, stream: object = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_layers: int, device: torch.device) -> list[PagedKVCache]:

@@ -1,16 +1,22 @@
-"""Reference small ops: rms_norm, rope, silu_and_mul, token bitmask, sampling."""
+"""Reference small ops: rms_norm, add_rms_norm, rope, silu_and_mul, token bitmask, sampling."""
 
 from __future__ import annotations
 
 import torch
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    h = x.float() if residual is None else x.float() + residual.float()
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
     y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    return y.to(x.dtype), (None if residual is None else h.to(x.dtype))
+    return y.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual summed in float32 and stored in x's dtype; (rms_norm(h), h)."""
+    h = (x.float() + residual.float()).to(x.dtype)
+    return rms_norm(h, weight, eps), h
 
 
 def rope(

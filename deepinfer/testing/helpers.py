@@ -19,6 +19,7 @@ from deepinfer.backend.registry import BackendRegistry
 from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
+from deepinfer.testing.tolerances import Locator
 
 
 def registry_with(plugins: Sequence[str] = ()) -> BackendRegistry:
@@ -128,7 +129,7 @@ def make_paged_batch(
     poison_unwritten: bool = False,
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
-    request, through the backend's own write_kv, and build the metadata of the step.
+    request, through the backend's own kv_cache.write_kv, and build the metadata of the step.
 
     shared_blocks: every request starts with request 0's first `shared_blocks` blocks (a cached
     common prefix: the same block ids in several tables, holding the same rows).
@@ -143,13 +144,13 @@ def make_paged_batch(
             n = min(shared_blocks, math.ceil(seq_lens[b] / block_size))
             table[b, :n] = table[0, :n]
     spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, dtype)
-    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    cache = backend.kv_cache.allocate(spec, 1)[0]
     ref_spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, torch.float64)
     ref_cache = ref_memory.allocate_kv_cache(ref_spec, 1, torch.device("cpu"))[0]
     if poison_unwritten:
         every = torch.arange(num_blocks * block_size)
         nan_rows = torch.full((every.numel(), head_dim), float("nan"), dtype=dtype)
-        backend.device.write_kv(cache, nan_rows.to(device), every.to(device))
+        backend.kv_cache.write_kv(cache, nan_rows.to(device), every.to(device))
     kv: list[torch.Tensor] = []
     for b, n in enumerate(seq_lens):
         rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
@@ -158,7 +159,7 @@ def make_paged_batch(
             rows[:m] = kv[0][:m]
         slots = slots_of(table[b], torch.arange(n), block_size)
         if n:
-            backend.device.write_kv(cache, rows.to(device), slots.to(device))
+            backend.kv_cache.write_kv(cache, rows.to(device), slots.to(device))
             ref_memory.write_kv(ref_cache, oracle(rows), slots)
         kv.append(rows)
     meta = AttentionMetadata.build(table.to(device), seq_lens, query_lens)
@@ -195,3 +196,25 @@ def request_rows(meta: AttentionMetadata, b: int) -> slice:
     """The query rows of request b in a ragged step."""
     start = sum(meta.query_lens_host[:b])
     return slice(start, start + meta.query_lens_host[b])
+
+
+def attention_locator(meta: AttentionMetadata) -> Locator:
+    """Names an element of an attention output (T, H, Dv) by request, query row (and its absolute
+    position), head and column: where a kernel went wrong, not only by how much."""
+    starts = [0]
+    for n in meta.query_lens_host:
+        starts.append(starts[-1] + n)
+
+    def locate(index: tuple[int, ...]) -> str:
+        t, rest = index[0], index[1:]
+        b = max(i for i in range(len(meta.query_lens_host)) if starts[i] <= t)
+        row = t - starts[b]
+        pos = meta.seq_lens_host[b] - meta.query_lens_host[b] + row
+        text = f"request {b}, query row {row} (position {pos} of KV length {meta.seq_lens_host[b]})"
+        if len(rest) == 2:
+            text += f", head {rest[0]}, column {rest[1]}"
+        elif rest:
+            text += f", index {rest}"
+        return text
+
+    return locate

@@ -15,6 +15,11 @@ A claim the suite cannot check where it runs (e.g. collectives when the backend'
 torch.distributed backend is unavailable) is never skipped quietly: `skip_unchecked` warns, skips
 with a reason that starts "NOT CHECKED", and the run ends with a section listing every such case,
 because a port can look green without them having run.
+
+What green means: the run ends with a verdict line. GREEN = no failure, no error, no NOT CHECKED
+case, and every skip one of the expected kinds: a capability the backend does not claim ("does
+not claim ..."), a heavy case without --deepinfer-heavy ("heavy case ..."), or a case that does
+not apply to the claims ("not applicable: ..."). Anything else is NOT GREEN, with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ HEAVY_ENV = "DEEPINFER_CONFORMANCE_HEAVY"
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 UNCHECKED = "NOT CHECKED"
+NOT_APPLICABLE = "not applicable"
+# skip reasons a green run may have, by the text they contain -> how the verdict counts them
+EXPECTED_SKIPS = (
+    ("does not claim", "unclaimed"),
+    ("heavy case", "heavy"),
+    (NOT_APPLICABLE, "not applicable"),
+)
 
 
 class ConformanceGapWarning(UserWarning):
@@ -53,6 +65,12 @@ def skip_unchecked(what: str, why: str) -> NoReturn:
     )
     warnings.warn(ConformanceGapWarning(message), stacklevel=2)
     pytest.skip(message)
+
+
+def skip_not_applicable(why: str) -> NoReturn:
+    """Skip a case that does not apply to what the backend claims (an expected skip)."""
+    __tracebackhide__ = True
+    pytest.skip(f"{NOT_APPLICABLE}: {why}")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -101,20 +119,60 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return str(longrepr)
 
 
+def _reports(terminalreporter: pytest.TerminalReporter, key: str) -> list[pytest.TestReport]:
+    return [r for r in terminalreporter.stats.get(key, []) if isinstance(r, pytest.TestReport)]
+
+
+def verdict(passed: int, failed: int, errors: int, skip_reasons: list[str]) -> tuple[bool, str]:
+    """(green, explanation) for a run with these counts and skip reasons (see the module doc)."""
+    kinds: dict[str, int] = {}
+    unchecked = unexpected = 0
+    for reason in skip_reasons:
+        if UNCHECKED in reason:
+            unchecked += 1
+            continue
+        kind = next((k for text, k in EXPECTED_SKIPS if text in reason), None)
+        if kind is None:
+            unexpected += 1
+        else:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    problems = []
+    if failed:
+        problems.append(f"{failed} failed")
+    if errors:
+        problems.append(f"{errors} error(s)")
+    if unchecked:
+        problems.append(f"{unchecked} NOT CHECKED (claims that did not run here, listed above)")
+    if unexpected:
+        problems.append(f"{unexpected} unexpected skip(s) (run with -rs to see why)")
+    if not passed and not problems:
+        problems.append("nothing passed")
+    expected = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())) or "none"
+    if problems:
+        return False, f"NOT GREEN: {'; '.join(problems)}; {passed} passed, expected skips: {expected}"
+    return True, f"GREEN: {passed} passed; expected skips: {expected}"
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """List every case skipped with skip_unchecked, whatever -r says (xdist included: the
-    reports reach the controller)."""
-    gaps = [
-        (rep.nodeid, _skip_reason(rep))
-        for rep in terminalreporter.stats.get("skipped", [])
-        if isinstance(rep, pytest.TestReport) and UNCHECKED in _skip_reason(rep)
-    ]
-    if not gaps:
-        return
+    reports reach the controller), then the verdict: GREEN or NOT GREEN and why."""
     backend = terminalreporter.config.getoption("--deepinfer-backend")
-    terminalreporter.section(f"deepinfer conformance: {len(gaps)} case(s) NOT CHECKED for {backend!r}")
-    for nodeid, reason in gaps:
-        terminalreporter.write_line(f"{nodeid}\n    {reason}", yellow=True, bold=True)
+    skipped = _reports(terminalreporter, "skipped")
+    gaps = [(rep.nodeid, _skip_reason(rep)) for rep in skipped if UNCHECKED in _skip_reason(rep)]
+    if gaps:
+        terminalreporter.section(f"deepinfer conformance: {len(gaps)} case(s) NOT CHECKED for {backend!r}")
+        for nodeid, reason in gaps:
+            terminalreporter.write_line(f"{nodeid}\n    {reason}", yellow=True, bold=True)
+    calls = [r for r in _reports(terminalreporter, "passed") if r.when == "call"]
+    failed = [r for r in _reports(terminalreporter, "failed") if r.when == "call"]
+    errors = [r for r in _reports(terminalreporter, "error")] + [
+        r for r in _reports(terminalreporter, "failed") if r.when != "call"
+    ]
+    if not (calls or failed or errors or skipped):
+        return  # nothing of the suite ran (e.g. --collect-only)
+    green, text = verdict(len(calls), len(failed), len(errors), [_skip_reason(r) for r in skipped])
+    terminalreporter.section(f"deepinfer conformance verdict for {backend!r}")
+    terminalreporter.write_line(text, green=green, red=not green, bold=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ relative L2 error ||actual - expected|| / ||expected|| that catches a missing qu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,29 @@ def tolerance(dtype: torch.dtype, fp8_act: bool = False) -> Tolerance:
     return tol + FP8_ACT if fp8_act else tol
 
 
+Locator = Callable[[tuple[int, ...]], str]
+
+
+def index_locator(shape: tuple[int, ...], names: tuple[str, ...] = ()) -> Locator:
+    """Names an element by its index: "row 3, column 17" with names ("row", "column"), else
+    "index (3, 17)"."""
+
+    def locate(index: tuple[int, ...]) -> str:
+        if names and len(names) == len(index):
+            return ", ".join(f"{n} {i}" for n, i in zip(names, index))
+        return f"index {index}"
+
+    return locate
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        out.append(flat % size)
+        flat //= size
+    return tuple(reversed(out))
+
+
 def assert_close(
     actual: torch.Tensor,
     expected: torch.Tensor,
@@ -66,37 +90,65 @@ def assert_close(
     *,
     what: str = "result",
     fp8_act: bool = False,
+    locate: Locator | None = None,
+    case: str = "",
 ) -> None:
-    """Compare in float64 on the CPU with the budget of `dtype`; shapes must match exactly."""
+    """Compare in float64 on the CPU with the budget of `dtype`; shapes must match exactly.
+
+    A failure says WHERE, not only how much: the worst element's place (`locate` turns an index
+    into words, e.g. "request 1, query row 3 (position 36), head 0, column 17"; by default the
+    index), how many elements are out of budget, the count and first place of non-finite
+    mismatches ("NaN where the reference is finite"), and `case`, the parameters of the case
+    (e.g. "window=8, sinks, top-k 6, poisoned rows")."""
+    __tracebackhide__ = True  # the failure is reported at the test's line
+    where = locate or index_locator(tuple(actual.shape))
+    head = f"{what} ({dtype}{'; ' + case if case else ''})"
     if tuple(actual.shape) != tuple(expected.shape):
-        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+        raise AssertionError(f"{head}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     tol = tolerance(dtype, fp8_act)
     a = actual.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     if a.numel() == 0:
         return
+    shape = tuple(a.shape)
+
+    def first(mask: torch.Tensor) -> str:
+        return where(_unravel(int(mask.flatten().nonzero()[0]), shape))
+
     finite_e = torch.isfinite(e)
-    if not torch.equal(torch.isfinite(a), finite_e) or not torch.equal(a[~finite_e], e[~finite_e]):
-        raise AssertionError(f"{what}: non-finite values differ from the reference")
-    err = (a - e).abs()[finite_e]
-    bound = (tol.atol + tol.rtol * e.abs())[finite_e]
+    problems = []
+    for bad_mask, text in (
+        (torch.isnan(a) & finite_e, "NaN where the reference is finite"),
+        (torch.isinf(a) & finite_e, "inf where the reference is finite"),
+        (
+            ~finite_e & (a != e) & ~(torch.isnan(a) & torch.isnan(e)),
+            "differ where the reference is non-finite",
+        ),
+    ):
+        n = int(bad_mask.sum())
+        if n:
+            problems.append(f"{n} element(s) {text}, the first at {first(bad_mask)}")
+    if problems:
+        raise AssertionError(f"{head}: " + "; ".join(problems))
+    err = torch.where(finite_e, (a - e).abs(), 0.0)
+    bound = tol.atol + tol.rtol * torch.where(finite_e, e.abs(), 0.0)
     bad = err > bound
     if bad.any():
-        i = int(torch.argmax(err - bound).item())
+        worst = _unravel(int(torch.argmax(torch.where(bad, err - bound, -1.0))), shape)
         raise AssertionError(
-            f"{what} ({dtype}): {int(bad.sum())}/{err.numel()} elements outside atol={tol.atol} "
-            f"rtol={tol.rtol}; max abs error {err.max().item():.3e}, worst element "
-            f"{a[finite_e][i].item():.6g} vs expected {e[finite_e][i].item():.6g}"
+            f"{head}: {int(bad.sum())}/{err.numel()} elements outside atol={tol.atol} rtol={tol.rtol} "
+            f"(the first at {first(bad)}); worst at {where(worst)}: {a[worst].item():.6g} vs expected "
+            f"{e[worst].item():.6g} (abs error {err[worst].item():.3e}; max abs error {err.max().item():.3e})"
         )
     norm = e[finite_e].norm().item()
-    if tol.rel_l2 is not None and norm > 0 and err.norm().item() > tol.rel_l2 * norm:
-        raise AssertionError(
-            f"{what} ({dtype}): relative L2 error {err.norm().item() / norm:.3e} > {tol.rel_l2}"
-        )
+    l2 = err.norm().item()
+    if tol.rel_l2 is not None and norm > 0 and l2 > tol.rel_l2 * norm:
+        raise AssertionError(f"{head}: relative L2 error {l2 / norm:.3e} > {tol.rel_l2}")
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "result") -> None:
     """Same shape, dtype and bits (NaNs with equal bits compare equal)."""
+    __tracebackhide__ = True
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise AssertionError(
             f"{what}: {tuple(actual.shape)} {actual.dtype} != {tuple(expected.shape)} {expected.dtype}"
@@ -106,5 +158,7 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: 
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
         a, e = a.contiguous().view(bits), e.contiguous().view(bits)
     if not torch.equal(a, e):
-        n = int((a != e).sum())
-        raise AssertionError(f"{what}: {n}/{a.numel()} elements differ bitwise")
+        diff = a != e
+        n = int(diff.sum())
+        first = _unravel(int(diff.flatten().nonzero()[0]), tuple(a.shape))
+        raise AssertionError(f"{what}: {n}/{a.numel()} elements differ bitwise, the first at index {first}")

@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 from deepinfer.backend.ops import AttentionOps
-from deepinfer.backend.types import AttentionMetadata, BackendOptions, PagedKVCache
+from deepinfer.backend.types import (
+    NO_MODIFIERS,
+    AttentionMetadata,
+    AttentionModifiers,
+    BackendOptions,
+    PagedKVCache,
+)
 from deepinfer_ascend import kv_cache
 
 MASK_SIZE = 2048  # sparse_mode 2/3/4 take this compressed causal mask
@@ -81,11 +87,9 @@ class AscendAttention(AttentionOps):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
-        return self._attend(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+        return self._attend(q, cache, meta, scale, v_dim, modifiers)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -96,9 +100,7 @@ class AscendAttention(AttentionOps):
         meta: AttentionMetadata,
         scale: float,
         v_dim: int,
-        window: int | None,
-        sinks: torch.Tensor | None,
-        topk: torch.Tensor | None,
+        modifiers: AttentionModifiers,
     ) -> torch.Tensor:
         spec = cache.spec
         t, h, d = q.shape
@@ -111,8 +113,6 @@ class AscendAttention(AttentionOps):
                 f"ascend attention runs bf16/fp16 with q and cache of one dtype (FIA); got q {q.dtype}, "
                 f"cache {spec.dtype}"
             )
-        if window is not None and window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
         if t != meta.num_tokens:
             raise ValueError(f"q has {t} rows, the metadata {meta.num_tokens} query tokens")
         for b, (kv_len, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
@@ -120,9 +120,9 @@ class AscendAttention(AttentionOps):
                 raise ValueError(f"request {b}: query length {n} exceeds its KV length {kv_len}")
         if t == 0:
             return q.new_empty((0, h, v_dim))
-        if self._fused_mla_fits(cache, h, v_dim, window, sinks, topk):
+        if self._fused_mla_fits(cache, h, v_dim, modifiers):
             return self._paged_mla(q, cache, meta, scale, v_dim)
-        return self._gathered(q, cache, meta, scale, v_dim, window, sinks, topk)
+        return self._gathered(q, cache, meta, scale, v_dim, modifiers)
 
     @staticmethod
     def _is_mla(cache: PagedKVCache) -> bool:
@@ -133,9 +133,7 @@ class AscendAttention(AttentionOps):
         cache: PagedKVCache,
         heads: int,
         v_dim: int,
-        window: int | None,
-        sinks: torch.Tensor | None,
-        topk: torch.Tensor | None,
+        modifiers: AttentionModifiers,
     ) -> bool:
         bs = cache.spec.block_size
         return (
@@ -144,9 +142,7 @@ class AscendAttention(AttentionOps):
             and bs <= 1024
             and heads <= MAX_MLA_HEADS
             and v_dim <= MLA_LATENT
-            and window is None
-            and sinks is None
-            and topk is None
+            and modifiers.is_plain
         )
 
     def causal_mask(self) -> torch.Tensor:
@@ -209,10 +205,9 @@ class AscendAttention(AttentionOps):
         meta: AttentionMetadata,
         scale: float,
         v_dim: int,
-        window: int | None,
-        sinks: torch.Tensor | None,
-        topk: torch.Tensor | None,
+        modifiers: AttentionModifiers,
     ) -> torch.Tensor:
+        window, sinks, topk = modifiers.window, modifiers.sinks, modifiers.topk_indices
         if self.issuer is not None:
             raise NotImplementedError(
                 "graph capture covers the fused paged MLA path only; the gathered attention path "

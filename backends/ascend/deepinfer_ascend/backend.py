@@ -9,7 +9,7 @@ from deepinfer.backend.ops import Backend, CollectiveOps
 from deepinfer.backend.types import BackendOptions, Capabilities
 from deepinfer_ascend import npu
 from deepinfer_ascend.attention import DTYPES, AscendAttention
-from deepinfer_ascend.device import AscendDevice
+from deepinfer_ascend.device import AscendDevice, AscendKVCache
 from deepinfer_ascend.gemm import AscendGemm
 from deepinfer_ascend.moe import AscendMoe
 from deepinfer_ascend.small import AscendSmall
@@ -52,6 +52,7 @@ def create_ascend_backend(options: BackendOptions | None = None) -> Backend:
         options=options,
         capabilities=capabilities(soc),
         device=AscendDevice(options, tnpu, ns, device, attention),
+        kv_cache=AscendKVCache(options, tnpu, device),
         attention=attention,
         gemm=gemm,
         moe=AscendMoe(options, tnpu, gemm),

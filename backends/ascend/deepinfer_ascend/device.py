@@ -1,4 +1,4 @@
-"""Device, memory, streams, events, the KV-cache pool and NPU graphs.
+"""Device, memory, streams, events and NPU graphs; the KV-cache part (AscendKVCache).
 
 Graphs: torch.npu.NPUGraph captures `fn`; every FIA call issued during the capture is wrapped in
 graph_task_group_begin / graph_task_group_end and issued through the op's `.out` form, so that
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from deepinfer.backend.ops import DeviceOps, GraphRunner
-from deepinfer.backend.types import BackendOptions, KVCacheSpec, PagedKVCache
+from deepinfer.backend.ops import DeviceOps, GraphRunner, KVCacheOps
+from deepinfer.backend.types import BackendOptions, Event, KVCacheSpec, PagedKVCache, Stream
 from deepinfer_ascend import kv_cache
 from deepinfer_ascend.attention import AscendAttention
 
@@ -44,23 +44,40 @@ class AscendDevice(DeviceOps):
         free, total = self._ns.mem_get_info(self._device)
         return int(free), int(total)
 
-    def new_stream(self) -> Any:
-        return self._ns.Stream()
+    def new_stream(self) -> Stream:
+        stream: Stream = self._ns.Stream()
+        return stream
 
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        ctx: AbstractContextManager[Any] = self._ns.stream(stream)
+    def stream_context(self, stream: Stream) -> AbstractContextManager[object]:
+        ctx: AbstractContextManager[object] = self._ns.stream(stream)
         return ctx
 
-    def new_event(self) -> Any:
-        return self._ns.Event()
+    def new_event(self) -> Event:
+        event: Event = self._ns.Event()
+        return event
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pin = self._device.type != "cpu"  # a CPU stand-in device has nothing to pin for
         return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
-    # KV cache: the backend's own latent / rope layout (see kv_cache.py); copy_blocks is the
-    # contract's default (block index first in every tensor).
-    def allocate_kv_cache(self, spec: KVCacheSpec, num_layers: int) -> list[PagedKVCache]:
+    def capture_graph(
+        self, fn: Callable[[], object], share_with: GraphRunner | None = None
+    ) -> GraphRunner | None:
+        pool = share_with.pool if isinstance(share_with, AscendGraph) else None
+        return AscendGraph(self._ns, self._attention, fn, pool)
+
+
+class AscendKVCache(KVCacheOps):
+    """The backend's own latent / rope layout (see kv_cache.py). write_mla_kv is the contract's
+    composition (this backend's npu_rms_norm, npu_rotary_mul, then write_kv), copy_blocks the
+    contract's default (the block index is first in every tensor)."""
+
+    def __init__(self, options: BackendOptions, tnpu: Any, device: torch.device) -> None:
+        super().__init__(options)
+        self._tnpu = tnpu
+        self._device = device
+
+    def allocate(self, spec: KVCacheSpec, num_layers: int) -> list[PagedKVCache]:
         return kv_cache.allocate(spec, num_layers, self._device)
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -68,12 +85,6 @@ class AscendDevice(DeviceOps):
 
     def read_kv(self, cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
         return kv_cache.read(cache, slots)
-
-    def capture_graph(
-        self, fn: Callable[[], object], share_with: GraphRunner | None = None
-    ) -> GraphRunner | None:
-        pool = share_with.pool if isinstance(share_with, AscendGraph) else None
-        return AscendGraph(self._ns, self._attention, fn, pool)
 
 
 @dataclass

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from deepinfer.backend.fp8 import FP8_BLOCK as BLOCK
+from deepinfer.backend.fp8 import FP8_DTYPE as FP8
 from deepinfer.backend.ops import GemmOps
 from deepinfer.backend.types import BackendOptions
 
-FP8 = torch.float8_e4m3fn
-BLOCK = 128
 BLOCK_GROUPS = [1, BLOCK, BLOCK]  # per-token x 128 channels (x), 128 x 128 blocks (weight)
 
 

@@ -1,7 +1,7 @@
 """Norms, rotary embedding and SwiGLU on torch_npu fused ops.
 
 rms_norm        npu_rms_norm(x, gamma, epsilon) -> (y, rstd)
-                npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x1 + x2)
+add_rms_norm    npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x1 + x2)
 rope            npu_rotary_mul(x (T, H, R) "TND", r1 = cos (T, 1, R), r2 = sin (T, 1, R),
                 rotary_mode "half" | "interleave"); R < 896 and even
 silu_and_mul    npu_swiglu(x, dim=-1)
@@ -25,18 +25,17 @@ class AscendSmall(SmallOps):
         super().__init__(options)
         self._tnpu = tnpu
 
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        gamma = weight.to(x.dtype)
-        if residual is None:
-            y, _ = self._tnpu.npu_rms_norm(x, gamma, epsilon=eps)
-            return y, None
-        y, _, h = self._tnpu.npu_add_rms_norm(x, residual.to(x.dtype), gamma, epsilon=eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y: torch.Tensor
+        y, _ = self._tnpu.npu_rms_norm(x, weight.to(x.dtype), epsilon=eps)
+        return y
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y: torch.Tensor
+        h: torch.Tensor
+        y, _, h = self._tnpu.npu_add_rms_norm(x, residual.to(x.dtype), weight.to(x.dtype), epsilon=eps)
         return y, h
 
     def rope(

@@ -9,7 +9,8 @@ the grouped GEMM's tile table in one (computed once per layer, shared by both ex
 MLA's cache write (norm + rope + store) in one, the sampling noise in one.
 DEEPINFER_CUDA_UNFUSED=1, read when the backend is created, switches those back to the composed
 paths they replace (routing in torch as the reference computes it, the torch sort and a torch
-tile table per GEMM, write_mla_kv and exponential_noise as the contract's defaults) so that a
+tile table per GEMM, write_mla_kv and exponential_noise as the contract's defaults, which run
+through this backend's own rms_norm / rope / write_kv and the reference hash) so that a
 benchmark can measure what the fusion buys. Results agree within each op's contract either way.
 """
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 
+from deepinfer.backend.fp8 import FP8_DTYPE
+from deepinfer.backend.host import HostEvent, HostStream, host_memory_info
 from deepinfer.backend.ops import (
     AttentionOps,
     Backend,
@@ -29,21 +31,22 @@ from deepinfer.backend.ops import (
     DeviceOps,
     GemmOps,
     GraphRunner,
+    KVCacheOps,
     MoeOps,
     RerunGraph,
     SmallOps,
 )
 from deepinfer.backend.types import (
+    NO_MODIFIERS,
     AttentionMetadata,
+    AttentionModifiers,
     BackendOptions,
     Capabilities,
+    Event,
     PagedKVCache,
     RouterConfig,
+    Stream,
 )
-from deepinfer.reference import memory as ref_memory
-from deepinfer.reference import moe as ref_moe
-from deepinfer.reference import small as ref_small
-from deepinfer.reference.backend import _host_memory
 from deepinfer_cuda import vendor
 from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels import gemm as gemm_k
@@ -52,7 +55,6 @@ from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels.moe import sort_by_expert
 from deepinfer_cuda.plugin import interpreting
 
-FP8 = torch.float8_e4m3fn
 UNFUSED_ENV = "DEEPINFER_CUDA_UNFUSED"
 
 
@@ -75,10 +77,9 @@ class CudaGraphRunner(GraphRunner):
 
 
 class CudaDevice(DeviceOps):
-    def __init__(self, options: BackendOptions, device: torch.device, fused: bool = True) -> None:
+    def __init__(self, options: BackendOptions, device: torch.device) -> None:
         super().__init__(options)
         self._device = device
-        self.fused = fused
         self._is_cuda = device.type == "cuda"
 
     def device(self) -> torch.device:
@@ -90,48 +91,29 @@ class CudaDevice(DeviceOps):
 
     def memory_info(self) -> tuple[int, int]:
         if not self._is_cuda:
-            return _host_memory()
+            return host_memory_info()
         free, total = torch.cuda.mem_get_info(self._device)
         return int(free), int(total)
 
-    def new_stream(self) -> Any:
+    def new_stream(self) -> Stream:
         if not self._is_cuda:
-            return ref_memory.HostStream()
-        return torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+            return HostStream()
+        stream: Stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        return stream
 
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream) if self._is_cuda else nullcontext(stream)
+    def stream_context(self, stream: Stream) -> AbstractContextManager[object]:
+        if not self._is_cuda:
+            return nullcontext(stream)
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
-    def new_event(self) -> Any:
-        return torch.cuda.Event() if self._is_cuda else ref_memory.HostEvent()  # type: ignore[no-untyped-call]
+    def new_event(self) -> Event:
+        if not self._is_cuda:
+            return HostEvent()
+        event: Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        return event
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self._is_cuda)
-
-    def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
-        small_k.write_kv(_cache_tensor(cache), kv, slot_mapping)
-
-    def write_mla_kv(
-        self,
-        cache: PagedKVCache,
-        kv: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        interleaved: bool,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """One Triton kernel (norm + rope + cast + store; replaces two contiguous copies, the
-        norm, the rope, a cat and the store). Unfused, or a cache dtype the kernel does not
-        round like torch: the contract's composition."""
-        t = _cache_tensor(cache)
-        args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
-        if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
-            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args)
-        else:
-            super().write_mla_kv(cache, kv, *args)
 
     def capture_graph(
         self, fn: Callable[[], object], share_with: GraphRunner | None = None
@@ -164,6 +146,39 @@ class CudaDevice(DeviceOps):
             torch.cuda.reset_peak_memory_stats(self._device)
 
 
+class CudaKVCache(KVCacheOps):
+    """The contract's default layout, (NB, BS, D) per layer, written by Triton kernels."""
+
+    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+        super().__init__(options)
+        self.fused = fused
+
+    def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
+        small_k.write_kv(_cache_tensor(cache), kv, slot_mapping)
+
+    def write_mla_kv(
+        self,
+        cache: PagedKVCache,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One Triton kernel (norm + rope + cast + store; replaces two contiguous copies, the
+        norm, the rope, a cat and the store). Unfused, or a cache dtype the kernel does not
+        round like torch: the contract's composition (this backend's rms_norm, rope, write_kv)."""
+        t = _cache_tensor(cache)
+        args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
+        if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
+            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args)
+        else:
+            super().write_mla_kv(cache, kv, *args)
+
+
 def _cache_tensor(cache: PagedKVCache) -> torch.Tensor:
     """The (NB, BS, D) tensor of the reference layout, which this backend keeps."""
     t = cache.tensors[0]
@@ -187,18 +202,16 @@ class CudaAttention(AttentionOps):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         if not meta.is_decode_only:
             raise ValueError("decode attention needs exactly one query token per request")
         kv = _cache_tensor(cache)
-        if not self.batch_invariant and window is None and sinks is None and topk_indices is None:
+        if not self.batch_invariant and modifiers.is_plain:
             out = vendor.flash_mla_decode(q, kv, meta, scale=scale, v_dim=v_dim)
             if out is not None:
                 return out
-        return self._run(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+        return self._run(q, cache, meta, scale, v_dim, modifiers)
 
     def prefill(
         self,
@@ -208,11 +221,9 @@ class CudaAttention(AttentionOps):
         *,
         scale: float,
         v_dim: int,
-        window: int | None = None,
-        sinks: torch.Tensor | None = None,
-        topk_indices: torch.Tensor | None = None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
-        return self._run(q, cache, meta, scale, v_dim, window, sinks, topk_indices)
+        return self._run(q, cache, meta, scale, v_dim, modifiers)
 
     def _run(
         self,
@@ -221,16 +232,15 @@ class CudaAttention(AttentionOps):
         meta: AttentionMetadata,
         scale: float,
         v_dim: int,
-        window: int | None,
-        sinks: torch.Tensor | None,
-        topk_indices: torch.Tensor | None,
+        modifiers: AttentionModifiers,
     ) -> torch.Tensor:
         if v_dim > cache.spec.head_dim:
             raise ValueError(f"v_dim {v_dim} exceeds the cached row width {cache.spec.head_dim}")
+        sinks = modifiers.sinks
         return attn_k.mla_attention(
             q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
-            window=window, sinks=None if sinks is None else sinks.float().contiguous(),
-            topk_indices=topk_indices, batch_invariant=self.batch_invariant,
+            window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
+            topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
         )  # fmt: skip
 
 
@@ -299,7 +309,7 @@ class CudaGemm(GemmOps):
         weight_scale: torch.Tensor,
         group_sizes: torch.Tensor,
     ) -> torch.Tensor:
-        if weight.dtype != FP8:
+        if weight.dtype != FP8_DTYPE:
             raise ValueError(f"grouped_gemm_fp8 takes float8_e4m3fn weights, got {weight.dtype}")
         xq, xs = gemm_k.quantize_fp8(x)
         return gemm_k.grouped_gemm(
@@ -328,8 +338,8 @@ class CudaMoe(MoeOps):
         correction_bias: torch.Tensor | None = None,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.fused:
-            return ref_moe.route(logits, config, correction_bias, hash_ids)
+        if not self.fused:  # the contract's default: the reference router in torch ops
+            return super().route(logits, config, correction_bias, hash_ids)
         return moe_k.route(logits, config, correction_bias, hash_ids)
 
     def _align(self, ids: torch.Tensor, num_experts: int, block_m: int | None) -> moe_k.Alignment:
@@ -441,14 +451,16 @@ class CudaSmall(SmallOps):
         super().__init__(options)
         self.fused = fused
 
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return small_k.rms_norm(x, weight, eps, residual)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return small_k.rms_norm(x, weight, eps)[0]
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel: the sum in float32, normalised before its rounding to x's dtype."""
+        y, h = small_k.rms_norm(x, weight, eps, residual)
+        assert h is not None
+        return y, h
 
     def rope(
         self,
@@ -467,8 +479,8 @@ class CudaSmall(SmallOps):
 
     def exponential_noise(self, seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """One Triton kernel (the reference's hash, bit for bit; -log within float32 rounding)."""
-        if not self.fused:
-            return ref_small.exponential_noise(seeds, offsets, vocab_size)
+        if not self.fused:  # the contract's default (the reference hash in torch ops)
+            return super().exponential_noise(seeds, offsets, vocab_size)
         return small_k.exponential_noise(seeds, offsets, vocab_size)
 
 
@@ -513,7 +525,8 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         name="cuda",
         options=options,
         capabilities=capabilities_for(device),
-        device=CudaDevice(options, device, fused),
+        device=CudaDevice(options, device),
+        kv_cache=CudaKVCache(options, fused),
         attention=CudaAttention(options),
         gemm=CudaGemm(options, fused),
         moe=CudaMoe(options, fused),

@@ -1,4 +1,12 @@
-"""Paged latent attention, decode and chunked prefill, against the float64 reference."""
+"""Paged latent attention, decode and chunked prefill, against the float64 reference.
+
+Each case names its parameters in its failure message (window, sinks, top-k, poisoned rows, block
+size, heads, widths) and the worst element's place: request, query row (and position), head and
+column. The edge rules of AttentionModifiers each have cases: rows that see no key (zeros, with
+and without sinks: `topk_edge*`), repeated and out-of-range top-k ids (`topk_edge*`), NaN in rows
+no request has reached (`*poison*`). `aligned*` cases use production shapes (heads 16 / 128,
+pages of 64, K 576 / V 512) where kernels take their tiled fast paths.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,16 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionMetadata
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers
 from deepinfer.reference import attention as ref_attention
-from deepinfer.testing.helpers import make_paged_batch, oracle, randn, topk_indices_for
+from deepinfer.testing.helpers import (
+    PagedBatch,
+    attention_locator,
+    make_paged_batch,
+    oracle,
+    randn,
+    topk_indices_for,
+)
 from deepinfer.testing.tolerances import assert_close
 
 
@@ -33,6 +48,35 @@ class Case:
     q_scale: float = 1.0  # large: logits of +-100 and more (softmax must subtract its running max)
     shared_blocks: int = 0  # requests share request 0's first blocks (prefix caching)
     poison: bool = False  # slots past each KV length (and unused blocks) hold NaN
+
+    def describe(self, scale: float) -> str:
+        """The case's parameters, for failure messages."""
+        parts = [
+            f"window={self.window}" if self.window is not None else "no window",
+            ("sinks " + str(list(self.sink_values)))
+            if self.sink_values
+            else "sinks"
+            if self.sinks
+            else "no sinks",
+        ]
+        if self.topk is not None:
+            edge = " (edge lists: a repeated id, an id past every KV length, a row listing nothing)"
+            parts.append(f"top-k {self.topk}" + (edge if self.topk_edge else ""))
+        parts += [
+            "poisoned rows (NaN past each KV length)" if self.poison else "no poisoned rows",
+            f"block_size={self.block_size}",
+            f"heads={self.heads}",
+            f"D={self.head_dim}",
+            f"v_dim={self.v_dim}",
+            f"scale={scale:.4g}",
+        ]
+        if self.q_layout != "contig":
+            parts.append(f"q {self.q_layout}")
+        if self.table_view:
+            parts.append("block table a view")
+        if self.shared_blocks:
+            parts.append(f"{self.shared_blocks} shared prefix blocks")
+        return ", ".join(parts)
 
 
 def edge_topk_indices(
@@ -102,16 +146,19 @@ def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Genera
         topk = pick(seq, qlen, case.topk, gen)
     scale = softmax_scale(case.head_dim, gen)
     op = backend.attention.decode if decode else backend.attention.prefill
-    out = op(
-        q, batch.cache, meta, scale=scale, v_dim=case.v_dim, window=case.window, sinks=sinks,
-        topk_indices=None if topk is None else topk.to(device),
-    )  # fmt: skip
+    mods = AttentionModifiers(case.window, sinks, None if topk is None else topk.to(device))
+    out = op(q, batch.cache, meta, scale=scale, v_dim=case.v_dim, modifiers=mods)
+    ref_mods = AttentionModifiers(case.window, None if sinks is None else oracle(sinks), topk)
     expected = ref_attention.paged_attention(
-        oracle(q), batch.ref_cache, batch.ref_meta, scale, case.v_dim, case.window,
-        None if sinks is None else oracle(sinks), topk,
-    )  # fmt: skip
-    assert out.dtype == dtype and out.device.type == device.type
-    assert_close(out, expected, dtype, what="decode" if decode else "prefill")
+        oracle(q), batch.ref_cache, batch.ref_meta, scale, case.v_dim, ref_mods
+    )
+    what = "decode" if decode else "prefill"
+    assert out.dtype == dtype and out.device.type == device.type, (
+        f"{what} returned {out.dtype} on {out.device.type}, expected {dtype} on {device.type}"
+    )
+    assert_close(
+        out, expected, dtype, what=what, locate=attention_locator(batch.meta), case=case.describe(scale)
+    )
 
 
 DECODE_CASES = {
@@ -138,6 +185,7 @@ DECODE_CASES = {
     "sinks_extreme": Case((3, 20), heads=4, head_dim=20, v_dim=16, sink_values=(-1e4, 60.0, -60.0, 8.0)),
     "window_1_sinks": Case((1, 9), window=1, sinks=True, head_dim=20, v_dim=16),
     "topk_edge": Case((5, 19, 40), topk=6, topk_edge=True, head_dim=20, v_dim=16),
+    "topk_edge_sinks": Case((5, 19, 40), topk=6, topk_edge=True, sinks=True, head_dim=20, v_dim=16),
     "topk_edge_mla": Case((12, 30), topk=6, topk_edge=True),
     "q_transposed_mla": Case((4, 21), heads=3, q_layout="transpose"),
     "q_sliced": Case((4, 21), heads=3, head_dim=20, v_dim=16, q_layout="slice"),
@@ -155,6 +203,11 @@ DECODE_CASES = {
     "bs128_poison_window_sinks": Case((100, 129, 300), block_size=128, window=70, sinks=True, poison=True),
     "bs64_poison_heads_64": Case((64, 190), block_size=64, heads=64, poison=True),
     "bs64_poison_topk": Case((33, 160), block_size=64, topk=20, poison=True),
+    # production shapes: DeepSeek's 576 / 512 latent, pages of 64, 16 and 128 heads, lengths that
+    # fill whole pages next to ones that do not (where tiled and TMA kernels take their fast path)
+    "aligned_mla_heads_16": Case((64, 128, 256, 192), block_size=64, heads=16),
+    "aligned_mla_heads_128": Case((128, 64), block_size=64, heads=128),
+    "aligned_mla_heads_16_window_sinks": Case((256, 129), block_size=64, heads=16, window=128, sinks=True),
 }
 
 
@@ -209,6 +262,8 @@ PREFILL_CASES = {
         (150, 300), (150, 20), block_size=128, window=40, sinks=True, poison=True
     ),
     "bs64_poison_heads_32": Case((70, 129), (5, 2), block_size=64, heads=32, poison=True),
+    "aligned_mla_heads_16": Case((128, 256, 64), (128, 64, 64), block_size=64, heads=16),
+    "aligned_mla_heads_128_chunk": Case((192,), (64,), block_size=64, heads=128),
 }
 
 
@@ -247,6 +302,17 @@ def test_decode_rejects_prefill_metadata(backend: Backend, gen: torch.Generator)
         backend.attention.decode(q, batch.cache, batch.meta, scale=0.2, v_dim=16)
 
 
+def test_modifiers_reject_invalid_values() -> None:
+    """The contract's argument object checks what it can without touching the device."""
+    with pytest.raises(ValueError, match="window"):
+        AttentionModifiers(window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        AttentionModifiers(sinks=torch.zeros(2, 2))
+    for bad in (torch.zeros(3, dtype=torch.int32), torch.zeros(3, 2)):
+        with pytest.raises(ValueError, match="topk_indices"):
+            AttentionModifiers(topk_indices=bad)
+
+
 def test_prefill_equals_decode_on_decode_rows(backend: Backend, gen: torch.Generator) -> None:
     """Both kernels mean the same thing where both apply."""
     dt = backend.capabilities.dtypes[0]
@@ -257,4 +323,82 @@ def test_prefill_equals_decode_on_decode_rows(backend: Backend, gen: torch.Gener
     q = randn((3, 4, 576), dt, backend.device.device(), gen)
     a = backend.attention.decode(q, batch.cache, batch.meta, scale=576**-0.5, v_dim=512)
     b = backend.attention.prefill(q, batch.cache, batch.meta, scale=576**-0.5, v_dim=512)
-    assert_close(a, oracle(b), dt, what="decode vs prefill")
+    assert_close(a, oracle(b), dt, what="decode vs prefill", locate=attention_locator(batch.meta))
+
+
+# --------------------------------------------------------------------------- the edge rules, one by one
+
+
+def _edge_batch(backend: Backend, gen: torch.Generator, decode: bool) -> tuple[PagedBatch, torch.Tensor]:
+    seq, qlen = ([9, 30, 17], [1, 1, 1]) if decode else ([9, 30, 17], [4, 6, 17])
+    dt = backend.capabilities.dtypes[0]
+    batch = make_paged_batch(
+        backend, seq_lens=seq, query_lens=qlen, block_size=8, head_dim=20, dtype=dt, gen=gen, rope_dim=4,
+        poison_unwritten=True,
+    )  # fmt: skip
+    q = randn((batch.num_tokens, 3, 20), dt, backend.device.device(), gen)
+    return batch, q
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no_sinks", "sinks"])
+def test_row_that_sees_no_key_is_zero(
+    backend: Backend, gen: torch.Generator, decode: bool, with_sinks: bool
+) -> None:
+    """Edge rule: a query row whose top-k list names nothing it may see (all -1, only future
+    positions, only ids past the KV length) outputs exactly zeros, never NaN, with or without
+    sinks; the other rows are unaffected."""
+    batch, q = _edge_batch(backend, gen, decode)
+    meta = batch.meta
+    dev = backend.device.device()
+    topk = topk_indices_for(list(meta.seq_lens_host), list(meta.query_lens_host), 4, gen)
+    dead = [0, topk.shape[0] - 1]  # first and last query rows
+    topk[dead[0]] = -1  # lists nothing
+    topk[dead[1]] = torch.tensor([10_000, 10_001, -1, 10_002, -1, 10_003], dtype=torch.int32)  # past the KV
+    sinks = randn((3,), torch.float32, dev, gen) if with_sinks else None
+    op = backend.attention.decode if decode else backend.attention.prefill
+    out = op(
+        q, batch.cache, meta, scale=0.3, v_dim=16,
+        modifiers=AttentionModifiers(sinks=sinks, topk_indices=topk.to(dev)),
+    ).cpu()  # fmt: skip
+    for row in dead:
+        got = out[row]
+        if not torch.equal(got, torch.zeros_like(got)):
+            where = attention_locator(meta)((row,))
+            raise AssertionError(
+                f"{'decode' if decode else 'prefill'}: {where} sees no key and must output zeros "
+                f"({'with' if with_sinks else 'without'} sinks); got max |value| "
+                f"{got.float().abs().nan_to_num(float('inf')).max().item():.3g}"
+                f"{' (NaN present)' if torch.isnan(got).any() else ''}"
+            )
+    assert torch.isfinite(out).all(), "attention output holds NaN/inf outside the rows that see no key"
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_topk_ids_are_a_set(backend: Backend, gen: torch.Generator, decode: bool) -> None:
+    """Edge rule: repeating a top-k id, adding ids past the KV length or -1 entries, and reordering
+    a row change nothing (compared with the plain list, same backend, same dtype budget)."""
+    batch, q = _edge_batch(backend, gen, decode)
+    meta = batch.meta
+    dev = backend.device.device()
+    dt = backend.capabilities.dtypes[0]
+    plain = topk_indices_for(list(meta.seq_lens_host), list(meta.query_lens_host), 5, gen, pad=0)
+    noisy = torch.cat(
+        [
+            plain.flip(-1),
+            plain[:, :2],
+            torch.full_like(plain[:, :2], 99_999),
+            torch.full_like(plain[:, :1], -1),
+        ],
+        dim=-1,
+    )  # reordered, two ids repeated, two past every KV length, one unused
+    op = backend.attention.decode if decode else backend.attention.prefill
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        mods = AttentionModifiers(topk_indices=ids.to(dev))
+        return op(q, batch.cache, meta, scale=0.3, v_dim=16, modifiers=mods)
+
+    assert_close(
+        run(noisy), oracle(run(plain)), dt, what="top-k with repeated / out-of-range / -1 ids",
+        locate=attention_locator(meta), case="the same ids as a set must give the plain list's result",
+    )  # fmt: skip

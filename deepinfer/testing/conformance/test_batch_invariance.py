@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionMetadata
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import moe as ref_moe
@@ -52,17 +52,18 @@ def test_rms_norm(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Gen
     x = randn((33, 257), dtype, dev, gen)
     res = randn((33, 257), dtype, dev, gen)
     w = randn((257,), dtype, dev, gen)
-    y, h = invariant_backend.small.rms_norm(x, w, 1e-6, res)
-    assert h is not None
-    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), 1e-6, oracle(res))
-    assert rh is not None
-    assert_close(y, ry, dtype, what="rms_norm y")
-    assert_close(h, rh, dtype, what="rms_norm h")
+    y, h = invariant_backend.small.add_rms_norm(x, res, w, 1e-6)
+    ry, rh = ref_small.add_rms_norm(oracle(x), oracle(res), oracle(w), 1e-6)
+    assert_close(y, ry, dtype, what="add_rms_norm y")
+    assert_close(h, rh, dtype, what="add_rms_norm h")
+    plain = invariant_backend.small.rms_norm(x, w, 1e-6)
+    assert_close(plain, ref_small.rms_norm(oracle(x), oracle(w), 1e-6), dtype, what="rms_norm")
     for i in ROWS:
-        yi, hi = invariant_backend.small.rms_norm(x[i : i + 1], w, 1e-6, res[i : i + 1])
-        assert hi is not None
-        assert_bitwise_equal(yi, y[i : i + 1], what=f"rms_norm row {i}")
-        assert_bitwise_equal(hi, h[i : i + 1], what=f"rms_norm residual row {i}")
+        yi, hi = invariant_backend.small.add_rms_norm(x[i : i + 1], res[i : i + 1], w, 1e-6)
+        assert_bitwise_equal(yi, y[i : i + 1], what=f"add_rms_norm row {i}")
+        assert_bitwise_equal(hi, h[i : i + 1], what=f"add_rms_norm residual row {i}")
+        pi = invariant_backend.small.rms_norm(x[i : i + 1], w, 1e-6)
+        assert_bitwise_equal(pi, plain[i : i + 1], what=f"rms_norm row {i}")
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -119,14 +120,14 @@ def test_decode_long(invariant_backend: Backend, dtype: torch.dtype, gen: torch.
     q = randn((batch.num_tokens, 2, 20), dtype, dev, gen)
     sinks = randn((2,), torch.float32, dev, gen)
     op = be.attention.decode if decode else be.attention.prefill
-    kw = dict(scale=20**-0.5, v_dim=16, window=1050, sinks=sinks)
-    full = op(q, batch.cache, batch.meta, **kw)  # type: ignore[arg-type]
+    mods = AttentionModifiers(window=1050, sinks=sinks)
+    full = op(q, batch.cache, batch.meta, scale=20**-0.5, v_dim=16, modifiers=mods)
     expected = ref_attention.paged_attention(
-        oracle(q), batch.ref_cache, batch.ref_meta, 20**-0.5, 16, 1050, oracle(sinks)
+        oracle(q), batch.ref_cache, batch.ref_meta, 20**-0.5, 16, AttentionModifiers(1050, oracle(sinks))
     )
     assert_close(full, expected, dtype, what="attention")
     for b in range(len(seq)):
         rows = request_rows(batch.meta, b)
         meta = AttentionMetadata.build(batch.meta.block_tables[b : b + 1], [seq[b]], [qlen[b]])
-        alone = op(q[rows], batch.cache, meta, **kw)  # type: ignore[arg-type]
+        alone = op(q[rows], batch.cache, meta, scale=20**-0.5, v_dim=16, modifiers=mods)
         assert_bitwise_equal(alone, full[rows], what=f"attention request {b}")

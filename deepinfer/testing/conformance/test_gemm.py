@@ -1,4 +1,11 @@
-"""Dense, FP8 block-scaled and grouped GEMMs against the float64 reference."""
+"""Dense, FP8 block-scaled and grouped GEMMs against the float64 reference.
+
+Two families of shapes: odd ones (K and N that no tile divides, empty and single rows, empty
+groups) where kernels must mask, and ALIGNED ones (`aligned` in the test id: K and N multiples of
+128, M and group sizes multiples of 16 / 64 / 128 among ragged ones) where kernels take the fast
+paths that need alignment (torch._grouped_mm, TMA descriptors, DeepGEMM). A backend that only
+ever ran the odd shapes has never run its fast path.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.testing.helpers import oracle, quantized_weight, randn
-from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, assert_close
+from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, Locator, assert_close, index_locator
 
 SHAPES = [(0, 17, 9), (1, 64, 32), (7, 67, 45), (33, 128, 130)]  # (M, K, N)
 FP8_SHAPES = [
@@ -19,8 +26,32 @@ FP8_SHAPES = [
 ]  # fmt: skip
 
 
+# (M, K, N) with K and N multiples of 128: decode-sized and prefill-sized M, and M not a multiple
+ALIGNED_SHAPES = [(1, 256, 128), (16, 512, 384), (128, 256, 512), (200, 384, 256)]
+ALIGNED_FP8_SHAPES = [(1, 512, 256), (64, 256, 384), (128, 1024, 128), (130, 512, 256)]
+# group sizes over 4 experts with K = 256, N = 384: 128-row groups, 16-row groups, empty ones, and
+# ragged ones next to aligned ones (an aligned fast path must not assume every group is aligned)
+ALIGNED_GROUPS = [[128, 0, 256, 128], [16, 16, 16, 16], [64, 0, 0, 64], [128, 1, 127, 16], [0, 0, 0, 0]]
+
+
 def ids(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape))
+
+
+def mn_locator(shape: tuple[int, ...]) -> Locator:
+    return index_locator(shape, ("row", "column"))
+
+
+def grouped_locator(sizes: list[int]) -> Locator:
+    """Names an output element by row, its group (expert) and column."""
+    bounds = [sum(sizes[:g]) for g in range(len(sizes) + 1)]
+
+    def locate(index: tuple[int, ...]) -> str:
+        row, col = index
+        group = max(g for g in range(len(sizes)) if bounds[g] <= row and sizes[g])
+        return f"row {row} (group {group}, its row {row - bounds[group]}), column {col}"
+
+    return locate
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
@@ -36,7 +67,23 @@ def test_linear(
     y = backend.gemm.linear(x, w, b)
     expected = ref_gemm.linear(oracle(x), oracle(w), None if b is None else oracle(b), False)
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="linear")
+    case = f"M={m} K={k} N={n}, {'with' if with_bias else 'no'} bias"
+    assert_close(y, expected, dtype, what="linear", locate=mn_locator(tuple(y.shape)), case=case)
+
+
+@pytest.mark.parametrize("shape", ALIGNED_SHAPES, ids=lambda s: "aligned-" + ids(s))
+def test_linear_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int, int]
+) -> None:
+    test_linear(backend, dtype, gen, shape, with_bias=False)
+
+
+@pytest.mark.parametrize("shape", [(16, 64, 128, 512), (16, 64, 512, 128)], ids=lambda s: "aligned-" + ids(s))
+def test_batched_linear_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int, int, int]
+) -> None:
+    """MLA's per-head products at DeepSeek's sizes: 16 heads, nope 128 -> latent 512 and back."""
+    test_batched_linear(backend, dtype, gen, shape)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +99,9 @@ def test_batched_linear(
     y = backend.gemm.batched_linear(x, w)
     expected = ref_gemm.batched_linear(oracle(x), oracle(w))
     assert y.dtype == dtype and y.shape == (g, m, n)
-    assert_close(y, expected, dtype, what="batched_linear")
+    where = index_locator(tuple(y.shape), ("group", "row", "column"))
+    case = f"G={g} M={m} K={k} N={n}, x a strided view"
+    assert_close(y, expected, dtype, what="batched_linear", locate=where, case=case)
 
 
 def test_batched_linear_strided_weight(backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
@@ -105,7 +154,16 @@ def test_fp8_gemm(
     y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype)
     expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="fp8_gemm")
+    assert_close(
+        y, expected, dtype, what="fp8_gemm", locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}"
+    )
+
+
+@pytest.mark.parametrize("shape", ALIGNED_FP8_SHAPES, ids=lambda s: "aligned-" + ids(s))
+def test_fp8_gemm_aligned(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    test_fp8_gemm(backend, fp8, dtype, gen, shape)
 
 
 def test_fp8_gemm_column_major_scales(
@@ -171,35 +229,75 @@ def test_linear_fp8(
     if b is not None:
         expected = expected + oracle(b)
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="linear_fp8", fp8_act=True)
+    case = f"M={m} K={k} N={n}, {'with' if with_bias else 'no'} bias"
+    assert_close(
+        y, expected, dtype, what="linear_fp8", fp8_act=True, locate=mn_locator(tuple(y.shape)), case=case
+    )
+
+
+@pytest.mark.parametrize("shape", ALIGNED_FP8_SHAPES, ids=lambda s: "aligned-" + ids(s))
+def test_linear_fp8_aligned(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    test_linear_fp8(backend, fp8, dtype, gen, shape, with_bias=False)
 
 
 GROUPS = [[0, 0, 0], [1], [3, 0, 5, 1], [0, 7, 0, 2, 11], [0, 0, 0, 9], [6, 0, 0]]
 
 
-@pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
-def test_grouped_gemm(backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]) -> None:
+def run_grouped_gemm(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int], k: int, n: int
+) -> None:
     dev = backend.device.device()
-    k, n = 67, 45
     x = randn((sum(sizes), k), dtype, dev, gen)
     w = randn((len(sizes), n, k), dtype, dev, gen, k**-0.5)
     group_sizes = torch.tensor(sizes, dtype=torch.int64)
     y = backend.gemm.grouped_gemm(x, w, group_sizes.to(dev))
     expected = ref_gemm.grouped_gemm(oracle(x), oracle(w), group_sizes)
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="grouped_gemm")
+    assert_close(
+        y, expected, dtype, what="grouped_gemm", locate=grouped_locator(sizes),
+        case=f"group sizes {sizes}, K={k} N={n}",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
-def test_grouped_gemm_fp8(
-    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+def test_grouped_gemm(backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]) -> None:
+    run_grouped_gemm(backend, dtype, gen, sizes, 67, 45)
+
+
+@pytest.mark.parametrize("sizes", ALIGNED_GROUPS, ids=lambda g: "aligned-" + "-".join(map(str, g)))
+def test_grouped_gemm_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    run_grouped_gemm(backend, dtype, gen, sizes, 256, 384)
+
+
+def run_grouped_gemm_fp8(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int], k: int, n: int
 ) -> None:
     dev = backend.device.device()
-    k, n = 200, 150
     x = randn((sum(sizes), k), dtype, dev, gen)
     wq, ws = quantized_weight((len(sizes), n, k), dev, gen, k**-0.5)
     group_sizes = torch.tensor(sizes, dtype=torch.int64)
     y = backend.gemm.grouped_gemm_fp8(x, wq, ws, group_sizes.to(dev))
     expected = ref_gemm.grouped_gemm_fp8(oracle(x), wq.cpu(), ws.cpu(), group_sizes)
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="grouped_gemm_fp8", fp8_act=True)
+    assert_close(
+        y, expected, dtype, what="grouped_gemm_fp8", fp8_act=True, locate=grouped_locator(sizes),
+        case=f"group sizes {sizes}, K={k} N={n}",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_grouped_gemm_fp8(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    run_grouped_gemm_fp8(backend, dtype, gen, sizes, 200, 150)
+
+
+@pytest.mark.parametrize("sizes", ALIGNED_GROUPS, ids=lambda g: "aligned-" + "-".join(map(str, g)))
+def test_grouped_gemm_fp8_aligned(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    run_grouped_gemm_fp8(backend, dtype, gen, sizes, 256, 384)

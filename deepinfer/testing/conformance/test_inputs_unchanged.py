@@ -1,5 +1,6 @@
 """Ops leave their inputs alone: outputs are new tensors, inputs keep their bits (the contract's
-rule unless an op says otherwise: write_kv, copy_blocks and apply_token_bitmask work in place).
+rule unless an op says otherwise: the KV-cache writes, copy_blocks and apply_token_bitmask work in
+place).
 
 A backend that pads, scales or rotates an input in place passes a single comparison with the
 reference and corrupts the caller's next use of that tensor (the residual stream, the logits
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionMetadata, RouterConfig
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, RouterConfig
 from deepinfer.testing.helpers import make_paged_batch, quantized_weight, randn, topk_indices_for
 
 
@@ -58,19 +59,19 @@ def test_attention_inputs(backend: Backend, gen: torch.Generator, head_dim: int,
     topk = topk_indices_for(seq, qlen, 5, gen).to(dev)
     slots = torch.arange(40, device=dev)
     tensors = (q, sinks, topk, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-    before_kv = snapshot(backend.device.read_kv(cache, slots))
+    before_kv = snapshot(backend.kv_cache.read_kv(cache, slots))
     check("prefill", lambda: backend.attention.prefill(q, cache, meta, scale=0.1, v_dim=v), *tensors)
     check(
         "prefill (window, sinks, top-k)",
         lambda: backend.attention.prefill(
-            q, cache, meta, scale=0.1, v_dim=v, window=4, sinks=sinks, topk_indices=topk
+            q, cache, meta, scale=0.1, v_dim=v, modifiers=AttentionModifiers(4, sinks, topk)
         ),
         *tensors,
     )
     dmeta = AttentionMetadata.build(meta.block_tables, seq, [1, 1])
     qd = q[:2].clone()
     check("decode", lambda: backend.attention.decode(qd, cache, dmeta, scale=0.1, v_dim=v), qd)
-    assert_unchanged("attention (KV cache)", before_kv, backend.device.read_kv(cache, slots))
+    assert_unchanged("attention (KV cache)", before_kv, backend.kv_cache.read_kv(cache, slots))
 
 
 def test_small_inputs(backend: Backend, gen: torch.Generator) -> None:
@@ -79,8 +80,8 @@ def test_small_inputs(backend: Backend, gen: torch.Generator) -> None:
     x = randn((5, 64), dt, dev, gen)
     res = randn((5, 64), dt, dev, gen)
     w = randn((64,), dt, dev, gen)
-    check("rms_norm", lambda: backend.small.rms_norm(x, w, 1e-6, res), x, w, res)
-    check("rms_norm (no residual)", lambda: backend.small.rms_norm(x, w, 1e-6), x, w)
+    check("add_rms_norm", lambda: backend.small.add_rms_norm(x, res, w, 1e-6), x, w, res)
+    check("rms_norm", lambda: backend.small.rms_norm(x, w, 1e-6), x, w)
     xr = randn((5, 3, 16), dt, dev, gen)
     pos = torch.tensor([0, 7, 3, 1, 9], device=dev)
     cs = torch.rand((10, 16), generator=gen).to(dev)

@@ -1,12 +1,14 @@
-"""Device and memory ops: device handle, sync, memory info, streams, events, the paged KV pool."""
+"""Device ops (device handle, sync, memory info, streams, events, pinned buffers, graphs) and the
+KV-cache part (the layout's allocate / write / read / copy, MLA's fused cache write)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import KVCacheSpec
+from deepinfer.backend.types import Event, KVCacheSpec, Stream
 from deepinfer.reference import small as ref_small
 from deepinfer.testing.helpers import oracle, randn
 from deepinfer.testing.tolerances import TOLERANCES, assert_bitwise_equal, assert_close
@@ -31,6 +33,14 @@ def test_device_basics(backend: Backend) -> None:
 def test_streams_events_and_pinned_buffers(backend: Backend, device: torch.device) -> None:
     stream = backend.device.new_stream()
     event = backend.device.new_event()
+    assert isinstance(stream, Stream), f"new_stream returned {type(stream).__name__}, not a Stream"
+    assert isinstance(event, Event), f"new_event returned {type(event).__name__}, not an Event"
+    if device.type != "cpu":  # the host stand-ins say "done" before an asynchronous device is
+        stand_ins = (type(s).__name__ for s in (stream, event) if isinstance(s, HostStream | HostEvent))
+        assert not list(stand_ins), (
+            f"backend on {device.type} returns host stand-ins for streams/events: they report work as "
+            "finished before the device has run it; override new_stream / new_event / stream_context"
+        )
     x = torch.arange(10, dtype=torch.float32, device=device)
     with backend.device.stream_context(stream):
         y = x * 2
@@ -41,6 +51,25 @@ def test_streams_events_and_pinned_buffers(backend: Backend, device: torch.devic
     assert torch.equal(y.cpu(), torch.arange(10, dtype=torch.float32) * 2)
     host = backend.device.pinned_empty((3, 5), torch.bfloat16)
     assert host.shape == (3, 5) and host.dtype == torch.bfloat16 and host.device.type == "cpu"
+    if device.type != "cpu":
+        assert host.is_pinned(), "pinned_empty must return page-locked memory on an asynchronous device"
+
+
+def test_async_copy_ordered_by_event(backend: Backend, device: torch.device) -> None:
+    """What the engine relies on: a device-to-host copy into a pinned buffer, queued with
+    non_blocking=True after a computation, is complete once an event recorded after it is
+    synchronized (an event that reports completion early lets the host read stale values)."""
+    host = backend.device.pinned_empty((1 << 16,), torch.float32)
+    for value in (1.0, 2.0, 3.0):
+        src = torch.full((1 << 16,), value, device=device) * 2  # queued work, then the copy
+        host.copy_(src, non_blocking=True)
+        event = backend.device.new_event()
+        event.record()
+        event.synchronize()
+        assert bool((host == 2 * value).all()), (
+            f"after event.synchronize() the pinned buffer holds {host[0].item()} instead of {2 * value}: "
+            "the event does not order the host after the copy"
+        )
 
 
 @pytest.mark.parametrize("spec_args", SPECS, ids=lambda s: "x".join(map(str, s)))
@@ -53,13 +82,16 @@ def test_allocate_write_read_copy(
 ) -> None:
     nb, bs, latent, rope = spec_args
     spec = KVCacheSpec(nb, bs, latent, rope, dtype)
-    caches = backend.device.allocate_kv_cache(spec, 2)
+    caches = backend.kv_cache.allocate(spec, 2)
     assert len(caches) == 2
     all_slots = torch.arange(nb * bs, device=device)
     for c in caches:
         assert c.spec == spec
-        assert all(t.shape[0] == nb for t in c.tensors), "every cache tensor keeps the block index first"
-        stored = backend.device.read_kv(c, all_slots)
+        assert all(t.shape[0] == nb for t in c.tensors), (
+            "every cache tensor must have the block index as its first dimension (the contract's "
+            f"layout rule, which copy_blocks relies on); got shapes {[tuple(t.shape) for t in c.tensors]}"
+        )
+        stored = backend.kv_cache.read_kv(c, all_slots)
         assert stored.shape == (nb * bs, spec.head_dim) and stored.dtype == dtype
         assert not stored.any(), "a new cache is zero-filled"
 
@@ -68,31 +100,31 @@ def test_allocate_write_read_copy(
     slots = torch.randperm(nb * bs, generator=gen)[:n]
     slots[::4] = -1
     kv = randn((n, spec.head_dim), torch.float32, "cpu", gen)
-    backend.device.write_kv(caches[0], kv.to(device), slots.to(device))
+    backend.kv_cache.write_kv(caches[0], kv.to(device), slots.to(device))
     expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
     keep = slots >= 0
     expected[slots[keep]] = kv[keep].to(dtype)
-    assert_bitwise_equal(backend.device.read_kv(caches[0], all_slots), expected, what="write_kv/read_kv")
-    assert not backend.device.read_kv(caches[1], all_slots).any(), "write_kv touched another layer"
+    assert_bitwise_equal(backend.kv_cache.read_kv(caches[0], all_slots), expected, what="write_kv/read_kv")
+    assert not backend.kv_cache.read_kv(caches[1], all_slots).any(), "write_kv touched another layer"
 
     # copy blocks: src -> dst, every tensor of the cache; other blocks untouched
     perm = torch.randperm(nb, generator=gen)
     src, dst = perm[:2], perm[2:4]
-    backend.device.copy_blocks(caches[0], src.to(device), dst.to(device))
+    backend.kv_cache.copy_blocks(caches[0], src.to(device), dst.to(device))
     after = expected.view(nb, bs, -1).clone()
     after[dst] = after[src]
     assert_bitwise_equal(
-        backend.device.read_kv(caches[0], all_slots), after.view(nb * bs, -1), what="copy_blocks"
+        backend.kv_cache.read_kv(caches[0], all_slots), after.view(nb * bs, -1), what="copy_blocks"
     )
 
 
 def test_write_kv_empty(backend: Backend, device: torch.device) -> None:
     dt = backend.capabilities.dtypes[0]
-    cache = backend.device.allocate_kv_cache(KVCacheSpec(2, 4, 8, 0, dt), 1)[0]
-    backend.device.write_kv(
+    cache = backend.kv_cache.allocate(KVCacheSpec(2, 4, 8, 0, dt), 1)[0]
+    backend.kv_cache.write_kv(
         cache, torch.empty((0, 8), dtype=dt, device=device), torch.empty(0, dtype=torch.long, device=device)
     )
-    assert not backend.device.read_kv(cache, torch.arange(8, device=device)).any()
+    assert not backend.kv_cache.read_kv(cache, torch.arange(8, device=device)).any()
 
 
 def test_write_kv_strided_rows_and_padding(
@@ -102,26 +134,28 @@ def test_write_kv_strided_rows_and_padding(
     another float dtype, with padding (-1) first, last and in a run; then an all-padding step."""
     nb, bs, latent, rope = 4, 6, 12, 4
     spec = KVCacheSpec(nb, bs, latent, rope, dtype)
-    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    cache = backend.kv_cache.allocate(spec, 1)[0]
     all_slots = torch.arange(nb * bs, device=device)
     wide = randn((9, spec.head_dim + 5), torch.float32, "cpu", gen)
     kv = wide[:, 2 : 2 + spec.head_dim]
     slots = torch.tensor([-1, 7, 0, -1, -1, 23, 6, 11, -1])
-    backend.device.write_kv(cache, kv.to(device), slots.to(device))
+    backend.kv_cache.write_kv(cache, kv.to(device), slots.to(device))
     expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
     keep = slots >= 0
     expected[slots[keep]] = kv[keep].to(dtype)
-    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (strided rows)")
-    backend.device.write_kv(
+    assert_bitwise_equal(backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided rows)")
+    backend.kv_cache.write_kv(
         cache, randn((3, spec.head_dim), dtype, device, gen), torch.full((3,), -1, device=device)
     )
-    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (all padding)")
+    assert_bitwise_equal(backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (all padding)")
     # slot_mapping a strided view (one column of a (T, 2) table)
     table = torch.tensor([[3, 1], [-1, 2], [5, 19]])
     rows = randn((3, spec.head_dim), dtype, "cpu", gen)
-    backend.device.write_kv(cache, rows.to(device), table.to(device)[:, 1])
+    backend.kv_cache.write_kv(cache, rows.to(device), table.to(device)[:, 1])
     expected[table[:, 1]] = rows
-    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), expected, what="write_kv (strided slots)")
+    assert_bitwise_equal(
+        backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided slots)"
+    )
 
 
 def test_copy_blocks_fork(backend: Backend, device: torch.device, gen: torch.Generator) -> None:
@@ -129,20 +163,22 @@ def test_copy_blocks_fork(backend: Backend, device: torch.device, gen: torch.Gen
     dt = backend.capabilities.dtypes[0]
     nb, bs = 7, 5
     spec = KVCacheSpec(nb, bs, 8, 4, dt)
-    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    cache = backend.kv_cache.allocate(spec, 1)[0]
     all_slots = torch.arange(nb * bs, device=device)
     kv = randn((nb * bs, spec.head_dim), dt, "cpu", gen)
-    backend.device.write_kv(cache, kv.to(device), all_slots)
+    backend.kv_cache.write_kv(cache, kv.to(device), all_slots)
     src, dst = torch.tensor([2, 2, 5, 2]), torch.tensor([0, 3, 6, 4])
-    backend.device.copy_blocks(cache, src.to(device), dst.to(device))
+    backend.kv_cache.copy_blocks(cache, src.to(device), dst.to(device))
     after = kv.view(nb, bs, -1).clone()
     after[dst] = after[src]
     assert_bitwise_equal(
-        backend.device.read_kv(cache, all_slots), after.view(nb * bs, -1), what="copy_blocks"
+        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1), what="copy_blocks"
     )
     empty = torch.empty(0, dtype=torch.int64, device=device)
-    backend.device.copy_blocks(cache, empty, empty)
-    assert_bitwise_equal(backend.device.read_kv(cache, all_slots), after.view(nb * bs, -1), what="empty copy")
+    backend.kv_cache.copy_blocks(cache, empty, empty)
+    assert_bitwise_equal(
+        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1), what="empty copy"
+    )
 
 
 def test_capture_graph(backend: Backend, device: torch.device) -> None:
@@ -179,7 +215,7 @@ def mla_rows(
     interleaved: bool,
 ) -> torch.Tensor:
     """The contract's composition on the CPU, in the inputs' dtypes: [rms_norm | rope] (T, C + R)."""
-    normed, _ = ref_small.rms_norm(kv[:, :latent], w, 1e-6)
+    normed = ref_small.rms_norm(kv[:, :latent], w, 1e-6)
     k_pe = ref_small.rope(kv[:, None, latent:], positions, table, interleaved)[:, 0]
     return torch.cat([normed, k_pe], dim=-1)
 
@@ -209,10 +245,10 @@ def test_write_mla_kv(
     nb, bs, latent, rope = spec_args
     kv_dt = dtype if kv_dtype == "cache" else torch.float32
     spec = KVCacheSpec(nb, bs, latent, rope, dtype)
-    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    cache = backend.kv_cache.allocate(spec, 1)[0]
     all_slots = torch.arange(nb * bs)
     before = randn((nb * bs, spec.head_dim), dtype, "cpu", gen)  # old contents must survive
-    backend.device.write_kv(cache, before.to(device), all_slots.to(device))
+    backend.kv_cache.write_kv(cache, before.to(device), all_slots.to(device))
 
     n = nb * bs // 2 + 1
     slots = torch.randperm(nb * bs, generator=gen)[:n]
@@ -223,11 +259,11 @@ def test_write_mla_kv(
     w = (1 + randn((latent,), torch.float32, "cpu", gen, 0.2)).to(kv_dt)
     table = rope_table(700, rope)  # (P, 0) without a rope part
     positions = torch.randint(0, 700, (n,), generator=gen)
-    backend.device.write_mla_kv(
+    backend.kv_cache.write_mla_kv(
         cache, kv.to(device), w.to(device), 1e-6, positions.to(device), table.to(device), interleaved,
         slots.to(device),
     )  # fmt: skip
-    stored = backend.device.read_kv(cache, all_slots.to(device)).cpu()
+    stored = backend.kv_cache.read_kv(cache, all_slots.to(device)).cpu()
     keep = slots >= 0
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
@@ -239,14 +275,26 @@ def test_write_mla_kv(
     coarse = max((dtype, kv_dt), key=lambda d: TOLERANCES[d].rtol)
     expected = mla_rows(oracle(kv), oracle(w), positions, table.double(), latent, interleaved)
     assert_close(got, expected[keep], coarse, what="write_mla_kv rows vs the float64 reference")
-    # the same composition in the same dtypes (kv's, then the cache's): a rounding apart at most,
-    # plus float32 differences inside the norm and rope (summation order, FMA)
-    same = mla_rows(kv, w, positions, table, latent, interleaved)[keep].to(dtype).double()
+    # the contract: "rms_norm and rope as the small ops define them". So a fused write is the
+    # backend's own composition in the same dtypes (kv's, then the cache's), a rounding apart at
+    # most, plus float32 differences inside the norm and rope (summation order, FMA)
+    small = backend.small
+    kvd, wd = kv.to(device), w.to(device)
+    k_pe = kvd[:, latent:]
+    if rope:
+        k_pe = small.rope(k_pe[:, None], positions.to(device), table.to(device), interleaved)[:, 0]
+    composed = torch.cat([small.rms_norm(kvd[:, :latent], wd, 1e-6), k_pe.to(kv_dt)], dim=-1)
+    same = composed.cpu()[keep].to(dtype).double()
     budget = torch.finfo(coarse).eps + 16 * torch.finfo(torch.float32).eps
     err = (got.double() - same).abs()
-    assert (err <= budget * same.abs().clamp(min=1.0)).all(), (
-        f"write_mla_kv differs from the composition in {kv_dt} -> {dtype} by {err.max().item():.3e}"
-    )
+    if not (err <= budget * same.abs().clamp(min=1.0)).all():
+        row, col = divmod(int(torch.argmax(err - budget * same.abs().clamp(min=1.0))), err.shape[1])
+        part = "latent (rms_norm)" if col < latent else "rope part"
+        raise AssertionError(
+            f"write_mla_kv differs from this backend's own small.rms_norm + small.rope in {kv_dt} -> "
+            f"{dtype} by {err.max().item():.3e}; worst at written row {row}, column {col} ({part}), "
+            f"spec {spec_args}, {'interleaved' if interleaved else 'half'} rope"
+        )
 
 
 def test_write_mla_kv_empty_and_all_padding(
@@ -254,14 +302,14 @@ def test_write_mla_kv_empty_and_all_padding(
 ) -> None:
     dt = backend.capabilities.dtypes[0]
     spec = KVCacheSpec(2, 4, 8, 4, dt)
-    cache = backend.device.allocate_kv_cache(spec, 1)[0]
+    cache = backend.kv_cache.allocate(spec, 1)[0]
     table = rope_table(16, 4).to(device)
     w = torch.ones(8, dtype=dt, device=device)
     empty = torch.empty(0, dtype=torch.long, device=device)
-    backend.device.write_mla_kv(
+    backend.kv_cache.write_mla_kv(
         cache, torch.empty((0, 12), dtype=dt, device=device), w, 1e-6, empty, table, True, empty
     )
     rows = randn((3, 12), dt, device, gen)
     pad = torch.full((3,), -1, device=device)
-    backend.device.write_mla_kv(cache, rows, w, 1e-6, torch.zeros_like(pad), table, False, pad)
-    assert not backend.device.read_kv(cache, torch.arange(8, device=device)).any()
+    backend.kv_cache.write_mla_kv(cache, rows, w, 1e-6, torch.zeros_like(pad), table, False, pad)
+    assert not backend.kv_cache.read_kv(cache, torch.arange(8, device=device)).any()

@@ -38,6 +38,7 @@ from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpo
 from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference import moe as ref_moe
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, tolerance
 
 MODEL_DEPTH = 4
@@ -169,7 +170,7 @@ def test_tiny_model(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> Non
 @pytest.mark.usefixtures("fp8")
 def test_tiny_model_fp8(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> None:
     if dtype == torch.float64:
-        pytest.skip("FP8 GEMMs produce float32 or narrower activations")
+        skip_not_applicable("FP8 GEMMs produce float32 or narrower activations, not float64")
     config = tiny_config(n_routed_experts=4, num_experts_per_tok=4, n_group=1, topk_group=1)
     root = write_random_checkpoint(tmp_path / "tiny-fp8", config, seed=1, fp8=True)
     _check(backend, dtype, root, fp8=True)

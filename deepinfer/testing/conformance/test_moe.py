@@ -9,7 +9,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.reference import moe as ref_moe
 from deepinfer.testing.helpers import oracle, quantized_weight, randn
-from deepinfer.testing.tolerances import assert_close
+from deepinfer.testing.tolerances import assert_close, index_locator
 
 V3 = RouterConfig(
     "sigmoid", top_k=6, num_groups=8, topk_groups=4, group_score="top2_sum", renormalize=True,
@@ -220,17 +220,43 @@ def test_experts(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, sizes: list[int]
 ) -> None:
     is_fp8 = quant == "fp8"
+    run_experts(backend, dtype, gen, is_fp8, sizes, *((200, 136) if is_fp8 else (48, 37)))
+
+
+@pytest.mark.parametrize("quant", ["float", "fp8"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[64, 0, 128, 32], [128, 128, 0, 0], [16, 1, 0, 47]],
+    ids=lambda g: "aligned-" + "-".join(map(str, g)),
+)
+def test_experts_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, sizes: list[int]
+) -> None:
+    """Hidden 256 and intermediate 128 (both GEMMs' K and N multiples of 128)."""
+    run_experts(backend, dtype, gen, quant == "fp8", sizes, 256, 128)
+
+
+def run_experts(
+    backend: Backend,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    is_fp8: bool,
+    sizes: list[int],
+    dm: int,
+    inter: int,
+) -> None:
     if is_fp8 and not backend.capabilities.supports_fp8:
-        pytest.skip("backend does not claim FP8")
+        pytest.skip(f"backend {backend.name!r} does not claim FP8")
     dev = backend.device.device()
-    dm, inter = (200, 136) if is_fp8 else (48, 37)
     w13, w2, s13, s2 = expert_weights(len(sizes), dm, inter, dtype, dev, gen, is_fp8)
     x = randn((sum(sizes), dm), dtype, dev, gen)
     counts = torch.tensor(sizes, dtype=torch.int64)
     y = backend.moe.experts(x, counts.to(dev), w13, w2, s13, s2)
     expected = ref_moe.experts(oracle(x), counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
     assert y.dtype == dtype
-    assert_close(y, expected, dtype, what="experts", fp8_act=is_fp8)
+    where = index_locator(tuple(y.shape), ("row", "column"))
+    case = f"{'FP8' if is_fp8 else 'float'} weights, expert sizes {sizes}, Dm={dm} I={inter}"
+    assert_close(y, expected, dtype, what="experts", fp8_act=is_fp8, locate=where, case=case)
 
 
 def fused_moe_inputs(
@@ -241,8 +267,9 @@ def fused_moe_inputs(
     fp8: bool,
     experts: int = 8,
     top_k: int = 3,
+    dims: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    dm, inter = (256, 128) if fp8 else (40, 24)
+    dm, inter = dims or ((256, 128) if fp8 else (40, 24))
     w13, w2, s13, s2 = expert_weights(experts, dm, inter, dtype, dev, gen, fp8)
     x = randn((tokens, dm), dtype, dev, gen)
     ids = random_ids(tokens, top_k, experts, gen).to(dev)
@@ -255,17 +282,44 @@ def fused_moe_inputs(
 def test_fused_moe(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, tokens: int
 ) -> None:
-    is_fp8 = quant == "fp8"
+    run_fused_moe(backend, dtype, gen, quant == "fp8", tokens)
+
+
+@pytest.mark.parametrize("quant", ["float", "fp8"])
+@pytest.mark.parametrize("tokens", [16, 128], ids=lambda t: f"aligned-T{t}")
+def test_fused_moe_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, tokens: int
+) -> None:
+    """Hidden 256, intermediate 128, 8 experts, top-2: aligned GEMM shapes after routing."""
+    run_fused_moe(backend, dtype, gen, quant == "fp8", tokens, top_k=2, dims=(256, 128))
+
+
+def run_fused_moe(
+    backend: Backend,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    is_fp8: bool,
+    tokens: int,
+    top_k: int = 3,
+    dims: tuple[int, int] | None = None,
+) -> None:
     if is_fp8 and not backend.capabilities.supports_fp8:
-        pytest.skip("backend does not claim FP8")
-    x, weights, ids, w13, w2, s13, s2 = fused_moe_inputs(tokens, dtype, backend.device.device(), gen, is_fp8)
+        pytest.skip(f"backend {backend.name!r} does not claim FP8")
+    x, weights, ids, w13, w2, s13, s2 = fused_moe_inputs(
+        tokens, dtype, backend.device.device(), gen, is_fp8, top_k=top_k, dims=dims
+    )
     y = backend.moe.fused_moe(x, weights, ids, w13, w2, s13, s2)
     rx, rids = oracle(x), ids.cpu()
     x_sorted, src_to_dst, counts = ref_moe.permute(rx, rids, w13.shape[0])
     h = ref_moe.experts(x_sorted, counts, oracle(w13), oracle(w2), to_ref(s13), to_ref(s2))
     expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
     assert y.dtype == dtype and y.shape == x.shape
-    assert_close(y, expected, dtype, what="fused_moe", fp8_act=is_fp8)
+    where = index_locator(tuple(y.shape), ("token", "column"))
+    case = (
+        f"{'FP8' if is_fp8 else 'float'} weights, T={tokens} E={w13.shape[0]} top-{top_k}, "
+        f"Dm={x.shape[1]} I={w2.shape[2]}"
+    )
+    assert_close(y, expected, dtype, what="fused_moe", fp8_act=is_fp8, locate=where, case=case)
 
 
 @pytest.mark.parametrize("quant", ["float", "fp8"])
@@ -276,7 +330,7 @@ def test_fused_moe_edge_routing(
     """One expert, top-1 routing, and every token sent to every expert."""
     is_fp8 = quant == "fp8"
     if is_fp8 and not backend.capabilities.supports_fp8:
-        pytest.skip("backend does not claim FP8")
+        pytest.skip(f"backend {backend.name!r} does not claim FP8")
     dev = backend.device.device()
     x, weights, ids, w13, w2, s13, s2 = fused_moe_inputs(5, dtype, dev, gen, is_fp8, experts, top_k)
     y = backend.moe.fused_moe(x, weights, ids, w13, w2, s13, s2)

@@ -1,4 +1,4 @@
-"""rms_norm, rope, silu_and_mul, token bitmask and sampling against the reference."""
+"""rms_norm, add_rms_norm, rope, silu_and_mul, token bitmask and sampling against the reference."""
 
 from __future__ import annotations
 
@@ -10,29 +10,63 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.reference import small as ref_small
 from deepinfer.testing.helpers import oracle, randn
-from deepinfer.testing.tolerances import assert_close
+from deepinfer.testing.tolerances import Locator, assert_close, index_locator
 
 
-@pytest.mark.parametrize(
-    "shape", [(0, 64), (1, 129), (7, 257), (3, 2, 64), (2, 7168)], ids=lambda s: "x".join(map(str, s))
-)
+def norm(
+    backend: Backend,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    res: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backend's rms_norm (res None) or add_rms_norm: (y, h or None)."""
+    if res is None:
+        return backend.small.rms_norm(x, w, eps), None
+    y, h = backend.small.add_rms_norm(x, res, w, eps)
+    return y, h
+
+
+def ref_norm(
+    x: torch.Tensor, w: torch.Tensor, eps: float, res: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float64 reference of `norm` on CPU copies."""
+    if res is None:
+        return ref_small.rms_norm(oracle(x), oracle(w), eps), None
+    y, h = ref_small.add_rms_norm(oracle(x), oracle(res), oracle(w), eps)
+    return y, h
+
+
+def rows_locator(shape: tuple[int, ...]) -> Locator:
+    return index_locator(shape, ("row", "column") if len(shape) == 2 else ())
+
+
+# (..., Dm): empty, odd widths, 3-D, and production widths (DeepSeek-V3's 7168, its 1536 query and
+# 512 KV latents, V2-Lite's 2048) over aligned row counts
+NORM_SHAPES = [(0, 64), (1, 129), (7, 257), (3, 2, 64), (2, 7168), (64, 1536), (128, 512), (16, 2048)]
+
+
+@pytest.mark.parametrize("shape", NORM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rms_norm(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...], with_residual: bool
 ) -> None:
+    """rms_norm, and add_rms_norm (the residual add fused with the norm: y and the sum h)."""
     dev = backend.device.device()
     x = randn(shape, dtype, dev, gen, 2.0)
     w = (1 + randn((shape[-1],), torch.float32, "cpu", gen, 0.1)).to(dtype).to(dev)
     res = randn(shape, dtype, dev, gen) if with_residual else None
-    y, h = backend.small.rms_norm(x, w, 1e-6, res)
-    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), 1e-6, None if res is None else oracle(res))
-    assert y.dtype == dtype
-    assert_close(y, ry, dtype, what="rms_norm y")
-    if res is None:
-        assert h is None
-    else:
-        assert h is not None and rh is not None and h.dtype == dtype
-        assert_close(h, rh, dtype, what="rms_norm residual sum")
+    y, h = norm(backend, x, w, 1e-6, res)
+    ry, rh = ref_norm(x, w, 1e-6, res)
+    op = "add_rms_norm" if with_residual else "rms_norm"
+    case = f"x {tuple(shape)}"
+    assert y.dtype == dtype, f"{op} returned {y.dtype} for {dtype} input"
+    assert_close(y, ry, dtype, what=f"{op} y", locate=rows_locator(tuple(y.shape)), case=case)
+    if res is not None:
+        assert h is not None and rh is not None and h.dtype == dtype, f"{op} h must be in {dtype}"
+        assert_close(
+            h, rh, dtype, what=f"{op} h = x + residual", locate=rows_locator(tuple(h.shape)), case=case
+        )
 
 
 # Row magnitudes where eps decides the result: all zeros (0 / sqrt(0 + eps) = 0, never NaN),
@@ -61,8 +95,8 @@ def test_rms_norm_zero_and_tiny_rows(
         r[-1] = -x[-1]
         res = r.to(dev)
     x = x.to(dev)
-    y, h = backend.small.rms_norm(x, w, eps, res)
-    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), eps, None if res is None else oracle(res))
+    y, h = norm(backend, x, w, eps, res)
+    ry, rh = ref_norm(x, w, eps, res)
     assert y.dtype == dtype
     finite = torch.isfinite(y.cpu()).all(dim=-1)
     if not finite.all():
@@ -153,8 +187,8 @@ def test_rms_norm_strided_input(
     w = (1 + randn((72,), torch.float32, "cpu", gen, 0.1)).to(dtype).to(dev)
     res = randn((6, 72), dtype, dev, gen) if with_residual else None
     before = bits(wide)
-    y, h = backend.small.rms_norm(x, w, 1e-6, res)
-    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), 1e-6, None if res is None else oracle(res))
+    y, h = norm(backend, x, w, 1e-6, res)
+    ry, rh = ref_norm(x, w, 1e-6, res)
     assert_close(y, ry, dtype, what="rms_norm y (strided x)")
     if res is not None:
         assert h is not None and rh is not None
@@ -168,9 +202,13 @@ def test_rms_norm_float32_weight(backend: Backend, dtype: torch.dtype, gen: torc
     x = randn((4, 40), dtype, dev, gen, 2.0)
     w = 1 + randn((40,), torch.float32, dev, gen, 0.3)
     res = randn((4, 40), dtype, dev, gen)
-    y, h = backend.small.rms_norm(x, w, 1e-5, res)
-    ry, rh = ref_small.rms_norm(oracle(x), oracle(w), 1e-5, oracle(res))
-    assert y.dtype == dtype and h is not None and rh is not None and h.dtype == dtype
+    assert_close(
+        backend.small.rms_norm(x, w, 1e-5), ref_small.rms_norm(oracle(x), oracle(w), 1e-5), dtype,
+        what="rms_norm y (float32 weight)",
+    )  # fmt: skip
+    y, h = backend.small.add_rms_norm(x, res, w, 1e-5)
+    ry, rh = ref_small.add_rms_norm(oracle(x), oracle(res), oracle(w), 1e-5)
+    assert y.dtype == dtype and h.dtype == dtype
     assert_close(y, ry, dtype, what="rms_norm y (float32 weight)")
     assert_close(h, rh, dtype, what="rms_norm h (float32 weight)")
 
@@ -181,18 +219,16 @@ def test_rms_norm_residual_aliasing(backend: Backend, dtype: torch.dtype, gen: t
     x = randn((5, 96), dtype, dev, gen)
     w = (1 + randn((96,), torch.float32, "cpu", gen, 0.1)).to(dtype).to(dev)
     before = bits(x)
-    y, h = backend.small.rms_norm(x, w, 1e-6, x)
-    ry, rh = ref_small.rms_norm(oracle(before), oracle(w), 1e-6, oracle(before))
-    assert h is not None and rh is not None
+    y, h = backend.small.add_rms_norm(x, x, w, 1e-6)
+    ry, rh = ref_small.add_rms_norm(oracle(before), oracle(before), oracle(w), 1e-6)
     assert_close(y, ry, dtype, what="rms_norm y (residual is x)")
     assert_close(h, rh, dtype, what="rms_norm residual sum (residual is x)")
     assert torch.equal(bits(x), before), "rms_norm modified x / residual"
     # a residual stream held in a wider buffer, as x: both views of one tensor
     buf = randn((4, 2, 64), dtype, dev, gen)
     snapshot = bits(buf)
-    y, h = backend.small.rms_norm(buf[:, 0], w[:64], 1e-6, buf[:, 1])
-    ry, rh = ref_small.rms_norm(oracle(snapshot[:, 0]), oracle(w[:64]), 1e-6, oracle(snapshot[:, 1]))
-    assert h is not None and rh is not None
+    y, h = backend.small.add_rms_norm(buf[:, 0], buf[:, 1], w[:64], 1e-6)
+    ry, rh = ref_small.add_rms_norm(oracle(snapshot[:, 0]), oracle(snapshot[:, 1]), oracle(w[:64]), 1e-6)
     assert_close(y, ry, dtype, what="rms_norm y (x, residual views of one buffer)")
     assert_close(h, rh, dtype, what="rms_norm h (x, residual views of one buffer)")
     assert torch.equal(bits(buf), snapshot), "rms_norm modified its inputs"

@@ -16,11 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backend.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX
+from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
 from deepinfer_cuda.kernels.common import mma, next_pow2, num_sms, tma_supported, to_e4m3
 
-FP8_MAX = 448.0
-SCALE_BLOCK = 128
-AMAX_EPS = 1e-10  # all-zero groups stay finite (same constant as the reference)
+# The kernels spell the format's constants as literals (Triton jit code reads no Python globals
+# that are not constexpr): 448.0 is FP8_MAX, 1e-10 AMAX_EPS, as deepinfer.backend.fp8 defines.
+assert (FP8_MAX, AMAX_EPS) == (448.0, 1e-10)
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def quantize_fp8(x: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tenso
         raise ValueError(f"quantisation block must be a power of two >= 16, got {block}")
     m, k = x.shape
     g = triton.cdiv(k, block)
-    xq = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    xq = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((m, g), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return xq, scale
@@ -282,7 +284,7 @@ def _check_fp8(
     want = (*weight.shape[:-2], triton.cdiv(n, SCALE_BLOCK), kb)
     if tuple(weight_scale.shape) != want:
         raise ValueError(f"fp8_gemm: weight_scale must be {want}, got {tuple(weight_scale.shape)}")
-    if xq.dtype != torch.float8_e4m3fn or weight.dtype != torch.float8_e4m3fn:
+    if xq.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {xq.dtype} and {weight.dtype}")
 
 

@@ -1,0 +1,75 @@
+"""deepinfer's log: the standard `logging` module, logger "deepinfer" (every module logs to a
+child of it, `logging.getLogger(__name__)`).
+
+Level: DEEPINFER_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR, CRITICAL) when set; else WARNING for
+the library (quiet in tests and scripts) and INFO for the command line. Records go to stderr
+through one handler of our own, and not on to the root logger (as vLLM does), so a program that
+configures logging itself sees each line once; DEEPINFER_CONFIGURE_LOGGING=0 leaves the
+"deepinfer" logger alone (no handler, no level; records then propagate as usual).
+
+What is logged at INFO: the backend and why it was chosen, the engine arguments that differ
+from the defaults, the weights' load time, the KV-cache size in tokens, graph capture.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOGGER_NAME = "deepinfer"
+LEVEL_ENV = "DEEPINFER_LOG_LEVEL"
+CONFIGURE_ENV = "DEEPINFER_CONFIGURE_LOGGING"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+FORMAT = "%(levelname)s %(asctime)s [%(module)s] %(message)s"
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to sys.stderr as it is at each record (pytest and others swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def env_level() -> int | None:
+    """The level DEEPINFER_LOG_LEVEL names, None if unset; ValueError if it names none."""
+    name = os.environ.get(LEVEL_ENV, "").strip().upper()
+    if not name:
+        return None
+    if name not in LEVELS:
+        raise ValueError(
+            f"{LEVEL_ENV}={os.environ[LEVEL_ENV]!r} is not a log level; choose one of {', '.join(LEVELS)}"
+        )
+    return int(getattr(logging, name))
+
+
+def configure_logging(default_level: str | None = None) -> logging.Logger:
+    """Set up the "deepinfer" logger; cheap, and safe to call again (the engine calls it).
+
+    The level is DEEPINFER_LOG_LEVEL when set, else default_level when given (the CLI passes
+    INFO), else WARNING at the first call and left as it is afterwards."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if os.environ.get(CONFIGURE_ENV, "1").strip().lower() in ("0", "false", "no"):
+        return logger
+    first = not any(isinstance(h, _StderrHandler) for h in logger.handlers)
+    if first:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(FORMAT, datefmt="%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    level = env_level()
+    if level is None and default_level is not None:
+        level = int(getattr(logging, default_level))
+    if level is None and first:
+        level = logging.WARNING
+    if level is not None:
+        logger.setLevel(level)
+    return logger

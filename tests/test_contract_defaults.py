@@ -1,0 +1,185 @@
+"""The contract's defaults go through the backend's own ops (each part knows its Backend): a port
+that speeds up grouped_gemm speeds up the default experts, one that fuses rms_norm gets it in
+add_rms_norm and write_mla_kv. Also: how a Backend is assembled (parts bound, types checked, the
+KV ops that moved off DeviceOps refused loudly)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer.backend import (
+    AttentionModifiers,
+    Backend,
+    BackendOptions,
+    DeviceOps,
+    GemmOps,
+    KVCacheOps,
+    KVCacheSpec,
+    MoeOps,
+    SmallOps,
+)
+from deepinfer.backend.fp8 import quantize_weight
+from deepinfer.reference.backend import ReferenceDevice, ReferenceGemm, create_reference_backend
+
+
+def counting(calls: Counter[str], cls: type, *names: str) -> type:
+    """A subclass of `cls` whose methods `names` count their calls, then do what cls does."""
+
+    def wrap(name: str) -> Callable[..., Any]:
+        base = getattr(cls, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return base(self, *args, **kwargs)
+
+        return method
+
+    return type(f"Counting{cls.__name__}", (cls,), {n: wrap(n) for n in names})
+
+
+def instrumented() -> tuple[Backend, Counter[str]]:
+    calls: Counter[str] = Counter()
+    opts = BackendOptions()
+    ref = create_reference_backend(opts)
+    backend = dataclasses.replace(
+        ref,
+        gemm=counting(calls, ReferenceGemm, "linear", "grouped_gemm", "quantize_fp8", "fp8_gemm")(opts),
+        small=counting(calls, SmallOps, "rms_norm", "rope", "silu_and_mul")(opts),
+        kv_cache=counting(calls, KVCacheOps, "write_kv")(opts),
+    )
+    return backend, calls
+
+
+def test_experts_go_through_the_backends_grouped_gemm_and_silu() -> None:
+    backend, calls = instrumented()
+    x = torch.randn(7, 16)
+    w13, w2 = torch.randn(3, 2 * 8, 16), torch.randn(3, 16, 8)
+    backend.moe.experts(x, torch.tensor([3, 0, 4]), w13, w2)
+    assert calls["grouped_gemm"] == 2 and calls["silu_and_mul"] == 1
+    assert calls["linear"] == 4, "the default grouped_gemm runs this backend's linear per non-empty group"
+    calls.clear()
+    ids = torch.tensor([[0, 2], [1, 2], [0, 1]], dtype=torch.int32)
+    backend.moe.fused_moe(torch.randn(3, 16), torch.rand(3, 2), ids, w13, w2)
+    assert calls["grouped_gemm"] == 2 and calls["silu_and_mul"] == 1
+
+
+def test_fp8_defaults_go_through_quantize_and_fp8_gemm() -> None:
+    backend, calls = instrumented()
+    w = torch.stack([quantize_weight(torch.randn(128, 256))[0] for _ in range(2)])
+    s = torch.stack([quantize_weight(torch.randn(128, 256))[1] for _ in range(2)])
+    backend.gemm.grouped_gemm_fp8(torch.randn(5, 256), w, s, torch.tensor([2, 3]))
+    assert calls["quantize_fp8"] == 1 and calls["fp8_gemm"] == 2
+    calls.clear()
+    backend.gemm.linear_fp8(torch.randn(5, 256), w[0], s[0])
+    assert calls["quantize_fp8"] == 1 and calls["fp8_gemm"] == 1
+
+
+def test_norm_and_kv_defaults_go_through_the_backends_small_ops() -> None:
+    backend, calls = instrumented()
+    x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    y, h = backend.small.add_rms_norm(x, r, w, 1e-6)
+    assert calls["rms_norm"] == 1
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, backend.small.rms_norm(x + r, w, 1e-6))
+    calls.clear()
+    cache = backend.kv_cache.allocate(KVCacheSpec(2, 4, 8, 4, torch.float32), 1)[0]
+    table = torch.cat([torch.ones(16, 2), torch.zeros(16, 2)], dim=-1)  # cos 1, sin 0
+    backend.kv_cache.write_mla_kv(
+        cache, torch.randn(3, 12), torch.ones(8), 1e-6, torch.tensor([0, 1, 2]), table, True,
+        torch.tensor([0, 5, -1]),
+    )  # fmt: skip
+    assert (calls["rms_norm"], calls["rope"], calls["write_kv"]) == (1, 1, 1)
+
+
+def test_batched_linear_batch_invariant_default_uses_linear() -> None:
+    calls: Counter[str] = Counter()
+    opts = BackendOptions(batch_invariant=True)
+    backend = dataclasses.replace(
+        create_reference_backend(opts), gemm=counting(calls, ReferenceGemm, "linear")(opts)
+    )
+    out = backend.gemm.batched_linear(torch.randn(3, 5, 8), torch.randn(3, 4, 8))
+    assert out.shape == (3, 5, 4) and calls["linear"] == 3
+
+
+def test_parts_are_bound_to_their_backend() -> None:
+    backend = create_reference_backend()
+    assert all(part.backend is backend for part in backend.parts())
+    assert len(list(backend.parts())) == 7
+    loose = MoeOps(BackendOptions())
+    with pytest.raises(RuntimeError, match="not part of a Backend"):
+        loose.experts(torch.randn(1, 4), torch.tensor([1]), torch.randn(1, 4, 4), torch.randn(1, 4, 2))
+
+
+def test_a_part_of_the_wrong_type_is_refused() -> None:
+    ref = create_reference_backend()
+    with pytest.raises(TypeError, match="`gemm` must be a GemmOps instance, got MoeOps"):
+        dataclasses.replace(ref, gemm=MoeOps(BackendOptions()))
+
+
+def test_kv_ops_left_on_the_device_part_are_refused() -> None:
+    """A port written before KVCacheOps existed would have its layout silently ignored."""
+
+    class OldDevice(ReferenceDevice):
+        def allocate_kv_cache(self, spec: KVCacheSpec, num_layers: int) -> list[Any]:
+            return []
+
+        def write_kv(self, *args: Any) -> None:
+            pass
+
+    ref = create_reference_backend()
+    old = OldDevice(BackendOptions(), torch.device("cpu"))
+    with pytest.raises(TypeError, match=r"defines allocate_kv_cache, write_kv; the KV-cache ops moved"):
+        dataclasses.replace(ref, device=old)
+
+
+def test_host_stand_ins_on_the_cpu_only() -> None:
+    """The stream / event defaults are host stand-ins on the CPU (synchronous), torch's generic
+    stream and event objects elsewhere (checked here by type only: no accelerator in CI)."""
+    from deepinfer.backend.host import HostEvent, HostStream
+
+    device = create_reference_backend().device
+    assert isinstance(device.new_stream(), HostStream) and isinstance(device.new_event(), HostEvent)
+    assert not device.pinned_empty((2,), torch.float32).is_pinned()
+
+    class MetaDevice(DeviceOps):
+        def device(self) -> torch.device:
+            return torch.device("meta")
+
+        def synchronize(self) -> None:
+            pass
+
+        def memory_info(self) -> tuple[int, int]:
+            return (0, 1)
+
+    meta = MetaDevice(BackendOptions())
+    assert not meta._synchronous()
+
+
+def test_attention_modifiers_describe_and_plain() -> None:
+    assert AttentionModifiers().is_plain and AttentionModifiers().describe() == "none"
+    mods = AttentionModifiers(
+        window=8, sinks=torch.zeros(2), topk_indices=torch.zeros((3, 6), dtype=torch.int32)
+    )
+    assert not mods.is_plain and mods.describe() == "window=8, sinks, top-k 6"
+
+
+def test_gemm_defaults_need_only_linear() -> None:
+    """A GemmOps with only `linear` has every other op (grouped and batched through it)."""
+
+    class OnlyLinear(GemmOps):
+        def linear(
+            self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            return torch.nn.functional.linear(x, weight, bias)
+
+    opts = BackendOptions()
+    backend = dataclasses.replace(create_reference_backend(opts), gemm=OnlyLinear(opts))
+    x, w = torch.randn(6, 8), torch.randn(2, 4, 8)
+    y = backend.gemm.grouped_gemm(x, w, torch.tensor([2, 4]))
+    torch.testing.assert_close(y, torch.cat([x[:2] @ w[0].t(), x[2:] @ w[1].t()]))
