@@ -392,9 +392,8 @@ class Bench:
         self.info: dict[str, Any] = {}
         self.outputs: dict[tuple[str, int], list[list[int]]] = {}  # (engine, batch) -> tokens
         rng = random.Random(args.seed)
-        self.max_batch = max(
-            [*args.batches, args.profile_batch, args.invariant_batch, *args.ablation_batches]
-        )
+        singles = [args.profile_batch, args.invariant_batch]
+        self.max_batch = max([*args.batches, *args.profile_batches, *args.ablation_batches, *singles])
         self.vocab = json.loads(self.config_file.read_text())["vocab_size"]
         self.prompts = [
             [rng.randrange(2, self.vocab) for _ in range(args.input_len)] for _ in range(self.max_batch)
@@ -817,17 +816,33 @@ class Bench:
     # ------------------------------------------------------------------ extra: (a) idle share
 
     def profile_decode(self) -> None:
+        """(a) the default engine's decode steps under the profiler at each --profile-batches
+        batch; the one at --profile-batch is the idle-share row."""
+        a = self.args
+        for b in sorted({a.profile_batch, *a.profile_batches}):
+            if self.over_budget(f"profile at batch {b}"):
+                break
+            tok_s, secs, _ = self.di_throughput(self.llm, b, a.output_len)  # also the warm-up
+            res: dict[str, Any] = {"batch": b, "steps": a.profile_steps, "deepinfer_tok_s": tok_s}
+            res["deepinfer_s"] = secs
+            roof = self.roofline(b)
+            res["roofline_tok_s"] = roof["roofline_tok_s"]
+            res["roofline_decode_step_ms"] = roof["roofline_decode_step_ms"]
+            log(f"deepinfer B={b}: {tok_s:.1f} tok/s; profiling {a.profile_steps} decode steps")
+            res.update(self.profile_steps(self.llm, b, f"b{b}"))
+            self.extra.setdefault("profiles", {})[str(b)] = res
+            if b == a.profile_batch:
+                self.extra["idle"] = res
+
+    def profile_steps(self, llm: Any, b: int, label: str) -> dict[str, Any]:
+        """--profile-steps decode steps of b requests driven with engine.step() under
+        torch.profiler (after the prefill and --profile-lead-steps steps): idle share, kernels
+        per step, the top kernels; the trace is kept as trace_{label}.json.gz."""
         from deepinfer.api import SamplingParams
 
         a = self.args
-        b, steps = a.profile_batch, a.profile_steps
-        tok_s, secs, _ = self.di_throughput(self.llm, b, a.output_len)  # also the warm-up
-        res: dict[str, Any] = {"batch": b, "steps": steps, "deepinfer_tok_s": tok_s, "deepinfer_s": secs}
-        res.update(
-            {k: v for k, v in self.roofline(b).items() if k in ("roofline_tok_s", "roofline_decode_step_ms")}
-        )
-        log(f"deepinfer B={b}: {tok_s:.1f} tok/s; profiling {steps} decode steps")
-        engine = self.llm.llm_engine
+        steps = a.profile_steps
+        engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
         for p in self.prompts[:b]:
             engine.add(engine.make_sequence({"prompt_token_ids": p}, params))
@@ -854,22 +869,26 @@ class Bench:
         except BaseException:
             engine.abort_all()
             raise
-        res["host_wall_per_step_ms_profiled"] = wall * 1e3 / steps
+        res: dict[str, Any] = {"steps": steps, "host_wall_per_step_ms_profiled": wall * 1e3 / steps}
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
             res.update(analyse_trace(json.loads(path.read_text()), steps))
-            with open(path, "rb") as src, gzip.open(a.out / f"trace_b{b}.json.gz", "wb") as dst:
+            with open(path, "rb") as src, gzip.open(a.out / f"trace_{label}.json.gz", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-        self.extra["idle"] = res
         if "idle_share" in res:
             log(
-                f"B={b}: GPU idle {res['idle_share']:.1%} of the decode window, "
+                f"{label}: GPU idle {res['idle_share']:.1%} of the decode window, "
                 f"{res['kernels_per_step']:.0f} kernels/step, "
-                f"{res['window_per_step_ms']:.3f} ms/step on the GPU"
+                f"{res['window_per_step_ms']:.3f} ms/step on the GPU "
+                f"(busy {res['busy_per_step_ms']:.3f} ms; "
+                f"host {res['host_wall_per_step_ms_profiled']:.3f} ms)"
             )
+            for k in res["top_kernels"]:
+                log(f"   {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name'][:90]}")
         else:
-            log(f"B={b}: {res.get('note')}")
+            log(f"{label}: {res.get('note')}")
+        return res
 
     # ------------------------------------------------------------------ extra: (b), (c)
 
@@ -968,6 +987,8 @@ class Bench:
             f"batch-invariant B={b}: {tok_s:.1f} tok/s ({n} tokens; "
             f"default {res.get('default_tok_s', 0):.1f})"
         )
+        if not a.skip_invariant_profile:
+            res["profile"] = self.profile_steps(llm, b, f"invariant_b{b}")
         k = n  # prompt 0 alone for the whole length
         one = self.di_generate(llm, 1, k)
         res["batch_invariant_prompt0_same_at_1_and_b"] = one[0] == tokens[0][:k]
@@ -1179,7 +1200,31 @@ class Bench:
                     f"{idle.get('note')} (host wall "
                     f"{idle['host_wall_per_step_ms_profiled']:.3f} ms per step)."
                 ]
+        others = [
+            (f"default engine, batch {b}", r)
+            for b, r in self.extra.get("profiles", {}).items()
+            if r is not idle and "idle_share" in r
+        ]
         bi = self.extra.get("batch_invariant")
+        if bi and "idle_share" in bi.get("profile", {}):
+            others.append((f"batch-invariant engine, batch {bi['batch']}", bi["profile"]))
+        for title, r in others:
+            out += [
+                "",
+                f"## Decode-step profile: {title}",
+                "",
+                f"{r['steps']} steps: GPU busy {r['busy_per_step_ms']:.3f} ms of a "
+                f"{r['window_per_step_ms']:.3f} ms window (idle {r['idle_share']:.1%}), host wall "
+                f"{r['host_wall_per_step_ms_profiled']:.3f} ms per step under the profiler; "
+                f"{r['kernels_per_step']:.1f} kernels per step.",
+                "",
+                "| kernel (top by GPU time) | ms per step | calls per step |",
+                "| --- | --- | --- |",
+            ]
+            out += [
+                f"| `{k['name'][:80]}` | {k['ms_per_step']:.3f} | {k['calls_per_step']:.1f} |"
+                for k in r["top_kernels"]
+            ]
         if bi and "batch_invariant_tok_s" in bi:
             out += [
                 "",
@@ -1318,7 +1363,7 @@ def analyse_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     per_name: dict[str, list[float]] = {}
     for e in kernels:
         per_name.setdefault(e.get("name", "?"), []).append(float(e["dur"]))
-    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:30]
     return {
         "window_per_step_ms": window / 1e3 / steps,
         "busy_per_step_ms": busy / 1e3 / steps,
@@ -1367,6 +1412,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also time transformers' own default decode path (batched_mm) up to this batch (0: never)",
     )
     p.add_argument("--profile-batch", type=int, default=None, help="default 64 (smoke 2)")
+    p.add_argument(
+        "--profile-batches", type=ints, default=[], help="more batches to profile (kernel tables), e.g. 1,32"
+    )
+    p.add_argument(
+        "--skip-invariant-profile", action="store_true", help="no profile of the batch-invariant engine"
+    )
     p.add_argument("--profile-steps", type=int, default=None, help="default 10 (smoke 1)")
     p.add_argument(
         "--profile-lead-steps", type=int, default=None, help="decode steps before the profile (default 4)"
