@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the committed tree's whole GPU check (ci/gpu_check.sh: kernel tests, the engine
+# One device call: the whole GPU check (ci/gpu_check.sh: kernel tests, the engine
 # on real CUDA graphs, the cuda conformance suite) and bench/bench_e2e.py with any arguments given,
 # packed into $OUT/results.tgz (the device returns few files) beside the summaries.
 #   usage: OUT=dir bash ci/gpu_session.sh [bench_e2e.py arguments]
@@ -7,9 +7,6 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
 RES=$(mktemp -d)
-if [ -d .git ]; then  # run what is committed: drop work in progress copied with the tree
-  git checkout -q HEAD -- . && git clean -fdq && git log --oneline -1 | tee "$RES/commit.txt"
-fi
 OUT=$RES ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-200} bash ci/gpu_check.sh --skip-bench
 if [ $# -gt 0 ]; then
   mkdir -p "$RES/e2e"

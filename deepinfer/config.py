@@ -151,6 +151,18 @@ def _tensor_parallel_size(name: str, value: Any) -> None:
         )
 
 
+EXECUTOR_BACKENDS = ("mp", "external_launcher")  # distributed_executor_backend (None: mp when needed)
+
+
+def _executor_backend(name: str, value: Any) -> None:
+    if value is not None and value not in EXECUTOR_BACKENDS:
+        raise ValueError(
+            f"{name}={value!r} is not supported; choose None, 'mp' (the engine starts one worker "
+            "process per data-parallel rank) or 'external_launcher' (every rank runs the same script "
+            "under torchrun)"
+        )
+
+
 def _trust_remote_code(name: str, value: Any) -> None:
     _boolean(name, value)
     if value:
@@ -183,7 +195,8 @@ class EngineConfig:
     """What the user asked of the engine, with vLLM's argument names. Each field's help is in
     its metadata (`deepinfer generate --help` prints them; docs/vllm.md compares with vLLM).
 
-    Cross-field rules: speculative_config cannot be combined with enable_expert_parallel.
+    Cross-field rules: speculative_config cannot be combined with enable_expert_parallel or
+    data_parallel_size > 1; external_launcher needs enable_expert_parallel.
     """
 
     model: str = field(
@@ -281,6 +294,30 @@ class EngineConfig:
         _tensor_parallel_size,
         aliases=["-tp"],
     )
+    data_parallel_size: int = engine_arg(
+        1,
+        "attention data-parallel ranks (one device each): the engine starts one worker process per "
+        "rank, balances the requests over them and gathers the outputs in prompt order "
+        "(deepinfer.parallel.data_parallel); with enable_expert_parallel each holds 1/N of the routed "
+        "experts, else a whole copy of the model. Under torchrun: the world size, with "
+        "distributed_executor_backend='external_launcher'",
+        _positive_int,
+        aliases=["-dp"],
+    )
+    distributed_executor_backend: str | None = engine_arg(
+        None,
+        "how data-parallel ranks start: mp = worker processes the engine spawns (the default); "
+        "external_launcher = each rank is a process of its own that runs the same script (torchrun, "
+        "several nodes included) and serves the prompts it is given",
+        _executor_backend,
+        choices=list(EXECUTOR_BACKENDS),
+    )
+    enable_two_batch_overlap: bool = engine_arg(
+        False,
+        "with expert parallelism, split each MoE layer's tokens into two micro-batches so that one's "
+        "all-to-all runs while the other's experts compute (same tokens)",
+        _boolean,
+    )
     distributed_timeout_s: float = engine_arg(
         300.0,
         "with expert parallelism, the longest a rank waits for the others at the status exchange that "
@@ -323,6 +360,14 @@ class EngineConfig:
         _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
         if self.enable_expert_parallel and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
+        if self.data_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config cannot be combined with data_parallel_size > 1 yet")
+        if self.distributed_executor_backend == "external_launcher" and not self.enable_expert_parallel:
+            raise ValueError(
+                "distributed_executor_backend='external_launcher' serves one rank of an expert-parallel "
+                "group: set enable_expert_parallel=True (replicas without it need no launcher: start "
+                "independent processes)"
+            )
 
     def changed(self) -> dict[str, Any]:
         """The fields that differ from their defaults (model always), e.g. for a log line."""
