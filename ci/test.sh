@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install deepinfer, its two backend packages and the test tools, then run the test suite.
 #
-#   bash ci/test.sh [pytest args]
+#   bash ci/test.sh [pytest args]      (two pytest-xdist workers; PYTEST_WORKERS=N to change)
 #
 # Works on a fresh machine: without an active virtual environment it creates ./.venv.
 # torch 2.13.0 is installed FIRST, so that pip takes the CPU build (a later unpinned
@@ -21,7 +21,7 @@ python -m pip install --quiet -e '.[test]' -e backends/cuda -e backends/ascend t
 python -c "import torch; print('torch', torch.__version__)"
 
 set +e
-python -m pytest tests -q "$@"
+python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --durations=25 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

@@ -12,7 +12,8 @@ the middle of a call (the requests in flight are dropped).
 
 Threads: one LLM may be called from several threads; its calls run one at a time, each as if
 it were alone. Expert parallelism: an error on any rank raises on every rank (see
-deepinfer.parallel.rank_sync).
+deepinfer.parallel.rank_sync). data_parallel_size=N starts N worker processes and serves each
+call over them (deepinfer.parallel.data_parallel).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputsParams
-from deepinfer.engine.tokenizer import ChatMessage
+from deepinfer.engine.tokenizer import ChatMessage, Tokenizer
 from deepinfer.log import configure_logging
+from deepinfer.parallel.data_parallel import DataParallelEngine, external_launch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -72,24 +74,56 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         configure_logging()
         config = resolve_engine_config(engine_config(model, kwargs, "LLM()"))
-        self.llm_engine = LLMEngine(config)
         self._lock = threading.RLock()
+        self._engine: LLMEngine | None = None
+        # data_parallel_size > 1: the engines run in worker processes (deepinfer.parallel.data_parallel)
+        self.data_parallel: DataParallelEngine | None = None
+        if config.distributed_executor_backend == "external_launcher":  # this process is one rank
+            self._engine = LLMEngine(config, backend=external_launch(config))
+        elif config.data_parallel_size > 1:
+            self.data_parallel = DataParallelEngine(config)
+        else:
+            self._engine = LLMEngine(config)
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an engine built directly (e.g. around a random-weight model for benchmarks)."""
+    def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
+        """Wrap an engine built directly (e.g. around a random-weight model for benchmarks), or
+        the calling side of data-parallel workers."""
         configure_logging()
         llm = cls.__new__(cls)
-        llm.llm_engine = engine
+        llm._engine, llm.data_parallel = None, None
+        if isinstance(engine, DataParallelEngine):
+            llm.data_parallel = engine
+        else:
+            llm._engine = engine
         llm._lock = threading.RLock()
         return llm
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """This process's engine (RuntimeError with data_parallel_size > 1: the engines are in the
+        worker processes; `data_parallel` is their calling side)."""
+        if self._engine is None:
+            raise RuntimeError(
+                "with data_parallel_size > 1 the engines run in worker processes: this LLM has no "
+                "llm_engine (its data_parallel attribute drives them)"
+            )
+        return self._engine
+
+    def _tokenizer(self) -> Tokenizer | None:
+        return self.data_parallel.tokenizer if self.data_parallel is not None else self.llm_engine.tokenizer
+
+    def _model_name(self) -> str:
+        engine = self.data_parallel if self.data_parallel is not None else self.llm_engine
+        return engine.config.model
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The checkpoint's Hugging Face tokenizer: transformers' AutoTokenizer over its files
         (fast, local files only, no remote code), the one the engine encodes prompts with."""
-        if self.llm_engine.tokenizer is None:
-            raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
-        return self.llm_engine.tokenizer.hf_tokenizer
+        tok = self._tokenizer()
+        if tok is None:
+            raise ValueError(f"{self._model_name()} has no tokenizer.json")
+        return tok.hf_tokenizer
 
     @_one_call_at_a_time
     def generate(
@@ -105,19 +139,12 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: the model's
             generation_config.json, else SamplingParams(); see LLMEngine.default_sampling_params).
         """
+        if self.data_parallel is not None:
+            prompts, params = self._requests(prompts, sampling_params, self.data_parallel)
+            return self.data_parallel.generate(prompts, params, use_tqdm)
         engine = self.llm_engine
         try:
-            if isinstance(prompts, (str, dict)):
-                prompts = [prompts]
-            prompts = list(prompts)
-            if sampling_params is None:
-                sampling_params = engine.default_sampling_params()
-            if isinstance(sampling_params, SamplingParams):
-                params = [sampling_params] * len(prompts)
-            else:
-                params = list(sampling_params)
-                if len(params) != len(prompts):
-                    raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+            prompts, params = self._requests(prompts, sampling_params, engine)
             seqs = engine.make_sequences(prompts, params)
         except BaseException as exc:
             engine.all_ranks(False, exc)  # expert parallelism: the other ranks raise too, naming exc
@@ -130,6 +157,26 @@ class LLM:
         with tqdm(total=len(every), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
             engine.run_to_completion(every, bar)
         return [engine.to_output(seq) for seq in seqs]
+
+    @staticmethod
+    def _requests(
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        engine: LLMEngine | DataParallelEngine,
+    ) -> tuple[list[PromptType], list[SamplingParams]]:
+        """generate()'s arguments as one list of prompts and one of sampling params."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = engine.default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return prompts, params
 
     @_one_call_at_a_time
     def chat(
@@ -155,9 +202,9 @@ class LLM:
         """
         prompts: list[PromptType] = []
         try:
-            tok = self.llm_engine.tokenizer
+            tok = self._tokenizer()
             if tok is None:
-                raise ValueError(f"{self.llm_engine.config.model} has no tokenizer.json")
+                raise ValueError(f"{self._model_name()} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
             for conv in conversations:
                 text, ids = tok.apply_chat_template(
@@ -170,6 +217,7 @@ class LLM:
                 )
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
         except BaseException as exc:
-            self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would
+            if self.data_parallel is None:
+                self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would
             raise
         return self.generate(prompts, sampling_params, use_tqdm)

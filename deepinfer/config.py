@@ -40,6 +40,11 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 MAX_SPECULATIVE_TOKENS = 8
+SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "dspark")
+SPECULATIVE_KEYS = (
+    "method", "num_speculative_tokens", "min_draft_confidence", "confidence_scheduling", "step_token_budget",
+)  # fmt: skip
+DEFAULT_STEP_TOKEN_BUDGET = 64  # tokens a decode step may hold with confidence scheduling
 # Tokens per KV block: Ascend's fused paged MLA attention (npu_fused_infer_attention_score)
 # takes blocks of at most 1024 tokens; the CUDA (Triton) and reference kernels take any size, and
 # larger blocks only waste memory (a request holds at least one block).
@@ -146,8 +151,8 @@ def _tensor_parallel_size(name: str, value: Any) -> None:
     if value != 1:
         raise ValueError(
             f"{name}={value} is not supported: deepinfer spreads a model over several devices with "
-            "attention data parallelism and MoE expert parallelism instead (enable_expert_parallel=True, "
-            "one process per device, e.g. under torchrun); use tensor_parallel_size=1"
+            "attention data parallelism and MoE expert parallelism instead (data_parallel_size=N with "
+            "enable_expert_parallel=True: one process per device); use tensor_parallel_size=1"
         )
 
 
@@ -273,19 +278,24 @@ class EngineConfig:
     )
     speculative_config: dict[str, Any] | None = engine_arg(  # noqa: RUF009 - a dataclasses.field
         None,
-        'speculative decoding with the checkpoint\'s MTP head: {"method": "mtp", '
-        '"num_speculative_tokens": k} drafts k tokens per step (the head run k times in a chain, as vLLM '
-        'does; "deepseek_mtp" is accepted too) and verifies them in the next step; outputs are those of '
-        'plain decoding. "min_draft_confidence": p verifies only drafts the head gives probability >= p',
+        'speculative decoding: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step '
+        'with the checkpoint\'s MTP head (run k times in a chain, as vLLM does; "deepseek_mtp" is accepted '
+        'too), "method": "dspark" with the block drafter saved beside the model (drafter.safetensors, '
+        "k tokens in one pass); drafts are verified in the next step and outputs are those of plain "
+        'decoding. "min_draft_confidence": p verifies only the drafts whose confidence (the chance '
+        'that they and the drafts before them are accepted) is >= p; "confidence_scheduling": true '
+        'also caps the drafts a step verifies at "step_token_budget" (default 64) minus the tokens the '
+        "step computes anyway (docs/speculative.md)",
         _speculative_config,
         type=_json_object,
         metavar="JSON",
     )
     enable_expert_parallel: bool = engine_arg(
         False,
-        "shard the routed experts over the ranks of the default torch.distributed group (one process "
-        "per device, e.g. under torchrun); each rank serves its own requests with the whole attention "
-        "(attention data parallelism) and every rank must call generate the same number of times",
+        "shard the routed experts over the data-parallel ranks (data_parallel_size worker processes the "
+        "engine starts, or the ranks of torch.distributed's default group: torchrun, or a group the "
+        "caller made); each rank serves its own requests with the whole attention (attention data "
+        "parallelism); ranks started outside the engine must call generate the same number of times",
         _boolean,
     )
     tensor_parallel_size: int = engine_arg(
@@ -362,6 +372,10 @@ class EngineConfig:
             raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
         if self.data_parallel_size > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config cannot be combined with data_parallel_size > 1 yet")
+        if self.enable_two_batch_overlap and not self.enable_expert_parallel:
+            raise ValueError(
+                "enable_two_batch_overlap needs enable_expert_parallel=True (it splits the MoE exchanges)"
+            )
         if self.distributed_executor_backend == "external_launcher" and not self.enable_expert_parallel:
             raise ValueError(
                 "distributed_executor_backend='external_launcher' serves one rank of an expert-parallel "
@@ -385,12 +399,20 @@ class EngineConfig:
             return 0
         if not isinstance(spec, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
-        unknown = set(spec) - {"method", "num_speculative_tokens", "min_draft_confidence"}
+        unknown = set(spec) - set(SPECULATIVE_KEYS)
         if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}")
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {SPECULATIVE_KEYS}")
         method = spec.get("method", "mtp")
-        if method not in ("mtp", "deepseek_mtp"):
-            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'mtp'")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'mtp' or 'dspark'")
+        scheduling = spec.get("confidence_scheduling", False)
+        if not isinstance(scheduling, bool):
+            raise ValueError(
+                f"speculative_config: confidence_scheduling must be true or false, got {scheduling!r}"
+            )
+        budget = spec.get("step_token_budget", DEFAULT_STEP_TOKEN_BUDGET)
+        if not _is_int(budget) or budget < 0:
+            raise ValueError(f"speculative_config: step_token_budget must be an integer >= 0, got {budget!r}")
         k = spec.get("num_speculative_tokens", 1)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(
@@ -400,8 +422,25 @@ class EngineConfig:
         return k
 
     @property
+    def speculative_method(self) -> str | None:
+        """The drafter: "mtp" (the checkpoint's MTP head), "dspark" (the block drafter), None."""
+        if self.speculative_config is None:
+            return None
+        method = self.speculative_config.get("method", "mtp")
+        return "mtp" if method == "deepseek_mtp" else str(method)
+
+    @property
+    def step_token_budget(self) -> int | None:
+        """With confidence scheduling, the tokens a decode step may hold, verified drafts included
+        (None: no cap)."""
+        spec = self.speculative_config or {}
+        if not spec.get("confidence_scheduling", False):
+            return None
+        return int(spec.get("step_token_budget", DEFAULT_STEP_TOKEN_BUDGET))
+
+    @property
     def min_draft_confidence(self) -> float:
-        """Smallest MTP probability of a draft worth verifying (0: every draft)."""
+        """Smallest confidence of a draft worth verifying (0: every draft)."""
         p = (self.speculative_config or {}).get("min_draft_confidence", 0.0)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise ValueError(f"speculative_config: min_draft_confidence must be in [0, 1], got {p!r}")

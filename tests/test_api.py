@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
-
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 
 
 @pytest.fixture(scope="module")

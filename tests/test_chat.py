@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_model import TINY
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deepinfer import LLM, SamplingParams
-
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 
 # DeepSeek-V3.1-like: system prompt first, then the tools, a <think> switch after the assistant tag.
 TEMPLATE = """\

@@ -1,4 +1,4 @@
-"""The command line of issue 13: `deepinfer run-batch` (vLLM's batch file format), `generate`
+"""The command line as vLLM users know it: `deepinfer run-batch` (vLLM's batch file format), `generate`
 from a file or stdin, `bench` with vLLM's flags and JSON keys, `--version`, and the refusal of a
 random-weight model that cannot fit in memory."""
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_model import TINY
 
 from deepinfer import __version__
 from deepinfer.cli import main
@@ -22,7 +23,6 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.reference.backend import ReferenceDevice
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "model" / "tiny"
 ENGINE = ["--backend", "reference", "--max-model-len", "64", "--max-num-seqs", "8", "--enforce-eager"]
 
 
@@ -61,7 +61,7 @@ def test_run_batch_serves_completions_and_chat_and_reports_bad_lines(tmp_path: P
     ]  # fmt: skip
     src, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    r = deepinfer("run-batch", "-i", str(src), "-o", str(out), *ENGINE, cwd=tmp_path)
+    r = deepinfer("run-batch", "-i", str(src), "-o", str(out), "--model", str(TINY), *ENGINE, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [res["custom_id"] for res in results] == [

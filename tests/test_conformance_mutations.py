@@ -1,5 +1,5 @@
 """Mutation tests of the conformance suite: the reference backend with one op subtly wrong must
-FAIL the suite, and the unmutated reference must pass the same cases (issue 16).
+FAIL the suite, and the unmutated reference must pass the same cases.
 
 Each mutant is a copy of the reference backend with one part replaced by a subclass that
 overrides one op with a wrong version a real port could ship. They are registered with the
@@ -151,6 +151,30 @@ class AttentionWindowOffByOne(ReferenceAttention):
         return super().prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
 
 
+class CompressedAttentionIgnoresTopk(ReferenceAttention):
+    """DeepSeek-V4 CSA: every visible compressed entry attended, the indexer's choice dropped."""
+
+    def compressed_attention(self, q, cache, compressed, meta, *, scale, ratio, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        modifiers = dataclasses.replace(modifiers, topk_indices=None)
+        return super().compressed_attention(
+            q, cache, compressed, meta, scale=scale, ratio=ratio, modifiers=modifiers
+        )
+
+
+class IndexerPicksLowest(ReferenceAttention):
+    """A sign slip in the lightning indexer: the lowest-scoring entries are kept."""
+
+    def indexer_topk(self, q, weights, keys, meta, *, ratio, topk, scale):  # type: ignore[no-untyped-def]
+        return super().indexer_topk(q, -weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
+
+
+class HyperConnectionCombTransposed(SmallOps):
+    """mHC's residual mix with comb[t, k, j] for comb[t, j, k] (Sinkhorn's matrix is not symmetric)."""
+
+    def hc_post(self, y, streams, post, comb):  # type: ignore[no-untyped-def]
+        return super().hc_post(y, streams, post, comb.transpose(-1, -2))
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str  # the backend is mutant-<name>
@@ -204,6 +228,19 @@ MUTANT_LIST = [
         "(test_decode or test_prefill) and float32 and window_1",
         ("test_decode", "test_prefill"), "elements outside atol",
         ("worst at request ", ", head ", "window=1,"),
+    ),
+    # DeepSeek-V4's ops
+    Mutant(
+        "v4-topk-ignored", "attention", CompressedAttentionIgnoresTopk, "test_compressed_attention and csa",
+        ("test_compressed_attention",), "elements outside atol", ("compressed_attention", "ratio 4"),
+    ),
+    Mutant(
+        "v4-indexer-lowest", "attention", IndexerPicksLowest, "test_indexer_topk", ("test_indexer_topk",),
+        "picked",
+    ),
+    Mutant(
+        "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",
+        ("test_hc_pre_post_head",), "hc_post",
     ),
 ]  # fmt: skip
 MUTANTS_BY_NAME = {m.name: m for m in MUTANT_LIST}

@@ -451,3 +451,21 @@ def test_write_kv_casts_in_the_kernel_like_torch(gen: torch.Generator, dtype: to
     flat = cache.view(8, 16).cpu()
     keep = slots >= 0
     assert_bitwise_equal(flat[slots[keep]], kv[keep].to(dtype), what="write_kv cast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_matmul_is_each_matmul_bit_for_bit(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """The batch-invariant batched_linear: one launch over G groups equals G matmul calls bit for
+    bit (and the float64 product), with strided inputs (a transposed head view) and row counts
+    that do not fill a tile; one row alone equals its row in the batch."""
+    g, m, k, n = 3, 70, 48, 80
+    x = torch.randn((m, g, k), generator=gen).to(dtype).to(DEV).transpose(0, 1)  # (G, M, K) strided
+    w = torch.randn((g, n, k), generator=gen).to(dtype).to(DEV)
+    out = gemm_k.batched_matmul(x, w)
+    for i in range(g):
+        assert_bitwise_equal(out[i], gemm_k.matmul(x[i], w[i]), what=f"group {i}")
+    expected = torch.bmm(x.double(), w.double().transpose(1, 2))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * k**0.5)
+    assert_bitwise_equal(gemm_k.batched_matmul(x[:, 5:6], w), out[:, 5:6], what="one row alone")
+    assert gemm_k.batched_matmul(x[:, :0], w).shape == (g, 0, n)

@@ -1,4 +1,4 @@
-"""The engine arguments (issue 13): vLLM's keywords on LLM(...), one definition for LLM,
+"""The engine arguments: vLLM's keywords on LLM(...), one definition for LLM,
 EngineConfig and the command line, Hugging Face repo ids from the local hub cache, logging."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cli import build_parser
@@ -25,7 +26,6 @@ from deepinfer.log import LOGGER_NAME, configure_logging
 from deepinfer.models.hub import hub_cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "model" / "tiny"
 SMALL = {"backend": "reference", "max_model_len": 64, "max_num_seqs": 4, "block_size": 16}
 
 

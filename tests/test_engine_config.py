@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
-
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 
 
 @pytest.mark.parametrize(

@@ -4,16 +4,15 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 NEW_TOKENS = 12
 
 

@@ -1,4 +1,4 @@
-"""Expert-parallel faults over two gloo processes on the CPU (issue 16): every rank learns of a
+"""Expert-parallel faults over two gloo processes on the CPU: every rank learns of a
 failure on any rank and raises an error naming that rank and the cause, within a bounded time,
 instead of waiting for torch's 30-minute default timeout.
 

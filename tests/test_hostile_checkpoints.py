@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_model import TINY
 
 from deepinfer.api import LLM, SamplingParams
 from deepinfer.config import MAX_BLOCK_SIZE, EngineConfig
@@ -31,7 +32,6 @@ from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpo
 from deepinfer.reference.backend import create_reference_backend
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "model" / "tiny"
 SKIP_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"
 
 
@@ -389,12 +389,21 @@ def test_yarn_attention_factor_when_an_mscale_is_omitted(drop: tuple[str, ...]) 
     assert ModelConfig.from_dict(raw).rope.cos_sin_factor == pytest.approx(attention_factor, rel=1e-12)
 
 
-def test_deepseek_v4_stays_refused() -> None:
-    """transformers has DeepseekV4Config; deepinfer refuses model_type deepseek_v4 (not yet
-    supported), so none of its defaults apply."""
-    pytest.importorskip("transformers")
-    with pytest.raises(ModelConfigError, match="not yet supported"):
-        ModelConfig.from_dict({"model_type": "deepseek_v4"})
+def test_deepseek_v4_defaults_are_transformers() -> None:
+    """A sparse deepseek_v4 config.json reads every field with transformers' DeepseekV4Config
+    default, and derives the same layer schedule and rotated width."""
+    transformers = pytest.importorskip("transformers")
+    from deepinfer.models.config import V4_DEFAULTS
+
+    hf = transformers.DeepseekV4Config()
+    for name, value in V4_DEFAULTS.items():
+        assert getattr(hf, name) == value, name
+    cfg = ModelConfig.from_dict({"model_type": "deepseek_v4"})
+    assert cfg.v4 is not None
+    ratios = [0 if t == "sliding_attention" else hf.compress_rates[t] for t in hf.layer_types]
+    assert list(cfg.v4.compress_ratios) == ratios
+    assert list(cfg.v4.hash_layers) == [t == "hash_moe" for t in hf.mlp_layer_types]
+    assert cfg.v4.rope_dim == hf.qk_rope_head_dim
 
 
 # --------------------------------------------------------------------------- declared imports

@@ -82,12 +82,17 @@ def test_v2_router_normalises_or_scales() -> None:
     assert (rc.renormalize, rc.routed_scaling_factor) == (False, 16.0)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4.1-flash"])
-def test_v4_configs_are_refused_as_not_yet_supported(name: str) -> None:
+def test_v4_1_config_is_refused_as_not_yet_supported() -> None:
     with pytest.raises(
-        ModelConfigError, match=r"not yet supported; supported model types: deepseek_v2, deepseek_v3"
+        ModelConfigError,
+        match=r"not yet supported; supported model types: deepseek_v2, deepseek_v3, deepseek_v4",
     ):
-        ModelConfig.from_file(MODEL_DIR / name)
+        ModelConfig.from_file(MODEL_DIR / "deepseek-v4.1-flash")
+
+
+def test_v4_flash_config_parses() -> None:
+    cfg = ModelConfig.from_file(MODEL_DIR / "deepseek-v4-flash")
+    assert cfg.v4 is not None and cfg.v4.head_dim == 512 and cfg.num_hidden_layers == 43
 
 
 def test_parity_configs_parse() -> None:
@@ -198,3 +203,29 @@ def test_r1_is_the_v3_architecture() -> None:
     v3, r1 = _published("deepseek-v3"), _published("deepseek-r1")
     assert {k for k in v3 if v3[k] != r1.get(k)} == {"transformers_version"}
     assert ModelConfig.from_dict(v3) == ModelConfig.from_dict(r1)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+            "'layer_types' holds",
+        ),
+        ({"layer_types": ["sliding_attention"]}, "'layer_types' must list one of"),
+        ({"mlp_layer_types": ["hash_moe", "dense", "moe"]}, "'mlp_layer_types' holds"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads must be 1"),
+        ({"o_groups": 3}, r"num_attention_heads \(4\) must be divisible by o_groups \(3\)"),
+        ({"index_head_dim": 4}, r"index_head_dim \(4\) must be >= the rotated width \(8\)"),
+        (
+            {"compress_rates": {"compressed_sparse_attention": 8, "heavily_compressed_attention": 8}},
+            "CSA and HCA need different ratios",
+        ),
+        ({"num_experts_per_tok": 5}, r"num_experts_per_tok \(5\) exceeds n_routed_experts \(4\)"),
+    ],
+)
+def test_v4_config_errors_name_the_field(overrides: dict[str, object], match: str) -> None:
+    from deepinfer.models.random_checkpoint import tiny_v4_config
+
+    with pytest.raises(ModelConfigError, match=match):
+        ModelConfig.from_dict(tiny_v4_config(**overrides))

@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 PROMPT = "The weather"
 N = 16
 

@@ -1,4 +1,4 @@
-"""Issue 13, "Sampling": vLLM's n / best_of, logprobs=-1, prompt_logprobs, logit_bias,
+"""Sampling as vLLM users write it: vLLM's n / best_of, logprobs=-1, prompt_logprobs, logit_bias,
 allowed_token_ids, bad_words, truncate_prompt_tokens, detokenize=False, RequestOutput.metrics and
 num_cached_tokens. Oracles: transformers' DeepseekV3ForCausalLM on the same weights (float32
 logits, log-softmax in float64) for prompt and sampled log-probabilities and for greedy decoding
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.llm_engine import completion_seed
@@ -21,7 +22,6 @@ from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpo
 
 transformers = pytest.importorskip("transformers")
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 VOCAB = 978
 PROMPT = "The capital of France is"
 

@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 PROMPT = "The quick brown fox"
 GOOD = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 NAN, INF = float("nan"), float("inf")
@@ -169,8 +169,8 @@ def test_model_limits_checked_when_added(
 def test_unknown_field_cannot_be_set() -> None:
     """As with vLLM's SamplingParams: a misspelt or unsupported field is an error, not ignored."""
     sp = SamplingParams()
-    with pytest.raises(AttributeError, match="prompt_logprobs"):
-        sp.prompt_logprobs = 3  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError, match="temprature"):
+        sp.temprature = 0.5  # type: ignore[attr-defined]
 
 
 def test_changed_stop_is_honoured(llm: LLM) -> None:

@@ -197,7 +197,8 @@ def test_bad_speculative_configs(ckpt: Path, tmp_path: Path) -> None:
 
 def test_max_model_len_stop_tokens_and_grammars_with_drafts(tmp_path: Path) -> None:
     """Drafts near the end of the context, stop tokens and a grammar: same outputs as plain."""
-    tiny = Path(__file__).resolve().parents[1] / "model" / "tiny"
+    from tiny_model import TINY as tiny  # the random tiny model's tokenizer (978 tokens)
+
     ckpt = write_random_checkpoint(tmp_path / "c", tiny_config(vocab_size=978), seed=4)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, ckpt / name)

@@ -8,15 +8,14 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 
 pytest.importorskip("xgrammar", reason="structured output needs xgrammar (pip install xgrammar)")
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 PROMPTS = ["The weather", "Hello", "Numbers: 1, 2,"]
 
 

@@ -1,14 +1,14 @@
 """One LLM called from two threads at once: the calls run one at a time, each gives what it gives
-alone, and no request comes back unfinished (issue 16)."""
+alone, and no request comes back unfinished."""
 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
+
+from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 ROUNDS = 8  # calls per thread
 
 

@@ -9,11 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tiny_model import TINY
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
-TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 TEXTS = [
     "Hello world",
     "  leading spaces and trailing  ",

@@ -43,6 +43,7 @@ from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
 from deepinfer.reference import moe as ref_moe
 from deepinfer.reference import small as ref_small
+from deepinfer.reference import v4 as ref_v4
 
 
 class _Part:
@@ -299,6 +300,53 @@ class AttentionOps(_Part):
         decode rows and empty requests included). q: (T, H, D), possibly a strided view with
         stride(-1) == 1 -> (T, H, v_dim) in q's dtype."""
 
+    def compressed_attention(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        compressed: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        ratio: int,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+    ) -> torch.Tensor:
+        """DeepSeek-V4 attention: one softmax over two key sets, K = V (whole rows, D wide).
+        q (T, H, D) -> (T, H, D) in q's dtype.
+
+        `cache` holds one row per token position (paged by meta.block_tables as `prefill` reads
+        it); the query at position p sees the token rows the causal limit and modifiers.window let
+        through. `compressed` holds one row per compressed entry w (entry w at position w of the
+        same block tables; a request of KV length L has L // ratio of them); entry w pools tokens
+        [w*ratio, (w+1)*ratio) and is visible to the query at p when (w+1)*ratio <= p+1, further
+        limited to the ids of modifiers.topk_indices (T, Kt) when given (the edge rules of
+        AttentionModifiers: a set, -1 unused, ids past the visible entries ignored).
+        modifiers.sinks (H,) joins the softmax denominator. Default: the reference, reading the
+        rows through this backend's kv_cache.read_kv (any layout)."""
+        read = self.backend.kv_cache.read_kv
+        return ref_v4.compressed_attention(q, cache, compressed, meta, scale, ratio, modifiers, read)
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """DeepSeek-V4's lightning indexer: which compressed entries each query row attends to.
+        q (T, Hi, Di), weights (T, Hi) float32; `keys` holds one row (Di wide, or wider: the
+        first Di values count) per compressed entry, paged like `compressed_attention`'s.
+        score[t, w] = sum_h weights[t, h] * relu(q[t, h] . keys[w]) * scale over the entries
+        visible to row t ((w+1)*ratio <= p+1). -> (T, topk) int32: the ids of the
+        min(topk, visible) best-scoring visible entries in any order, -1 in the other columns.
+        Scores computed in float32. Default: the reference, reading the keys through this
+        backend's kv_cache.read_kv (any layout)."""
+        return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, self.backend.kv_cache.read_kv)
+
 
 # --------------------------------------------------------------------------- gemm
 
@@ -513,6 +561,34 @@ class CollectiveOps(_Part):
         dist.all_to_all_single(out, t.contiguous(), output_splits, input_splits, group=group)
         return out
 
+    def all_to_all_single_async(
+        self,
+        t: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+        group: Any = None,
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """all_to_all_single started without waiting -> (out, wait): `out` holds the result once
+        wait() returned; compute queued in between overlaps the exchange. Collectives started on a
+        group run in the order they were started, on every rank."""
+        rows = sum(output_splits) if output_splits is not None else t.shape[0]
+        out = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        work = dist.all_to_all_single(
+            out, t.contiguous(), output_splits, input_splits, group=group, async_op=True
+        )
+        return out, work.wait
+
+    def expert_exchange(self, num_experts: int, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """A fused expert-parallel dispatch + combine (e.g. DeepEP) for MoE layers of num_experts
+        routed experts spread evenly over the default group's ranks, with activations like x;
+        None (the default): the layer exchanges with all_to_all_single(_async)
+        (deepinfer.parallel.expert_parallel.dispatch_combine defines the meaning). It is called as
+        exchange(x (T, Dm), weights (T, K) float32, ids (T, K) global expert ids, local: range of
+        this rank's experts, experts(rows (R, Dm), local ids (R,)) -> unweighted outputs (R, Dm))
+        -> (T, Dm) = sum_k weights * expert_k(x). A collective: every rank must get the same
+        answer for the same arguments."""
+        return None
+
     def broadcast(self, t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
         """Copy rank `src`'s tensor to every rank, in place."""
         dist.broadcast(t, src, group=group)
@@ -561,6 +637,60 @@ class SmallOps(_Part):
         """x (M, 2I) = [gate | up] -> silu(gate) * up, (M, I), computed in float32.
         Default: the reference."""
         return ref_small.silu_and_mul(x)
+
+    def clamped_silu_and_mul(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        """DeepSeek-V4's clamped SwiGLU: x (M, 2I) = [gate | up] -> silu(min(gate, limit)) *
+        clamp(up, -limit, limit), (M, I), computed in float32. Default: the reference."""
+        return ref_v4.clamped_silu_and_mul(x, limit)
+
+    def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V4's compressor pooling: kv (W, S, D), gate (W, S, D) float logits (-inf marks
+        an absent slot) -> (W, D) in kv's dtype, out[w] = sum_s softmax_s(gate[w])[s] * kv[w, s]
+        per channel, softmax in float32; a window with every slot absent gives zeros.
+        Default: the reference."""
+        return ref_v4.gated_pool(kv, gate)
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Manifold-constrained hyper-connection weights before a block. streams (T, N, Dm);
+        fn ((2+N)N, N*Dm), base ((2+N)N,), scale (3,) float32. In float32: m = rms(flatten(streams))
+        @ fn^T (unweighted rms, norm_eps), split [pre N | post N | comb N*N];
+        pre = sigmoid(m_pre*scale[0] + base_pre) + hc_eps; post = 2 sigmoid(m_post*scale[1] + base_post);
+        comb = softmax_rows(m_comb*scale[2] + base_comb) + hc_eps, then divided by its column sums
+        (+hc_eps), then sinkhorn_iters-1 times by row sums and column sums (+hc_eps each).
+        -> (sum_n pre[n] * streams[n] (T, Dm) in streams' dtype, post (T, N), comb (T, N, N)).
+        Default: the reference."""
+        return ref_v4.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
+
+    def hc_post(
+        self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        """The residual mix after a block: out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] *
+        streams[t, j]. y (T, Dm), streams (T, N, Dm) -> (T, N, Dm) in streams' dtype, computed in
+        float32. Default: the reference."""
+        return ref_v4.hc_post(y, streams, post, comb)
+
+    def hc_head(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        """The last collapse of the streams: pre = sigmoid((rms(flatten(streams)) @ fn^T) * scale[0]
+        + base) + hc_eps with fn (N, N*Dm), base (N,), scale (1,); -> sum_n pre[n] * streams[n],
+        (T, Dm) in streams' dtype, computed in float32. Default: the reference."""
+        return ref_v4.hc_head(streams, fn, base, scale, norm_eps, hc_eps, self.batch_invariant)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place: logits (B, V) float, possibly rows of a wider buffer; bitmask (B, ceil(V/32))

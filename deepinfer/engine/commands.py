@@ -249,6 +249,12 @@ def add_bench_parser(subparsers: Any) -> None:
         help="random weights for a config: NAME of model/NAME, or a path; refused when the weights "
         "cannot fit in the device's free memory (estimated from the config before anything is built)",
     )
+    p.add_argument(
+        "--num-hidden-layers",
+        type=int,
+        default=None,
+        help="with --random-config: build only the first N layers (a reduced-depth model of the same shapes)",
+    )
     w = p.add_argument_group("workload (vLLM's `bench throughput` names)")
     w.add_argument(
         "--dataset-name", default="random", choices=["random"], help="random token ids (the only one)"
@@ -285,6 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from deepinfer.engine.args import engine_config, resolve_engine_config
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.random_weights import random_model, resolve_config
+    from deepinfer.parallel.data_parallel import DataParallelEngine, RandomWeights
 
     flags = {
         "num_prompts": "--num-prompts",
@@ -299,28 +306,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if kwargs["max_model_len"] is None:
             kwargs["max_model_len"] = args.input_len + args.output_len
         output_json = check_writable(args.output_json, "--output-json") if args.output_json else None
+        if args.num_hidden_layers is not None and (not args.random_config or args.num_hidden_layers < 1):
+            return fail(ValueError("--num-hidden-layers needs --random-config and a value >= 1"))
         if args.random_config:
             config_file = resolve_config(args.random_config)
             config = engine_config(config_file.parent, kwargs, "deepinfer bench")
             config = resolve_engine_config(config, config_file)
-            backend = get_backend(config.backend, BackendOptions(batch_invariant=config.batch_invariant))
-            model = random_model(
-                config_file, backend, config.torch_dtype, config.seed, config.gpu_memory_utilization
-            )
-            llm = LLM.from_engine(LLMEngine(config, model=model, backend=backend))
+            if config.data_parallel_size > 1 and args.num_hidden_layers is not None:
+                return fail(ValueError("--num-hidden-layers is not supported with data parallelism"))
+            if config.data_parallel_size > 1:  # each worker builds its own (its share of the experts)
+                weights = RandomWeights(str(config_file))
+                llm = LLM.from_engine(DataParallelEngine(config, random_weights=weights))
+            else:
+                backend = get_backend(config.backend, BackendOptions(batch_invariant=config.batch_invariant))
+                model = random_model(
+                    config_file, backend, config.torch_dtype, config.seed, config.gpu_memory_utilization,
+                    num_hidden_layers=args.num_hidden_layers,
+                )  # fmt: skip
+                llm = LLM.from_engine(LLMEngine(config, model=model, backend=backend))
             source = f"random weights, {config_file}"
         else:
             source = args.model or str(DEFAULT_MODEL)
             llm = LLM(source, **kwargs)
-        engine = llm.llm_engine
-        prompts = random_workload(args.num_prompts, args.input_len, engine.vocab_size, args.seed)
+        # data parallelism: the workers' generate calls return once their devices are done
+        dp = llm.data_parallel
+        engine = llm.llm_engine if dp is None else None
+        sync = engine.backend.device.synchronize if engine is not None else lambda: None
+        vocab_size = dp.vocab_size if dp is not None else llm.llm_engine.vocab_size
+        prompts = random_workload(args.num_prompts, args.input_len, vocab_size, args.seed)
         params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
         requests = [{"prompt_token_ids": p} for p in prompts]
         llm.generate(requests[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-        engine.backend.device.synchronize()
+        sync()
         start = time.perf_counter()
         outputs = llm.generate(requests, params)
-        engine.backend.device.synchronize()
+        sync()
         elapsed = time.perf_counter() - start
     except USER_ERRORS as exc:
         return fail(exc)
@@ -335,7 +355,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tokens_per_second": (num_in + num_out) / elapsed,
         # deepinfer's
         "model": source,
-        "backend": engine.backend.name,
+        "backend": engine.backend.name if engine is not None else dp.backend_name,  # type: ignore[union-attr]
+        "data_parallel_size": 1 if dp is None else dp.size,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -344,11 +365,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "input_tokens_per_s": num_in / elapsed,
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_in + num_out) / elapsed,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "num_draft_tokens": engine.num_draft_tokens,
-        "num_accepted_tokens": engine.num_accepted_tokens,
+        "num_preemptions": engine.scheduler.num_preemptions if engine is not None else dp.num_preemptions,  # type: ignore[union-attr]
+        "num_draft_tokens": engine.num_draft_tokens if engine is not None else 0,
+        "num_accepted_tokens": engine.num_accepted_tokens if engine is not None else 0,
     }
-    print(f"Model: {source} on backend {engine.backend.name}")
+    ranks = f" x {result['data_parallel_size']} data-parallel ranks" if dp is not None else ""
+    print(f"Model: {source} on backend {result['backend']}{ranks}")
     print(f"Requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), {elapsed:.2f} s")
     r = result
     print(

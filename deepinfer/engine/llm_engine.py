@@ -94,7 +94,9 @@ class LLMEngine:
         self.config = config
         logger.info("engine arguments (those not at their defaults): %s", config.changed())
         self.expert_parallel = (
-            ExpertParallel.from_torch_distributed() if config.enable_expert_parallel else None
+            ExpertParallel.from_torch_distributed(2 if config.enable_two_batch_overlap else 1)
+            if config.enable_expert_parallel
+            else None
         )
         if backend is None:
             device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.expert_parallel else 0
@@ -121,15 +123,34 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(path, mc)
 
         self.num_speculative_tokens = config.num_speculative_tokens
-        if self.num_speculative_tokens and getattr(model, "num_mtp_layers", 0) < 1:
+        method = config.speculative_method
+        drafter = getattr(model, "drafter", None) if method == "dspark" else None
+        if method == "mtp" and getattr(model, "num_mtp_layers", 0) < 1:
             raise ValueError(
                 f"speculative_config asks for MTP drafts but {config.model} has no MTP layer "
                 "(num_nextn_predict_layers is 0, or its weights are missing)"
             )
-        # Graphs and async scheduling serve plain decoding on one rank: speculative steps and
-        # expert-parallel exchanges (host-sized all_to_all) run eagerly and synchronously.
-        plain = not self.num_speculative_tokens and self.expert_parallel is None
+        if method == "dspark" and drafter is None:
+            raise ValueError(
+                f"speculative_config asks for the block drafter (method 'dspark') but {config.model} "
+                "has none (no drafter_config.json + drafter.safetensors; train/train_drafter.py makes them)"
+            )
+        if drafter is not None and self.num_speculative_tokens > drafter.block_size:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens={self.num_speculative_tokens} exceeds the "
+                f"block drafter's block_size {drafter.block_size}"
+            )
+        # Graphs and async scheduling serve plain decoding steps on one rank: steps with drafts
+        # and expert-parallel exchanges (host-sized all_to_all) run eagerly and synchronously.
+        plain = self.expert_parallel is None
         use_graphs = plain and not config.enforce_eager and backend.capabilities.supports_graphs
+        use_graphs = use_graphs and getattr(model, "supports_graphs", True)  # DeepSeek-V4: eager
+        if config.enable_prefix_caching and not getattr(model, "supports_prefix_caching", True):
+            raise ValueError(
+                f"enable_prefix_caching is not supported for {config.model} ({mc.model_type}): its "
+                "compressed KV entries depend on tokens past the shared prefix; run it with "
+                "enable_prefix_caching=False"
+            )
         self.async_scheduling = plain and config.async_scheduling
         bs = config.block_size
         self.sampler = Sampler(self.backend, self.eos_token_ids)
@@ -150,7 +171,7 @@ class LLMEngine:
             num_blocks * bs / self.max_model_len, self.max_model_len,
         )  # fmt: skip
         self.runner.kv_caches = self.backend.kv_cache.allocate(spec, model.num_kv_layers)
-        if self.num_speculative_tokens:  # the MTP head's own cache: same blocks and block tables
+        if method == "mtp":  # the MTP head's own cache: same blocks and block tables
             self.runner.mtp_caches = self.backend.kv_cache.allocate(spec, 1)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
         if buckets:
@@ -172,7 +193,7 @@ class LLMEngine:
         if self.num_speculative_tokens:
             self.speculative = SpeculativeDecoder(
                 self.runner, self.scheduler, self.sampler, self.outputs, self.num_speculative_tokens,
-                config.min_draft_confidence, self.max_model_len,
+                config.min_draft_confidence, self.max_model_len, drafter, config.step_token_budget,
             )  # fmt: skip
         self.in_flight: SampledStep | None = None  # the last step's tokens, not yet processed
         # two pinned buffers: a step's tokens land in one while the host reads the other's
@@ -224,7 +245,7 @@ class LLMEngine:
 
         c, bs = self.config, self.config.block_size
         one = self.model.kv_cache_spec(1, bs)
-        layers = self.model.num_kv_layers + (1 if self.num_speculative_tokens else 0)
+        layers = self.model.num_kv_layers + (1 if self.config.speculative_method == "mtp" else 0)
         bytes_per_block = one.bytes_per_token * bs * layers
         free, total = self.backend.device.memory_info()
         if c.num_gpu_blocks_override is not None:
@@ -463,17 +484,25 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, launch, process the previous step's tokens, launch the draw. Returns the
         sequences that finished (with async scheduling, those of the previous step)."""
-        batch = self.scheduler.schedule()
-        if self.speculative is not None:
-            assert len(batch) > 0, "scheduler made no progress"  # the pool holds max_model_len
+        spec = self.speculative
+        if spec is not None and spec.wants_step():  # drafts: a synchronous, eager step
+            finished = self._process_in_flight()  # every token on the host first
+            spec.limit_drafts()
+            batch = self.scheduler.schedule()
+            if len(batch) == 0:  # the in-flight tokens finished every request
+                assert not self.scheduler.has_unfinished(), "scheduler made no progress"
+                return finished
             spans = self.runner.prompt_logprob_spans(batch)
-            finished = self.speculative.step(batch)
+            done = spec.step(batch)
             if spans:  # from the step's hidden states, which the speculative decoder keeps
-                assert self.speculative.hidden is not None
-                prompt_lp = self.runner.prompt_logprobs(spans, self.speculative.hidden)
+                assert spec.hidden is not None
+                prompt_lp = self.runner.prompt_logprobs(spans, spec.hidden)
                 assert prompt_lp is not None
-                self.outputs.add_prompt_logprobs(prompt_lp, finished)
-            return finished
+                self.outputs.add_prompt_logprobs(prompt_lp, done)
+            return finished + done
+        if spec is not None:  # confidence scheduling left no room for drafts: a plain step
+            spec.drop_drafts()
+        batch = self.scheduler.schedule()
         if len(batch) == 0:  # only requests whose last token is still in flight are left
             assert self.in_flight is not None, "scheduler made no progress"
             return self._process_in_flight()

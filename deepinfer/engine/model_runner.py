@@ -180,9 +180,10 @@ class ModelRunner:
         return hidden, logits.float()
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        """Launch one step's forward: a graph replay for a decode batch that fits a bucket."""
-        bucket = self.bucket_for(batch)
+    def forward(self, batch: ScheduledBatch, eager: bool = False) -> ForwardOutput:
+        """Launch one step's forward: a graph replay for a decode batch that fits a bucket
+        (unless `eager`: a step that needs its hidden states)."""
+        bucket = None if eager else self.bucket_for(batch)
         step = self.inputs.prepare(batch, bucket)
         if bucket is None:
             hidden, logits = self._logits(step.forward)

@@ -12,6 +12,7 @@ allocated (ModelTooLargeError); one that fits but leaves less than a tenth of th
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ from deepinfer.backend.ops import Backend
 
 if TYPE_CHECKING:
     from deepinfer.models.config import ModelConfig
+    from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +35,19 @@ class RandomReader:
     """Stands in for deepinfer.models.loader.CheckpointReader: any tensor, random, seeded.
 
     Norm weights are ones, routing-correction biases zeros, other weights N(0, std^2). Reports no
-    optional tensors (no FP8 scales, no MTP layers)."""
+    optional tensors (no MTP layers); with fp8, every linear layer a DeepSeek FP8 checkpoint
+    quantizes is FP8 (e4m3 values N(0, 1), block scales std)."""
 
-    def __init__(self, device: torch.device, seed: int = 0, std: float = 0.02) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, std: float = 0.02, fp8: bool = False) -> None:
         self.device = device
         self.fp8_dtype = torch.float8_e4m3fn
         self.location: dict[str, str] = {}
         self.std = std
+        self.fp8 = fp8
         self.generator = torch.Generator(device=device).manual_seed(seed)  # draws on the device
 
     def has(self, name: str) -> bool:
-        return False
+        return self.fp8 and name.endswith(".weight_scale_inv")
 
     def skip(self, name: str) -> None:
         pass
@@ -57,11 +61,22 @@ class RandomReader:
         t = torch.randn(shape, generator=self.generator, device=device, dtype=dtype)
         return t.mul_(1.0 if "embed" in name else self.std)
 
-    def linear(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, None]:
-        return self.get(f"{prefix}.weight", shape, dtype), None
+    def linear(
+        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.fp8:
+            return self.get(f"{prefix}.weight", shape, dtype), None
+        n, k = shape  # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
+        w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
+        scale = torch.full((-(-n // 128), -(-k // 128)), self.std, dtype=torch.float32, device=self.device)
+        return w.to(self.fp8_dtype), scale
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return self.get(f"{prefix}.weight", shape, dtype)
+
+    def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
+        """Integer tables (DeepSeek-V4's hash routing token -> experts): uniform in [0, upper)."""
+        return torch.randint(upper, shape, generator=self.generator, device=self.device)
 
     def unread(self) -> list[tuple[str, str]]:
         return []
@@ -88,12 +103,17 @@ class ModelTooLargeError(ValueError):
     """The weights a config describes do not fit in the device's free memory."""
 
 
-def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+def estimate_weight_bytes(
+    config: ModelConfig, dtype: torch.dtype, fp8: bool = False, expert_share: float = 1.0
+) -> int:
     """Bytes of the weights (in `dtype`; the router's in float32) and the rotary table of the
-    model `config` describes, as random_model builds it (no MTP layers, no FP8), from the config
+    model `config` describes, as random_model builds it (no MTP layers), from the config
     alone: embedding and head, per layer MLA (q_a/q_b or q, kv_a, kv_b, o, norms) and a dense MLP
-    or the routed + shared experts with their router."""
+    or the routed + shared experts with their router. fp8: the linear layers at one byte a
+    weight (block scales neglected); expert_share: the share of the routed experts held (expert
+    parallelism)."""
     c = config
+    linear = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
     d, h = c.hidden_size, c.num_attention_heads
     if c.q_lora_rank:
         attention = d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
@@ -101,25 +121,33 @@ def estimate_weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
         attention = d * h * c.qk_head_dim
     attention += d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank  # kv_a_proj + its norm
     attention += c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * d
-    params, float32 = 0, 0
+    params, linears, float32 = 0, 0, 0
     for layer in range(c.num_hidden_layers):
-        params += attention + 2 * d  # + the two norms
+        params += 2 * d  # the two norms
+        linears += attention
         if c.is_moe_layer(layer):
-            params += 3 * d * c.moe_intermediate_size * (c.n_routed_experts + c.n_shared_experts)
+            experts = round(c.n_routed_experts * expert_share) + c.n_shared_experts
+            linears += 3 * d * c.moe_intermediate_size * experts
             float32 += c.n_routed_experts * (d + 1)  # router weight and correction bias
         else:
-            params += 3 * d * c.intermediate_size
+            linears += 3 * d * c.intermediate_size
     params += c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
     rotary = c.max_position_embeddings * c.qk_rope_head_dim * 4  # float32 cos/sin table
-    return params * torch.empty((), dtype=dtype).element_size() + float32 * 4 + rotary
+    return params * torch.empty((), dtype=dtype).element_size() + linears * linear + float32 * 4 + rotary
 
 
 def check_fits(
-    config: ModelConfig, dtype: torch.dtype, backend: Backend, memory_share: float = 0.9, name: str = ""
+    config: ModelConfig,
+    dtype: torch.dtype,
+    backend: Backend,
+    memory_share: float = 0.9,
+    name: str = "",
+    fp8: bool = False,
+    expert_share: float = 1.0,
 ) -> int:
     """The estimated weight bytes; ModelTooLargeError if they exceed the device's free memory,
     a warning if they leave less than a tenth of `memory_share` of it for the rest."""
-    need = estimate_weight_bytes(config, dtype)
+    need = estimate_weight_bytes(config, dtype, fp8, expert_share)
     free, total = backend.device.memory_info()
     what = (
         f"random weights for {name or 'this config'}: about {need / 2**30:.2f} GiB "
@@ -149,21 +177,38 @@ def random_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     memory_share: float = 0.9,
+    expert_parallel: ExpertParallel | None = None,
+    fp8: bool = False,
+    num_hidden_layers: int | None = None,
 ) -> Any:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
-    gpu_memory_utilization)."""
+    gpu_memory_utilization). expert_parallel: only this rank's routed experts; fp8: FP8 linear
+    layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8);
+    num_hidden_layers: overrides the config's depth (the first layers of its schedule)."""
     from deepinfer.models.config import ModelConfig
     from deepinfer.models.deepseek import DeepseekForCausalLM
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     config = ModelConfig.from_file(config_file)
+    if num_hidden_layers is not None:  # a reduced-depth model of the same shapes
+        raw = json.loads(config_file.read_text())
+        config = ModelConfig.from_dict(raw | {"num_hidden_layers": num_hidden_layers})
     if config.quantization is not None and dtype is None:
-        dtype = torch.bfloat16  # random weights are never FP8
+        dtype = torch.bfloat16  # activations of an FP8 model
     dtype = dtype or config.torch_dtype
-    need = check_fits(config, dtype, backend, memory_share, str(config_file))
+    if fp8 and not backend.capabilities.supports_fp8:
+        raise ValueError(f"FP8 random weights need a backend with FP8 GEMMs; {backend.name!r} has none")
+    share = 1.0 if expert_parallel is None else 1.0 / expert_parallel.world_size
+    need = check_fits(config, dtype, backend, memory_share, str(config_file), fp8, share)
     start = time.perf_counter()
-    model = DeepseekForCausalLM(config, backend, dtype)
-    model.load_weights(RandomReader(backend.device.device(), seed))  # type: ignore[arg-type]
+    if config.v4 is not None:
+        if expert_parallel is not None:
+            raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
+        model: DeepseekForCausalLM | DeepseekV4ForCausalLM = DeepseekV4ForCausalLM(config, backend, dtype)
+    else:
+        model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
+    model.load_weights(RandomReader(backend.device.device(), seed, fp8=fp8))  # type: ignore[arg-type]
     backend.device.synchronize()
     logger.info(
         "random weights for %s built in %.2f s: %.2f GiB (estimated), on %s",

@@ -134,9 +134,15 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- the batch
 
 
+def _engine(llm: Any) -> Any:
+    """The engine that holds the model's files: this process's, or with data_parallel_size > 1
+    the workers' calling side (both have config, tokenizer and default_sampling_params)."""
+    return llm.data_parallel if llm.data_parallel is not None else llm.llm_engine
+
+
 def run_batch(llm: Any, text: str, model_name: str, use_tqdm: bool = True) -> list[dict[str, Any]]:
     """The output objects of a batch file's content, one per non-blank line, in input order."""
-    base = llm.llm_engine.default_sampling_params()  # the model's defaults, read once
+    base = _engine(llm).default_sampling_params()  # the model's defaults, read once
     lines = []
     for number, raw in enumerate(text.splitlines(), 1):
         if not raw.strip():
@@ -239,9 +245,9 @@ def _parse_chat(base: Any, llm: Any, body: dict[str, Any], line: Line) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadLine("messages must be a non-empty list of {role, content} messages")
-    tok = llm.llm_engine.tokenizer
+    tok = _engine(llm).tokenizer
     if tok is None:
-        raise BadLine(f"{llm.llm_engine.config.model} has no tokenizer.json, so no chat template")
+        raise BadLine(f"{_engine(llm).config.model} has no tokenizer.json, so no chat template")
     text, ids = tok.apply_chat_template(
         messages,
         chat_template=body.get("chat_template"),
@@ -337,7 +343,7 @@ def _usage(line: Line) -> dict[str, int]:
 def _token_text(llm: Any, token_id: int, logprob: Any) -> str:
     if logprob is not None and logprob.decoded_token is not None:
         return str(logprob.decoded_token)
-    tok = llm.llm_engine.tokenizer
+    tok = _engine(llm).tokenizer
     return tok.decode([token_id], skip_special_tokens=False) if tok is not None else f"token_id:{token_id}"
 
 

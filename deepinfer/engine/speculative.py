@@ -1,13 +1,32 @@
-"""Speculative decoding with the checkpoint's MTP head: verify last step's drafts, draft anew.
+"""Speculative decoding: verify last step's drafts, draft anew (the checkpoint's MTP head, chained,
+or the block drafter of deepinfer.models.drafter, k tokens in one pass).
 
 A request that carries k draft tokens gets 1 + k logits rows: the token after its last one is
 sampled from the first as usual; while the token just sampled equals the next draft, that draft
 was right and the token after it is sampled from the next row (once the previous one is
 appended, so penalties, grammars and the request's noise offsets see the same history as in
 plain decoding). Sampling first and comparing after is exact: the emitted tokens follow the
-model's distribution whatever the drafts. Then the MTP head drafts the next ones.
+model's distribution whatever the drafts. Then the drafter proposes the next ones.
 
-These steps are synchronous: the next step's drafts depend on this step's accepted tokens.
+Confidence. Each draft j of a request comes with a confidence c_j: the chance that drafts
+0..j are all accepted (the MTP head: the product of its probabilities of drafts 0..j; the
+block drafter: its confidence head, trained for exactly that). A request keeps its drafts up to
+the first whose confidence is below the threshold (min_draft_confidence).
+
+Confidence scheduling (confidence_scheduling=True). A decode step's forward costs about the
+same for any token count up to a knee (it is bound by reading the weights, not by arithmetic);
+beyond it, every verified draft takes compute that plain decoding would have spent on other
+requests. So a step may hold step_token_budget tokens in all: with R requests waiting or
+running (one token each), the drafts get budget = max(0, step_token_budget - R) tokens, given
+to the drafts of highest confidence across the batch (the expected accepted tokens are the sum
+of the verified confidences; confidences fall along a request's drafts, so each request
+verifies a prefix). When budget = 0 the step is a plain decoding step: no drafter, and graphs
+and async scheduling where they are on, so a large batch is never slower than without drafts.
+A request's first step after plain steps has no drafts; the MTP head's cache misses the
+positions plain steps computed, which lowers its acceptance, never the outputs' exactness.
+
+Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
+step's accepted tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +40,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
+from deepinfer.models.drafter import BlockDrafter
 from deepinfer.models.forward_batch import ForwardBatch
 
 
@@ -63,8 +83,32 @@ def mtp_batch(
     )
 
 
+def draft_budget(step_token_budget: int | None, num_requests: int) -> int | None:
+    """Draft tokens a step may verify: step_token_budget less one token per request (None: no cap)."""
+    if step_token_budget is None:
+        return None
+    return max(0, step_token_budget - num_requests)
+
+
+def schedule_drafts(confidences: list[list[float]], budget: int | None) -> list[int]:
+    """How many of its drafts each request verifies: the `budget` drafts of highest confidence
+    across the batch (every draft when budget is None), taken as a prefix of each request's
+    drafts. confidences[b][j]: draft j of request b, non-increasing in j (ties go to the earlier
+    draft, then to the earlier request)."""
+    if budget is None:
+        return [len(c) for c in confidences]
+    ranked = sorted(
+        ((c, j, b) for b, conf in enumerate(confidences) for j, c in enumerate(conf)),
+        key=lambda t: (-t[0], t[1], t[2]),
+    )
+    counts = [0] * len(confidences)
+    for _, j, b in ranked[:budget]:
+        counts[b] = max(counts[b], j + 1)  # confidences fall along j: the taken ones are a prefix
+    return counts
+
+
 class SpeculativeDecoder:
-    """One synchronous step with drafts: forward, verification, MTP proposals."""
+    """One synchronous step with drafts: forward, verification, proposals (MTP or block drafter)."""
 
     def __init__(
         self,
@@ -75,19 +119,57 @@ class SpeculativeDecoder:
         num_speculative_tokens: int,
         min_draft_confidence: float,
         max_model_len: int,
+        drafter: BlockDrafter | None = None,
+        step_token_budget: int | None = None,
     ) -> None:
+        """drafter: the block drafter (None: the model's MTP head). step_token_budget: confidence
+        scheduling's cap on a step's tokens (None: every confident draft is verified)."""
         self.runner, self.scheduler, self.sampler, self.outputs = runner, scheduler, sampler, outputs
         self.block_manager: BlockManager = scheduler.block_manager
         self.k = num_speculative_tokens
         self.min_draft_confidence = min_draft_confidence
         self.max_model_len = max_model_len
+        self.drafter = drafter
+        self.step_token_budget = step_token_budget
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
+        self.num_steps = 0  # steps that verified or proposed drafts
+        self.last_budget: int | None = None  # the draft budget of the last step (None: no cap)
         self.hidden: torch.Tensor | None = None  # the model's final hidden states of this step
+        self.confidence: dict[int, list[float]] = {}  # id(seq) -> its drafts' confidences
+
+    def budget(self) -> int | None:
+        """This step's draft budget: one token per request that may run (waiting ones included,
+        up to max_num_seqs) is taken out of step_token_budget."""
+        sch = self.scheduler
+        requests = min(len(sch.running) + len(sch.waiting), sch.max_num_seqs)
+        return draft_budget(self.step_token_budget, requests)
+
+    def wants_step(self) -> bool:
+        """Whether the next step drafts (False: confidence scheduling left no budget for drafts,
+        and the step is a plain decoding step)."""
+        budget = self.budget()
+        return budget is None or budget > 0
+
+    def limit_drafts(self) -> None:
+        """Before scheduling: each running request keeps the drafts the budget gives it."""
+        self.last_budget = budget = self.budget()
+        seqs = [s for s in self.scheduler.running if s.draft]
+        conf = [self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)] for s in seqs]
+        for seq, n in zip(seqs, schedule_drafts(conf, budget)):
+            del seq.draft[n:]
+
+    def drop_drafts(self) -> None:
+        """Before a plain step: no request verifies drafts."""
+        for seq in self.scheduler.running:
+            seq.draft = []
+        self.confidence = {}
 
     def step(self, batch: ScheduledBatch) -> list[Sequence]:
+        self.num_steps += 1
         starts = [s.num_computed_tokens for s in batch.seqs]
-        _, logits, hidden = self.runner.forward(batch)  # logits (rows, V): 1 + draft rows per request
+        # logits (rows, V): 1 + draft rows per request; eager, for the hidden states
+        _, logits, hidden = self.runner.forward(batch, eager=True)
         assert hidden is not None, "speculative steps run eagerly"
         self.hidden = hidden  # (T, Dm): what the MTP head drafts from, in propose
         self.scheduler.advance(batch)
@@ -134,6 +216,7 @@ class SpeculativeDecoder:
         more than fit below max_model_len, cut at the first the head is not confident of)."""
         seqs, spans, rows, ks = [], [], [], []  # ks: drafts wanted (0: not at its last token yet)
         row = 0
+        self.confidence = {}
         for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
             valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
             end = min(start + valid, seq.num_tokens - 1)
@@ -141,24 +224,28 @@ class SpeculativeDecoder:
                 k = 0
                 if end == seq.num_tokens - 1:  # draft positions num_tokens .. num_tokens + k - 1
                     k = min(self.k, self.max_model_len - seq.num_tokens)
-                    # the chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
-                    if k > 1 and not self.block_manager.allocate(seq, k):
+                    # the MTP chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
+                    if self.drafter is None and k > 1 and not self.block_manager.allocate(seq, k):
                         k = 1
-                seqs.append(seq)
-                spans.append((start, end))
-                rows.append(row)
-                ks.append(k)
+                if k > 0 or self.drafter is None:  # the MTP head also fills its cache
+                    seqs.append(seq)
+                    spans.append((start, end))
+                    rows.append(row)
+                    ks.append(k)
             row += n
         if not seqs:
             return
         drafts = self.propose(seqs, spans, rows, [max(k, 1) for k in ks])
         for seq, k, chain in zip(seqs, ks, drafts):
-            for token, prob in chain[:k]:
-                if prob < self.min_draft_confidence:
+            conf: list[float] = []
+            for token, c in chain[:k]:
+                if c < self.min_draft_confidence:
                     break
                 seq.draft.append(token)
+                conf.append(min(c, conf[-1]) if conf else c)
+            if conf:
+                self.confidence[id(seq)] = conf
 
-    @torch.inference_mode()
     def propose(
         self,
         seqs: list[Sequence],
@@ -166,7 +253,43 @@ class SpeculativeDecoder:
         hidden_rows: list[int],
         num_drafts: list[int],
     ) -> list[list[tuple[int, float]]]:
-        """num_drafts[b] draft tokens for request b, each with its probability under the MTP head.
+        """num_drafts[b] (token, confidence) drafts for request b after its position spans[b][1]
+        (request b's hidden states of positions spans[b] = [start, end) are this step's rows
+        hidden_rows[b] ..): from the MTP head or the block drafter."""
+        if self.drafter is None:
+            return self.propose_mtp(seqs, spans, hidden_rows, num_drafts)
+        return self.propose_block(seqs, spans, hidden_rows, num_drafts)
+
+    @torch.inference_mode()
+    def propose_block(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+    ) -> list[list[tuple[int, float]]]:
+        """The block drafter, one pass for the batch: from the model's hidden state at end - 1
+        and the token at end (the last known one), drafts for positions end + 1 ...."""
+        assert self.hidden is not None and self.drafter is not None
+        model, device = self.runner.model, self.runner.device
+        rows = [r + e - s - 1 for r, (s, e) in zip(hidden_rows, spans)]
+        last = [seq.token_ids[e] for seq, (_, e) in zip(seqs, spans)]
+        hidden = self.hidden[torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)]  # (B, Dm)
+        tokens = torch.tensor(last, dtype=torch.int64).to(device, non_blocking=True)  # (B,)
+        k = max(num_drafts)
+        drafts, conf = self.drafter.draft(hidden, tokens, model.embed_tokens, model.lm_head, k)  # (B, k)
+        return [list(zip(d[:n], c[:n])) for d, c, n in zip(drafts.tolist(), conf.tolist(), num_drafts)]
+
+    @torch.inference_mode()
+    def propose_mtp(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+    ) -> list[list[tuple[int, float]]]:
+        """num_drafts[b] draft tokens for request b, each with its confidence: the product of the
+        MTP head's probabilities of it and of the drafts before it.
 
         The head first runs over positions spans[b] = [start, end) of request b: position p takes
         the model's hidden state of p (self.hidden row hidden_rows[b] + p - start) and token p + 1,
@@ -189,7 +312,8 @@ class SpeculativeDecoder:
             probs = torch.softmax(model.compute_logits(h), dim=-1)  # (len(live), V)
             top_p, top_t = probs.max(dim=-1)
             for b, t, p in zip(live, top_t.tolist(), top_p.tolist()):
-                drafts[b].append((int(t), float(p)))
+                before = drafts[b][-1][1] if drafts[b] else 1.0
+                drafts[b].append((int(t), before * float(p)))
             keep = [i for i, b in enumerate(live) if num_drafts[b] > j + 1]
             if not keep:
                 break

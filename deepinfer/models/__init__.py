@@ -1,12 +1,13 @@
 """DeepSeek model code, written only against the backend contract.
 
     from deepinfer.models import load_model
-    model = load_model("path/to/checkpoint", backend)   # DeepseekForCausalLM
+    model = load_model("path/to/checkpoint", backend)   # DeepseekForCausalLM (V4: DeepseekV4ForCausalLM)
 
 Files, in DeepSeek's reference order: config.py (ModelConfig from config.json), rope.py,
 layers.py (RMSNorm, Linear, MLP), attention.py (MLA, absorbed), moe.py (routers, MoE),
-deepseek.py (block, model, MTP head), loader.py (safetensors checkpoints); runner_util.py and
-random_checkpoint.py are small tools for tests and the conformance suite.
+deepseek.py (block, model, MTP head), deepseek_v4.py (DeepSeek-V4: its attention, compressor,
+indexer, hyper-connections, MoE and caches, in one file), loader.py (safetensors checkpoints);
+runner_util.py and random_checkpoint.py are small tools for tests and the conformance suite.
 """
 
 from deepinfer.models.config import ModelConfig, ModelConfigError

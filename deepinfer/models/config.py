@@ -1,4 +1,4 @@
-"""ModelConfig: a frozen view of a DeepSeek-V2 / V3 `config.json` (DeepSeek's published field names).
+"""ModelConfig: a frozen view of a DeepSeek-V2 / V3 / V4 `config.json` (DeepSeek's published field names).
 
 Parsing accepts both the published layout (`rope_scaling` with `type`, top-level `rope_theta`) and
 the one transformers 5 writes (`rope_parameters` with `rope_type` and `rope_theta` inside).
@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
 # Known DeepSeek generations this version cannot run yet: model_type -> name for the message.
 NOT_YET_SUPPORTED = {
     "deepseek_v32": "DeepSeek-V3.2 (sparse attention with a lightning indexer)",
-    "deepseek_v4": "DeepSeek-V4 / V4-Flash",
     "deepseek_v4_1": "DeepSeek-V4.1-Flash",
 }
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -36,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # transformers' defaults (DeepseekV2Config / DeepseekV3Config, transformers 5) for every field
 # deepinfer reads. None: transformers has no usable default; deepinfer then asks for the field
 # where it is used (num_experts_per_tok of a MoE model) or reads it as 1 (n_group, topk_group:
-# one group is no group limit). DeepSeek-V4 (DeepseekV4Config) is refused above, so has no row.
+# one group is no group limit). DeepSeek-V4 has its own table, V4_DEFAULTS (with its parser, below).
 _SHARED_DEFAULTS: dict[str, Any] = {
     "kv_lora_rank": 512,
     "q_lora_rank": 1536,
@@ -211,6 +210,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     quantization: Fp8Config | None = None
     torch_dtype: torch.dtype = torch.bfloat16
+    v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -399,6 +399,8 @@ def _parse_eos(value: Any) -> tuple[int, ...]:
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "deepseek_v4":
+        return _parse_v4(raw)
     if model_type in NOT_YET_SUPPORTED:
         raise ModelConfigError(
             f"{NOT_YET_SUPPORTED[model_type]} (model_type {model_type!r}) is not yet supported; "
@@ -501,3 +503,217 @@ def _validate(cfg: ModelConfig) -> None:
         raise ModelConfigError(
             "config.json: noaux_tc routing scores groups by their top-2 experts; need >= 2 per group"
         )
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_MLP_LAYER_TYPES = ("hash_moe", "moe")
+# transformers' DeepseekV4Config defaults (transformers 5.24) for every field deepinfer reads.
+V4_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "num_experts_per_tok": 6,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 1.5,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "swiglu_limit": 10.0,
+    "sliding_window": 128,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "attention_bias": False,
+}
+_V4_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """DeepSeek-V4's fields beyond ModelConfig's (transformers' DeepseekV4Config names).
+
+    compress_ratios: per layer 0 (sliding window only), csa_ratio (CSA: overlapping windows and a
+    lightning indexer) or hca_ratio (HCA: every compressed entry visible). hash_layers: per layer,
+    whether the MoE routes by the fixed token-id table (tid2eid) instead of the router's top-k.
+    """
+
+    head_dim: int
+    rope_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    csa_ratio: int
+    hca_ratio: int
+    hash_layers: tuple[bool, ...]
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    swiglu_limit: float
+    compress_rope: RopeConfig
+
+
+def _v4_rope_params(raw: dict[str, Any], f: _Fields) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(main, compress) rope parameter dicts, as transformers' DeepseekV4Config.__post_init__ builds
+    them: nested {"main", "compress"} as saved by transformers, or a flat (YaRN) dict that applies
+    to the compressed branches only, with compress_rope_theta; YaRN there has attention_factor 1."""
+    rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rp, dict):
+        raise ModelConfigError("config.json: 'rope_scaling' / 'rope_parameters' must be an object")
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        return rp["main"], rp["compress"]
+    main = {"rope_type": "default", "rope_theta": f.get_float("rope_theta", 10000.0, positive=True)}
+    compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+    compress["rope_theta"] = f.get_float("compress_rope_theta", 160000.0, positive=True)
+    compress["rope_type"] = compress.get("rope_type", compress.get("type")) or "default"
+    if compress["rope_type"] == "yarn":
+        compress.setdefault("attention_factor", 1.0)
+    return main, compress
+
+
+def _v4_types(f: _Fields, name: str, allowed: tuple[str, ...], n: int, default: list[str]) -> list[str]:
+    value = f.value(name)
+    types = list(default if value is None else value)
+    if not all(isinstance(t, str) for t in types) or len(types) < n:
+        raise f.error(f"{name!r} must list one of {', '.join(allowed)} per layer ({n} layers), got {value!r}")
+    bad = sorted({t for t in types[:n] if t not in allowed})
+    if bad:
+        raise f.error(f"{name!r} holds {bad}; supported: {', '.join(allowed)}")
+    return types[:n]
+
+
+def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
+    """A DeepSeek-V4 config.json (transformers' field names, legacy ones folded in as transformers
+    does) -> ModelConfig with `v4` set. ModelConfig's MLA fields describe V4's single K = V head:
+    kv_lora_rank = v_head_dim = head_dim, qk_rope_head_dim the rotated tail."""
+    f = _Fields(raw, V4_DEFAULTS)
+    if f.value("hidden_act") != "silu":
+        raise f.error(f"hidden_act {f.value('hidden_act')!r} is not supported; supported: silu")
+    if f.get_bool("attention_bias", False):
+        raise f.error("attention_bias true is not supported (DeepSeek models have none)")
+    if f.get_int("num_key_value_heads") != 1:
+        got = f.value("num_key_value_heads")
+        raise f.error(f"num_key_value_heads must be 1 (one shared K = V head), got {got}")
+    n = f.get_int("num_hidden_layers")
+    head_dim = f.get_int("head_dim")
+    factor = raw.get("partial_rotary_factor")
+    if factor is None and raw.get("qk_rope_head_dim") is not None:
+        rope_dim = f.get_int("qk_rope_head_dim")
+    else:
+        fraction = 64 / 512 if factor is None else f.get_float("partial_rotary_factor", 0.125)
+        rope_dim = int(head_dim * fraction)
+    if rope_dim < 2 or rope_dim % 2 or rope_dim > head_dim:
+        raise f.error(f"the rotated part of head_dim {head_dim} must be even, 2..{head_dim}; got {rope_dim}")
+
+    rates = dict(_V4_COMPRESS_RATES)
+    if isinstance(raw.get("compress_rates"), dict):
+        rates.update(raw["compress_rates"])
+    for legacy, key in (("compress_rate_csa", V4_LAYER_TYPES[1]), ("compress_rate_hca", V4_LAYER_TYPES[2])):
+        if raw.get(legacy) is not None:
+            rates[key] = raw[legacy]
+    rf = _Fields(rates, {}, "config.json compress_rates")
+    csa, hca = rf.get_int(V4_LAYER_TYPES[1], minimum=2), rf.get_int(V4_LAYER_TYPES[2], minimum=2)
+    if csa == hca:
+        raise f.error(f"compress_rates: CSA and HCA need different ratios, both are {csa}")
+    by_ratio = {0: V4_LAYER_TYPES[0], csa: V4_LAYER_TYPES[1], hca: V4_LAYER_TYPES[2]}
+    if raw.get("layer_types") is None and isinstance(raw.get("compress_ratios"), list):
+        default = [by_ratio.get(r, repr(r)) for r in raw["compress_ratios"]]
+    else:
+        interleave = [V4_LAYER_TYPES[1] if i % 2 else V4_LAYER_TYPES[2] for i in range(max(n - 2, 0))]
+        default = [V4_LAYER_TYPES[2]] * min(n, 2) + interleave
+    layer_types = _v4_types(f, "layer_types", V4_LAYER_TYPES, n, default)
+    n_hash = raw.get("num_hash_layers")
+    n_hash = 3 if n_hash is None else n_hash
+    mlp_default = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    mlp_types = _v4_types(f, "mlp_layer_types", V4_MLP_LAYER_TYPES, n, mlp_default)
+    ratio_of = {V4_LAYER_TYPES[0]: 0, V4_LAYER_TYPES[1]: csa, V4_LAYER_TYPES[2]: hca}
+
+    main, compress = _v4_rope_params(raw, f)
+    heads = f.get_int("num_attention_heads")
+    o_groups = f.get_int("o_groups")
+    if heads % o_groups:
+        raise f.error(f"num_attention_heads ({heads}) must be divisible by o_groups ({o_groups})")
+    index_head_dim = f.get_int("index_head_dim")
+    if index_head_dim < rope_dim:
+        raise f.error(f"index_head_dim ({index_head_dim}) must be >= the rotated width ({rope_dim})")
+    n_routed, top_k = f.get_int("n_routed_experts"), f.get_int("num_experts_per_tok")
+    if top_k > n_routed:
+        raise f.error(f"num_experts_per_tok ({top_k}) exceeds n_routed_experts ({n_routed})")
+    dtype_name = raw.get("torch_dtype", raw.get("dtype", "bfloat16")) or "bfloat16"
+    if dtype_name not in _DTYPES:
+        raise f.error(f"torch_dtype {dtype_name!r}; supported: {', '.join(_DTYPES)}")
+    inter = f.get_int("moe_intermediate_size")
+    v4 = V4Config(
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        o_groups=o_groups,
+        o_lora_rank=f.get_int("o_lora_rank"),
+        sliding_window=f.get_int("sliding_window"),
+        compress_ratios=tuple(ratio_of[t] for t in layer_types),
+        csa_ratio=csa,
+        hca_ratio=hca,
+        hash_layers=tuple(t == "hash_moe" for t in mlp_types),
+        index_n_heads=f.get_int("index_n_heads"),
+        index_head_dim=index_head_dim,
+        index_topk=f.get_int("index_topk"),
+        hc_mult=f.get_int("hc_mult"),
+        hc_sinkhorn_iters=f.get_int("hc_sinkhorn_iters"),
+        hc_eps=f.get_float("hc_eps", 1e-6, positive=True),
+        swiglu_limit=f.get_float("swiglu_limit", 10.0, positive=True),
+        compress_rope=_parse_rope({"rope_parameters": compress}, f),
+    )
+    return ModelConfig(
+        model_type="deepseek_v4",
+        vocab_size=f.get_int("vocab_size"),
+        hidden_size=f.get_int("hidden_size"),
+        intermediate_size=inter,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        kv_lora_rank=head_dim,
+        qk_nope_head_dim=head_dim - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=head_dim,
+        q_lora_rank=f.get_int("q_lora_rank"),
+        n_routed_experts=n_routed,
+        n_shared_experts=f.get_int("n_shared_experts", minimum=0),
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        topk_method="noaux_tc",
+        scoring_func=f.get_choice("scoring_func", "sqrtsoftplus", ("softmax", "sigmoid", "sqrtsoftplus")),
+        norm_topk_prob=True,
+        routed_scaling_factor=f.get_float("routed_scaling_factor", 1.5, positive=True),
+        rms_norm_eps=f.get_float("rms_norm_eps", 1e-6, positive=True),
+        max_position_embeddings=f.get_int("max_position_embeddings"),
+        rope=_parse_rope({"rope_parameters": main}, f),
+        rope_interleave=True,
+        tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
+        bos_token_id=f.get_token_id("bos_token_id"),
+        eos_token_id=_parse_eos(f.value("eos_token_id")),
+        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", minimum=0),
+        quantization=_parse_quantization(raw),
+        torch_dtype=_DTYPES[dtype_name],
+        v4=v4,
+    )

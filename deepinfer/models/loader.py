@@ -36,6 +36,8 @@ from deepinfer.backend.fp8 import FP8_DTYPE, dequantize_weight, weight_scale_sha
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.drafter import has_drafter, load_drafter
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
@@ -273,6 +275,20 @@ class CheckpointReader:
             f"{index}); the checkpoint is corrupt {_SKIP_HINT}"
         )
 
+    def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
+        """Integer table `name` (e.g. hash routing's token -> expert ids), shape-checked, every value
+        in [0, upper), as int64 on the device."""
+        if name in self.location:
+            self._check_shape(name, shape)
+        t = self._read_raw(name)
+        where = f"tensor {name!r} in {self.location[name]}"
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise CheckpointError(f"{where} has dtype {t.dtype}; expected integers")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= upper):
+            low, high = int(t.min()), int(t.max())
+            raise CheckpointError(f"{where} holds ids outside [0, {upper}): min {low}, max {high}")
+        return t.to(device=self.device, dtype=torch.int64)
+
     def skip(self, name: str) -> None:
         """Mark a tensor as known but unused (e.g. the MTP layer's copies of shared weights)."""
         self._read.add(name)
@@ -315,6 +331,8 @@ def _preflight(
     """Check the sizes that decide allocations against the checkpoint and the device before
     anything is built, so that an impossible config.json is an error, not an out-of-memory kill."""
     c, root = config, reader.root
+    if c.v4 is not None:  # DeepSeek-V4 names its tensors differently; its loader checks them
+        return
     embed = "model.embed_tokens.weight"
     if reader.has(embed) and reader.shape_of(embed) != (c.vocab_size, c.hidden_size):
         raise ShapeMismatchError(
@@ -367,8 +385,8 @@ def load_model(
     dtype: torch.dtype | None = None,
     expert_parallel: ExpertParallel | None = None,
     check_weights: bool | None = None,
-) -> DeepseekForCausalLM:
-    """Load a DeepSeek-V2 / V3 / R1 checkpoint directory onto `backend`.
+) -> DeepseekForCausalLM | DeepseekV4ForCausalLM:
+    """Load a DeepSeek-V2 / V3 / R1 / V4 checkpoint directory onto `backend`.
 
     expert_parallel: read only this rank's routed experts (see deepinfer.models.moe).
 
@@ -407,7 +425,13 @@ def load_model(
         root, device, backend.capabilities.supports_fp8, backend.name, check_weights
     ) as reader:
         _preflight(config, reader, backend, expert_parallel)
-        model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
+        model: DeepseekForCausalLM | DeepseekV4ForCausalLM
+        if config.v4 is not None:
+            if expert_parallel is not None:
+                raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
+            model = DeepseekV4ForCausalLM(config, backend, dtype)
+        else:
+            model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
         start = time.perf_counter()
         with _progress_bar(len(reader.location), expert_parallel) as reader.progress:
             model.load_weights(reader)
@@ -422,4 +446,6 @@ def load_model(
         shown = "; ".join(f"{n!r} in {f}" for n, f in unread[:10])
         more = f" (and {len(unread) - 10} more)" if len(unread) > 10 else ""
         raise UnexpectedTensorError(f"unexpected tensors in checkpoint {root}: {shown}{more}")
+    if has_drafter(root):  # a block drafter saved beside the model (deepinfer.models.drafter)
+        model.drafter = load_drafter(root, backend, config, dtype)
     return model.eval()

@@ -70,7 +70,9 @@ class MoE(nn.Module):
         )
         self.ep = ep
         # the routed experts this layer holds (all of them without expert parallelism)
-        self.local = ep.local_experts(self.num_experts) if ep is not None else range(self.num_experts)
+        self.bounds = ep.expert_bounds(self.num_experts) if ep is not None else [0, self.num_experts]
+        rank = ep.rank if ep is not None else 0
+        self.local = range(self.bounds[rank], self.bounds[rank + 1])
         self.router = router_config(config)
         self.uses_bias = config.topk_method == "noaux_tc"
         meta = torch.empty(0, device="meta")
@@ -89,15 +91,18 @@ class MoE(nn.Module):
         weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)  # (T, K)
         if self.ep is None:
             y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
-        else:
-            y = self._expert_parallel(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            return y if self.shared_experts is None else y + self.shared_experts(x)
+        return self._expert_parallel(x, weights, ids)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Routed experts over the ranks (deepinfer.parallel): x (T, Dm), weights / ids (T, K)."""
+        """Routed experts over the ranks (deepinfer.parallel): x (T, Dm), weights / ids (T, K).
+        With two micro-batches the shared experts compute while the combines are in flight."""
         assert self.ep is not None
+        shared: list[torch.Tensor] = []
+
+        def shared_experts() -> None:
+            if self.shared_experts is not None:
+                shared.append(self.shared_experts(x))
 
         def local_experts(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
             ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
@@ -105,9 +110,14 @@ class MoE(nn.Module):
                 rows, ones, local_ids.view(-1, 1), self.w13, self.w2, self.w13_scale, self.w2_scale
             )
 
-        return dispatch_combine(
-            self.backend.collectives, x, weights, ids, self.local, self.ep.world_size, local_experts
-        )
+        two = self.ep.micro_batches == 2
+        y = dispatch_combine(
+            self.backend.collectives, x, weights, ids, self.bounds, self.ep.rank, local_experts,
+            self.ep.micro_batches, shared_experts if two else None,
+        )  # fmt: skip
+        if not two:
+            shared_experts()
+        return y + shared[0] if shared else y
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         e, dm, inter = self.num_experts, self.hidden, self.inter

@@ -211,3 +211,95 @@ def write_random_checkpoint(
         state, _ = quantize_state_dict(state)
         cfg["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     return write_checkpoint(path, cfg, state, shards)
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+
+def tiny_v4_config(**overrides: Any) -> dict[str, Any]:
+    """A tiny DeepSeek-V4 config.json dict (transformers' field names): a sliding-window-only, a
+    CSA and an HCA layer, the first MoE hash-routed."""
+    cfg: dict[str, Any] = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "head_dim": 16,
+        "q_lora_rank": 24,
+        "partial_rotary_factor": 0.5,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        "mlp_layer_types": ["hash_moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "sliding_window": 6,
+        "o_groups": 2,
+        "o_lora_rank": 8,
+        "index_n_heads": 4,
+        "index_head_dim": 8,
+        "index_topk": 3,
+        "hc_mult": 2,
+        "hc_sinkhorn_iters": 5,
+        "max_position_embeddings": 256,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+class _RecordingReader:
+    """Stands in for CheckpointReader: makes up every tensor the V4 loader asks for (on the CPU,
+    seeded) and records it under its name. Norm weights near 1, sinks / biases / mixing
+    parameters O(0.5), matrices N(0, 1/fan_in)."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.location: dict[str, str] = {}
+
+    def has(self, name: str) -> bool:
+        return name == "model.embed_tokens.weight"  # transformers' names
+
+    def skip(self, name: str) -> None:
+        pass
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        t = torch.randn(shape, generator=self.gen)
+        if name.endswith("norm.weight"):
+            t = 1 + 0.2 * t
+        elif len(shape) == 2 and "embed" not in name:
+            t = t / shape[1] ** 0.5
+        elif len(shape) == 1:
+            t = 0.5 * t
+        self.tensors[name] = t
+        return t.to(dtype or torch.float32)
+
+    def linear(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+        return self.get(f"{prefix}.weight", shape, dtype), None
+
+    def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
+        ids = torch.stack([torch.randperm(upper, generator=self.gen)[: shape[1]] for _ in range(shape[0])])
+        self.tensors[name] = ids
+        return ids
+
+
+def write_random_v4_checkpoint(root: Path, config: dict[str, Any] | None = None, seed: int = 0) -> Path:
+    """A random DeepSeek-V4 checkpoint (float32, the names transformers' save_pretrained writes)
+    in directory `root`: config.json + model.safetensors. The tensors are exactly those the
+    loader reads (it asks a recording reader for each)."""
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from deepinfer.reference.backend import create_reference_backend
+
+    config = config or tiny_v4_config()
+    reader = _RecordingReader(seed)
+    model = DeepseekV4ForCausalLM(ModelConfig.from_dict(config), create_reference_backend(), torch.float32)
+    model.load_weights(reader)  # type: ignore[arg-type]
+    root.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in reader.tensors.items()}, str(root / "model.safetensors"))
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    return root

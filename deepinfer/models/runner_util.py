@@ -15,6 +15,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.models.deepseek import DeepseekForCausalLM
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.forward_batch import ForwardBatch
 
 
@@ -96,7 +97,7 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: DeepseekForCausalLM,
+        model: DeepseekForCausalLM | DeepseekV4ForCausalLM,
         backend: Backend,
         num_blocks: int = 64,
         block_size: int = 4,

@@ -1,7 +1,8 @@
 """MoE expert parallelism: routed experts sharded over the ranks of the default
 torch.distributed group, tokens sent to their experts and back with all_to_all.
 
-Rank r of W holds experts [r * E / W, (r + 1) * E / W); every rank keeps the router and the
+Rank r of W holds experts [r * E / W, (r + 1) * E / W) (when W does not divide E, the first
+E % W ranks hold one more: ExpertParallel.expert_bounds); every rank keeps the router and the
 shared experts and serves its own requests (attention data parallelism). Every MoE layer is a
 collective: each rank must run it the same number of times, with no tokens if it has none.
 How the ranks keep in step across calls and steps, and learn of each other's failures:
@@ -10,7 +11,7 @@ deepinfer.parallel.rank_sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -26,6 +27,7 @@ from deepinfer.parallel.rank_sync import RankSync
 class ExpertParallel:
     rank: int
     world_size: int
+    micro_batches: int = 1  # 2: two-batch overlap in every MoE layer (dispatch_combine)
     # the engine's status exchanges with the other ranks (its group is made at the first call)
     sync: RankSync = field(init=False, compare=False, repr=False)
 
@@ -33,23 +35,29 @@ class ExpertParallel:
         object.__setattr__(self, "sync", RankSync(self.rank, self.world_size))
 
     @classmethod
-    def from_torch_distributed(cls) -> ExpertParallel:
+    def from_torch_distributed(cls, micro_batches: int = 1) -> ExpertParallel:
         if not dist.is_initialized():
             raise ValueError(
                 "enable_expert_parallel needs torch.distributed initialised first, one process per "
                 "rank (torchrun, or torch.distributed.init_process_group)"
             )
-        return cls(dist.get_rank(), dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), micro_batches)
+
+    def expert_bounds(self, num_experts: int) -> list[int]:
+        """(W + 1,) bounds: rank r holds experts [bounds[r], bounds[r + 1]); when W does not divide
+        E the first E % W ranks hold one more."""
+        if num_experts < self.world_size:
+            raise ValueError(
+                f"expert parallelism over {self.world_size} ranks needs at least as many routed experts; "
+                f"the model has {num_experts}"
+            )
+        q, rem = divmod(num_experts, self.world_size)
+        return [r * q + min(r, rem) for r in range(self.world_size + 1)]
 
     def local_experts(self, num_experts: int) -> range:
         """The routed experts this rank holds."""
-        if num_experts % self.world_size:
-            raise ValueError(
-                f"expert parallelism over {self.world_size} ranks needs the {num_experts} routed "
-                "experts to divide evenly among them"
-            )
-        n = num_experts // self.world_size
-        return range(self.rank * n, (self.rank + 1) * n)
+        bounds = self.expert_bounds(num_experts)
+        return range(bounds[self.rank], bounds[self.rank + 1])
 
 
 def dispatch_combine(
@@ -57,45 +65,128 @@ def dispatch_combine(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    local: range,
-    world_size: int,
+    bounds: Sequence[int],
+    rank: int,
     experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    micro_batches: int = 1,
+    meanwhile: Callable[[], object] | None = None,
 ) -> torch.Tensor:
     """x (T, Dm), routing weights / global expert ids (T, K) -> sum_k weights * expert_k(x), (T, Dm).
 
-    Each (token, expert) pair goes to the rank holding the expert; there
-    experts(rows (R, Dm), local ids (R,)) computes the unweighted outputs (R, Dm) of this rank's
-    experts; they come back and are combined in float32 where the token lives.
+    Each (token, expert) pair goes to the rank holding the expert (rank r holds experts
+    [bounds[r], bounds[r + 1])); there experts(rows (R, Dm), local ids (R,)) computes the
+    unweighted outputs (R, Dm) of this rank's experts; they come back and are combined in float32
+    where the token lives.
+
+    micro_batches=2 (two-batch overlap): the tokens are split in two halves whose exchanges are
+    started without waiting, so that the dispatch of the second half runs while the first half's
+    experts compute, and the combine of the first while the second's compute. Every rank must
+    pass the same micro_batches. The sums are those of micro_batches=1. meanwhile(), if given,
+    runs once the last combine started, before waiting for it (compute that overlaps it).
 
     Once the first collective ran, all of them run: if experts() raises, zeros go back to the
     other ranks (who wait for them) and the error is raised after (deepinfer.parallel.exchanges)."""
     t, k = ids.shape
+    world_size = len(bounds) - 1
+    local = range(bounds[rank], bounds[rank + 1])
+    even = all(bounds[r + 1] - bounds[r] == len(local) for r in range(world_size))
+    fused = collectives.expert_exchange(bounds[-1], x) if micro_batches == 1 and even else None
+    if fused is not None:
+        return _fused_exchange(fused, collectives, x, weights, ids, bounds, rank, experts, meanwhile)
     flat = ids.reshape(-1).long()  # (T*K,)
-    dest = flat // len(local)  # the rank holding each pair's expert
-    order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
-    send = torch.bincount(dest, minlength=world_size)  # (W,) pairs for each rank
+    starts = torch.tensor(bounds[1:-1], dtype=torch.int64, device=flat.device)  # (W-1,)
+    dest = torch.bucketize(flat, starts, right=True)  # the rank holding each pair's expert
+    # micro-batch m: the pairs of tokens [cut[m], cut[m + 1]); pairs grouped by destination rank
+    cut = [t * m // micro_batches for m in range(micro_batches + 1)]
+    orders = [
+        torch.argsort(dest[cut[m] * k : cut[m + 1] * k], stable=True) + cut[m] * k
+        for m in range(micro_batches)
+    ]
+    send = torch.stack(
+        [
+            torch.bincount(dest[cut[m] * k : cut[m + 1] * k], minlength=world_size)
+            for m in range(micro_batches)
+        ],
+        dim=1,
+    )  # (W, M) pairs for each rank, per micro-batch
     log = current_log()
     if log is not None:
         log.started()
-    recv = collectives.all_to_all_single(send)  # (W,) pairs from each rank
-    send_sizes, recv_sizes = send.tolist(), recv.tolist()  # host sizes for the exchanges
-    rows = collectives.all_to_all_single(x[order // k], recv_sizes, send_sizes)  # (R, Dm)
-    local_ids = collectives.all_to_all_single(flat[order], recv_sizes, send_sizes) - local.start
+    recv = collectives.all_to_all_single(send)  # (W, M) pairs from each rank
+    send_sizes, recv_sizes = send.t().tolist(), recv.t().tolist()  # (M, W) host sizes
+    a2a = collectives.all_to_all_single_async
+    dispatched = []  # per micro-batch: rows (R, Dm), their global expert ids (R,), and their waits
+    for m, order in enumerate(orders):
+        rows, wait_rows = a2a(x[order // k], recv_sizes[m], send_sizes[m])
+        got_ids, wait_ids = a2a(flat[order], recv_sizes[m], send_sizes[m])
+        dispatched.append((rows, got_ids, wait_rows, wait_ids))
     failure: BaseException | None = None
-    try:
-        out = experts(rows, local_ids)  # (R, Dm)
-    except BaseException as exc:  # the other ranks wait for these rows: zeros go back, then raise
-        out, failure = rows.new_zeros(rows.shape), exc
-    back = collectives.all_to_all_single(out, send_sizes, recv_sizes)  # (T*K, Dm) in `order`
+    combined = []  # per micro-batch: (outputs back (T_m*K, Dm) in its order, wait)
+    for m, (rows, got_ids, wait_rows, wait_ids) in enumerate(dispatched):
+        wait_rows()
+        wait_ids()
+        out = None
+        if failure is None:
+            try:
+                out = experts(rows, got_ids - local.start)  # (R, Dm)
+            except BaseException as exc:  # the other ranks wait for these rows: zeros go back, then raise
+                failure = exc
+        if out is None:
+            out = rows.new_zeros(rows.shape)
+        combined.append(a2a(out, send_sizes[m], recv_sizes[m]))
+    if meanwhile is not None and failure is None:  # e.g. the shared experts, while the combines run
+        try:
+            meanwhile()
+        except BaseException as exc:
+            failure = exc
+    for _, wait in combined:
+        wait()
     if log is not None:
-        shape = (x.shape[1], x.dtype, out.dtype, local, world_size, x.device)
+        shape = (x.shape[1], x.dtype, combined[0][0].dtype, bounds, rank, x.device, micro_batches)
         log.finished(partial(_empty_exchange, collectives, *shape))
     if failure is not None:
         raise failure
-    pairs = torch.empty_like(back)
-    pairs[order] = back
+    pairs = torch.empty((t * k, x.shape[1]), dtype=combined[0][0].dtype, device=x.device)
+    for order, (back, _) in zip(orders, combined):
+        pairs[order] = back
     y = (pairs.view(t, k, x.shape[1]).float() * weights.float().unsqueeze(-1)).sum(dim=1)
     return y.to(x.dtype)
+
+
+def _fused_exchange(
+    fused: Callable[..., torch.Tensor],
+    collectives: CollectiveOps,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    bounds: Sequence[int],
+    rank: int,
+    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    meanwhile: Callable[[], object] | None,
+) -> torch.Tensor:
+    """dispatch_combine through the backend's fused exchange (collectives.expert_exchange), with
+    the same promise: if experts() raises, zeros go back and the error is raised after."""
+    failures: list[BaseException] = []
+
+    def guarded(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        try:
+            return experts(rows, local_ids)
+        except BaseException as exc:
+            failures.append(exc)
+            return rows.new_zeros(rows.shape)
+
+    log = current_log()
+    if log is not None:
+        log.started()
+    y = fused(x, weights, ids, range(bounds[rank], bounds[rank + 1]), guarded)
+    if log is not None:
+        shape = (x.shape[1], x.dtype, x.dtype, bounds, rank, x.device, 1)
+        log.finished(partial(_empty_exchange, collectives, *shape))
+    if meanwhile is not None and not failures:
+        meanwhile()
+    if failures:
+        raise failures[0]
+    return y
 
 
 def _empty_exchange(
@@ -103,9 +194,10 @@ def _empty_exchange(
     hidden: int,
     dtype: torch.dtype,
     out_dtype: torch.dtype,
-    local: range,
-    world_size: int,
+    bounds: Sequence[int],
+    rank: int,
     device: torch.device,
+    micro_batches: int,
 ) -> None:
     """One exchange with no tokens of this rank, whose experts return zeros: what a rank whose
     forward failed still owes the others (deepinfer.parallel.exchanges)."""
@@ -115,4 +207,4 @@ def _empty_exchange(
     def zeros(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros((rows.shape[0], hidden), dtype=out_dtype, device=device)
 
-    dispatch_combine(collectives, x, ids.float(), ids, local, world_size, zeros)
+    dispatch_combine(collectives, x, ids.float(), ids, bounds, rank, zeros, micro_batches)

@@ -105,6 +105,24 @@ def check_collectives(backend: Backend, rank: int, world: int) -> None:
     empty = c.all_to_all_single(torch.empty((0, 5), device=dev), [0] * world, [0] * world)
     assert tuple(empty.shape) == (0, 5), f"rank {rank}: all_to_all_single of nothing gave {empty.shape}"
 
+    # all_to_all_single_async: two exchanges in flight at once, waited for in reverse order
+    first, wait_first = c.all_to_all_single_async(
+        x.to(dev), [send[r][rank] for r in range(world)], send[rank]
+    )
+    second, wait_second = c.all_to_all_single_async(full((2 * world, 1), float(rank)))
+    wait_second()
+    wait_first()
+    same(
+        first,
+        torch.tensor(expected_rows, dtype=torch.float32).view(-1, 2),
+        "all_to_all_single_async (uneven)",
+    )
+    same(
+        second,
+        torch.arange(world, dtype=torch.float32, device=dev).repeat_interleave(2).view(-1, 1),
+        "all_to_all_single_async (even split, started second)",
+    )
+
     # broadcast from the last rank, in place
     b = full((3,), float(rank))
     out = c.broadcast(b, src=world - 1)

@@ -1,22 +1,25 @@
-"""Regenerate the shipped tiny checkpoint in this folder (random weights, fixed seed).
+"""Build the RANDOM-weight tiny DeepSeek-V3 checkpoint the test suite runs on (fixed seed).
 
-    python model/tiny/make_tiny.py
+    python model/tiny/make_tiny.py OUT_DIR
 
 Writes config.json, generation_config.json, model.safetensors (transformers'
-DeepseekV3ForCausalLM, float32) and a byte-level BPE tokenizer (tokenizer.json,
-tokenizer_config.json with a chat template) trained on the English text below.
-Needs transformers (the `test` extra); the engine itself does not.
+DeepseekV3ForCausalLM, float32, about 300 k parameters) and a byte-level BPE tokenizer
+(tokenizer.json, tokenizer_config.json with a chat template) trained on the English text below.
+The engine's tests build it into a temporary directory (tests/tiny_model.py) so that they never
+depend on what model/tiny ships: model/tiny holds the TRAINED model written by
+train/train_tiny.py (see model/tiny/README.md). Needs transformers (the `test` extra); the engine
+itself does not.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-HERE = Path(__file__).resolve().parent
 SEED = 1234
 VOCAB_SIZE = 1024
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -79,11 +82,13 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def main() -> None:
+def build(out: Path) -> None:
+    """Write the random tiny checkpoint and its tokenizer into `out` (created if missing)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
-    tok.save(str(HERE / "tokenizer.json"))
+    tok.save(str(out / "tokenizer.json"))
     bos_id, eos_id = tok.token_to_id(BOS), tok.token_to_id(EOS)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -94,7 +99,7 @@ def main() -> None:
         "model_max_length": 2048,
         "chat_template": CHAT_TEMPLATE,
     }
-    (HERE / "tokenizer_config.json").write_text(
+    (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
     )
 
@@ -133,11 +138,11 @@ def main() -> None:
         layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.1)
     model.generation_config.bos_token_id = bos_id
     model.generation_config.eos_token_id = eos_id
-    model.save_pretrained(HERE, safe_serialization=True)
-    print(
-        f"wrote {HERE}: vocab {tok.get_vocab_size()}, {sum(p.numel() for p in model.parameters())} parameters"
-    )
+    model.save_pretrained(out, safe_serialization=True)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2:
+        sys.exit("usage: python model/tiny/make_tiny.py OUT_DIR")
+    build(Path(sys.argv[1]))
+    print(f"wrote the random tiny model to {sys.argv[1]}")

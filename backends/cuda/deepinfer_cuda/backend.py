@@ -268,14 +268,11 @@ class CudaGemm(GemmOps):
         return torch.nn.functional.linear(x, weight, bias)
 
     def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """cuBLAS bmm; batch-invariant mode: the fixed-tile Triton matmul per group (G launches,
-        each row's result independent of M), not the reference's row-by-row loop."""
+        """cuBLAS bmm; batch-invariant mode: the fixed-tile Triton matmul over every group in one
+        launch (each row's result independent of M)."""
         if not self.batch_invariant:
             return torch.bmm(x, weight.transpose(1, 2))
-        out = torch.empty((x.shape[0], x.shape[1], weight.shape[1]), dtype=x.dtype, device=x.device)
-        for g in range(x.shape[0]):
-            out[g] = gemm_k.matmul(x[g], weight[g])
-        return out
+        return gemm_k.batched_matmul(x, weight)
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         return gemm_k.quantize_fp8(x, block)
@@ -442,10 +439,17 @@ class CudaCollectives(CollectiveOps):
     def dist_backend(self) -> str:
         return self._dist_backend
 
+    def expert_exchange(self, num_experts: int, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """DeepEP's normal kernels when they apply (deepinfer_cuda.deepep), else None."""
+        from deepinfer_cuda.deepep import deepep_exchange
+
+        return deepep_exchange(num_experts, x)
+
 
 class CudaSmall(SmallOps):
-    """Triton rms_norm, rope, silu_and_mul, bitmask and the sampling noise; sampling stays in
-    torch (sort-based top-k / top-p over the vocabulary, already a handful of device kernels)."""
+    """Triton rms_norm, rope, silu_and_mul (and DeepSeek-V4's clamped one and compressor pooling),
+    bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
+    vocabulary, already a handful of device kernels)."""
 
     def __init__(self, options: BackendOptions, fused: bool = True) -> None:
         super().__init__(options)
@@ -473,6 +477,12 @@ class CudaSmall(SmallOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return small_k.silu_and_mul(x)
+
+    def clamped_silu_and_mul(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        return small_k.clamped_silu_and_mul(x, limit)
+
+    def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return small_k.gated_pool(kv, gate)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         small_k.apply_token_bitmask(logits, bitmask)

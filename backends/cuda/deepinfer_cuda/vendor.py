@@ -4,8 +4,8 @@ Each adapter returns None when its library is missing, the GPU or the call does 
 DEEPINFER_CUDA_VENDOR=0; the caller then runs the Triton kernel, which computes the same op.
 None of these libraries was installed on the GPUs this backend was measured on, so this code
 has not run: it follows the libraries' documented APIs and the conformance suite is what must
-vouch for it on a machine that has them. DeepEP has no contract op to serve yet (the contract's
-collectives have no expert dispatch/combine), so it is not used.
+vouch for it on a machine that has them. DeepEP serves collectives.expert_exchange
+(deepinfer_cuda.deepep).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.deepseek import DeepseekForCausalLM
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.loader import load_model
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 from deepinfer.models.runner_util import PagedRunner
@@ -56,7 +57,7 @@ def _model_tolerance(dtype: torch.dtype, fp8: bool) -> Tolerance:
 
 
 def _run(
-    model: DeepseekForCausalLM, backend: Backend, forced: list[dict[int, int]] | None
+    model: DeepseekForCausalLM | DeepseekV4ForCausalLM, backend: Backend, forced: list[dict[int, int]] | None
 ) -> tuple[list[torch.Tensor], list[dict[int, int]]]:
     """Chunked prefill (logits of every row), then DECODE_STEPS decode steps feeding `forced`
     tokens (request -> token), or the greedy tokens when None. -> (float64 CPU logits per step,

@@ -118,12 +118,18 @@ def quantize_fp8(x: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tenso
 @triton.jit
 def _dense_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C (M, N) = A (M, K) @ B (N, K)^T (+ bias), tiles swizzled in GROUP_M bands for L2 reuse.
-    FP8: A and B e4m3 with A scales (M, K/128) and B scales (N/128, K/128); BLOCK_K == 128."""
+    FP8: A and B e4m3 with A scales (M, K/128) and B scales (N/128, K/128); BLOCK_K == 128.
+    Grid axis 1 is a batch of G such products (strides stride_ag, stride_bg, stride_cg between
+    them): every one is computed exactly as it would be alone."""
+    g = tl.program_id(1).to(tl.int64)
+    a_ptr += g * stride_ag
+    b_ptr += g * stride_bg
+    c_ptr += g * stride_cg
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -185,6 +191,7 @@ def _launch_dense(
         a_scale if fp8 else dummy, b_scale if fp8 else dummy, bias if bias is not None else dummy,
         m, n, k, a.stride(0), b.stride(0), c.stride(0),
         a_scale.stride(0) if a_scale is not None else 0, b_scale.stride(0) if b_scale is not None else 0,
+        0, 0, 0,
         FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -321,10 +328,40 @@ def fp8_gemm(
     return _launch_dense(xq, weight, out_dtype, cfg, x_scale, weight_scale)
 
 
+# The batch-invariant linear's one tile configuration (no choice by M: a row's bits never depend on
+# how many rows share the call).
+MATMUL_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Fixed-tile x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear."""
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
-    return _launch_dense(x, weight, x.dtype, cfg, bias=bias)
+    return _launch_dense(x, weight, x.dtype, MATMUL_CONFIG, bias=bias)
+
+
+def batched_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (G, M, K) @ weight (G, N, K)^T -> (G, M, N) in ONE launch (grid axis 1 over G), each
+    product tiled exactly as matmul tiles it alone: batch-invariant, bit for bit equal to G
+    matmul calls (MLA's per-head absorbed projections: G = heads, 2 launches per layer instead
+    of 2 x heads)."""
+    g, m, k = x.shape
+    n = weight.shape[1]
+    c = torch.empty((g, m, n), dtype=x.dtype, device=x.device)
+    if g == 0 or m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    cfg = MATMUL_CONFIG
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), g)
+    _dense_kernel[grid](
+        x, weight, c, c, c, c, m, n, k,
+        x.stride(1), weight.stride(1), c.stride(1), 0, 0, x.stride(0), weight.stride(0), c.stride(0),
+        FP8=False, HAS_BIAS=False, IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return c
 
 
 # --------------------------------------------------------------------------- grouped GEMM

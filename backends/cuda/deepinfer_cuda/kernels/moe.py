@@ -250,8 +250,10 @@ SPARE_TILES_BLOCK = 128  # spare tiles written per step (a 1-D block)
 
 
 def _block_rows(block_e: int) -> int:
-    """Rows per step of the sort: its (rows, BLOCK_E) one-hot tile holds about 8K elements."""
-    return max(8, 8192 // block_e)
+    """Rows per step of the sort: its (rows, BLOCK_E) one-hot tile holds about 8K elements, and at
+    most 128 rows (the block of a 64-expert model; with 16 experts, 512-row blocks kept Triton's
+    LLVM lowering of this kernel busy for over a minute on the H200)."""
+    return max(8, min(128, 8192 // block_e))
 
 
 def _empty_tiles(num_rows: int, num_experts: int, block_m: int, device: torch.device) -> TileTable:

@@ -145,6 +145,81 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _clamped_silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's SwiGLU: x (M, 2I) -> silu(min(gate, limit)) * clamp(up, -limit, limit) (M, I)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"clamped_silu_and_mul needs an even last dim, got {x.shape[-1]}")
+    x2 = _rows(x)
+    inner = x.shape[-1] // 2
+    y = torch.empty((x2.shape[0], inner), dtype=x.dtype, device=x.device)
+    if x2.shape[0] and inner:
+        block = min(1024, next_pow2(inner))
+        _clamped_silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inner, block))](
+            x2, y, inner, x2.stride(0), y.stride(0), float(limit), BLOCK=block, num_warps=4
+        )
+    return y.view(*x.shape[:-1], inner)
+
+
+@triton.jit
+def _gated_pool_kernel(
+    kv_ptr, gate_ptr, out_ptr, S, D, stride_kw, stride_ks, stride_gw, stride_gs, stride_ow,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One program per (window, channel block): an online softmax over the S slots per channel.
+    w = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    m = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+    total = tl.zeros((BLOCK_D,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s in range(0, S):
+        g = tl.load(gate_ptr + w * stride_gw + s * stride_gs + cols, mask=mask, other=float("-inf"))
+        v = tl.load(kv_ptr + w * stride_kw + s * stride_ks + cols, mask=mask, other=0.0).to(tl.float32)
+        g = g.to(tl.float32)
+        m_new = tl.maximum(m, g)
+        # a finite reference while no slot is present yet: exp(-inf - 0) = 0, never -inf - -inf
+        ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - ref)
+        p = tl.exp(g - ref)
+        total = total * alpha + p
+        acc = acc * alpha + p * v
+        m = m_new
+    out = tl.where(total > 0, acc / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out_ptr + w * stride_ow + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's compressor pooling: kv (W, S, D), gate (W, S, D) logits (-inf: absent) ->
+    (W, D) in kv's dtype, the softmax over S per channel in float32 (all absent: zeros)."""
+    if kv.shape != gate.shape or kv.dim() != 3:
+        shapes = f"{tuple(kv.shape)} and {tuple(gate.shape)}"
+        raise ValueError(f"gated_pool needs kv and gate of one (W, S, D) shape, got {shapes}")
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    w, s, d = kv.shape
+    out = torch.empty((w, d), dtype=kv.dtype, device=kv.device)
+    if w and d:
+        block = min(256, next_pow2(d))
+        _gated_pool_kernel[(w, triton.cdiv(d, block))](
+            kv, gate, out, s, d, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
+            BLOCK_D=block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
 def _bitmask_kernel(logits_ptr, mask_ptr, V, stride_l, stride_m, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

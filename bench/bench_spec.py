@@ -1,0 +1,283 @@
+"""Speculative decoding against plain decoding, side by side in one run.
+
+    python bench/bench_spec.py --model model/tiny --out bench/results/DIR                # H200
+    python bench/bench_spec.py --model model/tiny --out DIR --small --backend reference  # CPU, seconds
+
+For each batch size B (1, 8, 32, 128; --small: 1, 4): B greedy requests (EOS ignored) of
+--new-tokens output tokens each, from prompts of --prompt-len tokens cut from the corpus'
+held-out files (train/train_tiny.py's rule) with the model's tokenizer, or random token ids when
+the model has none. Plain decoding (graphs and async scheduling where the backend has them) and
+every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
+block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
+(--threshold, --step-token-budget). A configuration whose drafter the model lacks is listed as
+skipped, with the reason, in the table.
+
+Output tokens per second = B * new tokens / wall time of the generate call (prefill included),
+after a warm-up call of the same batch. mean_accepted = tokens emitted per request per step
+(1 + accepted drafts): output tokens / (output tokens - accepted drafts). The outputs of every
+speculative run are compared with plain decoding's (greedy): on the CPU a mismatch stops the run;
+on a GPU the number of requests that differ is recorded in each row (a verification pass may round
+a near-tie differently from a one-row decode step; tests/ check exactness on the reference backend).
+
+Writes OUT/spec.json (rows {"device", "drafter", "k", "scheduled", "batch", "plain_tok_s",
+"spec_tok_s", "mean_accepted"}), OUT/spec.md (the table) and OUT/spec.svg (speed-up against
+batch size, one line per configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+
+
+def prompts_for(model_dir: Path, count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens: windows of the held-out corpus files, tokenised with
+    the model's tokenizer; random ids in [4, vocab) without one."""
+    rng = random.Random(seed)
+    if not (model_dir / "tokenizer.json").is_file():
+        return [[rng.randrange(4, vocab) for _ in range(length)] for _ in range(count)]
+    from tokenizers import Tokenizer
+
+    sys.path.insert(0, str(ROOT / "train"))
+    from train_tiny import stdlib_files
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    _, held, _ = stdlib_files(None)
+    ids = [
+        i for enc in tok.encode_batch([t for _, t in held[:64]], add_special_tokens=False) for i in enc.ids
+    ]
+    if len(ids) <= length:
+        raise ValueError(f"the held-out files give {len(ids)} tokens, fewer than one prompt ({length})")
+    starts = [rng.randrange(0, len(ids) - length) for _ in range(count)]
+    return [ids[s : s + length] for s in starts]
+
+
+def configurations(
+    args: argparse.Namespace, has_mtp: bool, block_size: int
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """(speculative configurations to run, reasons for those skipped)."""
+    runs, skipped = [], []
+    for drafter, ks in (("mtp", args.mtp_k), ("dspark", args.block_k)):
+        for k in ks:
+            if drafter == "mtp" and not has_mtp:
+                skipped.append(f"mtp k={k}: the model has no MTP layer")
+                continue
+            if drafter == "dspark" and k > block_size:
+                why = (
+                    "no drafter beside the model"
+                    if block_size == 0
+                    else f"the drafter's block size is {block_size}"
+                )
+                skipped.append(f"dspark k={k}: {why}")
+                continue
+            for scheduled in (False, True):
+                spec: dict[str, Any] = {"method": drafter, "num_speculative_tokens": k}
+                if scheduled:
+                    spec.update(
+                        confidence_scheduling=True,
+                        min_draft_confidence=args.threshold,
+                        step_token_budget=args.step_token_budget,
+                    )
+                runs.append(spec)
+    return runs, skipped
+
+
+def timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], int]:
+    """(output tok/s, outputs, accepted drafts) of one generate call, after a warm-up call."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, params, use_tqdm=False)
+    engine = llm.llm_engine
+    accepted = engine.num_accepted_tokens
+    start = time.perf_counter()
+    out = llm.generate(batch, params, use_tqdm=False)
+    engine.backend.device.synchronize()
+    wall = time.perf_counter() - start
+    tokens = [list(r.outputs[0].token_ids) for r in out]
+    return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted
+
+
+def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
+    """Speed-up (spec / plain tok/s) against batch size (log2 axis), one polyline per configuration."""
+    w, h, left, right, top, bottom = 760, 420, 60, 250, 30, 50
+    batches = sorted({r["batch"] for r in rows})
+    speedups = [r["spec_tok_s"] / r["plain_tok_s"] for r in rows] + [1.0]
+    lo, hi = min(speedups) * 0.9, max(speedups) * 1.1
+    bx = {b: left + (w - left - right) * (i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
+
+    def y(v: float) -> float:
+        return top + (h - top - bottom) * (1 - (v - lo) / (hi - lo))
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+              "#bcbd22", "#17becf"]  # fmt: skip
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<text x="{left}" y="18" font-size="13">{title}</text>',
+        f'<line x1="{left}" y1="{y(1.0):.1f}" x2="{w - right}" y2="{y(1.0):.1f}" '
+        'stroke="#999" stroke-dasharray="4"/>',
+        f'<text x="{left - 5}" y="{y(1.0) + 4:.1f}" text-anchor="end">1.0x</text>',
+        f'<text x="{left - 5}" y="{y(hi) + 10:.1f}" text-anchor="end">{hi:.2f}x</text>',
+        f'<text x="{left - 5}" y="{y(lo):.1f}" text-anchor="end">{lo:.2f}x</text>',
+    ]
+    for b in batches:
+        out.append(f'<text x="{bx[b]:.1f}" y="{h - bottom + 18}" text-anchor="middle">{b}</text>')
+    out.append(f'<text x="{(left + w - right) / 2}" y="{h - 12}" text-anchor="middle">batch size</text>')
+    keys = sorted({(r["drafter"], r["k"], r["scheduled"]) for r in rows})
+    for i, key in enumerate(keys):
+        pts = sorted(
+            (r["batch"], r["spec_tok_s"] / r["plain_tok_s"])
+            for r in rows
+            if (r["drafter"], r["k"], r["scheduled"]) == key
+        )
+        color = colors[i % len(colors)]
+        path = " ".join(f"{bx[b]:.1f},{y(s):.1f}" for b, s in pts)
+        dash = "" if key[2] else ' stroke-dasharray="6 3"'
+        out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        label = f"{key[0]} k={key[1]}{' scheduled' if key[2] else ''}"
+        ly = top + 14 * i
+        out.append(
+            f'<line x1="{w - right + 10}" y1="{ly}" x2="{w - right + 30}" y2="{ly}" '
+            f'stroke="{color}" stroke-width="2"{dash}/>'
+        )
+        out.append(f'<text x="{w - right + 35}" y="{ly + 4}">{label}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def markdown(rows: list[dict[str, Any]], skipped: list[str], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | mean accepted |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['drafter']} | {r['k']} | {'yes' if r['scheduled'] else 'no'} | {r['batch']} | "
+            f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | "
+            f"{r['mean_accepted']:.2f} |"
+        )
+    if skipped:
+        lines += ["", "Skipped: " + "; ".join(skipped) + "."]
+    return "\n".join(lines) + "\n"
+
+
+T0 = time.perf_counter()
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / "model" / "tiny")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--device-name", default=None, help='the "device" of the rows (default: H200 on CUDA, else cpu)'
+    )
+    ap.add_argument("--small", action="store_true", help="batches 1 and 4, few tokens: a CPU run of seconds")
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--mtp-k", type=int, nargs="*", default=None, help="MTP chain lengths (default 1 2 3)")
+    ap.add_argument("--block-k", type=int, nargs="*", default=None, help="block drafter k (default 1..5)")
+    ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
+    ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
+    )
+    args = ap.parse_args(argv)
+    args.batches = args.batches or ([1, 4] if args.small else [1, 8, 32, 128])
+    args.new_tokens = args.new_tokens or (8 if args.small else 128)
+    args.prompt_len = args.prompt_len or (16 if args.small else 64)
+    args.mtp_k = args.mtp_k if args.mtp_k is not None else ([1, 2] if args.small else [1, 2, 3])
+    args.block_k = args.block_k if args.block_k is not None else ([2, 5] if args.small else [1, 2, 3, 4, 5])
+
+    common: dict[str, Any] = {
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "max_num_seqs": max(args.batches),
+        "max_model_len": args.prompt_len + args.new_tokens + 16,
+        "seed": args.seed,
+    }
+    plain = LLM(str(args.model), **common)
+    engine = plain.llm_engine
+    model = engine.model
+    device = args.device_name or ("H200" if engine.backend.device.device().type == "cuda" else "cpu")
+    drafter = getattr(model, "drafter", None)
+    runs, skipped = configurations(args, model.num_mtp_layers > 0, drafter.block_size if drafter else 0)
+    print(f"backend {engine.backend.name}, device {device}; {len(runs)} configurations", flush=True)
+
+    prompts = {
+        b: prompts_for(args.model, b, args.prompt_len, engine.vocab_size, args.seed + b) for b in args.batches
+    }
+    base = {}
+    for b in args.batches:
+        tok_s, tokens, _ = timed(plain, prompts[b], args.new_tokens)
+        base[b] = (tok_s, tokens)
+        print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
+    del plain
+
+    rows: list[dict[str, Any]] = []
+    header = (
+        f"Speculative decoding on {device} ({args.model.name}, backend {engine.backend.name}): "
+        f"{args.new_tokens} greedy output tokens per request from {args.prompt_len}-token held-out prompts; "
+        f"scheduled = confidence threshold {args.threshold}, step_token_budget {args.step_token_budget}."
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after every configuration: a run cut short keeps what it measured
+        (args.out / "spec.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (args.out / "spec.md").write_text(markdown(rows, skipped, header))
+        if rows:
+            (args.out / "spec.svg").write_text(svg_plot(rows, f"speculative / plain output tok/s, {device}"))
+
+    for spec in runs:
+        if args.time_budget is not None and time.perf_counter() - T0 > args.time_budget:
+            skipped.append(
+                f"{spec['method']} k={spec['num_speculative_tokens']}"
+                f"{' scheduled' if spec.get('confidence_scheduling') else ''}: over the time budget"
+            )
+            continue
+        llm = LLM(str(args.model), **common, speculative_config=spec)
+        for b in args.batches:
+            tok_s, tokens, accepted = timed(llm, prompts[b], args.new_tokens)
+            # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
+            # near-tie differently from a one-row decode step, so differences are counted, not hidden.
+            differ = sum(t != u for t, u in zip(tokens, base[b][1], strict=True))
+            if differ and device == "cpu":
+                raise RuntimeError(f"{spec} at batch {b}: outputs differ from plain decoding")
+            total = b * args.new_tokens
+            row = {
+                "device": device,
+                "drafter": spec["method"],
+                "k": spec["num_speculative_tokens"],
+                "scheduled": bool(spec.get("confidence_scheduling", False)),
+                "batch": b,
+                "plain_tok_s": round(base[b][0], 2),
+                "spec_tok_s": round(tok_s, 2),
+                "mean_accepted": round(total / (total - accepted), 3),
+                "requests_differing_from_plain": differ,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del llm
+        write()
+    write()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

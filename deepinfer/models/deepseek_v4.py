@@ -1,0 +1,606 @@
+"""DeepSeek-V4 (V4-Flash), in the paper's order: config -> caches -> attention (sliding window,
+compressor, lightning indexer, grouped output) -> MoE (hash or sqrtsoftplus routing, clamped
+SwiGLU) -> block with hyper-connections -> model. Written only against the backend contract.
+
+Symbols: T tokens in the step, H heads, D head_dim (one K = V head), R rotated tail of D,
+N hc_mult residual streams, Dm hidden, m compression ratio, W compressed entries closed in this
+step, S slots pooled per entry (m, or 2m for CSA's overlapping windows), Hi / Di indexer heads /
+head width, G o_groups, E experts, K experts per token.
+
+Every layer attends to a sliding window of its own K = V rows. A CSA layer (m = 4) adds
+compressed entries, each a gated pool of 2m overlapping tokens' projections, of which a lightning
+indexer picks the top index_topk per query; an HCA layer (m = 128) adds entries pooled from m
+tokens each, all visible. Entry w pools tokens up to (w+1)m - 1 and is visible to queries from
+that position on.
+
+Caches (all paged by the engine's block tables, one row of D values per slot):
+  window     one row per token: its K = V row (rms-normed, tail rotated).
+  compressed one row per compressed entry w, stored at position w of the request's blocks.
+  state      the compressor's projections of every token ([kv | gate], 2 or 4 rows of D): what
+             entries closed in later steps pool (chunked prefill, decode, recompute after
+             preemption all read them back), so no state lives outside the paged caches.
+  index keys / index state: the indexer's compressed keys and its compressor's projections.
+Limit of this layout: the window and state caches keep every token (memory grows with the
+sequence, not bounded to the window), and prefix caching is refused (an entry stored in a block
+depends on tokens after it). Decode graphs are not captured (the step reads lengths on the host).
+
+Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
+published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
+layout without the prefix (embed.weight, layers.{i}...) loads too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, RouterConfig
+from deepinfer.models.config import ModelConfig, V4Config
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.rope import cos_sin_cache
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import CheckpointReader
+
+
+def _load_f32(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Norm weights, sinks, biases and mixing parameters stay float32 (as transformers keeps them)."""
+    return reader.get(name, shape, torch.float32)
+
+
+def _rope_tail(
+    backend: Backend, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """Interleaved rope on the last R channels of x (T, H, D); table (P, R) [cos | sin].
+    inverse: rotate by -angle instead, which is swapping each pair (a, b) -> (b, a), rotating by
+    +angle and swapping back."""
+    r = table.shape[1]
+    tail = x[..., -r:]
+    if inverse:
+        tail = _swap_pairs(tail)
+    tail = backend.small.rope(tail, positions, table, True)
+    if inverse:
+        tail = _swap_pairs(tail)
+    return torch.cat([x[..., :-r], tail], dim=-1)
+
+
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
+    return x.view(*x.shape[:-1], -1, 2).flip(-1).flatten(-2)
+
+
+# --------------------------------------------------------------------------- caches
+
+
+class WideCache:
+    """Rows wider than one cache row (D), split over ceil(width / D) caches of the same blocks."""
+
+    def __init__(self, caches: Sequence[PagedKVCache], width: int) -> None:
+        self.caches, self.width = list(caches), width
+
+    @staticmethod
+    def count(width: int, d: int) -> int:
+        return -(-width // d)
+
+    def write(self, backend: Backend, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """rows (n, width) -> the caches at slots (n,) (-1 skips a row)."""
+        d = self.caches[0].spec.head_dim
+        padded = nn.functional.pad(rows, (0, d * len(self.caches) - rows.shape[1]))
+        for i, cache in enumerate(self.caches):
+            backend.kv_cache.write_kv(cache, padded[:, i * d : (i + 1) * d], slots)
+
+    def read(self, backend: Backend, slots: torch.Tensor) -> torch.Tensor:
+        """(n, width) rows at slots (n,) int64."""
+        parts = [backend.kv_cache.read_kv(cache, slots) for cache in self.caches]
+        return torch.cat(parts, dim=-1)[:, : self.width]
+
+
+@dataclass(frozen=True)
+class NewEntries:
+    """The compressed entries of one ratio that close in this step (W of them, any request).
+
+    state_slots (W, S) int64: state-cache slot of each pooled token (0 where absent);
+    present (W, S) bool: the token exists (CSA's first window has no previous one);
+    out_slots (W,) int64: where entry w is stored (position w of its request's blocks);
+    positions (W,) int64: the entry's rope position, w * m.
+    """
+
+    state_slots: torch.Tensor
+    present: torch.Tensor
+    out_slots: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def build(batch: ForwardBatch, ratio: int, overlap: bool, block_size: int) -> NewEntries | None:
+        """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
+        for a request computing positions [start, end). None when there are none."""
+        meta = batch.attn
+        reqs: list[int] = []
+        ids: list[int] = []
+        for b, (end, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
+            for entry in range((end - n) // ratio, end // ratio):
+                reqs.append(b)
+                ids.append(entry)
+        if not ids:
+            return None
+        device = batch.positions.device
+        req = torch.tensor(reqs, dtype=torch.int64, device=device)
+        w = torch.tensor(ids, dtype=torch.int64, device=device)
+        first = (w - 1) * ratio if overlap else w * ratio  # CSA: the previous window, then this one
+        span = 2 * ratio if overlap else ratio
+        pos = first[:, None] + torch.arange(span, device=device)  # (W, S)
+        present = pos >= 0
+        pos = pos.clamp(min=0)
+        tables = meta.block_tables.long()
+        state_slots = tables[req[:, None], pos // block_size] * block_size + pos % block_size
+        out_slots = tables[req, w // block_size] * block_size + w % block_size
+        return NewEntries(state_slots, present, out_slots, w * ratio)
+
+
+# --------------------------------------------------------------------------- compressor
+
+
+class Compressor(nn.Module):
+    """Gated pooling of m (HCA) or 2m overlapping (CSA) tokens into one compressed entry:
+    entry_w = rope(rms_norm(sum_s softmax_s(gate_s + ape_s) * kv_s)) at position w*m.
+
+    CSA projects each token to two series [a | b] (2 * width): entry w pools window w-1's `a`
+    halves and window w's `b` halves (2m slots); HCA pools window w's single series (m slots).
+    """
+
+    def __init__(self, backend: Backend, config: ModelConfig, ratio: int, width: int, overlap: bool) -> None:
+        super().__init__()
+        self.backend, self.ratio, self.width, self.overlap = backend, ratio, width, overlap
+        series = 2 if overlap else 1
+        self.wkv = Linear(backend, config.hidden_size, series * width)
+        self.wgate = Linear(backend, config.hidden_size, series * width)
+        self.norm = RMSNorm(backend, width, config.rms_norm_eps)
+        self.register_buffer("ape", torch.empty(0, device="meta"))  # (m, series * width) float32
+
+    @property
+    def state_width(self) -> int:
+        return 2 * self.wkv.out_features  # [kv | gate]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        entries: NewEntries | None,
+        state: WideCache,
+        out: WideCache,
+        table: torch.Tensor,
+    ) -> None:
+        """Stores this step's projections of x (T, Dm) in `state`, then pools the entries that
+        close in this step into `out`."""
+        small = self.backend.small
+        state.write(self.backend, torch.cat([self.wkv(x), self.wgate(x)], dim=-1), batch.slot_mapping)
+        if entries is None:
+            return
+        w_count, span = entries.state_slots.shape
+        rows = state.read(self.backend, entries.state_slots.reshape(-1)).view(w_count, span, -1)
+        cols = self.wkv.out_features
+        kv, gate = rows[..., :cols], rows[..., cols:].float() + self.ape.repeat(span // self.ratio, 1)
+        if self.overlap:  # slots 0..m-1: previous window's `a` half; m..2m-1: this window's `b` half
+            d, m = self.width, self.ratio
+            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+            gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
+        gate = gate.masked_fill(~entries.present[..., None], float("-inf"))
+        pooled = small.rms_norm(small.gated_pool(kv, gate), self.norm.weight, self.norm.eps)  # (W, width)
+        pooled = _rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
+        out.write(self.backend, pooled, entries.out_slots)
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        self.wkv.load(reader, f"{prefix}.wkv", dtype)
+        self.wgate.load(reader, f"{prefix}.wgate", dtype)
+        self.norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.width,))
+        self.ape = _load_f32(reader, f"{prefix}.ape", (self.ratio, self.wkv.out_features))
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own CSA compressor at Di, and queries from the attention's q_lora
+    residual; each query keeps the index_topk compressed entries with the highest
+    sum_h w_h relu(q_h . k) (backend.attention.indexer_topk)."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int) -> None:
+        super().__init__()
+        self.backend, self.ratio = backend, ratio
+        self.heads, self.dim, self.topk = v4.index_n_heads, v4.index_head_dim, v4.index_topk
+        assert config.q_lora_rank is not None
+        self.compressor = Compressor(backend, config, ratio, self.dim, overlap=True)
+        self.wq_b = Linear(backend, config.q_lora_rank, self.heads * self.dim)
+        self.weights_proj = Linear(backend, config.hidden_size, self.heads)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        batch: ForwardBatch,
+        entries: NewEntries | None,
+        state: WideCache,
+        keys: WideCache,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """-> (T, index_topk) int32 compressed-entry ids per query, -1 unused."""
+        self.compressor(x, batch, entries, state, keys, table)
+        q = self.wq_b(q_residual).view(-1, self.heads, self.dim)  # (T, Hi, Di)
+        q = _rope_tail(self.backend, q, batch.positions, table)
+        weights = self.weights_proj(x).float() * self.heads**-0.5  # (T, Hi)
+        return self.backend.attention.indexer_topk(
+            q, weights, keys.caches[0], batch.attn, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
+        )
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        self.compressor.load(reader, f"{prefix}.compressor", dtype)
+        self.wq_b.load(reader, f"{prefix}.wq_b", dtype)
+        self.weights_proj.load(reader, f"{prefix}.weights_proj", dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class LayerCaches:
+    """One layer's caches (see the module docstring); None where its kind has none."""
+
+    window: PagedKVCache
+    compressed: WideCache | None = None
+    state: WideCache | None = None
+    index_keys: WideCache | None = None
+    index_state: WideCache | None = None
+
+
+class V4Attention(nn.Module):
+    """Shared K = V MQA with partial rope, per-head sinks, a sliding window, an optional
+    compressed branch, and the grouped low-rank output projection."""
+
+    ones: torch.Tensor  # (D,) the unweighted per-head query norm's weight
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int) -> None:
+        super().__init__()
+        self.backend, self.ratio = backend, ratio
+        c, d = config, v4.head_dim
+        assert c.q_lora_rank is not None
+        self.heads, self.dim, self.eps = c.num_attention_heads, d, c.rms_norm_eps
+        self.window = v4.sliding_window
+        self.groups, self.o_rank = v4.o_groups, v4.o_lora_rank
+        self.wq_a = Linear(backend, c.hidden_size, c.q_lora_rank)
+        self.q_norm = RMSNorm(backend, c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(backend, c.q_lora_rank, self.heads * d)
+        self.wkv = Linear(backend, c.hidden_size, d)
+        self.kv_norm = RMSNorm(backend, d, c.rms_norm_eps)
+        self.wo_a = Linear(backend, self.heads * d // self.groups, self.groups * self.o_rank)
+        self.wo_b = Linear(backend, self.groups * self.o_rank, c.hidden_size)
+        self.register_buffer("attn_sink", torch.empty(0, device="meta"))  # (H,) float32
+        self.register_buffer("ones", torch.ones(d, device=backend.device.device()), persistent=False)
+        # ratio 0: sliding window only; CSA: overlapping windows and the indexer; HCA: neither
+        csa = ratio == v4.csa_ratio
+        self.compressor = Compressor(backend, config, ratio, d, overlap=csa) if ratio else None
+        self.indexer = Indexer(backend, config, v4, ratio) if csa else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        caches: LayerCaches,
+        entries: NewEntries | None,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """x (T, Dm) -> (T, Dm). table: this layer's rope (main for sliding-only layers, compress
+        otherwise)."""
+        backend, t, pos = self.backend, x.shape[0], batch.positions
+        q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora_rank)
+        q = self.wq_b(q_residual).view(t, self.heads, self.dim)
+        q = _rope_tail(backend, backend.small.rms_norm(q, self.ones, self.eps), pos, table)  # (T, H, D)
+        kv = _rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
+        backend.kv_cache.write_kv(caches.window, kv, batch.slot_mapping)
+
+        scale = self.dim**-0.5
+        if self.compressor is None:
+            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink)
+            attend = backend.attention.decode if batch.attn.is_decode_only else backend.attention.prefill
+            o = attend(q, caches.window, batch.attn, scale=scale, v_dim=self.dim, modifiers=mods)
+        else:
+            assert caches.compressed is not None and caches.state is not None
+            self.compressor(x, batch, entries, caches.state, caches.compressed, table)
+            topk = None
+            if self.indexer is not None:
+                assert caches.index_state is not None and caches.index_keys is not None
+                topk = self.indexer(
+                    x, q_residual, batch, entries, caches.index_state, caches.index_keys, table
+                )
+            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
+            o = backend.attention.compressed_attention(
+                q, caches.window, caches.compressed.caches[0], batch.attn, scale=scale, ratio=self.ratio,
+                modifiers=mods,
+            )  # fmt: skip
+        # V = K carries the keys' rotation: rotating the output back by its own position leaves
+        # each entry's contribution a function of the relative distance.
+        o = _rope_tail(backend, o, pos, table, inverse=True)
+        # Grouped output: G groups of H/G heads, each (H*D/G) -> o_lora_rank, then one mix to Dm.
+        per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
+        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)
+        grouped = backend.gemm.batched_linear(per_group, w).transpose(0, 1)  # (T, G, o_lora_rank)
+        out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
+        return out
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
+        if self.wo_a.is_fp8:
+            raise NotImplementedError(f"{prefix}.wo_a: FP8 grouped output projections are not supported yet")
+        self.q_norm.weight = _load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
+        self.kv_norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
+        self.attn_sink = _load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+        if self.compressor is not None:
+            self.compressor.load(reader, f"{prefix}.compressor", dtype)
+        if self.indexer is not None:
+            self.indexer.load(reader, f"{prefix}.indexer", dtype)
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+class V4MoE(nn.Module):
+    """Routed experts (K of E, sqrtsoftplus scores renormalised and scaled; selection by the
+    router's top-k with its correction bias, or by the fixed tid2eid table in hash layers) plus
+    one shared expert, every SwiGLU clamped at swiglu_limit."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, hashed: bool) -> None:
+        super().__init__()
+        c = config
+        self.backend, self.hashed, self.limit = backend, hashed, v4.swiglu_limit
+        self.num_experts, self.hidden, self.inter = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.router = RouterConfig(
+            scoring=c.scoring_func,  # type: ignore[arg-type]
+            top_k=c.num_experts_per_tok,
+            renormalize=True,
+            routed_scaling_factor=c.routed_scaling_factor,
+        )
+        self.gate = Linear(backend, c.hidden_size, c.n_routed_experts)
+        self.shared_gate_up = Linear(backend, c.hidden_size, 2 * c.moe_intermediate_size)
+        self.shared_down = Linear(backend, c.moe_intermediate_size, c.hidden_size)
+        for name in ("w13", "w2", "bias", "tid2eid"):
+            self.register_buffer(name, torch.empty(0, device="meta"))
+        # w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I), bias (E,) float32, tid2eid (V, K) int64
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x (T, Dm), input_ids (T,) -> (T, Dm)."""
+        moe, gemm, small = self.backend.moe, self.backend.gemm, self.backend.small
+        logits = self.gate(x)  # (T, E)
+        if self.hashed:
+            weights, ids = moe.route(logits, self.router, hash_ids=self.tid2eid[input_ids])
+        else:
+            weights, ids = moe.route(logits, self.router, correction_bias=self.bias)
+        x_sorted, src_to_dst, counts = moe.permute(x, ids, self.num_experts)
+        h = small.clamped_silu_and_mul(gemm.grouped_gemm(x_sorted, self.w13, counts), self.limit)
+        routed = moe.unpermute(gemm.grouped_gemm(h, self.w2, counts), src_to_dst, weights)
+        shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
+        out: torch.Tensor = routed + shared
+        return out
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+        dm, i, e = self.hidden, self.inter, self.num_experts
+        self.gate.load(reader, f"{prefix}.gate", dtype)
+        if self.hashed:
+            self.tid2eid = reader.get_ids(f"{prefix}.gate.tid2eid", (vocab_size, self.router.top_k), e)
+        else:
+            self.bias = _load_f32(reader, f"{prefix}.gate.bias", (e,))
+
+        def dense(name: str, shape: tuple[int, int]) -> torch.Tensor:
+            w, s = reader.linear(name, shape, dtype)
+            if s is not None:
+                raise NotImplementedError(f"{name}: FP8 / FP4 DeepSeek-V4 experts are not supported yet")
+            return w
+
+        ex = f"{prefix}.experts"
+        gate_up = [
+            torch.cat([dense(f"{ex}.{k}.w1", (i, dm)), dense(f"{ex}.{k}.w3", (i, dm))]) for k in range(e)
+        ]
+        self.w13 = torch.stack(gate_up)
+        self.w2 = torch.stack([dense(f"{ex}.{k}.w2", (dm, i)) for k in range(e)])
+        sp = f"{prefix}.shared_experts"
+        self.shared_gate_up.weight = torch.cat([dense(f"{sp}.w1", (i, dm)), dense(f"{sp}.w3", (i, dm))])
+        self.shared_down.weight = dense(f"{sp}.w2", (dm, i))
+
+
+# --------------------------------------------------------------------------- block and model
+
+
+class HyperConnection(nn.Module):
+    """mHC around one block: its (pre, post, comb) weights come from the N streams themselves."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config) -> None:
+        super().__init__()
+        self.backend, self.n, self.dm = backend, v4.hc_mult, config.hidden_size
+        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, v4.hc_eps, v4.hc_sinkhorn_iters
+        for name in ("fn", "base", "scale"):
+            self.register_buffer(name, torch.empty(0, device="meta"))
+
+    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams (T, N, Dm) -> (block input (T, Dm), post (T, N), comb (T, N, N))."""
+        return self.backend.small.hc_pre(
+            streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters
+        )
+
+    def load(self, reader: CheckpointReader, prefix: str) -> None:
+        k = (2 + self.n) * self.n
+        self.fn = _load_f32(reader, f"{prefix}_fn", (k, self.n * self.dm))
+        self.base = _load_f32(reader, f"{prefix}_base", (k,))
+        self.scale = _load_f32(reader, f"{prefix}_scale", (3,))
+
+
+class V4Block(nn.Module):
+    """streams += mHC(attention(norm(collapse(streams)))); then the same around the MoE."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        v4 = config.v4
+        assert v4 is not None
+        self.backend = backend
+        self.ratio = v4.compress_ratios[layer_idx]
+        self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.attn = V4Attention(backend, config, v4, self.ratio)
+        self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.ffn = V4MoE(backend, config, v4, v4.hash_layers[layer_idx])
+        self.hc_attn = HyperConnection(backend, config, v4)
+        self.hc_ffn = HyperConnection(backend, config, v4)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        caches: LayerCaches,
+        entries: NewEntries | None,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """streams (T, N, Dm) -> (T, N, Dm)."""
+        small = self.backend.small
+        x, post, comb = self.hc_attn.pre(streams)
+        a = self.attn(self.attn_norm(x), batch, caches, entries, table)
+        streams = small.hc_post(a, streams, post, comb)
+        x, post, comb = self.hc_ffn.pre(streams)
+        f = self.ffn(self.ffn_norm(x), batch.input_ids)
+        return small.hc_post(f, streams, post, comb)
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+        dm = (self.attn_norm.dim,)
+        self.attn_norm.weight = _load_f32(reader, f"{prefix}.attn_norm.weight", dm)
+        self.ffn_norm.weight = _load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
+        self.attn.load(reader, f"{prefix}.attn", dtype)
+        self.ffn.load(reader, f"{prefix}.ffn", dtype, vocab_size)
+        self.hc_attn.load(reader, f"{prefix}.hc_attn")
+        self.hc_ffn.load(reader, f"{prefix}.hc_ffn")
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The DeepSeek-V4 decoder over its paged caches (LayerCaches per layer, flattened into the
+    engine's cache list: num_kv_layers caches of D-wide rows).
+
+    forward(batch, kv_caches) -> final hidden states (T, Dm); compute_logits(rows) -> (S, V) float32.
+    The MTP layer is not loaded (num_mtp_layers is 0), so speculative decoding is refused.
+    """
+
+    supports_graphs = False  # entries closing in a step are found from the lengths on the host
+    supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
+
+    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+        super().__init__()
+        v4 = config.v4
+        if v4 is None:
+            raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
+        self.config, self.v4, self.backend, self.dtype = config, v4, backend, dtype
+        self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
+        self.layers = nn.ModuleList(V4Block(backend, config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
+        for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
+            self.register_buffer(name, torch.empty(0, device="meta"))
+        self.mtp = nn.ModuleList()
+        device = backend.device.device()
+        # (P, R) [cos | sin] tables: plain rope for sliding-only layers, the compressed branches'
+        # own (compress_rope_theta, YaRN when configured) for CSA / HCA layers
+        for name, rope in (("main_rope", config.rope), ("compress_rope", v4.compress_rope)):
+            table = cos_sin_cache(rope, v4.rope_dim, config.max_position_embeddings, device)
+            self.register_buffer(name, table, persistent=False)
+        self._layout = [self._layer_cache_widths(i) for i in range(config.num_hidden_layers)]
+
+    # ------------------------------------------------------------------ engine interface
+
+    def _layer_cache_widths(self, i: int) -> list[int]:
+        """Row widths of layer i's caches in LayerCaches order (window first)."""
+        attn = cast(V4Block, self.layers[i]).attn
+        widths = [self.v4.head_dim]
+        if attn.compressor is not None:
+            widths += [self.v4.head_dim, attn.compressor.state_width]
+        if attn.indexer is not None:
+            widths += [attn.indexer.dim, attn.indexer.compressor.state_width]
+        return widths
+
+    @property
+    def num_kv_layers(self) -> int:
+        d = self.v4.head_dim
+        return sum(WideCache.count(w, d) for widths in self._layout for w in widths)
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return 0
+
+    def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
+        """Every cache holds D-wide rows (wider rows span several caches, see WideCache)."""
+        return KVCacheSpec(num_blocks, block_size, self.v4.head_dim, 0, self.dtype)
+
+    def _split_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[LayerCaches]:
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        d, at, out = self.v4.head_dim, 0, []
+        for widths in self._layout:
+            wide = []
+            for w in widths:
+                n = WideCache.count(w, d)
+                wide.append(WideCache(kv_caches[at : at + n], w))
+                at += n
+            out.append(LayerCaches(wide[0].caches[0], *wide[1:]))
+        return out
+
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
+        """(T, Dm) final hidden states of every token in the batch."""
+        c, v4 = self.config, self.v4
+        if batch.attn.max_seq_len > c.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
+                f"({c.max_position_embeddings})"
+            )
+        caches = self._split_caches(kv_caches)
+        block_size = caches[0].window.spec.block_size
+        entries: dict[int, NewEntries | None] = {}
+        for r in set(v4.compress_ratios) - {0}:
+            entries[r] = NewEntries.build(batch, r, overlap=r == v4.csa_ratio, block_size=block_size)
+        x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
+        streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()  # (T, N, Dm)
+        for block, layer_caches in zip(self.layers, caches):
+            ratio = cast(V4Block, block).ratio
+            table = self.compress_rope if ratio else self.main_rope
+            streams = block(streams, batch, layer_caches, entries.get(ratio), table)
+        head = self.backend.small.hc_head(
+            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, v4.hc_eps
+        )
+        out: torch.Tensor = self.norm(head)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (S, Dm) -> logits (S, V) float32."""
+        return self.backend.gemm.linear(hidden, self.lm_head).float()
+
+    # ------------------------------------------------------------------ loading
+
+    def load_weights(self, reader: CheckpointReader) -> None:
+        """Read every tensor from `reader` (see deepinfer.models.loader). The MTP layer's tensors
+        (mtp.*, or layers past num_hidden_layers) are skipped."""
+        c, dtype = self.config, self.dtype
+        root = "model." if reader.has("model.embed_tokens.weight") else ""
+        shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = reader.get("model.embed_tokens.weight" if root else "embed.weight", shape, dtype)
+        for i, layer in enumerate(self.layers):
+            cast(V4Block, layer).load(reader, f"{root}layers.{i}", dtype, c.vocab_size)
+        self.norm.weight = _load_f32(reader, f"{root}norm.weight", (c.hidden_size,))
+        n = self.v4.hc_mult
+        head = f"{root}hc_head." if root else "hc_head_"
+        names = ("hc_fn", "hc_base", "hc_scale") if root else ("fn", "base", "scale")
+        self.hc_head_fn = _load_f32(reader, head + names[0], (n, n * c.hidden_size))
+        self.hc_head_base = _load_f32(reader, head + names[1], (n,))
+        self.hc_head_scale = _load_f32(reader, head + names[2], (1,))
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = reader.get("head.weight", shape, dtype)
+        mtp_layers = [f"{root}layers.{c.num_hidden_layers + k}." for k in range(c.num_nextn_predict_layers)]
+        mtp_prefixes = ("mtp.", f"{root}mtp.", *mtp_layers)
+        for name in list(reader.location):
+            if name.startswith(mtp_prefixes):
+                reader.skip(name)

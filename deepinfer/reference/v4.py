@@ -1,0 +1,185 @@
+"""Reference definitions of DeepSeek-V4's ops: manifold-constrained hyper-connections (mHC), the
+clamped SwiGLU, the compressor's gated pooling, the lightning indexer's top-k and attention over a
+sliding window plus compressed entries. Semantics on deepinfer.backend.ops (SmallOps.hc_pre,
+hc_post, hc_head, clamped_silu_and_mul, gated_pool; AttentionOps.indexer_topk,
+compressed_attention). Plain float32 PyTorch, one request at a time where lengths differ.
+
+Symbols: T tokens, N hc_mult streams, Dm hidden, H heads, D head width, S slots of a window,
+Hi / Di indexer heads / head width, C compressed entries of a request, Kt top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deepinfer.backend.types import NO_MODIFIERS, AttentionMetadata, AttentionModifiers, PagedKVCache
+from deepinfer.reference import gemm
+from deepinfer.reference.attention import attend, visible_mask
+from deepinfer.reference.memory import read_kv
+
+RowReader = Callable[[PagedKVCache, torch.Tensor], torch.Tensor]  # (cache, slots (n,)) -> (n, D)
+
+
+def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams (T, N, Dm) -> (collapsed (T, Dm) in streams' dtype, post (T, N), comb (T, N, N))."""
+    t, n, _ = streams.shape
+    flat = _unweighted_rms(streams.flatten(1).float(), norm_eps)
+    mix = gemm.mm(flat, fn.float().T, batch_invariant)  # (T, (2+N)N)
+    pre_w, post_w, comb_w = mix[:, :n], mix[:, n : 2 * n], mix[:, 2 * n :]
+    b = base.float()
+    s = scale.float()
+    pre = torch.sigmoid(pre_w * s[0] + b[:n]) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s[1] + b[n : 2 * n])
+    comb = torch.softmax(comb_w.view(t, n, n) * s[2] + b[2 * n :].view(n, n), dim=-1) + hc_eps
+    # Sinkhorn-Knopp towards a doubly-stochastic matrix: columns first, then rows and columns.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre[..., None] * streams.float()).sum(dim=1)
+    return collapsed.to(streams.dtype), post, comb
+
+
+def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * streams[t, j] -> (T, N, Dm).
+    Elementwise, one stream j at a time: each row's bits are independent of the batch."""
+    out = post.float()[..., None] * y.float()[:, None, :]
+    for j in range(streams.shape[1]):
+        out = out + comb[:, j, :, None].float() * streams[:, j, None, :].float()
+    return out.to(streams.dtype)
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """The final collapse of the N streams: (T, N, Dm) -> (T, Dm)."""
+    flat = _unweighted_rms(streams.flatten(1).float(), norm_eps)
+    mix = gemm.mm(flat, fn.float().T, batch_invariant)  # (T, N)
+    pre = torch.sigmoid(mix * scale.float()[0] + base.float()) + hc_eps
+    return (pre[..., None] * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """[gate | up] (M, 2I) -> silu(min(gate, limit)) * clamp(up, -limit, limit), (M, I)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)).to(x.dtype)
+
+
+def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """kv (W, S, D), gate (W, S, D) float logits (-inf: slot absent) -> (W, D) in kv's dtype:
+    sum over S of softmax_S(gate) * kv, per channel. A window whose slots are all absent is 0."""
+    probs = torch.nan_to_num(torch.softmax(gate.float(), dim=1))
+    return (probs * kv.float()).sum(dim=1).to(kv.dtype)
+
+
+def _request_rows(
+    cache: PagedKVCache, block_table: torch.Tensor, n: int, read_rows: RowReader, first: int = 0
+) -> torch.Tensor:
+    """The rows of positions first..n-1 of one request, (n - first, D), read through `read_rows`
+    (so any backend's cache layout works)."""
+    bs = cache.spec.block_size
+    pos = torch.arange(first, n, device=block_table.device)
+    return read_rows(cache, block_table.long()[pos // bs] * bs + pos % bs)
+
+
+def _compressed_visible(positions: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
+    """(n, C) bool: entry w pools tokens [w*ratio, (w+1)*ratio), all at or before the query."""
+    w = torch.arange(num_entries, device=positions.device)
+    return w[None, :] < ((positions + 1) // ratio)[:, None]
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: PagedKVCache,
+    meta: AttentionMetadata,
+    ratio: int,
+    topk: int,
+    scale: float,
+    read_rows: RowReader = read_kv,
+) -> torch.Tensor:
+    """q (T, Hi, Di), weights (T, Hi) -> (T, topk) int32 compressed-entry ids, -1 where unused."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    start = 0
+    for b, (kv_len, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
+        if n == 0:
+            continue
+        num_entries = kv_len // ratio
+        rows = slice(start, start + n)
+        start += n
+        if num_entries == 0:
+            continue
+        k = _request_rows(keys, meta.block_tables[b], num_entries, read_rows)[
+            :, : q.shape[-1]
+        ].float()  # (C, Di)
+        logits = torch.einsum("nhd,cd->nhc", q[rows].float(), k)
+        scores = (torch.relu(logits) * scale * weights[rows].float()[..., None]).sum(dim=1)  # (n, C)
+        positions = torch.arange(kv_len - n, kv_len, device=q.device)
+        visible = _compressed_visible(positions, num_entries, ratio)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k_eff = min(topk, num_entries)
+        top = scores.topk(k_eff, dim=-1)
+        ids = torch.where(torch.isfinite(top.values), top.indices, -1)
+        out[rows, :k_eff] = ids.to(torch.int32)
+    return out
+
+
+def compressed_attention(
+    q: torch.Tensor,
+    cache: PagedKVCache,
+    compressed: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    ratio: int,
+    modifiers: AttentionModifiers = NO_MODIFIERS,
+    read_rows: RowReader = read_kv,
+) -> torch.Tensor:
+    """q (T, H, D) -> (T, H, D): one softmax over the token rows of `cache` the window lets through
+    and the compressed entries of `compressed` (all visible ones, or the top-k ids among them),
+    with the sinks in the denominator. K = V (the whole row)."""
+    d = q.shape[-1]
+    out = torch.empty_like(q)
+    start = 0
+    for b, (kv_len, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
+        if n == 0:
+            continue
+        if n > kv_len:
+            raise ValueError(f"request {b}: query length {n} exceeds its KV length {kv_len}")
+        rows = slice(start, start + n)
+        start += n
+        positions = torch.arange(kv_len - n, kv_len, device=q.device)
+        # token rows: only those some query's window reaches (all of them without a window)
+        first = 0 if modifiers.window is None else max(0, kv_len - n - modifiers.window + 1)
+        k = _request_rows(cache, meta.block_tables[b], kv_len, read_rows, first)[:, :d]
+        mask = visible_mask(positions, kv_len, modifiers.window, None)[:, first:]
+        num_entries = kv_len // ratio
+        kc = _request_rows(compressed, meta.block_tables[b], num_entries, read_rows)[:, :d]
+        cmask = _compressed_visible(positions, num_entries, ratio)
+        if modifiers.topk_indices is not None:
+            cmask &= visible_mask(positions, num_entries, None, modifiers.topk_indices[rows])
+        keys = torch.cat([k.float(), kc.float()])
+        out[rows] = attend(q[rows], keys, torch.cat([mask, cmask], dim=1), scale, d, modifiers.sinks).to(
+            q.dtype
+        )
+    return out

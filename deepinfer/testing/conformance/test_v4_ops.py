@@ -1,0 +1,296 @@
+"""DeepSeek-V4's ops against float64 oracles written here from their definitions (not the
+reference code): clamped SwiGLU, the compressor's gated pooling, the mHC weights and mixes, the
+lightning indexer's top-k and attention over a sliding window plus compressed entries; then a
+tiny V4 model on the backend against the reference in float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, KVCacheSpec, PagedKVCache
+from deepinfer.models.loader import load_model
+from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+from deepinfer.models.runner_util import PagedRunner
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
+from deepinfer.testing.tolerances import Tolerance, assert_close, tolerance
+
+# --------------------------------------------------------------------------- elementwise and pooling
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 33])
+def test_clamped_silu_and_mul(backend: Backend, dtype: torch.dtype, gen: torch.Generator, rows: int) -> None:
+    dev, limit = backend.device.device(), 1.5
+    x = randn((rows, 2 * 24), dtype, dev, gen, 2.0)  # many values past the limit
+    got = backend.small.clamped_silu_and_mul(x, limit)
+    g, u = oracle(x).chunk(2, dim=-1)
+    g = torch.where(g > limit, torch.full_like(g, limit), g)
+    u = torch.maximum(torch.minimum(u, torch.full_like(u, limit)), torch.full_like(u, -limit))
+    assert_close(got, g / (1 + torch.exp(-g)) * u, dtype, what="clamped_silu_and_mul")
+
+
+@pytest.mark.parametrize("windows,slots", [(0, 4), (1, 4), (5, 8), (3, 256)])
+def test_gated_pool(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, windows: int, slots: int
+) -> None:
+    dev, d = backend.device.device(), 20
+    kv = randn((windows, slots, d), dtype, dev, gen)
+    gate = randn((windows, slots, d), torch.float32, dev, gen, 3.0)
+    absent = torch.rand((windows, slots), generator=gen) < 0.3
+    if windows:
+        absent[0] = True  # a window with no slot at all pools to zeros
+    gate = gate.masked_fill(absent[..., None].to(dev), float("-inf"))
+    got = backend.small.gated_pool(kv, gate)
+    kv64, g64, live = oracle(kv), oracle(gate), ~absent[..., None]
+    top = torch.where(live, g64, torch.full_like(g64, -1e300)).amax(dim=1, keepdim=True)
+    e = torch.where(live, torch.exp(g64 - top), torch.zeros_like(g64))  # absent slots weigh 0
+    total = e.sum(dim=1)
+    want = torch.where(total > 0, (e * kv64).sum(dim=1) / total.clamp(min=1e-300), torch.zeros_like(total))
+    assert_close(got, want, dtype, what="gated_pool")
+
+
+# --------------------------------------------------------------------------- hyper-connections
+
+
+def _hc_oracle(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t, n, _ = streams.shape
+    flat = streams.flatten(1)
+    flat = flat / torch.sqrt((flat**2).mean(-1, keepdim=True) + 1e-6)
+    mix = flat @ fn.T
+
+    def sig(v: torch.Tensor) -> torch.Tensor:
+        return 1 / (1 + torch.exp(-v))
+
+    pre = sig(mix[:, :n] * scale[0] + base[:n]) + 1e-6
+    post = 2 * sig(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = mix[:, 2 * n :].reshape(t, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    e = torch.exp(logits - logits.max(-1, keepdim=True).values)
+    comb = e / e.sum(-1, keepdim=True) + 1e-6
+    for i in range(2 * iters - 1):  # alternately columns, rows, columns, ...
+        dim = -2 if i % 2 == 0 else -1
+        comb = comb / (comb.sum(dim, keepdim=True) + 1e-6)
+    collapsed = torch.einsum("tn,tnd->td", pre, streams)
+    return collapsed, post, comb
+
+
+@pytest.mark.parametrize("tokens,n,dm", [(0, 4, 16), (1, 4, 64), (9, 3, 40)])
+def test_hc_pre_post_head(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, n: int, dm: int
+) -> None:
+    dev, iters = backend.device.device(), 20
+    streams = randn((tokens, n, dm), dtype, dev, gen)
+    fn = randn(((2 + n) * n, n * dm), torch.float32, dev, gen, 0.3)
+    base = randn(((2 + n) * n,), torch.float32, dev, gen, 0.5)
+    scale = 1 + randn((3,), torch.float32, dev, gen, 0.3)
+    collapsed, post, comb = backend.small.hc_pre(streams, fn, base, scale, 1e-6, 1e-6, iters)
+    want_c, want_p, want_m = _hc_oracle(oracle(streams), oracle(fn), oracle(base), oracle(scale), iters)
+    assert_close(collapsed, want_c, dtype, what="hc_pre collapsed")
+    assert_close(post, want_p, torch.float32, what="hc_pre post")
+    assert_close(comb, want_m, torch.float32, what="hc_pre comb")
+    # Sinkhorn ends on a column normalisation: every column of comb sums to 1 (less hc_eps)
+    assert_close(comb.sum(-2), torch.ones(tokens, n), torch.float32, what="comb column sums")
+
+    y = randn((tokens, dm), dtype, dev, gen)
+    got = backend.small.hc_post(y, streams, post, comb)
+    p64, m64, s64, y64 = oracle(post), oracle(comb), oracle(streams), oracle(y)
+    want = torch.zeros((tokens, n, dm), dtype=torch.float64)
+    for k in range(n):
+        want[:, k] = p64[:, k, None] * y64 + sum(m64[:, j, k, None] * s64[:, j] for j in range(n))
+    assert_close(got, want, dtype, what="hc_post")
+
+    head_fn = randn((n, n * dm), torch.float32, dev, gen, 0.3)
+    head_base = randn((n,), torch.float32, dev, gen, 0.5)
+    head_scale = 1 + randn((1,), torch.float32, dev, gen, 0.3)
+    got = backend.small.hc_head(streams, head_fn, head_base, head_scale, 1e-6, 1e-6)
+    flat = s64.flatten(1)
+    flat = flat / torch.sqrt((flat**2).mean(-1, keepdim=True) + 1e-6)
+    pre = 1 / (1 + torch.exp(-(flat @ oracle(head_fn).T * oracle(head_scale)[0] + oracle(head_base)))) + 1e-6
+    assert_close(got, torch.einsum("tn,tnd->td", pre, s64), dtype, what="hc_head")
+
+
+# --------------------------------------------------------------------------- indexer and attention
+
+
+class Step:
+    """A ragged step with a token cache (one row per position) and a compressed cache (one row
+    per entry w = position w of the same block tables), filled through the backend's write_kv."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        seq_lens: list[int],
+        query_lens: list[int],
+        ratio: int,
+        d: int,
+        dtype: torch.dtype,
+        gen: torch.Generator,
+        block_size: int = 4,
+    ) -> None:
+        dev = backend.device.device()
+        self.seq_lens, self.query_lens, self.ratio = seq_lens, query_lens, ratio
+        table, num_blocks = random_block_tables(seq_lens, block_size, gen)
+        spec = KVCacheSpec(num_blocks, block_size, d, 0, dtype)
+        self.tokens, self.entries = backend.kv_cache.allocate(spec, 2)
+        every = torch.arange(num_blocks * block_size)
+        nan = torch.full((every.numel(), d), float("nan"), dtype=dtype)
+        for cache in (self.tokens, self.entries):  # rows no request reaches must never be read
+            backend.kv_cache.write_kv(cache, nan.to(dev), every.to(dev))
+        self.token_rows: list[torch.Tensor] = []
+        self.entry_rows: list[torch.Tensor] = []
+        for b, n in enumerate(seq_lens):
+            rows, comp = randn((n, d), dtype, "cpu", gen), randn((n // ratio, d), dtype, "cpu", gen)
+            self._write(backend, self.tokens, table[b], rows, block_size)
+            self._write(backend, self.entries, table[b], comp, block_size)
+            self.token_rows.append(oracle(rows))
+            self.entry_rows.append(oracle(comp))
+        self.meta = AttentionMetadata.build(table.to(dev), seq_lens, query_lens)
+
+    @staticmethod
+    def _write(
+        backend: Backend, cache: PagedKVCache, table: torch.Tensor, rows: torch.Tensor, bs: int
+    ) -> None:
+        if rows.shape[0]:
+            slots = slots_of(table, torch.arange(rows.shape[0]), bs)
+            backend.kv_cache.write_kv(
+                cache, rows.to(backend.device.device()), slots.to(backend.device.device())
+            )
+
+    def queries(self) -> list[tuple[int, int, int]]:
+        """(row, request, position) of every query row."""
+        out, row = [], 0
+        for b, (kv_len, n) in enumerate(zip(self.seq_lens, self.query_lens)):
+            for i in range(n):
+                out.append((row, b, kv_len - n + i))
+                row += 1
+        return out
+
+    def visible_entries(self, position: int) -> int:
+        return (position + 1) // self.ratio
+
+
+CASES = {
+    "mixed": ([37, 9, 3, 64], [5, 9, 1, 1]),
+    "decode": ([40, 17, 8], [1, 1, 1]),
+    "prefill-from-zero": ([23, 0, 12], [23, 0, 12]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None:
+    seq_lens, query_lens = CASES[name]
+    ratio, topk, heads, di = 4, 3, 5, 12
+    step = Step(backend, seq_lens, query_lens, ratio, di, torch.float32, gen)
+    dev, t = backend.device.device(), sum(query_lens)
+    q = randn((t, heads, di), torch.float32, dev, gen)
+    weights = randn((t, heads), torch.float32, dev, gen)
+    got = backend.attention.indexer_topk(
+        q, weights, step.entries, step.meta, ratio=ratio, topk=topk, scale=0.3
+    )
+    assert got.shape == (t, topk) and got.dtype == torch.int32
+    q64, w64 = oracle(q), oracle(weights)
+    for row, b, pos in step.queries():
+        n_vis = step.visible_entries(pos)
+        keys = step.entry_rows[b][:n_vis]
+        scores = (torch.relu(q64[row] @ keys.T) * 0.3 * w64[row][:, None]).sum(0)  # (n_vis,)
+        ids = [i for i in got[row].tolist() if i >= 0]
+        assert len(ids) == len(set(ids)) == min(topk, n_vis), f"row {row} (position {pos}): ids {ids}"
+        assert all(i < n_vis for i in ids), f"row {row} (position {pos}): {ids} past {n_vis} visible entries"
+        rest = [i for i in range(n_vis) if i not in ids]
+        if ids and rest:  # every pick scores at least as high as every entry left out (ties allowed)
+            assert min(float(scores[i]) for i in ids) >= max(float(scores[i]) for i in rest) - 1e-4, (
+                f"row {row} (position {pos}): picked {ids}, scores {scores.tolist()}"
+            )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("with_topk", [False, True], ids=["hca", "csa"])
+def test_compressed_attention(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, with_topk: bool
+) -> None:
+    seq_lens, query_lens = CASES[name]
+    ratio, heads, d, window, scale = (4, 3, 24, 6, 0.2) if with_topk else (8, 3, 24, 5, 0.2)
+    step = Step(backend, seq_lens, query_lens, ratio, d, dtype, gen)
+    dev, t = backend.device.device(), sum(query_lens)
+    q = randn((t, heads, d), dtype, dev, gen)
+    sinks = randn((heads,), torch.float32, dev, gen)
+    topk = None
+    if with_topk:  # random ids, some past the visible entries, some repeated, -1 padded
+        topk = torch.randint(-1, max(seq_lens) // ratio + 2, (t, 4), generator=gen, dtype=torch.int32)
+        if t:
+            topk[0, 1] = topk[0, 0]
+        topk = topk.to(dev)
+    mods = AttentionModifiers(window=window, sinks=sinks, topk_indices=topk)
+    got = backend.attention.compressed_attention(
+        q, step.tokens, step.entries, step.meta, scale=scale, ratio=ratio, modifiers=mods
+    )
+    want = torch.zeros((t, heads, d), dtype=torch.float64)
+    q64, s64 = oracle(q), oracle(sinks)
+    picked = None if topk is None else topk.cpu().long()
+    for row, b, pos in step.queries():
+        entries = torch.arange(step.visible_entries(pos))
+        if picked is not None:
+            entries = entries[torch.isin(entries, picked[row])]
+        # (L, D): the window's tokens (never empty: the query's own) and the allowed entries
+        k = torch.cat([step.token_rows[b][max(0, pos - window + 1) : pos + 1], step.entry_rows[b][entries]])
+        logits = q64[row] @ k.T * scale  # (H, L)
+        top = torch.maximum(logits.max(-1).values, s64)
+        e = torch.exp(logits - top[:, None])
+        want[row] = (e @ k) / (e.sum(-1) + torch.exp(s64 - top))[:, None]
+    assert_close(
+        got, want, dtype, what="compressed_attention", case=f"{name}, ratio {ratio}, window {window}"
+    )
+
+
+# --------------------------------------------------------------------------- a tiny model
+
+# 3 layers (sliding window only, CSA, HCA) = 6 sublayers, each within the per-op budget; the
+# hyper-connection mixes add a few roundings per sublayer
+V4_MODEL_DEPTH = 8
+# prompts past the window (6) and over several compressed entries (ratios 4 and 8)
+V4_PROMPTS = {0: [(7 * i + 3) % 120 + 2 for i in range(13)], 1: [(5 * i + 11) % 120 + 2 for i in range(18)]}
+V4_CHUNK = 7
+# decode positions 13-15 and 18-20: compressed entries close in decode steps (request 0's HCA
+# and CSA entries at 15, request 1's CSA entry at 19)
+V4_DECODE = [[9, 40], [77, 3], [15, 100]]
+
+
+def _run_v4(backend: Backend, root: Path, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits of every row of each step: chunked prefill of both prompts, then decode steps."""
+    runner = PagedRunner(load_model(root, backend, dtype=dtype), backend, num_blocks=32, block_size=4)
+    out, done = [], dict.fromkeys(V4_PROMPTS, 0)
+    while any(done[r] < len(p) for r, p in V4_PROMPTS.items()):
+        chunks = []
+        for r, p in V4_PROMPTS.items():
+            if done[r] < len(p):
+                chunks.append((r, p[done[r] : done[r] + V4_CHUNK]))
+                done[r] += len(chunks[-1][1])
+        out.append(runner.step(chunks, all_logits=True).cpu())
+    for tokens in V4_DECODE:
+        out.append(runner.step([(r, [t]) for r, t in zip(V4_PROMPTS, tokens)]).cpu())
+    return out
+
+
+def test_tiny_v4_model(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> None:
+    """A tiny DeepSeek-V4 (every layer type, hash and routed MoE, mHC) on the backend under test
+    against the reference in float64: chunked prefill over the paged caches, then decode steps.
+    Every token goes to all experts and the indexer keeps every entry, so no near-tie in a choice
+    can flip between precisions: the logits must stay within V4_MODEL_DEPTH x the per-op budget."""
+    config = tiny_v4_config(num_experts_per_tok=4, index_topk=16)
+    root = write_random_v4_checkpoint(tmp_path / "tiny-v4", config, seed=3)
+    expected = _run_v4(create_reference_backend(), root, torch.float64)
+    actual = _run_v4(backend, root, dtype)
+    tol = tolerance(dtype)
+    scaled = Tolerance(tol.atol * V4_MODEL_DEPTH, tol.rtol * V4_MODEL_DEPTH)
+    for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        err = (a.double() - e).abs()
+        bound = scaled.atol + scaled.rtol * e.abs()
+        assert bool((err <= bound).all()), (
+            f"step {i} ({dtype}): {int((err > bound).sum())}/{err.numel()} logits outside "
+            f"atol={scaled.atol:.3g} rtol={scaled.rtol:.3g}; max abs error {err.max().item():.3e}"
+        )

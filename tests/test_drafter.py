@@ -1,0 +1,293 @@
+"""The block drafter and confidence-scheduled verification: outputs equal plain decoding token for
+token (block drafter and MTP, greedy and seeded, with and without scheduling, with async
+scheduling and graphs between drafting steps); the scheduling rule against a brute-force
+optimum; the engine never verifies more drafts than the step's budget and drafts nothing at a
+batch that leaves none; drafter files round-trip and mismatches are refused; training lowers the
+loss at toy size."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.speculative import draft_budget, schedule_drafts
+from deepinfer.models.drafter import BlockDrafter, DrafterConfig, load_drafter
+from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.reference.backend import create_reference_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5 + (7 * i + 3 * j) % 120 for j in range(n)] for i, n in enumerate([3, 17, 40, 9])]
+GREEDY = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(4)]
+SEEDED = [
+    SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(4)
+]
+
+
+def random_drafter(hidden_size: int, vocab_size: int, seed: int = 1) -> BlockDrafter:
+    """A drafter with every weight random (none left at its zero initialisation)."""
+    config = DrafterConfig(
+        hidden_size=hidden_size, vocab_size=vocab_size, draft_hidden_size=32, intermediate_size=48,
+        block_size=5, markov_rank=8,
+    )  # fmt: skip
+    drafter = BlockDrafter(config, create_reference_backend(), seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_random_checkpoint(tmp_path_factory.mktemp("dspark") / "ckpt", tiny_config(), seed=3)
+    random_drafter(64, 128).save(path)
+    return path
+
+
+def make(ckpt: Path, **kw: Any) -> LLM:
+    args: dict[str, Any] = {"backend": "reference", "dtype": "float32", "block_size": 8, "max_model_len": 128}
+    return LLM(str(ckpt), **{**args, **kw})
+
+
+def run(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def expected(ckpt: Path) -> tuple[list[list[int]], list[list[int]]]:
+    plain = make(ckpt, async_scheduling=False, enforce_eager=True)
+    return run(plain, GREEDY), run(plain, SEEDED)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "dspark", "num_speculative_tokens": 5},
+        {"method": "dspark", "num_speculative_tokens": 3, "min_draft_confidence": 0.2},
+        {
+            "method": "dspark",
+            "num_speculative_tokens": 5,
+            "confidence_scheduling": True,
+            "step_token_budget": 7,
+        },
+        {"method": "mtp", "num_speculative_tokens": 2, "confidence_scheduling": True, "step_token_budget": 9},
+    ],
+    ids=["block-k5", "block-k3-threshold", "block-k5-scheduled", "mtp-k2-scheduled"],
+)
+def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str, Any]) -> None:
+    llm = make(ckpt, speculative_config=spec)  # async scheduling and (emulated) graphs on
+    assert (run(llm, GREEDY), run(llm, SEEDED)) == expected
+    assert llm.llm_engine.num_draft_tokens > 0
+
+
+def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
+    ckpt: Path, expected: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """step_token_budget 4: while 4 requests run, no draft fits (plain steps, graph replays, async);
+    once one finishes, the others draft. Outputs stay those of plain decoding."""
+    spec = {
+        "method": "dspark",
+        "num_speculative_tokens": 4,
+        "confidence_scheduling": True,
+        "step_token_budget": 4,
+    }
+    llm = make(ckpt, speculative_config=spec)
+    engine = llm.llm_engine
+    replays = {"n": 0}
+    real = engine.runner.bucket_for
+
+    def spy(batch: Any) -> int | None:
+        bucket = real(batch)
+        replays["n"] += bucket is not None
+        return bucket
+
+    monkeypatch.setattr(engine.runner, "bucket_for", spy)
+    assert engine.async_scheduling and engine.runner.graphs
+    assert run(llm, GREEDY) == expected[0]
+    assert replays["n"] > 0 and engine.speculative is not None and engine.speculative.num_steps > 0
+    assert engine.num_draft_tokens > 0
+
+
+def test_schedule_drafts_takes_the_most_confident_prefixes() -> None:
+    """Against brute force: the counts are prefixes, within the budget, and no other choice of
+    prefixes within the budget has a larger total confidence (expected accepted drafts)."""
+    rng = random.Random(0)
+    for _ in range(200):
+        conf = []
+        for _ in range(rng.randint(1, 4)):
+            c = sorted((round(rng.random(), 2) for _ in range(rng.randint(0, 4))), reverse=True)
+            conf.append(c)
+        budget = rng.randint(0, 10)
+        counts = schedule_drafts(conf, budget)
+        assert all(0 <= n <= len(c) for n, c in zip(counts, conf))
+        assert sum(counts) <= budget
+        best = max(
+            sum(sum(c[:n]) for c, n in zip(conf, choice))
+            for choice in itertools.product(*(range(len(c) + 1) for c in conf))
+            if sum(choice) <= budget
+        )
+        got = sum(sum(c[:n]) for c, n in zip(conf, counts))
+        assert got == pytest.approx(best)
+        assert sum(counts) == min(budget, sum(len(c) for c in conf))
+    assert schedule_drafts([[0.9, 0.5], [0.7]], None) == [2, 1]
+    assert schedule_drafts([[0.9, 0.5], [0.7]], 2) == [1, 1]
+    assert draft_budget(64, 1) == 63 and draft_budget(64, 64) == 0 and draft_budget(64, 128) == 0
+    assert draft_budget(None, 128) is None
+
+
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_engine_never_verifies_more_than_the_budget(
+    ckpt: Path, expected: Any, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    spec = {
+        "method": method,
+        "num_speculative_tokens": 3,
+        "confidence_scheduling": True,
+        "step_token_budget": 6,
+    }
+    llm = make(ckpt, speculative_config=spec)
+    engine = llm.llm_engine
+    decoder = engine.speculative
+    assert decoder is not None
+    seen: list[tuple[int, int | None, int]] = []
+    real = engine.scheduler.schedule
+
+    def record() -> Any:
+        batch = real()
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        seen.append((sum(batch.num_draft_tokens), decoder.last_budget, running))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", record)
+    assert run(llm, GREEDY) == expected[0]
+    drafted = [(n, b) for n, b, _ in seen if n]
+    assert drafted, "no step verified drafts"
+    assert all(b is not None and n <= b for n, b in drafted)
+    assert max(n for n, _ in drafted) > 1
+
+
+def test_no_budget_no_drafts(ckpt: Path, expected: Any) -> None:
+    """A budget no larger than the batch: every step is a plain step."""
+    spec = {
+        "method": "dspark",
+        "num_speculative_tokens": 5,
+        "confidence_scheduling": True,
+        "step_token_budget": 4,
+    }
+    llm = make(ckpt, speculative_config=spec, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    same_length = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = make(ckpt, async_scheduling=False, enforce_eager=True)
+    want = [r.outputs[0].token_ids for r in plain.generate(prompts, same_length, use_tqdm=False)]
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, same_length, use_tqdm=False)]
+    assert got == want
+    assert llm.llm_engine.speculative is not None and llm.llm_engine.speculative.num_steps == 0
+    assert llm.llm_engine.num_draft_tokens == 0
+
+
+def test_block_drafts_are_the_drafters_greedy_block(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's block drafts equal the drafter run by hand on the model's hidden state of the
+    token before the last and the last token, over a fresh computation of the whole sequence."""
+    from deepinfer.models.loader import load_model
+    from deepinfer.models.runner_util import PagedRunner
+
+    llm = make(ckpt, speculative_config={"method": "dspark", "num_speculative_tokens": 4})
+    decoder = llm.llm_engine.speculative
+    assert decoder is not None
+    seen: list[tuple[list[int], list[int], list[float]]] = []
+    real = decoder.propose
+
+    def record(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
+        drafts = real(seqs, spans, rows, wants)
+        for s, chain in zip(seqs, drafts):
+            seen.append((list(s.token_ids), [d for d, _ in chain], [c for _, c in chain]))
+        return drafts
+
+    monkeypatch.setattr(decoder, "propose", record)
+    run(llm, GREEDY[:1] * 4)
+    assert len(seen) > 8
+    model = load_model(str(ckpt), create_reference_backend(), torch.float32)
+    for tokens, drafts, conf in seen[:: max(1, len(seen) // 6)]:
+        main = PagedRunner(model, model.backend, num_blocks=32, block_size=8)
+        main.step([(0, tokens[:-1])], all_logits=True)
+        assert main.last_hidden is not None
+        want, want_conf = model.drafter.draft(
+            main.last_hidden[-1:], torch.tensor(tokens[-1:]), model.embed_tokens, model.lm_head, len(drafts)
+        )
+        assert want[0].tolist() == drafts
+        assert want_conf[0].tolist() == pytest.approx(conf, abs=1e-5)
+        assert all(a >= b for a, b in itertools.pairwise(conf))
+
+
+def test_drafter_files_round_trip_and_mismatches_are_refused(ckpt: Path, tmp_path: Path) -> None:
+    backend = create_reference_backend()
+    d = random_drafter(64, 128, seed=5)
+    d.save(tmp_path)
+    back = load_drafter(tmp_path, backend, tiny_config_obj(), torch.float32)
+    for (name, a), (_, b) in zip(d.named_parameters(), back.named_parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="hidden_size=64 does not match the model's 48"):
+        load_drafter(tmp_path, backend, tiny_config_obj(hidden_size=48), torch.float32)
+    with pytest.raises(ValueError, match="block drafter's block_size 5"):
+        make(ckpt, speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+    no_drafter = write_random_checkpoint(tmp_path / "plain", tiny_config())
+    with pytest.raises(ValueError, match="has none"):
+        make(no_drafter, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+def tiny_config_obj(**overrides: Any) -> Any:
+    from deepinfer.models.config import ModelConfig
+
+    return ModelConfig.from_dict(tiny_config(**overrides))
+
+
+def test_training_lowers_the_loss_at_toy_size(tmp_path: Path) -> None:
+    """train/train_drafter.py --toy on a random model with a tokenizer trained on the same
+    corpus: the loss falls, and the drafter it writes is attached by the loader."""
+    sys.path.insert(0, str(ROOT / "train"))
+    import train_drafter
+    from train_tiny import stdlib_files, train_tokenizer
+
+    model_dir = write_random_checkpoint(tmp_path / "m", tiny_config(vocab_size=384), seed=3)
+    train, _, _ = stdlib_files(6)
+    train_tokenizer([t for _, t in train], 384).save(str(model_dir / "tokenizer.json"))
+    log = train_drafter.main(["--model", str(model_dir), "--out", str(model_dir), "--toy", "--device", "cpu",
+                              "--steps", "20"])  # fmt: skip
+    held = log["held_out"]  # the same held-out anchors before and after training
+    assert held["loss_after"] < held["loss_before"] - 0.3
+    assert 1.0 <= log["held_out"]["mean_accepted_length"] <= 6.0
+    llm = LLM(str(model_dir), backend="reference", dtype="float32", max_model_len=64,
+              speculative_config={"method": "dspark", "num_speculative_tokens": 5})  # fmt: skip
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_bench_spec_small_run(ckpt: Path, tmp_path: Path) -> None:
+    """bench/bench_spec.py at a CPU size: a row per configuration and batch, table and plot."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_spec
+
+    args = "--small --backend reference --dtype float32 --batches 1 3 --new-tokens 5 --prompt-len 6"
+    args += " --mtp-k 1 --block-k 2 6"
+    rows = bench_spec.main(["--model", str(ckpt), "--out", str(tmp_path), *args.split()])
+    assert [(r["drafter"], r["k"], r["scheduled"], r["batch"]) for r in rows] == [
+        (d, k, s, b) for d, k in (("mtp", 1), ("dspark", 2)) for s in (False, True) for b in (1, 3)
+    ]
+    for r in rows:
+        assert r["device"] == "cpu" and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
+        assert 1.0 <= r["mean_accepted"] <= 1 + r["k"]
+    assert json.loads((tmp_path / "spec.json").read_text()) == rows
+    table = (tmp_path / "spec.md").read_text()
+    assert table.count("\n| mtp |") == 4 and "dspark k=6: the drafter's block size is 5" in table
+    assert (tmp_path / "spec.svg").read_text().count("<polyline") == 4
