@@ -47,21 +47,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "model" / "tiny"))
+# DeepSeek's special tokens and chat template: the same as the random test model's tokenizer
+from make_tiny import BOS, CHAT_TEMPLATE, EOS, SPECIAL
 from twin import Twin, TwinConfig, checkpoint_tensors
 
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-SPECIAL = [BOS, EOS, USER, ASSISTANT]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}"
-    "{% elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
-    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
-)
 HELD_OUT_MODULUS = 20
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 MIB = 1 << 20
