@@ -1,30 +1,51 @@
 #!/usr/bin/env bash
 # One device call, every part under its own time limit, each log written straight into $OUT
-# (a call cut short still returns what finished) with a summary line printed after each part:
-# the cuda conformance suite, the engine on real CUDA graphs, then bench/bench_e2e.py with the
-# arguments given (none: skipped). Limits in seconds: CONF_TIMEOUT (250), ENGINE_TIMEOUT (120),
+# (a call cut short still returns what finished) with a summary line printed after each part.
+# In parallel (one GPU of 141 GB and 16 cores hold them all): the cuda conformance suite, the
+# engine on real CUDA graphs (tests/test_async_graphs.py), and with TRAIN_TINY=1 the training of
+# model/tiny and its block drafter into $OUT/tiny (the weights, and small.tgz with the rest).
+# Then bench/bench_e2e.py with the arguments given (none: skipped).
+# Limits in seconds: CONF_TIMEOUT (250), ENGINE_TIMEOUT (120), TRAIN_MINUTES (3),
 # BENCH_TIMEOUT (200); the device returns at most 8 files, so traces are not kept.
-#   usage: OUT=dir bash ci/gpu_session.sh [bench_e2e.py arguments]
+#   usage: OUT=dir [TRAIN_TINY=1] bash ci/gpu_session.sh [bench_e2e.py arguments]
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
 echo "install rc=$?"
+start=$SECONDS
 
-t0=$SECONDS
+train() {
+  local dir=/tmp/tiny
+  mkdir -p "$OUT/tiny" "$dir"
+  timeout $(( ${TRAIN_MINUTES:-3} * 60 + 90 )) python3 train/train_tiny.py --out "$dir" \
+    --minutes "${TRAIN_MINUTES:-3}" --max-epochs "${TRAIN_EPOCHS:-6}" --device cuda > "$dir/train.log" 2>&1
+  echo "train_tiny rc=$? at $((SECONDS - start)) s"
+  timeout 150 python3 train/train_drafter.py --model "$dir" --out "$dir" --minutes 1.1 --device cuda \
+    > "$dir/drafter.log" 2>&1
+  echo "train_drafter rc=$? at $((SECONDS - start)) s"
+  cp "$dir"/*.safetensors "$OUT/tiny/"
+  tar -C "$dir" -czf "$OUT/tiny/small.tgz" --exclude='*.safetensors' .
+  tail -n 3 "$dir/train.log" "$dir/drafter.log"
+}
+
+engine() {
+  timeout "${ENGINE_TIMEOUT:-120}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py \
+    -q -rfs -p no:cacheprovider > "$OUT/engine_tests.log" 2>&1
+  echo "engine tests rc=$? at $((SECONDS - start)) s"
+  tail -n 3 "$OUT/engine_tests.log"
+}
+
+[ "${TRAIN_TINY:-0}" = 1 ] && { train & }
+engine &
 timeout "${CONF_TIMEOUT:-250}" python3 -m pytest -p deepinfer.testing.plugin --pyargs deepinfer.testing.conformance \
-  --deepinfer-backend cuda --deepinfer-heavy -q -n "${WORKERS:-16}" -rfEs --tb=line -p no:cacheprovider \
+  --deepinfer-backend cuda --deepinfer-heavy -q -n "${WORKERS:-14}" -rfEs --tb=line -p no:cacheprovider \
   > "$OUT/conformance.log" 2>&1
-echo "conformance rc=$? in $((SECONDS - t0)) s"
+echo "conformance rc=$? at $((SECONDS - start)) s"
 grep -E "FAILED|ERROR|passed|failed" "$OUT/conformance.log" | tail -n 20
-
-t0=$SECONDS
-timeout "${ENGINE_TIMEOUT:-120}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py -q -rfs \
-  -p no:cacheprovider > "$OUT/engine_tests.log" 2>&1
-echo "engine tests rc=$? in $((SECONDS - t0)) s"
-tail -n 5 "$OUT/engine_tests.log"
+wait
 
 if [ $# -gt 0 ]; then
   t0=$SECONDS
