@@ -10,7 +10,8 @@ the model has none. Plain decoding (graphs and async scheduling where the backen
 every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
 block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
 (--threshold, --step-token-budget). A configuration whose drafter the model lacks is listed as
-skipped, with the reason, in the table.
+skipped, with the reason, in the table. Block-drafter steps of up to 32 requests replay
+verification graphs (forward, then draw + acceptance + next block); MTP steps run eagerly.
 
 Output tokens per second = B * new tokens / wall time of the generate call (prefill included),
 after a warm-up call of the same batch; each row's plain figure is timed on the plain engine

@@ -3,7 +3,8 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
 
 1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
-3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py),
+3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py,
+   tests/test_drafter.py: verification graphs),
    expert parallelism over two processes against one (tests/test_expert_parallel.py), and async
    scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py).
 Each subprocess gets a generous limit (SUBPROCESS_TIMEOUT): the interpreter is slow, and on a busy
@@ -58,10 +59,11 @@ def test_kernel_tests_under_interpreter() -> None:
 
 
 def test_engine_speculative_decoding_under_interpreter() -> None:
-    res = _run([str(REPO / "tests" / "test_speculative.py"), "-k", "cuda_backend"])
+    tests = [str(REPO / "tests" / f) for f in ("test_speculative.py", "test_drafter.py")]
+    res = _run([*tests, "-k", "cuda_backend"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"speculative decoding on cuda failed under TRITON_INTERPRET=1:\n{tail}"
-    assert "1 passed" in res.stdout, tail
+    assert "2 passed" in res.stdout, tail  # MTP (eager) and the block drafter (verification graphs)
 
 
 def test_engine_expert_parallel_under_interpreter() -> None:

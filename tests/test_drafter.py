@@ -7,8 +7,10 @@ loss at toy size."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -87,6 +89,10 @@ def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str,
     llm = make(ckpt, speculative_config=spec)  # async scheduling and (emulated) graphs on
     assert (run(llm, GREEDY), run(llm, SEEDED)) == expected
     assert llm.llm_engine.num_draft_tokens > 0
+    decoder = llm.llm_engine.speculative
+    assert decoder is not None
+    # block-drafter steps verify as graph replays; the MTP head's are eager
+    assert (decoder.num_graph_steps > 0) == (spec["method"] == "dspark")
 
 
 def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
@@ -115,6 +121,25 @@ def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
     assert run(llm, GREEDY) == expected[0]
     assert replays["n"] > 0 and engine.speculative is not None and engine.speculative.num_steps > 0
     assert engine.num_draft_tokens > 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_cuda_backend_verification_graphs_equal_plain_decoding(ckpt: Path) -> None:
+    """Verification graph steps (every request padded to 1 + width rows, acceptance and the next
+    block on the device) through the cuda kernels, against the cuda backend's plain decoding."""
+    outs, graph_steps = [], 0
+    for spec in (None, {"method": "dspark", "num_speculative_tokens": 3}):
+        llm = make(ckpt, backend="cuda", speculative_config=spec)
+        assert llm.llm_engine.backend.name == "cuda"
+        short = [dataclasses.replace(p, max_tokens=6) for p in (GREEDY[:2] + SEEDED[:2])]
+        outs.append(run(llm, short))
+        decoder = llm.llm_engine.speculative
+        graph_steps = decoder.num_graph_steps if decoder is not None else 0
+    assert outs[0] == outs[1]
+    assert graph_steps > 0
 
 
 def test_schedule_drafts_takes_the_most_confident_prefixes() -> None:
@@ -194,27 +219,40 @@ def test_no_budget_no_drafts(ckpt: Path, expected: Any) -> None:
     assert llm.llm_engine.num_draft_tokens == 0
 
 
-def test_block_drafts_are_the_drafters_greedy_block(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_block_drafts_are_the_drafters_greedy_block(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, eager: bool
+) -> None:
     """The engine's block drafts equal the drafter run by hand on the model's hidden state of the
-    token before the last and the last token, over a fresh computation of the whole sequence."""
+    token before the last and the last token, over a fresh computation of the whole sequence:
+    from eager steps (propose), and from verification graph replays (acceptance and drafting
+    on the device)."""
     from deepinfer.models.loader import load_model
     from deepinfer.models.runner_util import PagedRunner
 
-    llm = make(ckpt, speculative_config={"method": "dspark", "num_speculative_tokens": 4})
-    decoder = llm.llm_engine.speculative
+    spec = {"method": "dspark", "num_speculative_tokens": 4}
+    llm = make(ckpt, speculative_config=spec, enforce_eager=eager)
+    engine = llm.llm_engine
+    decoder = engine.speculative
     assert decoder is not None
     seen: list[tuple[list[int], list[int], list[float]]] = []
-    real = decoder.propose
+    real, real_verify = decoder._keep_confident, engine.runner.verify
+    replays = {"n": 0}
 
-    def record(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
-        drafts = real(seqs, spans, rows, wants)
-        for s, chain in zip(seqs, drafts):
-            seen.append((list(s.token_ids), [d for d, _ in chain], [c for _, c in chain]))
-        return drafts
+    def record(seq, chain):  # type: ignore[no-untyped-def]
+        chain = list(chain)
+        seen.append((list(seq.token_ids), [d for d, _ in chain], [c for _, c in chain]))
+        real(seq, chain)
 
-    monkeypatch.setattr(decoder, "propose", record)
+    def count(*args, **kw):  # type: ignore[no-untyped-def]
+        replays["n"] += 1
+        return real_verify(*args, **kw)
+
+    monkeypatch.setattr(decoder, "_keep_confident", record)
+    monkeypatch.setattr(engine.runner, "verify", count)
     run(llm, GREEDY[:1] * 4)
     assert len(seen) > 8
+    assert (replays["n"] > 0) == (not eager)
     model = load_model(str(ckpt), create_reference_backend(), torch.float32)
     for tokens, drafts, conf in seen[:: max(1, len(seen) // 6)]:
         main = PagedRunner(model, model.backend, num_blocks=32, block_size=8)

@@ -4,8 +4,10 @@ persistent device buffer. The model reads typed views of that device buffer.
 
 Graphs need their inputs at fixed addresses: a decode step of a graph bucket (Bp requests, one
 token each) always uses the same layout, so the views of a bucket are the same tensors at every
-step, and the graph captured with them reads whatever the latest copy put there. Eager steps
-(prefill, chunked prefill, speculative verification) use views cut to their own sizes.
+step, and the graph captured with them reads whatever the latest copy put there. A verification
+step of a graph bucket (Bp requests of exactly 1 + w tokens each: the last token, its drafts, and
+padding drafts up to w) has a fixed layout per (Bp, w) too. Eager steps (prefill, chunked
+prefill, other speculative steps) use views cut to their own sizes.
 
 Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
 device) are written as placeholders -(row + 1), row being where the previous step's sampler put
@@ -94,11 +96,16 @@ class StepInputs:
         max_num_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        max_draft_width: int = 0,
     ) -> None:
+        """max_draft_width: the most drafts a verification graph step pads a request to (its
+        padding rows sit past the request's last position, up to max_model_len + width)."""
         self.device = backend.device.device()
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)  # block-table columns of a graph step
+        self.max_draft_width = max_draft_width
+        # block-table columns of a graph step
+        self.max_blocks = -(-(max_model_len + max_draft_width) // block_size)
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         rows = max(max_num_tokens, max_num_seqs)
@@ -108,7 +115,7 @@ class StepInputs:
         self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
         self._copied = [backend.device.new_event() for _ in range(2)]
         self._turn = 0
-        self._bucket_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._bucket_views: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ views
 
@@ -120,40 +127,58 @@ class StepInputs:
             out[name] = buf[off : off + count * size].view(dtype)
         return out
 
-    def _device_views(self, t: int, b: int, s: int, mb: int, bucket: bool) -> dict[str, torch.Tensor]:
-        if bucket and b in self._bucket_views:
-            return self._bucket_views[b]
+    def _device_views(
+        self, t: int, b: int, s: int, mb: int, key: tuple[int, int | None] | None
+    ) -> dict[str, torch.Tensor]:
+        """The typed views of one layout; a graph step's (key: (bucket, width)) are cached, so
+        every step of that graph reads the same tensors."""
+        if key is not None and key in self._bucket_views:
+            return self._bucket_views[key]
         fields, _ = layout(t, b, s, mb)
         views = self._views(self._device_buf, fields)
         views["block_tables"] = views["block_tables"].view(b, mb)
-        if bucket:
-            self._bucket_views[b] = views
+        if key is not None:
+            self._bucket_views[key] = views
         return views
 
     # ------------------------------------------------------------------ building a step
 
-    def prepare(self, batch: ScheduledBatch, bucket: int | None) -> PreparedStep:
+    def prepare(self, batch: ScheduledBatch, bucket: int | None, width: int | None = None) -> PreparedStep:
         """Lay `batch` out and queue its copy. Request b computes tokens [start, start + n) of its
         sequence (start = num_computed_tokens), its draft tokens last; a request whose last
         computed token is its last token samples: it gets logits for that token and each draft
         (1 + draft rows, in order). With `bucket`, the batch (decode rows only) is padded to that
-        many requests: padding rows write no cache row (slot -1) and see one cache row."""
+        many requests: padding rows write no cache row (slot -1) and see one cache row.
+
+        With `bucket` and `width` (a verification graph step: every request has one uncomputed
+        token and at most `width` drafts), each request is padded to q = 1 + width tokens and
+        every token gets a logits row (row b * q + j); padding drafts have id 0, write no cache
+        row and sample greedily; their rows are discarded."""
         seqs = batch.seqs
-        num_tokens = batch.num_tokens
+        q = 1 + (width or 0)
         b = len(seqs) if bucket is None else bucket
-        t = num_tokens if bucket is None else bucket
+        t = batch.num_tokens if bucket is None else bucket * q
         rows: list[int] = []  # the token index of each logits row
         offsets: list[int] = []  # the position each row samples (its noise offset)
         sampling_seqs: list[Sequence] = []
+        row_seqs: list[Sequence | None] = []  # per logits row, its request (None: padding)
         start = 0
         for seq, n, nd in zip(seqs, batch.num_new_tokens, batch.num_draft_tokens):
-            if seq.num_computed_tokens + n - nd == seq.num_tokens:
+            if width is not None:
+                assert n == 1 + nd <= q and seq.num_computed_tokens + 1 == seq.num_tokens
+                offsets.extend(range(seq.num_tokens, seq.num_tokens + q))
+                sampling_seqs.extend([seq] * (1 + nd))
+                row_seqs.extend([seq] * (1 + nd) + [None] * (q - 1 - nd))
+            elif seq.num_computed_tokens + n - nd == seq.num_tokens:
                 rows.extend(range(start + n - 1 - nd, start + n))
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + 1 + nd))
                 sampling_seqs.extend([seq] * (1 + nd))
+                row_seqs.extend([seq] * (1 + nd))
             start += n
-        s = len(rows) if bucket is None else bucket
-        mb = self.max_blocks if bucket is not None else max((len(q.block_table) for q in seqs), default=1)
+        s = len(rows) if bucket is None else t if width is not None else bucket
+        if width is not None:
+            rows = list(range(len(row_seqs)))
+        mb = self.max_blocks if bucket is not None else max((len(r.block_table) for r in seqs), default=1)
         mb = max(mb, 1)
         fields, nbytes = layout(t, b, s, mb)
 
@@ -162,22 +187,22 @@ class StepInputs:
         self._copied[turn].synchronize()  # the copy that last read this staging buffer is done
         host = self._views(self._staging[turn], fields)
         np_ = {k: v.numpy() for k, v in host.items()}
-        self._fill_tokens(np_, batch, t)
-        self._fill_attention(np_, batch, b, mb)
+        self._fill_tokens(np_, batch, t, width)
+        self._fill_attention(np_, batch, b, mb, width)
         np_["logits_indices"][: len(rows)] = rows
         np_["logits_indices"][len(rows) :] = np.arange(len(rows), s)
-        self._fill_sampling(np_, sampling_seqs, offsets, s)
+        self._fill_sampling(np_, row_seqs, offsets, s)
 
         dev = self._device_buf[:nbytes]
         dev.copy_(self._staging[turn][:nbytes], non_blocking=True)
         self._copied[turn].record()
-        views = self._device_views(t, b, s, mb, bucket is not None)
+        views = self._device_views(t, b, s, mb, None if bucket is None else (bucket, width))
         if bucket is None:
-            seq_lens_host = tuple(q.num_computed_tokens + n for q, n in zip(seqs, batch.num_new_tokens))
+            seq_lens_host = tuple(r.num_computed_tokens + n for r, n in zip(seqs, batch.num_new_tokens))
             query_lens_host = tuple(batch.num_new_tokens)
         else:  # upper bounds: the graph was captured with them and replays any shorter length
-            seq_lens_host = (self.max_model_len,) * b
-            query_lens_host = (1,) * b
+            seq_lens_host = (self.max_model_len + q - 1,) * b
+            query_lens_host = (q,) * b
         attn = AttentionMetadata(
             block_tables=views["block_tables"],
             seq_lens=views["seq_lens"],
@@ -204,8 +229,11 @@ class StepInputs:
         )
         return PreparedStep(batch, forward, sampling, sampling_seqs, bucket)
 
-    def _fill_tokens(self, h: dict[str, np.ndarray], batch: ScheduledBatch, t: int) -> None:
-        """input_ids, positions, slot_mapping; padding tokens: id 0, position 0, slot -1.
+    def _fill_tokens(
+        self, h: dict[str, np.ndarray], batch: ScheduledBatch, t: int, width: int | None
+    ) -> None:
+        """input_ids, positions, slot_mapping; padding tokens: id 0, position 0, slot -1 (padding
+        drafts of a verification step: id 0, the positions after the request's last, slot -1).
         Built as Python lists and stored once per field (the per-request loop is the host's
         hot path at large batch)."""
         bs = self.block_size
@@ -231,39 +259,77 @@ class StepInputs:
                 span = range(start, start + n)
                 pos.extend(span)
                 slots.extend(table[p // bs] * bs + p % bs for p in span)
+            if width is not None and nd < width:  # padding drafts
+                ids.extend([0] * (width - nd))
+                pos.extend(range(start + n, start + 1 + width))
+                slots.extend([-1] * (width - nd))
         n_real = len(ids)
         h["input_ids"][:n_real] = ids
         h["positions"][:n_real] = pos
         h["slot_mapping"][:n_real] = slots
         h["input_ids"][n_real:t] = 0
-        h["positions"][n_real:t] = 0
         h["slot_mapping"][n_real:t] = -1
+        if width is None:
+            h["positions"][n_real:t] = 0
+        else:  # padding requests: positions 0 .. width each
+            h["positions"][n_real:t] = np.tile(np.arange(1 + width), (t - n_real) // (1 + width))
 
-    def _fill_attention(self, h: dict[str, np.ndarray], batch: ScheduledBatch, b: int, mb: int) -> None:
+    def _fill_attention(
+        self, h: dict[str, np.ndarray], batch: ScheduledBatch, b: int, mb: int, width: int | None
+    ) -> None:
         """seq_lens, query_start_loc, block_tables; padding requests: one query token seeing one
-        cache row (any block: its output is discarded)."""
+        cache row (any block: its output is discarded). In a verification step every request
+        has 1 + width query tokens (padding drafts included), and the block-table columns past
+        a request's blocks that its padding drafts reach point to block 0."""
         tables = h["block_tables"].reshape(b, mb)
         real = len(batch.seqs)
-        h["seq_lens"][:real] = [q.num_computed_tokens + n for q, n in zip(batch.seqs, batch.num_new_tokens)]
-        h["seq_lens"][real:] = 1
         qsl = h["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(batch.num_new_tokens, out=qsl[1 : real + 1])
-        qsl[real + 1 :] = qsl[real] + np.arange(1, b - real + 1)
+        if width is None:
+            lengths = zip(batch.seqs, batch.num_new_tokens)
+            h["seq_lens"][:real] = [r.num_computed_tokens + n for r, n in lengths]
+            h["seq_lens"][real:] = 1
+            qsl[0] = 0
+            np.cumsum(batch.num_new_tokens, out=qsl[1 : real + 1])
+            qsl[real + 1 :] = qsl[real] + np.arange(1, b - real + 1)
+        else:
+            q = 1 + width
+            h["seq_lens"][:real] = [r.num_computed_tokens + q for r in batch.seqs]
+            h["seq_lens"][real:] = q
+            qsl[:] = np.arange(0, (b + 1) * q, q)
+        bs = self.block_size
         for r, seq in enumerate(batch.seqs):
-            tables[r, : len(seq.block_table)] = seq.block_table
-        tables[real:, 0] = 0
+            n = len(seq.block_table)
+            tables[r, :n] = seq.block_table
+            if width is not None:
+                tables[r, n : -(-(seq.num_computed_tokens + 1 + width) // bs)] = 0
+        if width is None:
+            tables[real:, 0] = 0
+        else:
+            tables[real:, : -(-(1 + width) // bs)] = 0
 
     @staticmethod
-    def _fill_sampling(h: dict[str, np.ndarray], seqs: list[Sequence], offsets: list[int], s: int) -> None:
-        """Per sampled row; padding rows are greedy."""
+    def _fill_sampling(
+        h: dict[str, np.ndarray], seqs: list[Sequence | None], offsets: list[int], s: int
+    ) -> None:
+        """Per sampled row (seqs[i]: row i's request); padding rows (None, or past the list) are
+        greedy."""
         k = len(seqs)
-        h["temperature"][:k] = [0.0 if q.params.greedy else q.params.temperature for q in seqs]
-        h["top_k"][:k] = [q.params.top_k for q in seqs]
-        h["top_p"][:k] = [q.params.top_p for q in seqs]
-        h["min_p"][:k] = [q.params.min_p for q in seqs]
-        h["seeds"][:k] = [q.seed for q in seqs]
-        h["offsets"][:k] = offsets
+        if k and all(q is not None for q in seqs):
+            real = [q for q in seqs if q is not None]
+            h["temperature"][:k] = [0.0 if q.params.greedy else q.params.temperature for q in real]
+            h["top_k"][:k] = [q.params.top_k for q in real]
+            h["top_p"][:k] = [q.params.top_p for q in real]
+            h["min_p"][:k] = [q.params.min_p for q in real]
+            h["seeds"][:k] = [q.seed for q in real]
+        else:
+            h["temperature"][:k] = [
+                0.0 if q is None or q.params.greedy else q.params.temperature for q in seqs
+            ]
+            h["top_k"][:k] = [0 if q is None else q.params.top_k for q in seqs]
+            h["top_p"][:k] = [1.0 if q is None else q.params.top_p for q in seqs]
+            h["min_p"][:k] = [0.0 if q is None else q.params.min_p for q in seqs]
+            h["seeds"][:k] = [0 if q is None else q.seed for q in seqs]
+        h["offsets"][:k] = offsets[:k]
         for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
             h[name][k:s] = value
         h["seeds"][k:s] = 0

@@ -11,6 +11,7 @@ step's own tokens are processed right away. Steps with speculative drafts run sy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -28,13 +29,13 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.args import backend_choice_reason
 from deepinfer.engine.inputs import PreparedStep
 from deepinfer.engine.kv_cache import BlockManager, cdiv, num_blocks_from_memory
-from deepinfer.engine.model_runner import ModelRunner, graph_buckets
+from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH, ModelRunner, graph_buckets
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.speculative import SpeculativeDecoder
+from deepinfer.engine.speculative import SpeculativeDecoder, accept_and_draft
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.log import configure_logging
@@ -156,11 +157,17 @@ class LLMEngine:
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.runner = ModelRunner(
             model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len,
+            self.max_model_len, self.num_speculative_tokens,
         )  # fmt: skip
         buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
-        # Graphs hold one decode forward's activations of the largest bucket in their pool.
-        graph_reserve = (self.runner.decode_memory_bytes(max(buckets)) or 0) if buckets else 0
+        # block-drafter steps replay verification graphs of the buckets up to MAX_VERIFY_GRAPH_BATCH
+        verify_buckets = [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH] if drafter is not None else []
+        # Graphs hold one forward's activations of the largest bucket (or verify step) in their pool.
+        reserves = [self.runner.decode_memory_bytes(max(buckets)) or 0] if buckets else []
+        if verify_buckets:
+            width = self.num_speculative_tokens
+            reserves.append(self.runner.decode_memory_bytes(max(verify_buckets), width) or 0)
+        graph_reserve = max(reserves, default=0)
         num_blocks = self._num_kv_blocks(graph_reserve)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         spec = model.kv_cache_spec(num_blocks, bs)
@@ -179,13 +186,21 @@ class LLMEngine:
             free_before, _ = self.backend.device.memory_info()
             start = time.perf_counter()
             self.runner.capture_graphs(buckets)
+            if drafter is not None:
+                embed, head = model.embed_tokens, model.lm_head
+                self.runner.capture_verify_graphs(
+                    verify_buckets, functools.partial(accept_and_draft, drafter, embed, head)
+                )
             self.backend.device.synchronize()
             if counts:
                 self.graph_memory_bytes = max(free_before - self.backend.device.memory_info()[0], 0)
             logger.info(
-                "captured decode graphs for %d batch sizes up to %d in %.1f s: %.0f MiB (%.0f MiB reserved)",
-                len(self.runner.graphs), max(buckets), time.perf_counter() - start,
-                self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
+                "captured decode graphs for %d batch sizes up to %d%s in %.1f s: %.0f MiB "
+                "(%.0f MiB reserved)",
+                len(self.runner.graphs), max(buckets),
+                f" and verification graphs for {len(self.runner.verify_graphs)} (batch, drafts) shapes"
+                if self.runner.verify_graphs else "",
+                time.perf_counter() - start, self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
             )  # fmt: skip
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)

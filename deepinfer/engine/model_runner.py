@@ -10,6 +10,13 @@ Everything a graph reads lives at a fixed address: the step inputs (deepinfer.en
 the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
 device (async scheduling) are resolved from sampled_ids as the first op of the forward.
 
+Speculative steps with the block drafter verify as graph replays too, per (bucket, width) with
+every request padded to 1 + width tokens (deepinfer.engine.inputs): one graph for the forward
+(logits of every row and the final hidden states, into persistent buffers) and one per greedy
+flag for the rest (the draw of every row, acceptance, and the drafter's next block from the
+last accepted position: deepinfer.engine.speculative.accept_and_draft). The host reads the
+result with one copy per step.
+
 Prompt log-probabilities need the logits of every prompt position a step computes, not only of
 the sampled rows: steps that compute some run eagerly, and prompt_logprobs() takes the LM head
 over those rows of the step's final hidden states (in chunks), chunk by chunk of a prefill.
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +64,29 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> 
     return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
+# accept(sampled (B, 1 + w), drafts (B, w), valid (B, w), hidden (B (1 + w), Dm),
+#        out_tokens (B, 2 + w + K), out_conf (B, K)): see speculative.accept_and_draft
+VerifyFinish = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
+
+# Verification graphs are captured for the buckets up to this many requests: beyond it
+# confidence scheduling leaves drafts little room, and eager steps serve what is left.
+MAX_VERIFY_GRAPH_BATCH = 32
+
+
+class VerifyResult(NamedTuple):
+    """A verification step's results on the host, per request b of the bucket (real ones
+    first): tokens (B, 1 + w) sampled at each row, accepted (B,) drafts accepted, drafts (B, K)
+    and confidences (B, K) the drafter's next block."""
+
+    step: PreparedStep
+    tokens: list[list[int]]
+    accepted: list[int]
+    drafts: list[list[int]]
+    confidences: list[list[float]]
+
+
 class ForwardOutput(NamedTuple):
     """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
     sampling request in batch order, then padding rows), and the final hidden states (T, Dm)
@@ -79,7 +110,9 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_draft_width: int = 0,
     ) -> None:
+        """max_draft_width: speculative drafts per request (verification graphs pad to it)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -88,20 +121,30 @@ class ModelRunner:
         self.vocab_size: int = model.config.vocab_size
         # most requests (rows) in a step: max_num_seqs, padded up to a graph bucket
         self.max_rows = graph_buckets(max_num_seqs)[-1]
-        self.inputs = StepInputs(backend, block_size, max_num_batched_tokens, self.max_rows, max_model_len)
+        self.max_draft_width = max_draft_width
+        # a verification graph step of the largest verify bucket: B x (1 + K) tokens
+        verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + max_draft_width)
+        self.inputs = StepInputs(
+            backend, block_size, max(max_num_batched_tokens, verify_rows), self.max_rows, max_model_len,
+            max_draft_width,
+        )  # fmt: skip
         self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
         self.logits: torch.Tensor | None = None  # (max bucket, V) float32: graph outputs
         self.graphs: dict[int, GraphRunner] = {}  # bucket -> forward
         self.draws: dict[tuple[int, bool], GraphRunner] = {}  # (bucket, greedy) -> draw
+        # verification graphs: (bucket, width) -> forward, (bucket, width, greedy) -> the rest
+        self.verify_graphs: dict[tuple[int, int], GraphRunner] = {}
+        self.verify_draws: dict[tuple[int, int, bool], GraphRunner] = {}
+        self._verify_buffers: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ graphs
 
-    def decode_memory_bytes(self, bucket: int) -> int | None:
-        """Device memory one decode forward + draw of `bucket` requests takes beyond its inputs
-        (measured on a one-block cache; None where the device has no peak counter). Graphs
-        share one pool, captured largest first: this is what they need."""
+    def decode_memory_bytes(self, bucket: int, width: int | None = None) -> int | None:
+        """Device memory one decode forward + draw of `bucket` requests (of 1 + width tokens
+        each: a verification step) takes beyond its inputs (measured on a one-block cache; None
+        where the device has no peak counter). Graphs share one pool: this is what they need."""
         dev = self.backend.device
         dev.synchronize()
         dev.reset_peak_memory()
@@ -113,9 +156,9 @@ class ModelRunner:
         )
         real, self.kv_caches = self.kv_caches, caches
         try:
-            step = self.inputs.prepare(ScheduledBatch(), bucket)
+            step = self.inputs.prepare(ScheduledBatch(), bucket, width)
             _, logits = self._logits(step.forward)
-            self.sampler.draw(logits, step.sampling, False, self.sampled_ids[:bucket])
+            self.sampler.draw(logits, step.sampling, False, torch.empty_like(logits[:, 0], dtype=torch.int64))
             dev.synchronize()
             peak = dev.peak_memory_bytes()
         finally:
@@ -168,6 +211,99 @@ class ModelRunner:
         if any(s.wants_prompt_logprobs for s in batch.seqs):  # needs the hidden states
             return None
         return min(b for b in self.graphs if b >= len(batch))
+
+    def capture_verify_graphs(self, buckets: list[int], accept: VerifyFinish) -> None:
+        """Capture the verification graphs of every bucket and width 0..max_draft_width, after
+        capture_graphs (their pool is shared). `accept` (deepinfer.engine.speculative.
+        accept_and_draft with the drafter bound) turns the sampled rows into the result."""
+        if not self.graphs or not buckets:
+            return
+        k, dev = self.max_draft_width, self.device
+        rows = max(buckets) * (1 + k)
+        dtype = self.model.embed_tokens.dtype
+        self._verify_buffers = {
+            "logits": torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=dev),
+            "hidden": torch.zeros((rows, self.model.config.hidden_size), dtype=dtype, device=dev),
+            "sampled": torch.zeros((rows,), dtype=torch.int64, device=dev),
+            "tokens": torch.zeros((max(buckets), 2 + 2 * k), dtype=torch.int64, device=dev),
+            "conf": torch.zeros((max(buckets), k), dtype=torch.float32, device=dev),
+        }
+        buf = self._verify_buffers
+        pool = next(iter(self.graphs.values()))
+        for bs in sorted(buckets, reverse=True):
+            for w in range(k, -1, -1):
+                step = self.inputs.prepare(ScheduledBatch(), bs, w)
+                t = bs * (1 + w)
+
+                def forward(fb: ForwardBatch = step.forward, t: int = t) -> None:
+                    hidden, logits = self._logits(fb)
+                    buf["logits"][:t].copy_(logits)
+                    buf["hidden"][:t].copy_(hidden)
+
+                graph = self.backend.device.capture_graph(forward, share_with=pool)
+                assert graph is not None
+                self.verify_graphs[(bs, w)] = graph
+                for greedy in (True, False):
+
+                    def finish(
+                        step: PreparedStep = step, bs: int = bs, w: int = w, t: int = t, g: bool = greedy
+                    ) -> None:
+                        sampled = buf["sampled"][:t]
+                        self.sampler.draw(buf["logits"][:t], step.sampling, g, sampled)
+                        q = 1 + w
+                        fb = step.forward
+                        accept(
+                            sampled.view(bs, q), fb.input_ids.view(bs, q)[:, 1:],
+                            fb.slot_mapping.view(bs, q)[:, 1:] >= 0, buf["hidden"][:t],
+                            buf["tokens"][:bs, : q + 1 + k], buf["conf"][:bs],
+                        )  # fmt: skip
+
+                    runner = self.backend.device.capture_graph(finish, share_with=pool)
+                    assert runner is not None
+                    self.verify_draws[(bs, w, greedy)] = runner
+        pinned = self.backend.device.pinned_empty
+        self._verify_host = (
+            pinned(tuple(buf["tokens"].shape), torch.int64),
+            pinned(tuple(buf["conf"].shape), torch.float32),
+        )
+
+    def verify_bucket_for(self, batch: ScheduledBatch) -> tuple[int, int] | None:
+        """(bucket, width) of the verification graph that serves `batch`, None for an eager
+        step: every request decodes (one uncomputed token, its drafts after it)."""
+        if not self.verify_graphs:
+            return None
+        largest = max(b for b, _ in self.verify_graphs)
+        if len(batch) == 0 or len(batch) > largest:
+            return None
+        for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+            if n != 1 + nd or seq.num_computed_tokens + 1 != seq.num_tokens or seq.wants_prompt_logprobs:
+                return None
+        width = max(batch.num_draft_tokens)
+        if width > self.max_draft_width:
+            return None
+        return min(b for b, _ in self.verify_graphs if b >= len(batch)), width
+
+    @torch.inference_mode()
+    def verify(self, batch: ScheduledBatch, bucket: int, width: int, greedy: bool) -> VerifyResult:
+        """One verification step as two graph replays and one copy to the host (waited for)."""
+        step = self.inputs.prepare(batch, bucket, width)
+        self.verify_graphs[(bucket, width)].replay()
+        self.verify_draws[(bucket, width, greedy)].replay()
+        tokens, conf = self._verify_host
+        q, k, n = 1 + width, self.max_draft_width, len(batch)
+        tokens[:n].copy_(self._verify_buffers["tokens"][:n], non_blocking=True)
+        conf[:n].copy_(self._verify_buffers["conf"][:n], non_blocking=True)
+        done = self.backend.device.new_event()
+        done.record()
+        done.synchronize()
+        rows = tokens[:n].tolist()
+        return VerifyResult(
+            step,
+            [r[:q] for r in rows],
+            [r[q] for r in rows],
+            [r[q + 1 : q + 1 + k] for r in rows],
+            conf[:n].tolist(),
+        )
 
     # ------------------------------------------------------------------ steps
 

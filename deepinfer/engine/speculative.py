@@ -26,10 +26,18 @@ A request's first step after plain steps has no drafts; the MTP head's cache mis
 positions plain steps computed, which lowers its acceptance, never the outputs' exactness.
 
 Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
-step's accepted tokens.
+step's accepted tokens. With the block drafter, a step whose requests all decode (and need no
+host logits processing or log-probabilities) is two graph replays (ModelRunner.verify): the
+forward over every request padded to 1 + width tokens, then the draw of every row at once,
+acceptance and the drafter's next block on the device (accept_and_draft); the host reads the
+result once. Drawing every row before acceptance is the same as drawing them one by one: each
+row's noise depends only on its request's seed and position, and without logits processors a
+row's distribution does not depend on the tokens appended before it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -83,6 +91,38 @@ def mtp_batch(
     )
 
 
+def accept_and_draft(
+    drafter: BlockDrafter,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    sampled: torch.Tensor,
+    drafts: torch.Tensor,
+    valid: torch.Tensor,
+    hidden: torch.Tensor,
+    out_tokens: torch.Tensor,
+    out_conf: torch.Tensor,
+) -> None:
+    """Device only (graph-safe): acceptance and the next block of a verification step.
+
+    sampled (B, q) the token drawn at each row of request b (q = 1 + w); drafts (B, w) the drafts
+    verified, valid (B, w) False for padding; hidden (B q, Dm) the final hidden states by row.
+    Draft j is accepted when drafts 0..j all equal the tokens drawn before them; with a
+    accepted, the request's last known token is sampled[b, a] and the drafter drafts from the
+    hidden state of row b q + a. Writes out_tokens (B, q + 1 + K) = [sampled | a | K drafts] and
+    out_conf (B, K) their confidences."""
+    b, q = sampled.shape
+    k = out_conf.shape[1]
+    match = (sampled[:, : q - 1] == drafts) & valid  # (B, w)
+    accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,)
+    last = sampled.gather(1, accepted[:, None])[:, 0]  # (B,)
+    rows = torch.arange(b, device=sampled.device) * q + accepted
+    block, conf = drafter.draft(hidden[rows], last, embed, lm_head, k)  # (B, K) each
+    out_tokens[:, :q].copy_(sampled)
+    out_tokens[:, q].copy_(accepted)
+    out_tokens[:, q + 1 :].copy_(block)
+    out_conf.copy_(conf)
+
+
 def draft_budget(step_token_budget: int | None, num_requests: int) -> int | None:
     """Draft tokens a step may verify: step_token_budget less one token per request (None: no cap)."""
     if step_token_budget is None:
@@ -134,6 +174,7 @@ class SpeculativeDecoder:
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
         self.num_steps = 0  # steps that verified or proposed drafts
+        self.num_graph_steps = 0  # of which verification graph replays
         self.last_budget: int | None = None  # the draft budget of the last step (None: no cap)
         self.hidden: torch.Tensor | None = None  # the model's final hidden states of this step
         self.confidence: dict[int, list[float]] = {}  # id(seq) -> its drafts' confidences
@@ -167,6 +208,11 @@ class SpeculativeDecoder:
 
     def step(self, batch: ScheduledBatch) -> list[Sequence]:
         self.num_steps += 1
+        graph = self.runner.verify_bucket_for(batch) if self.drafter is not None else None
+        seqs = batch.seqs
+        on_host = self.sampler.needs_processing(seqs) or any(s.needs_logprob for s in seqs)
+        if graph is not None and not on_host:  # processors and log-probabilities: eager
+            return self._graph_step(batch, *graph)
         starts = [s.num_computed_tokens for s in batch.seqs]
         # logits (rows, V): 1 + draft rows per request; eager, for the hidden states
         _, logits, hidden = self.runner.forward(batch, eager=True)
@@ -203,6 +249,41 @@ class SpeculativeDecoder:
         self._propose(batch, starts, accepted)
         return finished
 
+    def _graph_step(self, batch: ScheduledBatch, bucket: int, width: int) -> list[Sequence]:
+        """A decode step verified by graph replays (ModelRunner.verify): append each request's
+        accepted drafts and the token after them, then keep the next block's confident drafts."""
+        self.hidden = None
+        self.num_graph_steps += 1
+        result = self.runner.verify(batch, bucket, width, greedy=all(s.params.greedy for s in batch.seqs))
+        self.scheduler.advance(batch)
+        finished: list[Sequence] = []
+        self.confidence = {}
+        for b, (seq, nd) in enumerate(zip(batch.seqs, batch.num_draft_tokens)):
+            self.num_draft_tokens += nd
+            for j in range(result.accepted[b] + 1):
+                if j > 0:  # the token just appended equals draft j - 1
+                    self.scheduler.accept_draft(seq)
+                    self.num_accepted_tokens += 1
+                self.outputs.append_and_check(seq, result.tokens[b][j], None, finished)
+                if seq.is_finished:
+                    break
+            seq.draft = []
+            if not seq.is_finished:
+                k = min(self.k, self.max_model_len - seq.num_tokens)
+                self._keep_confident(seq, zip(result.drafts[b][:k], result.confidences[b][:k]))
+        return finished
+
+    def _keep_confident(self, seq: Sequence, chain: Iterable[tuple[int, float]]) -> None:
+        """seq's drafts: the chain's tokens up to the first below min_draft_confidence."""
+        conf: list[float] = []
+        for token, c in chain:
+            if c < self.min_draft_confidence:
+                break
+            seq.draft.append(token)
+            conf.append(min(c, conf[-1]) if conf else c)
+        if conf:
+            self.confidence[id(seq)] = conf
+
     def _sample_and_append(
         self, logits: torch.Tensor, seqs: list[Sequence], finished: list[Sequence]
     ) -> None:
@@ -237,14 +318,7 @@ class SpeculativeDecoder:
             return
         drafts = self.propose(seqs, spans, rows, [max(k, 1) for k in ks])
         for seq, k, chain in zip(seqs, ks, drafts):
-            conf: list[float] = []
-            for token, c in chain[:k]:
-                if c < self.min_draft_confidence:
-                    break
-                seq.draft.append(token)
-                conf.append(min(c, conf[-1]) if conf else c)
-            if conf:
-                self.confidence[id(seq)] = conf
+            self._keep_confident(seq, chain[:k])
 
     def propose(
         self,
