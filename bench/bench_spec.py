@@ -71,7 +71,7 @@ def configurations(
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """(speculative configurations to run, reasons for those skipped)."""
     runs, skipped = [], []
-    for drafter, ks in (("mtp", args.mtp_k), ("dspark", args.block_k)):
+    for drafter, ks in (("dspark", args.block_k), ("mtp", args.mtp_k)):  # the block drafter first
         for k in ks:
             if drafter == "mtp" and not has_mtp:
                 skipped.append(f"mtp k={k}: the model has no MTP layer")
