@@ -13,9 +13,10 @@ block drafter (k = 1 .. 5, at most its block size), each without and with confid
 skipped, with the reason, in the table. Block-drafter steps of up to 32 requests replay
 verification graphs (forward, then draw + acceptance + next block); MTP steps run eagerly.
 
-Output tokens per second = B * new tokens / wall time of the generate call (prefill included),
-after a warm-up call of the same batch; each row's plain figure is timed on the plain engine
-(kept alive beside the speculative one) just before that row's speculative call.
+Output tokens per second = B * new tokens / wall time of the generate call (prefill included;
+the median of --repeats calls), after a warm-up call of the same batch; each row's plain figure
+is timed on the plain engine (kept alive beside the speculative one) just before that row's
+speculative call.
 mean_accepted = tokens emitted per request per step (1 + accepted drafts): output tokens /
 (output tokens - accepted drafts). The outputs of every speculative run are compared with plain
 decoding's (greedy): on the CPU a mismatch stops the run; on a GPU the number of requests that
@@ -96,18 +97,24 @@ def configurations(
     return runs, skipped
 
 
-def timed(llm: LLM, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]], int]:
-    """(output tok/s, outputs, accepted drafts) of one generate call, after a warm-up call."""
+def timed(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int
+) -> tuple[float, list[list[int]], int]:
+    """(output tok/s, outputs, accepted drafts) of a generate call: the median wall time of
+    `repeats` calls after a warm-up call (the accepted drafts of the last)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch, params, use_tqdm=False)
     engine = llm.llm_engine
-    accepted = engine.num_accepted_tokens
-    start = time.perf_counter()
-    out = llm.generate(batch, params, use_tqdm=False)
-    engine.backend.device.synchronize()
-    wall = time.perf_counter() - start
+    walls = []
+    for _ in range(repeats):
+        accepted = engine.num_accepted_tokens
+        start = time.perf_counter()
+        out = llm.generate(batch, params, use_tqdm=False)
+        engine.backend.device.synchronize()
+        walls.append(time.perf_counter() - start)
     tokens = [list(r.outputs[0].token_ids) for r in out]
+    wall = sorted(walls)[len(walls) // 2]
     return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted
 
 
@@ -198,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
     ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per figure (their median)")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
     )
@@ -228,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     }
     base = {}
     for b in args.batches:
-        tok_s, tokens, _ = timed(plain, prompts[b], args.new_tokens)
+        tok_s, tokens, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
         base[b] = (tok_s, tokens)
         print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
 
@@ -257,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         for b in args.batches:
             # plain decoding timed again right before: the two figures of a row are neighbours in
             # time (a baseline timed once, first, drifted by up to 1.5x on a shared CPU)
-            plain_tok_s, _, _ = timed(plain, prompts[b], args.new_tokens)
-            tok_s, tokens, accepted = timed(llm, prompts[b], args.new_tokens)
+            plain_tok_s, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
+            tok_s, tokens, accepted = timed(llm, prompts[b], args.new_tokens, args.repeats)
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
             # near-tie differently from a one-row decode step, so differences are counted, not hidden.
             differ = sum(t != u for t, u in zip(tokens, base[b][1], strict=True))

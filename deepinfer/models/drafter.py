@@ -181,15 +181,17 @@ class BlockDrafter(nn.Module):
             raise ValueError(f"the drafter proposes 1..{self.block_size} tokens per pass, not {k}")
         u = self.block_states(hidden, tokens, embed, k)  # (B, k, D)
         base = self.base_logits(u, lm_head)  # (B, k, V)
-        prev, drafts, confs = tokens, [], []
+        prev, drafts, lows, rows = tokens, [], [], []
         for i in range(k):  # the sequential part: a rank-r lookup per position
             low, bias = self.transition(prev)
             logits = base[:, i] + bias
             prev = logits.argmax(dim=-1)
             drafts.append(prev)
-            confs.append(torch.sigmoid(self.confidence_logits(u[:, i], low, logits)))
-        conf = torch.stack(confs, dim=1).cummin(dim=1).values
-        return torch.stack(drafts, dim=1), conf
+            lows.append(low)
+            rows.append(logits)
+        # the confidences of every position in one pass (they do not feed the chain)
+        conf = torch.sigmoid(self.confidence_logits(u, torch.stack(lows, 1), torch.stack(rows, 1)))  # (B, k)
+        return torch.stack(drafts, dim=1), conf.cummin(dim=1).values
 
     # ------------------------------------------------------------------ files
 
