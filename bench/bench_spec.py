@@ -41,6 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 
@@ -116,6 +117,44 @@ def timed(
     tokens = [list(r.outputs[0].token_ids) for r in out]
     wall = sorted(walls)[len(walls) // 2]
     return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted
+
+
+def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
+    """One generate call under torch.profiler (device activity): per engine step, the wall
+    time, the device's busy time and its kernels (bench_e2e.analyse_trace). Empty on a CPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if llm.llm_engine.backend.device.device().type != "cuda":
+        return {}
+    from bench_e2e import analyse_trace
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    engine = llm.llm_engine
+    steps = {"n": 0}
+    real = engine.step
+
+    def counted() -> Any:
+        steps["n"] += 1
+        return real()
+
+    engine.step = counted  # type: ignore[method-assign]
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            llm.generate(batch, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    finally:
+        del engine.step
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "trace.json"
+    prof.export_chrome_trace(str(path))
+    res = analyse_trace(json.loads(path.read_text()), steps["n"])
+    path.unlink()
+    res.pop("top_kernels", None)
+    return {"steps": steps["n"], "wall_per_step_ms": wall * 1e3 / steps["n"], **res}
 
 
 def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
@@ -206,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per figure (their median)")
+    ap.add_argument("--profile", action="store_true", help="GPU: one profiled call per engine at batch 1")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
     )
@@ -234,6 +274,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     prompts = {
         b: prompts_for(args.model, b, args.prompt_len, engine.vocab_size, args.seed + b) for b in args.batches
     }
+    profiles: list[dict[str, Any]] = []
+    if args.profile:
+        prof = profiled(plain, prompts[args.batches[0]], args.new_tokens, args.out)
+        profiles.append({"config": "plain", "batch": args.batches[0], **prof})
+        print(json.dumps(profiles[-1]), flush=True)
     base = {}
     for b in args.batches:
         tok_s, tokens, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
@@ -286,6 +331,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if args.profile:
+            prof = profiled(llm, prompts[args.batches[0]], args.new_tokens, args.out)
+            profiles.append({"config": spec, "batch": args.batches[0], **prof})
+            print(json.dumps(profiles[-1]), flush=True)
+            (args.out / "profile.json").write_text(json.dumps(profiles, indent=1) + "\n")
         del llm
         write()
     del plain
