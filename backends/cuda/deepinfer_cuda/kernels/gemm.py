@@ -333,12 +333,15 @@ def fp8_gemm(
 MATMUL_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Fixed-tile x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear."""
-    return _launch_dense(x, weight, x.dtype, MATMUL_CONFIG, bias=bias)
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None
+) -> torch.Tensor:
+    """Fixed-tile x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear. `config`
+    (benchmarks) replaces MATMUL_CONFIG; any fixed choice keeps the invariance."""
+    return _launch_dense(x, weight, x.dtype, config or MATMUL_CONFIG, bias=bias)
 
 
-def batched_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def batched_matmul(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """x (G, M, K) @ weight (G, N, K)^T -> (G, M, N) in ONE launch (grid axis 1 over G), each
     product tiled exactly as matmul tiles it alone: batch-invariant, bit for bit equal to G
     matmul calls (MLA's per-head absorbed projections: G = heads, 2 launches per layer instead
@@ -352,7 +355,7 @@ def batched_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return c.zero_()
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = MATMUL_CONFIG
+    cfg = config or MATMUL_CONFIG
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), g)
     _dense_kernel[grid](
         x, weight, c, c, c, c, m, n, k,

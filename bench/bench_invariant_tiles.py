@@ -1,0 +1,110 @@
+"""Tile configurations of the batch-invariant linear (the cuda backend's fixed-tile matmul),
+timed at the DeepSeek-V2-Lite shapes a decode step and a prefill run through it.
+
+    python bench/bench_invariant_tiles.py --out DIR        # an NVIDIA GPU; seconds
+
+In batch-invariant mode every linear (and MLA's per-head absorbed products, batched_matmul) uses
+ONE tile configuration for every M: a row's bits never depend on the batch. Which one is a
+speed choice only. For each candidate this times, with CUDA events over 20 back-to-back calls,
+each weight shape of one V2-Lite layer (and the LM head) at M = 1, 32, 256 and 4096, and sums
+them into the time of one decode step's invariant GEMMs (27 layers' worth, the head once).
+Writes DIR/invariant_tiles.json and prints a table; the copy bandwidth measured in the same run
+gives each shape's floor (weight bytes / copy rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "backends" / "cuda"))
+
+from deepinfer_cuda.kernels.gemm import GemmConfig, batched_matmul, matmul  # noqa: E402
+
+# (name, N, K, calls per decode step): V2-Lite, hidden 2048, 16 heads, qk 192, v 128, latent 512
+# + rope 64, shared experts 2 x 1408, 26 MoE layers + 1 dense (10944), LM head 102400.
+SHAPES = [
+    ("q_proj", 3072, 2048, 27),
+    ("kv_a_proj", 576, 2048, 27),
+    ("o_proj", 2048, 2048, 27),
+    ("shared gate_up", 5632, 2048, 26),
+    ("shared down", 2048, 2816, 26),
+    ("dense gate_up", 21888, 2048, 1),
+    ("dense down", 2048, 10944, 1),
+    ("lm_head", 102400, 2048, 1),
+]
+BATCHED = [("absorb q (16 heads)", 16, 512, 128, 27), ("absorb out (16 heads)", 16, 128, 512, 27)]
+
+CANDIDATES = {
+    "64x64x32 w4 s3 (current)": GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
+    "64x32x64 w4 s4": GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=4),
+    "32x32x128 w4 s3": GemmConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3),
+    "16x32x128 w4 s4": GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    "16x64x128 w4 s4": GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
+    "32x64x64 w4 s4": GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
+    "16x16x256 w2 s3": GemmConfig(block_m=16, block_n=16, block_k=256, num_warps=2, num_stages=3),
+    "64x128x64 w8 s3": GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+}
+
+
+def time_us(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / reps)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ms", type=int, nargs="+", default=[1, 32, 256, 4096])
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() / time_us(lambda: dst.copy_(src), 10) / 1e3
+    rows = []
+    bf16 = torch.bfloat16
+    weights = {(n, k): torch.randn(n, k, device=dev, dtype=bf16) * 0.02 for _, n, k, _ in SHAPES}
+    bweights = {(g, n, k): torch.randn(g, n, k, device=dev, dtype=bf16) * 0.02 for _, g, n, k, _ in BATCHED}
+    for m in args.ms:
+        xs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in {k for _, _, k, _ in SHAPES}}
+        bxs = {(g, k): torch.randn(g, m, k, device=dev, dtype=torch.bfloat16) for _, g, _, k, _ in BATCHED}
+        floor = sum(n * k * 2 * calls for _, n, k, calls in SHAPES) / copy_gbs / 1e3
+        floor += sum(g * n * k * 2 * calls for _, g, n, k, calls in BATCHED) / copy_gbs / 1e3
+        for name, cfg in CANDIDATES.items():
+            per: dict[str, float] = {}
+            step = 0.0
+            for shape, n, k, calls in SHAPES:
+                w, x = weights[(n, k)], xs[k]
+                per[shape] = time_us(lambda w=w, x=x, cfg=cfg: matmul(x, w, config=cfg))
+                step += per[shape] * calls
+            for shape, g, n, k, calls in BATCHED:
+                w, x = bweights[(g, n, k)], bxs[(g, k)]
+                per[shape] = time_us(lambda w=w, x=x, cfg=cfg: batched_matmul(x, w, config=cfg))
+                step += per[shape] * calls
+            rows.append(
+                {"m": m, "config": name, "step_ms": step / 1e3, "weights_floor_ms": floor, "per_call_us": per}
+            )
+            print(f"M={m:5d} {name:28s} step {step / 1e3:7.3f} ms (weights at copy rate {floor:.3f} ms)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"copy_GBps": copy_gbs, "rows": rows}
+    (args.out / "invariant_tiles.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
