@@ -123,6 +123,46 @@ def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
     assert engine.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"max_model_len": 40}, {"num_gpu_blocks_override": 40}],
+    ids=["default", "max-model-len-40", "small-kv-pool"],
+)
+def test_chained_verification_steps_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any]) -> None:
+    """Chained steps (the host reads step N while step N + 1, prepared on the device, runs)
+    against plain decoding and against the same engine unchained: greedy and seeded, stop
+    tokens, min_tokens-free stops at different steps, requests reaching max_model_len, and a KV
+    pool too small to cover every request's chain (shorter chains)."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=23, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[PROMPTS[0][0] + 1, 7, 9, 11]),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=17, ignore_eos=True),
+    ]
+    plain = make(ckpt, async_scheduling=False, enforce_eager=True, **engine_args)
+    want = run(plain, params)
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "min_draft_confidence": 0.05}
+    outs, chained = [], []
+    for overlap in (True, False):
+        llm = make(ckpt, speculative_config=spec, **engine_args)
+        engine = llm.llm_engine
+        assert engine.speculative is not None
+        engine.speculative.overlap = overlap
+        launches = {"chained": 0}
+        real = engine.runner.verify_launch
+
+        def count(batch, *args, real=real, launches=launches):  # type: ignore[no-untyped-def]
+            launches["chained"] += batch is None
+            return real(batch, *args)
+
+        engine.runner.verify_launch = count  # type: ignore[method-assign]
+        outs.append(run(llm, params))
+        chained.append(launches["chained"])
+        assert engine.speculative.chain is None and not engine.has_unfinished()
+    assert outs[0] == want and outs[1] == want
+    assert chained[0] > 0 and chained[1] == 0
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
     reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
@@ -236,7 +276,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
     decoder = engine.speculative
     assert decoder is not None
     seen: list[tuple[list[int], list[int], list[float]]] = []
-    real, real_verify = decoder._keep_confident, engine.runner.verify
+    real, real_verify = decoder._keep_confident, engine.runner.verify_launch
     replays = {"n": 0}
 
     def record(seq, chain):  # type: ignore[no-untyped-def]
@@ -249,7 +289,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
         return real_verify(*args, **kw)
 
     monkeypatch.setattr(decoder, "_keep_confident", record)
-    monkeypatch.setattr(engine.runner, "verify", count)
+    monkeypatch.setattr(engine.runner, "verify_launch", count)
     run(llm, GREEDY[:1] * 4)
     assert len(seen) > 8
     assert (replays["n"] > 0) == (not eager)

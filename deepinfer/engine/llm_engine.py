@@ -35,7 +35,7 @@ from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.speculative import SpeculativeDecoder, accept_and_draft
+from deepinfer.engine.speculative import SpeculativeDecoder, accept_and_draft, chain_next_inputs
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.log import configure_logging
@@ -189,7 +189,9 @@ class LLMEngine:
             if drafter is not None:
                 embed, head = model.embed_tokens, model.lm_head
                 self.runner.capture_verify_graphs(
-                    verify_buckets, functools.partial(accept_and_draft, drafter, embed, head)
+                    verify_buckets,
+                    functools.partial(accept_and_draft, drafter, embed, head),
+                    functools.partial(chain_next_inputs, bs, config.min_draft_confidence),
                 )
             self.backend.device.synchronize()
             if counts:
@@ -489,6 +491,8 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every request (after an error in a step): finish_reason "abort"."""
         self.in_flight = None
+        if self.speculative is not None:
+            self.speculative.chain = None
         for seq in self.scheduler.abort_all():
             if seq.finish_reason is None:
                 seq.finish_reason = "abort"
@@ -500,7 +504,9 @@ class LLMEngine:
         """Schedule, launch, process the previous step's tokens, launch the draw. Returns the
         sequences that finished (with async scheduling, those of the previous step)."""
         spec = self.speculative
-        if spec is not None and spec.wants_step():  # drafts: a synchronous, eager step
+        if spec is not None and spec.chain is not None:  # chained verification steps
+            return spec.chain_step()
+        if spec is not None and spec.wants_step():  # drafts: a synchronous step
             finished = self._process_in_flight()  # every token on the host first
             spec.limit_drafts()
             batch = self.scheduler.schedule()

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from deepinfer.backend.ops import Backend, GraphRunner
-from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.backend.types import AttentionMetadata, Event, PagedKVCache
 from deepinfer.engine.inputs import PreparedStep, SamplingInputs, StepInputs
 from deepinfer.engine.sampler import (
     LOGPROB_CHUNK_ELEMENTS,
@@ -69,6 +69,9 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> 
 VerifyFinish = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
+# chain(step inputs, out_tokens (B, 3 + 2K), out_conf (B, K), limit (B,)): writes the next step's
+# inputs of the same (bucket, K) layout on the device: see speculative.chain_next_inputs
+VerifyChain = Callable[[ForwardBatch, SamplingInputs, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 # Verification graphs are captured for the buckets up to this many requests: beyond it
 # confidence scheduling leaves drafts little room, and eager steps serve what is left.
@@ -76,15 +79,25 @@ MAX_VERIFY_GRAPH_BATCH = 32
 
 
 class VerifyResult(NamedTuple):
-    """A verification step's results on the host, per request b of the bucket (real ones
-    first): tokens (B, 1 + w) sampled at each row, accepted (B,) drafts accepted, drafts (B, K)
-    and confidences (B, K) the drafter's next block."""
+    """A verification step's results on the host, per request b of the step (real ones only):
+    tokens (B, 1 + w) sampled at each row, accepted (B,) drafts accepted, drafts (B, K) and
+    confidences (B, K) the drafter's next block, and next_drafts (B,) how many of them the
+    chained next step verifies (its inputs written on the device; width-K graphs only)."""
 
-    step: PreparedStep
     tokens: list[list[int]]
     accepted: list[int]
     drafts: list[list[int]]
     confidences: list[list[float]]
+    next_drafts: list[int]
+
+
+class PendingVerify(NamedTuple):
+    """A launched verification step whose results are on their way to host slot `slot`."""
+
+    done: Event
+    slot: int
+    rows: int
+    width: int
 
 
 class ForwardOutput(NamedTuple):
@@ -212,10 +225,14 @@ class ModelRunner:
             return None
         return min(b for b in self.graphs if b >= len(batch))
 
-    def capture_verify_graphs(self, buckets: list[int], accept: VerifyFinish) -> None:
+    def capture_verify_graphs(
+        self, buckets: list[int], accept: VerifyFinish, chain: VerifyChain | None = None
+    ) -> None:
         """Capture the verification graphs of every bucket and width 0..max_draft_width, after
         capture_graphs (their pool is shared). `accept` (deepinfer.engine.speculative.
-        accept_and_draft with the drafter bound) turns the sampled rows into the result."""
+        accept_and_draft with the drafter bound) turns the sampled rows into the result; in the
+        graphs of width max_draft_width, `chain` then writes the next step's inputs (a chained
+        step replays without the host preparing it)."""
         if not self.graphs or not buckets:
             return
         k, dev = self.max_draft_width, self.device
@@ -225,8 +242,9 @@ class ModelRunner:
             "logits": torch.zeros((rows, self.vocab_size), dtype=torch.float32, device=dev),
             "hidden": torch.zeros((rows, self.model.config.hidden_size), dtype=dtype, device=dev),
             "sampled": torch.zeros((rows,), dtype=torch.int64, device=dev),
-            "tokens": torch.zeros((max(buckets), 2 + 2 * k), dtype=torch.int64, device=dev),
+            "tokens": torch.zeros((max(buckets), 3 + 2 * k), dtype=torch.int64, device=dev),
             "conf": torch.zeros((max(buckets), k), dtype=torch.float32, device=dev),
+            "limit": torch.zeros((max(buckets),), dtype=torch.int64, device=dev),
         }
         buf = self._verify_buffers
         pool = next(iter(self.graphs.values()))
@@ -257,15 +275,19 @@ class ModelRunner:
                             fb.slot_mapping.view(bs, q)[:, 1:] >= 0, buf["hidden"][:t],
                             buf["tokens"][:bs, : q + 1 + k], buf["conf"][:bs],
                         )  # fmt: skip
+                        if chain is not None and w == k:
+                            chain(fb, step.sampling, buf["tokens"][:bs], buf["conf"][:bs], buf["limit"][:bs])
 
                     runner = self.backend.device.capture_graph(finish, share_with=pool)
                     assert runner is not None
                     self.verify_draws[(bs, w, greedy)] = runner
         pinned = self.backend.device.pinned_empty
-        self._verify_host = (
-            pinned(tuple(buf["tokens"].shape), torch.int64),
-            pinned(tuple(buf["conf"].shape), torch.float32),
-        )
+        # two slots: a chained step's results land in one while the host reads the other
+        self._verify_host = [
+            (pinned(tuple(buf["tokens"].shape), torch.int64), pinned(tuple(buf["conf"].shape), torch.float32))
+            for _ in range(2)
+        ]
+        self._verify_turn = 0
 
     def verify_bucket_for(self, batch: ScheduledBatch) -> tuple[int, int] | None:
         """(bucket, width) of the verification graph that serves `batch`, None for an eager
@@ -284,26 +306,50 @@ class ModelRunner:
         return min(b for b, _ in self.verify_graphs if b >= len(batch)), width
 
     @torch.inference_mode()
-    def verify(self, batch: ScheduledBatch, bucket: int, width: int, greedy: bool) -> VerifyResult:
-        """One verification step as two graph replays and one copy to the host (waited for)."""
-        step = self.inputs.prepare(batch, bucket, width)
+    def verify_launch(
+        self, batch: ScheduledBatch | None, bucket: int, width: int, greedy: bool, rows: int
+    ) -> PendingVerify:
+        """Launch one verification step (two graph replays) and the copy of its results to the
+        host, without waiting. batch None: a chained step, whose inputs the previous step of the
+        same (bucket, width) wrote on the device. `rows`: the real requests."""
+        if batch is not None:
+            self.inputs.prepare(batch, bucket, width)
         self.verify_graphs[(bucket, width)].replay()
         self.verify_draws[(bucket, width, greedy)].replay()
-        tokens, conf = self._verify_host
-        q, k, n = 1 + width, self.max_draft_width, len(batch)
-        tokens[:n].copy_(self._verify_buffers["tokens"][:n], non_blocking=True)
-        conf[:n].copy_(self._verify_buffers["conf"][:n], non_blocking=True)
+        slot = self._verify_turn
+        self._verify_turn ^= 1
+        tokens, conf = self._verify_host[slot]
+        tokens[:rows].copy_(self._verify_buffers["tokens"][:rows], non_blocking=True)
+        conf[:rows].copy_(self._verify_buffers["conf"][:rows], non_blocking=True)
         done = self.backend.device.new_event()
         done.record()
-        done.synchronize()
+        return PendingVerify(done, slot, rows, width)
+
+    def verify_read(self, pending: PendingVerify) -> VerifyResult:
+        """Wait for a launched verification step's results."""
+        pending.done.synchronize()
+        tokens, conf = self._verify_host[pending.slot]
+        q, k, n = 1 + pending.width, self.max_draft_width, pending.rows
         rows = tokens[:n].tolist()
         return VerifyResult(
-            step,
             [r[:q] for r in rows],
             [r[q] for r in rows],
             [r[q + 1 : q + 1 + k] for r in rows],
             conf[:n].tolist(),
+            [r[q + 1 + k] for r in rows],
         )
+
+    def verify(self, batch: ScheduledBatch, bucket: int, width: int, greedy: bool) -> VerifyResult:
+        """One verification step, waited for."""
+        return self.verify_read(self.verify_launch(batch, bucket, width, greedy, len(batch)))
+
+    def set_chain_limits(self, limits: list[int]) -> None:
+        """Per request of the next chained steps (in batch order): the positions below which a
+        chained step may write its tokens (covered by allocated blocks, below max_model_len).
+        Stream-ordered: steps launched after this call read it."""
+        lim = torch.tensor(limits, dtype=torch.int64)
+        self._verify_buffers["limit"][: len(limits)].copy_(lim, non_blocking=True)
+        self._verify_buffers["limit"][len(limits) :].zero_()
 
     # ------------------------------------------------------------------ steps
 

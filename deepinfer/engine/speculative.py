@@ -38,12 +38,14 @@ row's distribution does not depend on the tokens appended before it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer.backend.types import AttentionMetadata
+from deepinfer.engine.inputs import SamplingInputs
 from deepinfer.engine.kv_cache import BlockManager
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.model_runner import ModelRunner, PendingVerify, VerifyResult
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -123,6 +125,42 @@ def accept_and_draft(
     out_conf.copy_(conf)
 
 
+def chain_next_inputs(
+    block_size: int,
+    threshold: float,
+    fb: ForwardBatch,
+    sampling: SamplingInputs,
+    out_tokens: torch.Tensor,
+    out_conf: torch.Tensor,
+    limit: torch.Tensor,
+) -> None:
+    """Device only (graph-safe), after accept_and_draft in a verification step of width K: the
+    next step's inputs in the same layout, written over this step's (fb, sampling), so the next
+    step replays without the host. Request b continues at position n = start + a + 1 with its
+    last known token (the one drawn after its a accepted drafts) and the K drafts just made;
+    drafts below `threshold` confidence, and every row at or past limit[b] (the positions its
+    blocks cover, below max_model_len; 0 for padding requests), are padding (slot -1). Also
+    writes out_tokens[:, 2 + 2K] = the drafts the next step verifies."""
+    b, k = out_conf.shape
+    q = 1 + k
+    start = fb.positions.view(b, q)[:, 0]
+    accepted = out_tokens[:, q]
+    last = out_tokens.gather(1, accepted[:, None])  # (B, 1)
+    first = torch.minimum(start + accepted + 1, limit)  # (B,)
+    pos = first[:, None] + torch.arange(q, device=first.device)  # (B, q)
+    confident = torch.cat([torch.ones_like(out_conf[:, :1], dtype=torch.bool), out_conf >= threshold], 1)
+    valid = confident & (pos < limit[:, None])  # a prefix: confidences fall along the block
+    table = fb.attn.block_tables.long()
+    col = (pos // block_size).clamp(max=table.shape[1] - 1)
+    slots = torch.where(valid, table.gather(1, col) * block_size + pos % block_size, -1)
+    fb.input_ids.copy_(torch.cat([last, out_tokens[:, q + 1 : q + 1 + k]], 1).view(-1))
+    fb.positions.copy_(pos.view(-1))
+    fb.slot_mapping.copy_(slots.view(-1))
+    fb.attn.seq_lens.copy_(first + q)
+    sampling.offsets.copy_((pos + 1).view(-1))  # row j draws token first + j + 1
+    out_tokens[:, q + 1 + k].copy_(valid[:, 1:].sum(1))
+
+
 def draft_budget(step_token_budget: int | None, num_requests: int) -> int | None:
     """Draft tokens a step may verify: step_token_budget less one token per request (None: no cap)."""
     if step_token_budget is None:
@@ -145,6 +183,25 @@ def schedule_drafts(confidences: list[list[float]], budget: int | None) -> list[
     for _, j, b in ranked[:budget]:
         counts[b] = max(counts[b], j + 1)  # confidences fall along j: the taken ones are a prefix
     return counts
+
+
+# A chain of verification steps makes each request's blocks cover this many steps ahead when it
+# starts (at most 1 + K positions per step); it goes on while every request has room for two.
+CHAIN_STEPS = 8
+
+
+@dataclass
+class Chain:
+    """Verification steps launched back to back: the host reads step N's results while the
+    device runs step N + 1, whose inputs step N wrote on the device (chain_next_inputs)."""
+
+    seqs: list[Sequence]
+    bucket: int
+    greedy: bool
+    pending: PendingVerify  # launched, results not read yet
+    num_drafts: list[int]  # drafts each request verifies in the pending step
+    limits: list[int]  # positions each request's blocks cover (below max_model_len)
+    stop: bool = False  # launch no further step
 
 
 class SpeculativeDecoder:
@@ -175,6 +232,9 @@ class SpeculativeDecoder:
         self.num_accepted_tokens = 0
         self.num_steps = 0  # steps that verified or proposed drafts
         self.num_graph_steps = 0  # of which verification graph replays
+        # overlap: chain verification steps (host reads step N while the device runs N + 1)
+        self.overlap = True
+        self.chain: Chain | None = None
         self.last_budget: int | None = None  # the draft budget of the last step (None: no cap)
         self.hidden: torch.Tensor | None = None  # the model's final hidden states of this step
         self.confidence: dict[int, list[float]] = {}  # id(seq) -> its drafts' confidences
@@ -212,6 +272,8 @@ class SpeculativeDecoder:
         seqs = batch.seqs
         on_host = self.sampler.needs_processing(seqs) or any(s.needs_logprob for s in seqs)
         if graph is not None and not on_host:  # processors and log-probabilities: eager
+            if self._can_chain(batch, graph[0]):
+                return self._start_chain(batch, graph[0])
             return self._graph_step(batch, *graph)
         starts = [s.num_computed_tokens for s in batch.seqs]
         # logits (rows, V): 1 + draft rows per request; eager, for the hidden states
@@ -255,11 +317,22 @@ class SpeculativeDecoder:
         self.hidden = None
         self.num_graph_steps += 1
         result = self.runner.verify(batch, bucket, width, greedy=all(s.params.greedy for s in batch.seqs))
-        self.scheduler.advance(batch)
+        return self._append_verified(batch.seqs, batch.num_draft_tokens, result)
+
+    def _append_verified(
+        self, seqs: list[Sequence], num_drafts: list[int], result: VerifyResult
+    ) -> list[Sequence]:
+        """The host's side of a verified step: each request's row and accepted drafts count as
+        computed, their tokens are appended (stop conditions checked token by token), and the
+        next block's confident drafts become its drafts."""
         finished: list[Sequence] = []
         self.confidence = {}
-        for b, (seq, nd) in enumerate(zip(batch.seqs, batch.num_draft_tokens)):
+        for b, (seq, nd) in enumerate(zip(seqs, num_drafts)):
+            if seq.is_finished:  # a chained step's row of a request that finished before it
+                continue
             self.num_draft_tokens += nd
+            seq.num_computed_tokens += 1  # its last token's row (Scheduler.advance)
+            self.block_manager.cache_full_blocks(seq)
             for j in range(result.accepted[b] + 1):
                 if j > 0:  # the token just appended equals draft j - 1
                     self.scheduler.accept_draft(seq)
@@ -271,6 +344,55 @@ class SpeculativeDecoder:
             if not seq.is_finished:
                 k = min(self.k, self.max_model_len - seq.num_tokens)
                 self._keep_confident(seq, zip(result.drafts[b][:k], result.confidences[b][:k]))
+        return finished
+
+    # ------------------------------------------------------------------ chained steps
+
+    def _can_chain(self, batch: ScheduledBatch, bucket: int) -> bool:
+        """Chain from this step: overlap on, a width-K graph for the bucket, nothing waiting,
+        and no draft budget that would cut the chained steps' drafts."""
+        if not self.overlap or (bucket, self.k) not in self.runner.verify_graphs or self.scheduler.waiting:
+            return False
+        budget = self.budget()
+        return budget is None or budget >= len(batch) * self.k
+
+    def _start_chain(self, batch: ScheduledBatch, bucket: int) -> list[Sequence]:
+        """Launch the chain's first step (prepared by the host, padded to width K) after making
+        each request's blocks cover CHAIN_STEPS steps, then go on as chain_step does."""
+        self.hidden = None
+        bs = self.block_manager.block_size
+        limits = []
+        for seq in batch.seqs:
+            want = min(seq.num_computed_tokens + CHAIN_STEPS * (1 + self.k), self.max_model_len)
+            self.block_manager.allocate(seq, want - seq.num_computed_tokens)  # if it fails: fewer steps
+            limits.append(min(len(seq.block_table) * bs, self.max_model_len))
+        self.runner.set_chain_limits(limits)
+        greedy = all(s.params.greedy for s in batch.seqs)
+        self.num_graph_steps += 1
+        pending = self.runner.verify_launch(batch, bucket, self.k, greedy, len(batch))
+        self.chain = Chain(list(batch.seqs), bucket, greedy, pending, list(batch.num_draft_tokens), limits)
+        return self.chain_step()
+
+    def chain_step(self) -> list[Sequence]:
+        """Launch the chain's next step (if every request has room for it), then read and append
+        the pending one. A request that finishes ends the chain after the step in flight; the
+        drafts of the last step read stay with the requests for the next scheduled step."""
+        chain = self.chain
+        assert chain is not None
+        launched = None
+        q = 1 + self.k
+        room = all(s.num_computed_tokens + 2 * q <= lim for s, lim in zip(chain.seqs, chain.limits))
+        if not chain.stop and room and not self.scheduler.waiting:
+            self.num_steps += 1
+            self.num_graph_steps += 1
+            launched = self.runner.verify_launch(None, chain.bucket, self.k, chain.greedy, len(chain.seqs))
+        result = self.runner.verify_read(chain.pending)
+        finished = self._append_verified(chain.seqs, chain.num_drafts, result)
+        if launched is None or all(s.is_finished for s in chain.seqs):
+            self.chain = None  # a step still in flight writes only its finished requests' rows
+        else:
+            chain.stop = chain.stop or bool(finished)
+            chain.pending, chain.num_drafts = launched, result.next_drafts
         return finished
 
     def _keep_confident(self, seq: Sequence, chain: Iterable[tuple[int, float]]) -> None:
