@@ -36,7 +36,7 @@ from deepinfer.engine.sampler import (
 )
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        kv_groups: list[KVCacheGroup] | None = None,
     ) -> None:
+        """kv_groups: the model's cache groups (None: one, paged by seq.block_table)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -88,7 +90,9 @@ class ModelRunner:
         self.vocab_size: int = model.config.vocab_size
         # most requests (rows) in a step: max_num_seqs, padded up to a graph bucket
         self.max_rows = graph_buckets(max_num_seqs)[-1]
-        self.inputs = StepInputs(backend, block_size, max_num_batched_tokens, self.max_rows, max_model_len)
+        self.inputs = StepInputs(
+            backend, block_size, max_num_batched_tokens, self.max_rows, max_model_len, kv_groups
+        )
         self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
