@@ -154,11 +154,18 @@ class AttentionWindowOffByOne(ReferenceAttention):
 class CompressedAttentionIgnoresTopk(ReferenceAttention):
     """DeepSeek-V4 CSA: every visible compressed entry attended, the indexer's choice dropped."""
 
-    def compressed_attention(self, q, cache, compressed, meta, *, scale, ratio, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
-        modifiers = dataclasses.replace(modifiers, topk_indices=None)
-        return super().compressed_attention(
-            q, cache, compressed, meta, scale=scale, ratio=ratio, modifiers=modifiers
-        )
+    def compressed_attention(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs["modifiers"] = dataclasses.replace(kwargs.get("modifiers", NO_MODIFIERS), topk_indices=None)
+        return super().compressed_attention(*args, **kwargs)
+
+
+class CompressedAttentionSharedTables(ReferenceAttention):
+    """DeepSeek-V4: the compressed entries read through the token cache's block tables, the
+    entry group's own tables (compressed_block_tables) dropped."""
+
+    def compressed_attention(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs.pop("compressed_block_tables", None)
+        return super().compressed_attention(*args, **kwargs)
 
 
 class IndexerPicksLowest(ReferenceAttention):
@@ -233,6 +240,11 @@ MUTANT_LIST = [
     Mutant(
         "v4-topk-ignored", "attention", CompressedAttentionIgnoresTopk, "test_compressed_attention and csa",
         ("test_compressed_attention",), "elements outside atol", ("compressed_attention", "ratio 4"),
+    ),
+    Mutant(
+        "v4-entry-tables-ignored", "attention", CompressedAttentionSharedTables,
+        "test_compressed_attention and entry-tables", ("test_compressed_attention",), "compressed_attention",
+        ("compressed_attention",),
     ),
     Mutant(
         "v4-indexer-lowest", "attention", IndexerPicksLowest, "test_indexer_topk", ("test_indexer_topk",),

@@ -3,7 +3,9 @@ with save_pretrained; configs in model/parity/v4-*.json that cover every layer t
 only, CSA with the lightning indexer, HCA; hash-routed and top-k-routed MoE):
   - greedy tokens through the public API (LLM.generate, reference backend, float32) equal
     transformers' generate, for prompts several windows long spanning many compressed entries,
-    with whole and chunked prefill, with and without preemption;
+    with whole and chunked prefill, with and without preemption; with small step budgets the
+    per-request ring (window and compressor state) is several times shorter than the longest
+    prompt, so it wraps many times, chunks crossing its end;
   - bfloat16 prefill logits within twice transformers' own bfloat16 error of the float32 oracle;
   - config reading (the shipped V4-Flash config, YaRN on the compressed branches) as transformers';
   - prefix caching refused; `deepinfer bench --random-config` at a reduced depth.
@@ -31,9 +33,10 @@ from deepinfer.reference.backend import create_reference_backend
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 8
-# Prompt lengths: shorter than the window, and several windows long with many compressed entries
-# (up to 17 CSA entries at ratio 4, 4 HCA entries at ratio 16), none a multiple of a ratio.
-PROMPT_LENS = (3, 21, 45, 70)
+# Prompt lengths: shorter than the window, and many windows long with many compressed entries
+# (up to 39 CSA entries at ratio 4, 9 HCA entries at ratio 16), none a multiple of a ratio.
+PROMPT_LENS = (3, 21, 45, 70, 150, 131)
+MAX_MODEL_LEN = 160
 # model/parity/v4-*.json:
 #   swa-csa-hca-hash: sliding-window only, CSA, HCA layers; a hash-routed first layer; the indexer
 #     keeps 3 of up to 17 entries; two hyper-connection streams
@@ -86,7 +89,8 @@ class Case:
                 self.expected.append(out[0, len(p) :].tolist())
 
     def llm(self, **kwargs: Any) -> LLM:
-        args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": 80} | kwargs
+        args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": MAX_MODEL_LEN}
+        args |= kwargs
         return LLM(str(self.root), **args)
 
 
@@ -101,21 +105,52 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def all_blocks_free(llm: LLM) -> bool:
+    bm = llm.llm_engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks
+
+
+def ring_rows(llm: LLM) -> int:
+    """Rows of the per-request ring (window and compressor state)."""
+    groups = llm.llm_engine.kv_groups
+    assert groups is not None and groups[0].name == "ring"
+    return groups[0].ring_blocks * llm.llm_engine.config.block_size
+
+
 def test_whole_prefill(case: Case) -> None:
     """Each prompt prefilled in one step, all requests decoding together."""
-    llm = case.llm(max_num_batched_tokens=256, max_num_seqs=4, num_gpu_blocks_override=96)
+    llm = case.llm(max_num_batched_tokens=256, max_num_seqs=6, num_gpu_blocks_override=240)
     assert greedy(llm, case.prompts) == case.expected
+    assert all_blocks_free(llm)
+
+
+def test_chunked_prefill_across_the_ring(case: Case) -> None:
+    """A 7-token step budget: prompts prefilled in chunks that cut compression windows anywhere,
+    through a ring of 16 or 24 rows (window and compressor state) that the longest request
+    (158 tokens) wraps 6 to 10 times."""
+    llm = case.llm(max_num_batched_tokens=7, max_num_seqs=4, num_gpu_blocks_override=40)
+    assert ring_rows(llm) * 6 <= max(PROMPT_LENS) + NEW_TOKENS
+    assert greedy(llm, case.prompts) == case.expected
+    assert all_blocks_free(llm)
 
 
 def test_chunked_prefill_with_preemption(case: Case) -> None:
-    """A 7-token step budget (prompts prefilled in chunks that cut compression windows anywhere)
-    and a pool of 20 blocks of 4 tokens, what the longest request alone needs: requests are
-    preempted and recomputed, the compressor state included."""
-    llm = case.llm(max_num_batched_tokens=7, max_num_seqs=4, num_gpu_blocks_override=20)
+    """A 13-token step budget, the longest prompts first, and a pool of 40 blocks of 4 tokens
+    (what the longest request alone needs, the entry caches' last partial blocks aside): requests
+    are preempted and recomputed, their rings and compressor state rebuilt."""
+    llm = case.llm(max_num_batched_tokens=13, max_num_seqs=4, num_gpu_blocks_override=40)
+    assert ring_rows(llm) * 4 <= max(PROMPT_LENS) + NEW_TOKENS
+    assert greedy(llm, case.prompts[::-1]) == case.expected[::-1]
+    assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert all_blocks_free(llm)
+
+
+def test_async_scheduling_off_gives_the_same_tokens(case: Case) -> None:
+    """The same chunked run with the host processing each step's tokens before the next step."""
+    llm = case.llm(
+        max_num_batched_tokens=7, max_num_seqs=4, num_gpu_blocks_override=40, async_scheduling=False
+    )
     assert greedy(llm, case.prompts) == case.expected
-    engine = llm.llm_engine
-    assert engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
-    assert engine.block_manager.num_free_blocks == 20
 
 
 def test_prefix_caching_is_refused(case: Case) -> None:
@@ -159,14 +194,14 @@ def test_bfloat16_as_close_as_transformers(case: Case) -> None:
     """In bfloat16 (norms, sinks, biases and mHC weights in float32, as transformers keeps them)
     the prefill logits stay as close to the float32 oracle as transformers' own bfloat16 model:
     within twice its relative error."""
-    prompt = torch.tensor([case.prompts[-1]])
+    prompt = torch.tensor([case.prompts[3]])
     load = transformers.DeepseekV4ForCausalLM.from_pretrained
     with torch.no_grad():
         want = load(case.root, dtype=torch.float32).eval()(prompt).logits[0].double()
         theirs = load(case.root, dtype=torch.bfloat16).eval()(prompt).logits[0].double()
     backend = create_reference_backend()
     runner = PagedRunner(load_model(case.root, backend, dtype=torch.bfloat16), backend, num_blocks=32)
-    ours = runner.step([(0, case.prompts[-1])], all_logits=True).double()
+    ours = runner.step([(0, case.prompts[3])], all_logits=True).double()
 
     def rel(a: torch.Tensor) -> float:
         return float((a - want).norm() / want.norm())

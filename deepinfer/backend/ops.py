@@ -310,21 +310,25 @@ class AttentionOps(_Part):
         scale: float,
         ratio: int,
         modifiers: AttentionModifiers = NO_MODIFIERS,
+        compressed_block_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """DeepSeek-V4 attention: one softmax over two key sets, K = V (whole rows, D wide).
         q (T, H, D) -> (T, H, D) in q's dtype.
 
         `cache` holds one row per token position (paged by meta.block_tables as `prefill` reads
         it); the query at position p sees the token rows the causal limit and modifiers.window let
-        through. `compressed` holds one row per compressed entry w (entry w at position w of the
-        same block tables; a request of KV length L has L // ratio of them); entry w pools tokens
+        through. `compressed` holds one row per compressed entry w (entry w at position w of
+        compressed_block_tables (B, MBc) int32, default meta.block_tables; a request of KV length
+        L has L // ratio of them); entry w pools tokens
         [w*ratio, (w+1)*ratio) and is visible to the query at p when (w+1)*ratio <= p+1, further
         limited to the ids of modifiers.topk_indices (T, Kt) when given (the edge rules of
         AttentionModifiers: a set, -1 unused, ids past the visible entries ignored).
         modifiers.sinks (H,) joins the softmax denominator. Default: the reference, reading the
         rows through this backend's kv_cache.read_kv (any layout)."""
         read = self.backend.kv_cache.read_kv
-        return ref_v4.compressed_attention(q, cache, compressed, meta, scale, ratio, modifiers, read)
+        return ref_v4.compressed_attention(
+            q, cache, compressed, meta, scale, ratio, modifiers, read, compressed_block_tables
+        )
 
     def indexer_topk(
         self,

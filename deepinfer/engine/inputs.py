@@ -13,10 +13,16 @@ Tokens the host does not know yet (async scheduling: the token sampled by the st
 device) are written as placeholders -(row + 1), row being where the previous step's sampler put
 that token in `sampled_ids`; the runner resolves them on the device before the embedding.
 
-Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns), in bytes from
-the start of the buffer: int64 [input_ids T | positions T | slot_mapping T | logits_indices S |
-seeds S | offsets S | top_k S], float32 [temperature S | top_p S | min_p S], int32 [seq_lens B |
-query_start_loc B+1 | block_tables B*MB].
+A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
+and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
+i % n (one column per block of the sequence: position p at column p // BS, as for any table), and
+each further group's own tables in group_block_tables. Such models run eager steps only.
+
+Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns, MBg those of
+further group g), in bytes from the start of the buffer: int64 [input_ids T | positions T |
+slot_mapping T | logits_indices S | seeds S | offsets S | top_k S], float32 [temperature S |
+top_p S | min_p S], int32 [seq_lens B | query_start_loc B+1 | block_tables B*MB |
+group_block_tables B*MB1, B*MB2, ...].
 """
 
 from __future__ import annotations
@@ -30,23 +36,26 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 _I64 = ("input_ids", "positions", "slot_mapping", "logits_indices", "seeds", "offsets", "top_k")
 _F32 = ("temperature", "top_p", "min_p")
-_I32 = ("seq_lens", "query_start_loc", "block_tables")
+_I32 = ("seq_lens", "query_start_loc", "block_tables", "group_block_tables")
 
 
-def _lengths(t: int, b: int, s: int, mb: int) -> dict[str, int]:
+def _lengths(t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...]) -> dict[str, int]:
     n = dict.fromkeys(_I64, s)
     n.update(input_ids=t, positions=t, slot_mapping=t, **dict.fromkeys(_F32, s))
-    n.update(seq_lens=b, query_start_loc=b + 1, block_tables=b * mb)
+    n.update(seq_lens=b, query_start_loc=b + 1, block_tables=b * mb, group_block_tables=b * sum(group_mbs))
     return n
 
 
-def layout(t: int, b: int, s: int, mb: int) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
-    """name -> (byte offset, count, dtype) of each field, and the total size in bytes."""
-    n = _lengths(t, b, s, mb)
+def layout(
+    t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...] = ()
+) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
+    """name -> (byte offset, count, dtype) of each field, and the total size in bytes.
+    group_mbs: the block-table width of each further cache group."""
+    n = _lengths(t, b, s, mb, group_mbs)
     fields: dict[str, tuple[int, int, torch.dtype]] = {}
     off = 0
     for names, dtype, size in ((_I64, torch.int64, 8), (_F32, torch.float32, 4), (_I32, torch.int32, 4)):
@@ -97,6 +106,7 @@ class StepInputs:
         max_num_seqs: int,
         max_model_len: int,
         max_draft_width: int = 0,
+        groups: list[KVCacheGroup] | None = None,
     ) -> None:
         """max_draft_width: the most drafts a verification graph step pads a request to (its
         padding rows sit past the request's last position, up to max_model_len + width)."""
@@ -108,8 +118,10 @@ class StepInputs:
         self.max_blocks = -(-(max_model_len + max_draft_width) // block_size)
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
+        self.groups = groups  # None: one group, seq.block_table
         rows = max(max_num_tokens, max_num_seqs)
-        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks)
+        group_mbs = tuple(g.blocks_for(max_model_len, block_size) for g in (groups or [])[1:])
+        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, group_mbs)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
         self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
@@ -128,18 +140,36 @@ class StepInputs:
         return out
 
     def _device_views(
-        self, t: int, b: int, s: int, mb: int, key: tuple[int, int | None] | None
+        self,
+        t: int,
+        b: int,
+        s: int,
+        mb: int,
+        key: tuple[int, int | None] | None,
+        group_mbs: tuple[int, ...] = (),
     ) -> dict[str, torch.Tensor]:
         """The typed views of one layout; a graph step's (key: (bucket, width)) are cached, so
         every step of that graph reads the same tensors."""
         if key is not None and key in self._bucket_views:
             return self._bucket_views[key]
-        fields, _ = layout(t, b, s, mb)
+        fields, _ = layout(t, b, s, mb, group_mbs)
         views = self._views(self._device_buf, fields)
         views["block_tables"] = views["block_tables"].view(b, mb)
         if key is not None:
             self._bucket_views[key] = views
         return views
+
+    def _first_group_tables(self, batch: ScheduledBatch) -> list[list[int]]:
+        """Each request's table of the first cache group; a ring's unrolled over the sequence
+        (column i = ring block i % n, one column per block of its KV length this step)."""
+        if self.groups is None or not self.groups[0].ring_blocks:
+            return [q.block_table for q in batch.seqs]
+        bs, n = self.block_size, self.groups[0].ring_blocks
+        tables = []
+        for seq, new in zip(batch.seqs, batch.num_new_tokens):
+            columns = -(-(seq.num_computed_tokens + new) // bs)
+            tables.append((seq.block_table * -(-columns // n))[:columns])
+        return tables
 
     # ------------------------------------------------------------------ building a step
 
@@ -178,17 +208,25 @@ class StepInputs:
         s = len(rows) if bucket is None else t if width is not None else bucket
         if width is not None:
             rows = list(range(len(row_seqs)))
-        mb = self.max_blocks if bucket is not None else max((len(r.block_table) for r in seqs), default=1)
+        tables = self._first_group_tables(batch)
+        mb = self.max_blocks if bucket is not None else max((len(tb) for tb in tables), default=1)
         mb = max(mb, 1)
-        fields, nbytes = layout(t, b, s, mb)
+        group_mbs: tuple[int, ...] = ()
+        if self.groups is not None:
+            assert bucket is None, "a model with several cache groups runs eager steps"
+            group_mbs = tuple(
+                max([1, *(len(q.block_tables[g]) for q in seqs)]) for g in range(1, len(self.groups))
+            )
+        fields, nbytes = layout(t, b, s, mb, group_mbs)
 
         turn = self._turn
         self._turn ^= 1
         self._copied[turn].synchronize()  # the copy that last read this staging buffer is done
         host = self._views(self._staging[turn], fields)
         np_ = {k: v.numpy() for k, v in host.items()}
-        self._fill_tokens(np_, batch, t, width)
-        self._fill_attention(np_, batch, b, mb, width)
+        self._fill_tokens(np_, batch, t, tables, width)
+        self._fill_attention(np_, batch, b, mb, tables, width)
+        self._fill_group_tables(np_, batch, b, group_mbs)
         np_["logits_indices"][: len(rows)] = rows
         np_["logits_indices"][len(rows) :] = np.arange(len(rows), s)
         self._fill_sampling(np_, row_seqs, offsets, s)
@@ -196,7 +234,7 @@ class StepInputs:
         dev = self._device_buf[:nbytes]
         dev.copy_(self._staging[turn][:nbytes], non_blocking=True)
         self._copied[turn].record()
-        views = self._device_views(t, b, s, mb, None if bucket is None else (bucket, width))
+        views = self._device_views(t, b, s, mb, None if bucket is None else (bucket, width), group_mbs)
         if bucket is None:
             seq_lens_host = tuple(r.num_computed_tokens + n for r, n in zip(seqs, batch.num_new_tokens))
             query_lens_host = tuple(batch.num_new_tokens)
@@ -218,6 +256,7 @@ class StepInputs:
             slot_mapping=views["slot_mapping"],
             attn=attn,
             logits_indices=views["logits_indices"],
+            group_block_tables=self._split_group_tables(views["group_block_tables"], b, group_mbs),
         )
         sampling = SamplingInputs(
             temperature=views["temperature"],
@@ -230,21 +269,25 @@ class StepInputs:
         return PreparedStep(batch, forward, sampling, sampling_seqs, bucket)
 
     def _fill_tokens(
-        self, h: dict[str, np.ndarray], batch: ScheduledBatch, t: int, width: int | None
+        self,
+        h: dict[str, np.ndarray],
+        batch: ScheduledBatch,
+        t: int,
+        tables: list[list[int]],
+        width: int | None,
     ) -> None:
-        """input_ids, positions, slot_mapping; padding tokens: id 0, position 0, slot -1 (padding
-        drafts of a verification step: id 0, the positions after the request's last, slot -1).
-        Built as Python lists and stored once per field (the per-request loop is the host's
-        hot path at large batch)."""
+        """input_ids, positions, slot_mapping (through `tables`, the first group's); padding
+        tokens: id 0, position 0, slot -1 (padding drafts of a verification step: id 0, the
+        positions after the request's last, slot -1). Built as Python lists and stored once per
+        field (the per-request loop is the host's hot path at large batch)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
+        for seq, n, nd, table in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, tables):
             start = seq.num_computed_tokens
             stop = start + n - nd
             known = len(seq.token_ids)
-            table = seq.block_table
             if stop <= known:
                 ids.extend(seq.token_ids[start:stop])
             else:  # the pending token (async): a placeholder resolved on the device
@@ -275,13 +318,19 @@ class StepInputs:
             h["positions"][n_real:t] = np.tile(np.arange(1 + width), (t - n_real) // (1 + width))
 
     def _fill_attention(
-        self, h: dict[str, np.ndarray], batch: ScheduledBatch, b: int, mb: int, width: int | None
+        self,
+        h: dict[str, np.ndarray],
+        batch: ScheduledBatch,
+        b: int,
+        mb: int,
+        tables: list[list[int]],
+        width: int | None,
     ) -> None:
-        """seq_lens, query_start_loc, block_tables; padding requests: one query token seeing one
-        cache row (any block: its output is discarded). In a verification step every request
-        has 1 + width query tokens (padding drafts included), and the block-table columns past
-        a request's blocks that its padding drafts reach point to block 0."""
-        tables = h["block_tables"].reshape(b, mb)
+        """seq_lens, query_start_loc, block_tables (`tables`); padding requests: one query token
+        seeing one cache row (any block: its output is discarded). In a verification step every
+        request has 1 + width query tokens (padding drafts included), and the block-table
+        columns past a request's blocks that its padding drafts reach point to block 0."""
+        out = h["block_tables"].reshape(b, mb)
         real = len(batch.seqs)
         qsl = h["query_start_loc"]
         if width is None:
@@ -297,15 +346,38 @@ class StepInputs:
             h["seq_lens"][real:] = q
             qsl[:] = np.arange(0, (b + 1) * q, q)
         bs = self.block_size
-        for r, seq in enumerate(batch.seqs):
-            n = len(seq.block_table)
-            tables[r, :n] = seq.block_table
+        for r, (seq, table) in enumerate(zip(batch.seqs, tables)):
+            n = len(table)
+            out[r, :n] = table
             if width is not None:
-                tables[r, n : -(-(seq.num_computed_tokens + 1 + width) // bs)] = 0
+                out[r, n : -(-(seq.num_computed_tokens + 1 + width) // bs)] = 0
         if width is None:
-            tables[real:, 0] = 0
+            out[real:, 0] = 0
         else:
-            tables[real:, : -(-(1 + width) // bs)] = 0
+            out[real:, : -(-(1 + width) // bs)] = 0
+
+    @staticmethod
+    def _fill_group_tables(
+        h: dict[str, np.ndarray], batch: ScheduledBatch, b: int, group_mbs: tuple[int, ...]
+    ) -> None:
+        """group_block_tables: group g's (B, MBg) tables one after the other; unused entries 0."""
+        at = 0
+        for g, width in enumerate(group_mbs, start=1):
+            out = h["group_block_tables"][at : at + b * width].reshape(b, width)
+            out[:] = 0
+            for r, seq in enumerate(batch.seqs):
+                out[r, : len(seq.block_tables[g])] = seq.block_tables[g]
+            at += b * width
+
+    @staticmethod
+    def _split_group_tables(
+        flat: torch.Tensor, b: int, group_mbs: tuple[int, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        out, at = [], 0
+        for width in group_mbs:
+            out.append(flat[at : at + b * width].view(b, width))
+            at += b * width
+        return tuple(out)
 
     @staticmethod
     def _fill_sampling(

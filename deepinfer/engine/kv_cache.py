@@ -1,9 +1,11 @@
 """Paged KV-cache management: the block allocator (with prefix caching) and the pool sizing.
 
-Every KV layer group gets its own pool tensors (allocated by the backend from the model's
-KVCacheSpec); a block id names the same block in every layer of a group. Models today have one
-group (full-attention latent caches that grow with the sequence); a bounded sliding-window
-group would add its own BlockManager that frees blocks falling out of its window.
+Every KV cache group gets its own pool tensors (allocated by the backend from the model's
+KVCacheSpec); a block id names the same block in every layer of a group. DeepSeek-V2/V3 have one
+group (full-attention latent caches that grow with the sequence): one BlockManager. DeepSeek-V4
+declares several (deepinfer.models.forward_batch.KVCacheGroup): a ring of a fixed number of
+blocks per request for its per-token caches, and compressed-entry caches growing at 1/m blocks
+per token; GroupedBlockManager keeps one BlockManager per group and allocates in all or none.
 
 Prefix caching: a full block is identified by hash(parent block's hash, its token ids). When a
 request is admitted, the longest run of its leading full blocks found in the cache is reused
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 
 from deepinfer.engine.sequence import Sequence
+from deepinfer.models.forward_batch import KVCacheGroup
 
 _ROOT_HASH = 0x5EED
 
@@ -36,13 +40,25 @@ class Block:
 
 
 class BlockManager:
-    """Hands out fixed-size KV blocks to sequences; optionally shares identical full prefixes."""
+    """Hands out fixed-size KV blocks to sequences; optionally shares identical full prefixes.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    With a `group` (one of several, see GroupedBlockManager) it fills seq.block_tables[table]
+    with the blocks that group needs (KVCacheGroup.blocks_for); else seq.block_table, one block
+    per block_size tokens."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        group: KVCacheGroup | None = None,
+        table: int = 0,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group, self.table = group, table
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         self.cached: dict[int, int] = {}  # block hash -> block id
@@ -87,9 +103,9 @@ class BlockManager:
         match_prefix, when given). All or nothing: returns False, changing nothing, if the free
         blocks do not suffice."""
         prefix = prefix or []
-        assert not prefix or not seq.block_table, "prefix blocks are taken on admission only"
-        computed = seq.num_computed_tokens + len(prefix) * self.block_size
-        need = cdiv(computed + num_new_tokens, self.block_size) - len(seq.block_table) - len(prefix)
+        table = seq.block_tables[self.table]
+        assert not prefix or not table, "prefix blocks are taken on admission only"
+        need = self.blocks_needed(seq, num_new_tokens, len(prefix))
         revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)  # cached but free now
         if max(need, 0) + revived > len(self.free):
             return False
@@ -98,16 +114,23 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
-            seq.block_table.append(block_id)
+            table.append(block_id)
         for _ in range(need):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None and self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
             block.hash, block.token_ids, block.ref_count = None, (), 1
-            seq.block_table.append(block_id)
+            table.append(block_id)
         self.num_prefix_hits += len(prefix) * self.block_size
         return True
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int = 0) -> int:
+        """Blocks seq lacks for its next num_new_tokens tokens (after that many prefix blocks)."""
+        bs = self.block_size
+        tokens = seq.num_computed_tokens + num_prefix_blocks * bs + num_new_tokens
+        total = cdiv(tokens, bs) if self.group is None else self.group.blocks_for(tokens, bs)
+        return total - len(seq.block_tables[self.table]) - num_prefix_blocks
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's fully computed blocks in the prefix cache."""
@@ -126,13 +149,63 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         """Release seq's blocks. Its last blocks are queued for reuse first, so shared prefixes
         stay cached the longest."""
-        for block_id in reversed(seq.block_table):
+        table = seq.block_tables[self.table] if self.table < len(seq.block_tables) else []
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self.free[block_id] = None
-        seq.block_table.clear()
+        table.clear()
+
+
+class GroupedBlockManager:
+    """The blocks of a model with several KV cache groups: one BlockManager per group, group g's
+    blocks in seq.block_tables[g]. A request gets room in every group or in none; a ring group's
+    blocks are taken at its first step and kept until it finishes or is preempted. No prefix
+    caching (the engine refuses it for such models)."""
+
+    enable_prefix_caching = False
+    num_prefix_hits = 0
+
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: list[int], block_size: int) -> None:
+        self.groups = groups
+        self.block_size = block_size
+        self.managers = [
+            BlockManager(n, block_size, group=g, table=i) for i, (g, n) in enumerate(zip(groups, num_blocks))
+        ]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of every group."""
+        return sum(m.num_blocks for m in self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        return []
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Room for seq's next num_new_tokens tokens in every group; False, changing nothing, if
+        one group lacks free blocks."""
+        assert not prefix, "no prefix caching with several cache groups"
+        while len(seq.block_tables) < len(self.managers):
+            seq.block_tables.append([])
+        if any(m.blocks_needed(seq, num_new_tokens) > m.num_free_blocks for m in self.managers):
+            return False
+        for m in self.managers:
+            taken = m.allocate(seq, num_new_tokens)
+            assert taken
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        pass
+
+    def free_sequence(self, seq: Sequence) -> None:
+        for m in self.managers:
+            m.free_sequence(seq)
 
 
 # Host bytes the BlockManager spends per block (a Block with __slots__, its list slot, its entry
@@ -190,13 +263,44 @@ def check_kv_pool_fits(
             )
 
 
+def memory_budget(free_bytes: int, total_bytes: int, utilization: float) -> int:
+    """Bytes the KV cache may take once the model is loaded: total * utilization minus what is
+    already in use (vLLM's rule); negative when nothing is left."""
+    return int(total_bytes * utilization) - (total_bytes - free_bytes)
+
+
 def num_blocks_from_memory(
     free_bytes: int,
     total_bytes: int,
     utilization: float,
     bytes_per_block: int,
 ) -> int:
-    """Blocks that fit in the engine's share of device memory once the model is loaded:
-    total * utilization minus what is already in use (vLLM's rule)."""
-    budget = int(total_bytes * utilization) - (total_bytes - free_bytes)
-    return max(budget, 0) // bytes_per_block
+    """Blocks that fit in the engine's share of device memory once the model is loaded."""
+    return max(memory_budget(free_bytes, total_bytes, utilization), 0) // bytes_per_block
+
+
+def group_pool_blocks(groups: list[KVCacheGroup], num_blocks: int, max_num_seqs: int) -> list[int]:
+    """Each group's pool for a cache of num_blocks blocks of tokens: a ring group one ring per
+    request slot (max_num_seqs); a growing group the rows of num_blocks * BS tokens
+    (cdiv(num_blocks, ratio) blocks), plus at ratio > 1 one block per request slot, since a
+    request's last, partly filled block of entries stands for up to ratio * BS tokens."""
+    pools = []
+    for g in groups:
+        if g.ring_blocks:
+            pools.append(g.ring_blocks * max_num_seqs)
+        else:
+            pools.append(cdiv(num_blocks, g.ratio) + (max_num_seqs if g.ratio > 1 else 0))
+    return pools
+
+
+def fit_blocks(budget: int, pool_bytes: Callable[[int], int], most: int) -> int:
+    """The largest num_blocks in [0, most] whose pool takes at most `budget` bytes
+    (pool_bytes: num_blocks -> bytes, non-decreasing); 0 if none does."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if pool_bytes(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo if pool_bytes(lo) <= budget else 0

@@ -28,7 +28,14 @@ from deepinfer.backend.types import BackendOptions
 from deepinfer.config import EngineConfig
 from deepinfer.engine.args import backend_choice_reason
 from deepinfer.engine.inputs import PreparedStep
-from deepinfer.engine.kv_cache import BlockManager, cdiv, num_blocks_from_memory
+from deepinfer.engine.kv_cache import (
+    BlockManager,
+    GroupedBlockManager,
+    cdiv,
+    fit_blocks,
+    group_pool_blocks,
+    memory_budget,
+)
 from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH, ModelRunner, graph_buckets
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.sampler import PromptLogprobs, Sampler
@@ -39,6 +46,7 @@ from deepinfer.engine.speculative import SpeculativeDecoder, accept_and_draft, c
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.log import configure_logging
+from deepinfer.models.forward_batch import KVCacheGroup
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
@@ -154,10 +162,19 @@ class LLMEngine:
             )
         self.async_scheduling = plain and config.async_scheduling
         bs = config.block_size
+        # A model with several cache groups (DeepSeek-V4's ring and entry caches) caps the tokens a
+        # request computes per step (its ring is sized for them; drafts fit under the cap).
+        self.max_step_tokens: int | None = None
+        self.kv_groups: list[KVCacheGroup] | None = None
+        if hasattr(model, "kv_cache_groups"):
+            cap = max(model.max_step_tokens_per_request, 1 + self.num_speculative_tokens)
+            self.max_step_tokens = min(cap, config.max_num_batched_tokens)
+            self.kv_groups = model.kv_cache_groups(bs, self.max_step_tokens)
+            use_graphs = False
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.runner = ModelRunner(
             model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len, self.num_speculative_tokens,
+            self.max_model_len, self.num_speculative_tokens, self.kv_groups,
         )  # fmt: skip
         buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
         # block-drafter steps replay verification graphs of the buckets up to MAX_VERIFY_GRAPH_BATCH
@@ -169,15 +186,28 @@ class LLMEngine:
             reserves.append(self.runner.decode_memory_bytes(max(verify_buckets), width) or 0)
         graph_reserve = max(reserves, default=0)
         num_blocks = self._num_kv_blocks(graph_reserve)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        spec = model.kv_cache_spec(num_blocks, bs)
         logger.info(
             "KV cache: %d tokens (%d blocks of %d), %.1f MiB; %.2f requests of max_model_len=%d at once",
-            num_blocks * bs, num_blocks, bs,
-            num_blocks * bs * spec.bytes_per_token * model.num_kv_layers / 2**20,
+            num_blocks * bs, num_blocks, bs, self._kv_pool_bytes(num_blocks) / 2**20,
             num_blocks * bs / self.max_model_len, self.max_model_len,
         )  # fmt: skip
-        self.runner.kv_caches = self.backend.kv_cache.allocate(spec, model.num_kv_layers)
+        self.block_manager: BlockManager | GroupedBlockManager
+        if self.kv_groups is None:
+            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+            spec = model.kv_cache_spec(num_blocks, bs)
+            self.runner.kv_caches = self.backend.kv_cache.allocate(spec, model.num_kv_layers)
+        else:  # one pool per group, the model's caches in group order
+            pools = group_pool_blocks(self.kv_groups, num_blocks, config.max_num_seqs)
+            self.block_manager = GroupedBlockManager(self.kv_groups, pools, bs)
+            self.runner.kv_caches = []
+            for group, n in zip(self.kv_groups, pools):
+                spec = model.kv_cache_spec(n, bs)
+                self.runner.kv_caches += self.backend.kv_cache.allocate(spec, group.num_caches)
+                mib = n * bs * spec.bytes_per_token * group.num_caches / 2**20
+                logger.info(
+                    "KV cache group %s: %d caches, %d blocks, %.1f MiB (a row per %d tokens, ring %d blocks)",
+                    group.name, group.num_caches, n, mib, group.ratio, group.ring_blocks,
+                )  # fmt: skip
         if method == "mtp":  # the MTP head's own cache: same blocks and block tables
             self.runner.mtp_caches = self.backend.kv_cache.allocate(spec, 1)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
@@ -204,7 +234,9 @@ class LLMEngine:
                 if self.runner.verify_graphs else "",
                 time.perf_counter() - start, self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
             )  # fmt: skip
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_step_tokens
+        )
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.speculative: SpeculativeDecoder | None = None
         if self.num_speculative_tokens:
@@ -255,39 +287,54 @@ class LLMEngine:
             ids.append(self.tokenizer.eos_token_id)
         return sorted({i for i in ids if 0 <= i < self.vocab_size})
 
+    def _kv_pool_bytes(self, num_blocks: int) -> int:
+        """Device bytes of a KV cache of num_blocks blocks of tokens: every cache (the MTP head's
+        included); with several cache groups, each group's pool (group_pool_blocks)."""
+        bs = self.config.block_size
+        per_cache: int = self.model.kv_cache_spec(1, bs).bytes_per_token * bs  # a block of one cache
+        if self.kv_groups is None:
+            layers: int = self.model.num_kv_layers + (1 if self.config.speculative_method == "mtp" else 0)
+            return num_blocks * per_cache * layers
+        pools = group_pool_blocks(self.kv_groups, num_blocks, self.config.max_num_seqs)
+        return sum(n * per_cache * g.num_caches for g, n in zip(self.kv_groups, pools))
+
     def _num_kv_blocks(self, graph_reserve: int) -> int:
-        """KV blocks: as asked, or what the memory share holds once `graph_reserve` bytes are
-        set aside for the graphs' memory pool."""
+        """KV blocks (of tokens; a model with several cache groups sizes each group's pool from
+        this number, group_pool_blocks): as asked, or what the memory share holds once
+        `graph_reserve` bytes are set aside for the graphs' memory pool."""
         from deepinfer.engine.kv_cache import check_kv_pool_fits
 
         c, bs = self.config, self.config.block_size
-        one = self.model.kv_cache_spec(1, bs)
-        layers = self.model.num_kv_layers + (1 if self.config.speculative_method == "mtp" else 0)
-        bytes_per_block = one.bytes_per_token * bs * layers
         free, total = self.backend.device.memory_info()
         if c.num_gpu_blocks_override is not None:
             num_blocks = c.num_gpu_blocks_override
             source = f"num_gpu_blocks_override={num_blocks}"
         else:
             if c.kv_cache_memory_bytes is not None:
-                num_blocks = c.kv_cache_memory_bytes // bytes_per_block
+                budget = c.kv_cache_memory_bytes
                 source = f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}"
             else:
-                num_blocks = num_blocks_from_memory(
-                    free - graph_reserve, total, c.gpu_memory_utilization, bytes_per_block
-                )
+                budget = memory_budget(free - graph_reserve, total, c.gpu_memory_utilization)
                 source = f"gpu_memory_utilization={c.gpu_memory_utilization}"
             # Never more than every request slot at full length could use.
-            num_blocks = min(num_blocks, c.max_num_seqs * cdiv(self.max_model_len, bs))
+            most = c.max_num_seqs * cdiv(self.max_model_len, bs)
+            num_blocks = fit_blocks(budget, self._kv_pool_bytes, most)
         # Before anything is allocated: the pool in device memory, the block manager in host memory.
         on_host = self.backend.device.device().type == "cpu"
-        check_kv_pool_fits(num_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
+        pool_blocks = num_blocks
+        if self.kv_groups is not None:
+            pool_blocks = sum(group_pool_blocks(self.kv_groups, num_blocks, c.max_num_seqs))
+        bytes_per_block = cdiv(self._kv_pool_bytes(num_blocks), max(pool_blocks, 1))
+        check_kv_pool_fits(pool_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
         if num_blocks * bs < self.max_model_len:
+            fixed = ""
+            if self.kv_groups is not None:
+                fixed = f" beside {self._kv_pool_bytes(0)} bytes of per-request-slot caches (max_num_seqs)"
             raise ValueError(
                 f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}, "
-                f"{bytes_per_block} bytes each), fewer than max_model_len={self.max_model_len}; "
-                "lower max_model_len, or give the cache more memory (gpu_memory_utilization, "
-                "kv_cache_memory_bytes, num_gpu_blocks_override)"
+                f"{self._kv_pool_bytes(1) - self._kv_pool_bytes(0)} bytes each{fixed}), fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len, or give the cache more memory "
+                "(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)"
             )
         return num_blocks
 

@@ -44,7 +44,7 @@ from deepinfer.engine.sampler import (
 )
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,10 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_draft_width: int = 0,
+        kv_groups: list[KVCacheGroup] | None = None,
     ) -> None:
-        """max_draft_width: speculative drafts per request (verification graphs pad to it)."""
+        """max_draft_width: speculative drafts per request (verification graphs pad to it).
+        kv_groups: the model's cache groups (None: one, paged by seq.block_table)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
@@ -139,7 +141,7 @@ class ModelRunner:
         verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + max_draft_width)
         self.inputs = StepInputs(
             backend, block_size, max(max_num_batched_tokens, verify_rows), self.max_rows, max_model_len,
-            max_draft_width,
+            max_draft_width, kv_groups,
         )  # fmt: skip
         self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
         self.kv_caches: list[PagedKVCache] = []

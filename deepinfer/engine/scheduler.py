@@ -2,7 +2,9 @@
 
 Each step has a token budget (max_num_batched_tokens) and a request limit (max_num_seqs).
 Running requests go first, decodes before prompts still being prefilled; a prompt longer than
-what is left of the budget is prefilled in chunks over several steps (chunked prefill). Waiting
+what is left of the budget (or than max_tokens_per_request, where the model caps a request's
+tokens per step: DeepSeek-V4's ring caches) is prefilled in chunks over several steps (chunked
+prefill). Waiting
 requests are admitted in arrival order while budget, request slots and KV blocks last, reusing
 their cached prefix blocks (prefix caching) except blocks at prompt positions whose
 log-probabilities are still to be computed (prompt_logprobs). When a running request needs a KV
@@ -19,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.engine.kv_cache import BlockManager
+from deepinfer.engine.kv_cache import BlockManager, GroupedBlockManager
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -42,10 +44,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager | GroupedBlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_tokens_per_request: int | None = None,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_tokens_per_request = max_tokens_per_request  # None: the step's budget only
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,9 +79,10 @@ class Scheduler:
             if seq.num_pending and seq.num_tokens >= seq.max_total_tokens:  # its last token is
                 i += 1  # pending (async): it finishes once the host reads that token
                 continue
-            if seq.num_uncomputed_tokens + len(seq.draft) > budget:
+            limit = min(budget, self.max_tokens_per_request or budget)
+            if seq.num_uncomputed_tokens + len(seq.draft) > limit:
                 seq.draft = []  # no room to verify it this step
-            n = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.draft), limit)
             while not bm.allocate(seq, n):
                 victim = self.running.pop()  # lowest priority, not yet scheduled this step
                 self._preempt(victim)
@@ -93,7 +103,7 @@ class Scheduler:
             if seq.wants_prompt_logprobs:  # cached blocks must not hide a prompt position's logits:
                 prefix = prefix[: (seq.prompt_logprob_pos - 1) // bm.block_size]  # only those done
             num_cached = len(prefix) * bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(seq.num_tokens - num_cached, budget, self.max_tokens_per_request or budget)
             if not bm.allocate(seq, n, prefix):
                 break
             self.waiting.popleft()

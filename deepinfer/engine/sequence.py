@@ -64,6 +64,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prefix-cache hits at the first admission
         self.num_preemptions = 0
         self.block_table: list[int] = []
+        # group g's blocks, for a model with several KV cache groups (block_tables[0] is block_table)
+        self.block_tables: list[list[int]] = [self.block_table]
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks, in order
         self.output_text = ""
         self.output_logprobs: list[PositionLogprobs] = []

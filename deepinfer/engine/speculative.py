@@ -222,7 +222,8 @@ class SpeculativeDecoder:
         """drafter: the block drafter (None: the model's MTP head). step_token_budget: confidence
         scheduling's cap on a step's tokens (None: every confident draft is verified)."""
         self.runner, self.scheduler, self.sampler, self.outputs = runner, scheduler, sampler, outputs
-        self.block_manager: BlockManager = scheduler.block_manager
+        assert isinstance(scheduler.block_manager, BlockManager), "drafts serve models of one cache group"
+        self.block_manager = scheduler.block_manager
         self.k = num_speculative_tokens
         self.min_draft_confidence = min_draft_confidence
         self.max_model_len = max_model_len

@@ -13,16 +13,25 @@ indexer picks the top index_topk per query; an HCA layer (m = 128) adds entries 
 tokens each, all visible. Entry w pools tokens up to (w+1)m - 1 and is visible to queries from
 that position on.
 
-Caches (all paged by the engine's block tables, one row of D values per slot):
+Caches (paged by the engine, rows of D values; a wider row spans several caches, see WideCache):
   window     one row per token: its K = V row (rms-normed, tail rotated).
-  compressed one row per compressed entry w, stored at position w of the request's blocks.
-  state      the compressor's projections of every token ([kv | gate], 2 or 4 rows of D): what
-             entries closed in later steps pool (chunked prefill, decode, recompute after
+  compressed one row per compressed entry w (row w of its block table).
+  state      the compressor's projections of each token ([kv | gate], 2 or 4 rows of D): what
+             the entries that close in a later step pool (chunked prefill, decode, recompute after
              preemption all read them back), so no state lives outside the paged caches.
   index keys / index state: the indexer's compressed keys and its compressor's projections.
-Limit of this layout: the window and state caches keep every token (memory grows with the
-sequence, not bounded to the window), and prefix caching is refused (an entry stored in a block
-depends on tokens after it). Decode graphs are not captured (the step reads lengths on the host).
+They form KVCacheGroups (cache_groups): the per-token caches (window, state, index state) are
+read at most `ring_lookback` positions before a step's first token, so each request keeps them in
+a RING of R = lookback + C rows (C: the most tokens a request computes in one step, capped at
+MAX_STEP_TOKENS): its window and state memory stay constant however long it grows. The entry
+caches grow by one row per m tokens, one group per ratio (1/4 and 1/128: HCA entries do not
+take CSA-sized blocks). The attention ops see the ring through a block table whose column i is
+ring block i % (R / BS): key position j is read at block j // BS, row j % BS as in any paged
+cache, and nothing older than R positions is ever read. Given one block table only (an empty
+ForwardBatch.group_block_tables, as tests and tools drive it), every cache is paged by it, one
+row per token position (entry w at row w).
+Prefix caching is refused (an entry stored in a block depends on tokens after it, and the ring
+keeps no prefix). Decode graphs are not captured (the step reads lengths on the host).
 
 Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
 published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
@@ -31,6 +40,7 @@ layout without the prefix (embed.weight, layers.{i}...) loads too.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -41,7 +51,7 @@ from torch import nn
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.models.config import ModelConfig, V4Config
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import Linear, RMSNorm
 from deepinfer.models.rope import cos_sin_cache
 
@@ -77,6 +87,80 @@ def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- caches
 
+# The per-token caches: a step reads them at most ring_lookback positions before its first token.
+RING_KINDS = ("window", "state", "index_state")
+# Most tokens one request computes in one step (a longer prompt is prefilled in chunks): the ring
+# holds ring_lookback + this many positions.
+MAX_STEP_TOKENS = 512
+
+
+def cache_kinds(config: ModelConfig, ratio: int) -> list[tuple[str, int]]:
+    """(kind, row width) of the caches of a layer of compression `ratio` (0: sliding window only),
+    in LayerCaches order. A compressor's state row is [kv | gate], each 2 series wide for CSA."""
+    v4 = config.v4
+    assert v4 is not None
+    d, di = v4.head_dim, v4.index_head_dim
+    kinds = [("window", d)]
+    if ratio:
+        series = 2 if ratio == v4.csa_ratio else 1
+        kinds += [("compressed", d), ("state", 2 * series * d)]
+    if ratio == v4.csa_ratio:
+        kinds += [("index_keys", di), ("index_state", 2 * 2 * di)]
+    return kinds
+
+
+def ring_lookback(v4: V4Config) -> int:
+    """Positions before a step's first token that the step reads: window - 1 (the first query's
+    keys); 2m - 1 for CSA (the first entry closing in the step pools the window before its own);
+    m - 1 for HCA."""
+    ratios = set(v4.compress_ratios)
+    back = v4.sliding_window - 1
+    if v4.csa_ratio in ratios:
+        back = max(back, 2 * v4.csa_ratio - 1)
+    if v4.hca_ratio in ratios:
+        back = max(back, v4.hca_ratio - 1)
+    return back
+
+
+def _group_key(kind: str, ratio: int) -> int:
+    """0: the ring; m: the entries of ratio m."""
+    return 0 if kind in RING_KINDS else ratio
+
+
+def cache_groups(config: ModelConfig, block_size: int, max_step_tokens: int) -> list[KVCacheGroup]:
+    """The ring, then one entry group per compression ratio (ascending). After a step writes
+    positions [start, end), end - start <= max_step_tokens, the ring holds [end - R, end) with
+    R >= ring_lookback + max_step_tokens: every row the step read."""
+    v4 = config.v4
+    assert v4 is not None
+    counts: dict[int, int] = {}
+    for ratio in v4.compress_ratios:
+        for kind, width in cache_kinds(config, ratio):
+            key = _group_key(kind, ratio)
+            counts[key] = counts.get(key, 0) + WideCache.count(width, v4.head_dim)
+    ring = -(-(ring_lookback(v4) + max_step_tokens) // block_size)
+    groups = [KVCacheGroup("ring", counts[0], ring_blocks=ring)]
+    groups += [KVCacheGroup(f"entries/{m}", counts[m], ratio=m) for m in sorted(counts) if m]
+    return groups
+
+
+def _cache_slices(config: ModelConfig) -> list[dict[str, tuple[int, int, int]]]:
+    """Per layer, kind -> (first, end, width): where its caches sit in the flat cache list, laid
+    out group by group (cache_groups' order), layer by layer within a group."""
+    v4 = config.v4
+    assert v4 is not None
+    kinds = [cache_kinds(config, r) for r in v4.compress_ratios]
+    out: list[dict[str, tuple[int, int, int]]] = [{} for _ in kinds]
+    at = 0
+    for key in sorted({_group_key(k, r) for r, ks in zip(v4.compress_ratios, kinds) for k, _ in ks}):
+        for i, (ratio, layer_kinds) in enumerate(zip(v4.compress_ratios, kinds)):
+            for kind, width in layer_kinds:
+                if _group_key(kind, ratio) == key:
+                    n = WideCache.count(width, v4.head_dim)
+                    out[i][kind] = (at, at + n, width)
+                    at += n
+    return out
+
 
 class WideCache:
     """Rows wider than one cache row (D), split over ceil(width / D) caches of the same blocks."""
@@ -107,8 +191,10 @@ class NewEntries:
 
     state_slots (W, S) int64: state-cache slot of each pooled token (0 where absent);
     present (W, S) bool: the token exists (CSA's first window has no previous one);
-    out_slots (W,) int64: where entry w is stored (position w of its request's blocks);
+    out_slots (W,) int64: where entry w is stored (row w of its request's entry table);
     positions (W,) int64: the entry's rope position, w * m.
+    State rows are found through batch.attn.block_tables (the ring's), entries through
+    `entry_tables` (their group's block tables).
     """
 
     state_slots: torch.Tensor
@@ -117,7 +203,9 @@ class NewEntries:
     positions: torch.Tensor
 
     @staticmethod
-    def build(batch: ForwardBatch, ratio: int, overlap: bool, block_size: int) -> NewEntries | None:
+    def build(
+        batch: ForwardBatch, ratio: int, overlap: bool, block_size: int, entry_tables: torch.Tensor
+    ) -> NewEntries | None:
         """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
         for a request computing positions [start, end). None when there are none."""
         meta = batch.attn
@@ -139,7 +227,8 @@ class NewEntries:
         pos = pos.clamp(min=0)
         tables = meta.block_tables.long()
         state_slots = tables[req[:, None], pos // block_size] * block_size + pos % block_size
-        out_slots = tables[req, w // block_size] * block_size + w % block_size
+        out_tables = entry_tables.long()
+        out_slots = out_tables[req, w // block_size] * block_size + w % block_size
         return NewEntries(state_slots, present, out_slots, w * ratio)
 
 
@@ -162,10 +251,6 @@ class Compressor(nn.Module):
         self.wgate = Linear(backend, config.hidden_size, series * width)
         self.norm = RMSNorm(backend, width, config.rms_norm_eps)
         self.register_buffer("ape", torch.empty(0, device="meta"))  # (m, series * width) float32
-
-    @property
-    def state_width(self) -> int:
-        return 2 * self.wkv.out_features  # [kv | gate]
 
     def forward(
         self,
@@ -225,14 +310,17 @@ class Indexer(nn.Module):
         state: WideCache,
         keys: WideCache,
         table: torch.Tensor,
+        key_tables: torch.Tensor | None,
     ) -> torch.Tensor:
-        """-> (T, index_topk) int32 compressed-entry ids per query, -1 unused."""
+        """-> (T, index_topk) int32 compressed-entry ids per query, -1 unused. key_tables: the
+        block tables of `keys` (None: batch.attn's)."""
         self.compressor(x, batch, entries, state, keys, table)
         q = self.wq_b(q_residual).view(-1, self.heads, self.dim)  # (T, Hi, Di)
         q = _rope_tail(self.backend, q, batch.positions, table)
         weights = self.weights_proj(x).float() * self.heads**-0.5  # (T, Hi)
+        meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
         return self.backend.attention.indexer_topk(
-            q, weights, keys.caches[0], batch.attn, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
+            q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
         )
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
@@ -246,13 +334,16 @@ class Indexer(nn.Module):
 
 @dataclass
 class LayerCaches:
-    """One layer's caches (see the module docstring); None where its kind has none."""
+    """One layer's caches (see the module docstring); None where its kind has none.
+    entry_tables (B, MBc) int32: the block tables of compressed and index_keys (None: the
+    step's attn.block_tables)."""
 
     window: PagedKVCache
     compressed: WideCache | None = None
     state: WideCache | None = None
     index_keys: WideCache | None = None
     index_state: WideCache | None = None
+    entry_tables: torch.Tensor | None = None
 
 
 class V4Attention(nn.Module):
@@ -312,12 +403,13 @@ class V4Attention(nn.Module):
             if self.indexer is not None:
                 assert caches.index_state is not None and caches.index_keys is not None
                 topk = self.indexer(
-                    x, q_residual, batch, entries, caches.index_state, caches.index_keys, table
-                )
+                    x, q_residual, batch, entries, caches.index_state, caches.index_keys, table,
+                    caches.entry_tables,
+                )  # fmt: skip
             mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
             o = backend.attention.compressed_attention(
                 q, caches.window, caches.compressed.caches[0], batch.attn, scale=scale, ratio=self.ratio,
-                modifiers=mods,
+                modifiers=mods, compressed_block_tables=caches.entry_tables,
             )  # fmt: skip
         # V = K carries the keys' rotation: rotating the output back by its own position leaves
         # each entry's contribution a function of the relative distance.
@@ -480,7 +572,7 @@ class V4Block(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """The DeepSeek-V4 decoder over its paged caches (LayerCaches per layer, flattened into the
-    engine's cache list: num_kv_layers caches of D-wide rows).
+    engine's cache list: num_kv_layers caches of D-wide rows, kv_cache_groups' caches in order).
 
     forward(batch, kv_caches) -> final hidden states (T, Dm); compute_logits(rows) -> (S, V) float32.
     The MTP layer is not loaded (num_mtp_layers is 0), so speculative decoding is refused.
@@ -488,6 +580,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     supports_graphs = False  # entries closing in a step are found from the lengths on the host
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
+    max_step_tokens_per_request = MAX_STEP_TOKENS  # the ring is sized for it
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -508,24 +601,19 @@ class DeepseekV4ForCausalLM(nn.Module):
         for name, rope in (("main_rope", config.rope), ("compress_rope", v4.compress_rope)):
             table = cos_sin_cache(rope, v4.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
-        self._layout = [self._layer_cache_widths(i) for i in range(config.num_hidden_layers)]
+        self._slices = _cache_slices(config)
+        self._ratios = sorted(set(v4.compress_ratios) - {0})  # the entry groups, in order
 
     # ------------------------------------------------------------------ engine interface
 
-    def _layer_cache_widths(self, i: int) -> list[int]:
-        """Row widths of layer i's caches in LayerCaches order (window first)."""
-        attn = cast(V4Block, self.layers[i]).attn
-        widths = [self.v4.head_dim]
-        if attn.compressor is not None:
-            widths += [self.v4.head_dim, attn.compressor.state_width]
-        if attn.indexer is not None:
-            widths += [attn.indexer.dim, attn.indexer.compressor.state_width]
-        return widths
-
     @property
     def num_kv_layers(self) -> int:
-        d = self.v4.head_dim
-        return sum(WideCache.count(w, d) for widths in self._layout for w in widths)
+        return sum(end - first for slices in self._slices for first, end, _ in slices.values())
+
+    def kv_cache_groups(self, block_size: int, max_step_tokens: int) -> list[KVCacheGroup]:
+        """The ring and the entry groups (cache_groups) for requests that compute at most
+        max_step_tokens tokens per step."""
+        return cache_groups(self.config, block_size, max_step_tokens)
 
     @property
     def num_mtp_layers(self) -> int:
@@ -535,17 +623,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Every cache holds D-wide rows (wider rows span several caches, see WideCache)."""
         return KVCacheSpec(num_blocks, block_size, self.v4.head_dim, 0, self.dtype)
 
-    def _split_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[LayerCaches]:
+    def _split_caches(
+        self, kv_caches: Sequence[PagedKVCache], entry_tables: dict[int, torch.Tensor]
+    ) -> list[LayerCaches]:
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
-        d, at, out = self.v4.head_dim, 0, []
-        for widths in self._layout:
-            wide = []
-            for w in widths:
-                n = WideCache.count(w, d)
-                wide.append(WideCache(kv_caches[at : at + n], w))
-                at += n
-            out.append(LayerCaches(wide[0].caches[0], *wide[1:]))
+        out = []
+        for ratio, slices in zip(self.v4.compress_ratios, self._slices):
+            wide = {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in slices.items()}
+            window = wide.pop("window").caches[0]
+            out.append(LayerCaches(window, **wide, entry_tables=entry_tables.get(ratio)))
         return out
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
@@ -556,11 +643,14 @@ class DeepseekV4ForCausalLM(nn.Module):
                 f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
                 f"({c.max_position_embeddings})"
             )
-        caches = self._split_caches(kv_caches)
+        # the entry groups' tables (cache_groups' order), or the one table of every cache
+        tables = batch.attn.block_tables
+        entry_tables = dict(zip(self._ratios, batch.group_block_tables or [tables] * len(self._ratios)))
+        caches = self._split_caches(kv_caches, entry_tables)
         block_size = caches[0].window.spec.block_size
         entries: dict[int, NewEntries | None] = {}
-        for r in set(v4.compress_ratios) - {0}:
-            entries[r] = NewEntries.build(batch, r, overlap=r == v4.csa_ratio, block_size=block_size)
+        for r, entry_table in entry_tables.items():
+            entries[r] = NewEntries.build(batch, r, r == v4.csa_ratio, block_size, entry_table)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()  # (T, N, Dm)
         for block, layer_caches in zip(self.layers, caches):

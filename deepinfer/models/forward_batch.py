@@ -1,4 +1,5 @@
-"""ForwardBatch: everything one model step needs, built once per step by the model runner."""
+"""ForwardBatch: everything one model step needs, built once per step by the model runner; and
+KVCacheGroup, how a model with several kinds of cache (DeepSeek-V4) asks the engine to page them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,32 @@ from deepinfer.backend.types import AttentionMetadata
 
 
 @dataclass(frozen=True)
+class KVCacheGroup:
+    """Caches paged by one block table per request: a block id names the same block in each
+    cache of the group; each group has its own pool of blocks.
+
+    name         for logs and benchmarks ("ring", "entries/4", ...)
+    num_caches   caches in the group (rows of the model's KVCacheSpec width)
+    ratio        one row per `ratio` tokens: 1 = a row per token; m = compressed entries (row w
+                 holds entry w, pooled from tokens [w*m, (w+1)*m))
+    ring_blocks  0: the table grows with the sequence (row r in block r // BS of the table);
+                 n > 0: every request holds a ring of n blocks whatever its length, token row p in
+                 block (p // BS) % n of the ring, so only the last n * BS positions are kept
+    """
+
+    name: str
+    num_caches: int
+    ratio: int = 1
+    ring_blocks: int = 0
+
+    def blocks_for(self, num_tokens: int, block_size: int) -> int:
+        """Blocks a request holds once num_tokens tokens are in the cache."""
+        if self.ring_blocks:
+            return self.ring_blocks
+        return -(-(num_tokens // self.ratio) // block_size)
+
+
+@dataclass(frozen=True)
 class ForwardBatch:
     """One step's inputs, on the backend's device. Requests are laid out back to back (ragged).
 
@@ -18,6 +45,10 @@ class ForwardBatch:
     slot_mapping    (T,) int64   KV-cache slot each token's K row is written to (-1 = none)
     attn            paged-attention metadata (block tables, lengths, query offsets)
     logits_indices  (S,) int64   rows of the final hidden states that need logits
+    group_block_tables  per cache group after the first (a model with several KVCacheGroups),
+                    (B, MBg) int32 block tables of that group; slot_mapping and attn.block_tables
+                    are the first group's (a ring's: column i is ring block i % n). Empty: every
+                    cache is paged by attn.block_tables.
     """
 
     input_ids: torch.Tensor
@@ -25,6 +56,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
+    group_block_tables: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -119,7 +119,8 @@ def test_hc_pre_post_head(
 
 class Step:
     """A ragged step with a token cache (one row per position) and a compressed cache (one row
-    per entry w = position w of the same block tables), filled through the backend's write_kv."""
+    per entry w = position w of the same block tables, or with own_entry_tables of tables and a
+    pool of its own, entry_tables), filled through the backend's write_kv."""
 
     def __init__(
         self,
@@ -131,25 +132,30 @@ class Step:
         dtype: torch.dtype,
         gen: torch.Generator,
         block_size: int = 4,
+        own_entry_tables: bool = False,
     ) -> None:
         dev = backend.device.device()
         self.seq_lens, self.query_lens, self.ratio = seq_lens, query_lens, ratio
         table, num_blocks = random_block_tables(seq_lens, block_size, gen)
-        spec = KVCacheSpec(num_blocks, block_size, d, 0, dtype)
-        self.tokens, self.entries = backend.kv_cache.allocate(spec, 2)
-        every = torch.arange(num_blocks * block_size)
-        nan = torch.full((every.numel(), d), float("nan"), dtype=dtype)
-        for cache in (self.tokens, self.entries):  # rows no request reaches must never be read
+        entry_table, entry_blocks = table, num_blocks
+        if own_entry_tables:
+            entry_table, entry_blocks = random_block_tables([n // ratio for n in seq_lens], block_size, gen)
+        self.tokens = backend.kv_cache.allocate(KVCacheSpec(num_blocks, block_size, d, 0, dtype), 1)[0]
+        self.entries = backend.kv_cache.allocate(KVCacheSpec(entry_blocks, block_size, d, 0, dtype), 1)[0]
+        for cache, blocks in ((self.tokens, num_blocks), (self.entries, entry_blocks)):
+            every = torch.arange(blocks * block_size)  # rows no request reaches must never be read
+            nan = torch.full((every.numel(), d), float("nan"), dtype=dtype)
             backend.kv_cache.write_kv(cache, nan.to(dev), every.to(dev))
         self.token_rows: list[torch.Tensor] = []
         self.entry_rows: list[torch.Tensor] = []
         for b, n in enumerate(seq_lens):
             rows, comp = randn((n, d), dtype, "cpu", gen), randn((n // ratio, d), dtype, "cpu", gen)
             self._write(backend, self.tokens, table[b], rows, block_size)
-            self._write(backend, self.entries, table[b], comp, block_size)
+            self._write(backend, self.entries, entry_table[b], comp, block_size)
             self.token_rows.append(oracle(rows))
             self.entry_rows.append(oracle(comp))
         self.meta = AttentionMetadata.build(table.to(dev), seq_lens, query_lens)
+        self.entry_tables = entry_table.to(device=dev, dtype=torch.int32) if own_entry_tables else None
 
     @staticmethod
     def _write(
@@ -210,12 +216,14 @@ def test_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("with_topk", [False, True], ids=["hca", "csa"])
+@pytest.mark.parametrize("own_tables", [False, True], ids=["shared-tables", "entry-tables"])
 def test_compressed_attention(
-    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, with_topk: bool
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, with_topk: bool, own_tables: bool
 ) -> None:
+    """entry-tables: the entries in a pool of their own, paged by compressed_block_tables."""
     seq_lens, query_lens = CASES[name]
     ratio, heads, d, window, scale = (4, 3, 24, 6, 0.2) if with_topk else (8, 3, 24, 5, 0.2)
-    step = Step(backend, seq_lens, query_lens, ratio, d, dtype, gen)
+    step = Step(backend, seq_lens, query_lens, ratio, d, dtype, gen, own_entry_tables=own_tables)
     dev, t = backend.device.device(), sum(query_lens)
     q = randn((t, heads, d), dtype, dev, gen)
     sinks = randn((heads,), torch.float32, dev, gen)
@@ -227,8 +235,9 @@ def test_compressed_attention(
         topk = topk.to(dev)
     mods = AttentionModifiers(window=window, sinks=sinks, topk_indices=topk)
     got = backend.attention.compressed_attention(
-        q, step.tokens, step.entries, step.meta, scale=scale, ratio=ratio, modifiers=mods
-    )
+        q, step.tokens, step.entries, step.meta, scale=scale, ratio=ratio, modifiers=mods,
+        compressed_block_tables=step.entry_tables,
+    )  # fmt: skip
     want = torch.zeros((t, heads, d), dtype=torch.float64)
     q64, s64 = oracle(q), oracle(sinks)
     picked = None if topk is None else topk.cpu().long()

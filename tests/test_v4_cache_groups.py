@@ -1,0 +1,169 @@
+"""DeepSeek-V4's cache groups: a ring of a fixed number of blocks per request for the per-token
+caches (sliding window, compressor state), entry caches growing at 1/m rows per token, all blocks
+returned at finish and preemption; pool sizing across groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.kv_cache import GroupedBlockManager, cdiv, fit_blocks, group_pool_blocks
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.sequence import Sequence
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.deepseek_v4 import MAX_STEP_TOKENS, cache_groups, ring_lookback
+from deepinfer.models.forward_batch import KVCacheGroup
+from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+
+FLASH = Path(__file__).resolve().parents[1] / "model" / "deepseek-v4-flash" / "config.json"
+BS = 64
+
+
+def flash_config() -> ModelConfig:
+    return ModelConfig.from_dict(json.loads(FLASH.read_text()))
+
+
+def test_flash_groups() -> None:
+    """V4-Flash (43 layers, D 512, window 128, CSA 4 with a 128-wide indexer, HCA 128): the ring
+    holds the window (1 cache per layer), the compressor state (4 caches per CSA layer, 2 per
+    HCA layer) and the indexer's state (1 per CSA layer), for 127 + 512 positions: 10 blocks of
+    64. Entries: the CSA entries and indexer keys at 1/4, the HCA entries at 1/128."""
+    config = flash_config()
+    assert config.v4 is not None
+    ratios = config.v4.compress_ratios
+    csa, hca = ratios.count(4), ratios.count(128)
+    assert ring_lookback(config.v4) == 127
+    ring, e4, e128 = cache_groups(config, BS, MAX_STEP_TOKENS)
+    assert (ring.name, ring.ring_blocks, ring.num_caches) == ("ring", 10, 43 + 5 * csa + 2 * hca)
+    assert (e4.name, e4.ratio, e4.num_caches, e4.ring_blocks) == ("entries/4", 4, 2 * csa, 0)
+    assert (e128.name, e128.ratio, e128.num_caches) == ("entries/128", 128, hca)
+
+
+@pytest.mark.parametrize("window,chunk", [(128, 512), (6, 7), (3, 1)])
+def test_ring_covers_what_a_step_reads(window: int, chunk: int) -> None:
+    """R = ring rows >= lookback + chunk: a step writing [start, end) (at most `chunk` tokens)
+    overwrites only positions older than end - R, none of which it reads (its first query's
+    window, and the state rows pooled by the first entry closing in the step)."""
+    raw = tiny_v4_config(sliding_window=window)
+    config = ModelConfig.from_dict(raw)
+    assert config.v4 is not None
+    ring = cache_groups(config, 4, chunk)[0]
+    rows = ring.ring_blocks * 4
+    m_csa, m_hca = config.v4.csa_ratio, config.v4.hca_ratio
+    for start in range(0, 40):
+        end = start + chunk
+        oldest_read = min(start - (window - 1), (start // m_csa - 1) * m_csa, (start // m_hca) * m_hca)
+        assert oldest_read >= end - rows, (start, oldest_read, end - rows)
+
+
+def drive(bm: GroupedBlockManager, seq: Sequence, sched: Scheduler, total: int) -> list[tuple[int, ...]]:
+    """Prefill seq in chunks and decode it to `total` tokens (one made-up token per step);
+    (tokens in the cache, blocks of each group) after each step."""
+    sched.add(seq)
+    seen = []
+    while seq.num_computed_tokens < total:
+        batch = sched.schedule()
+        assert batch.seqs == [seq]
+        sched.advance(batch)
+        if seq.num_computed_tokens == seq.num_tokens and seq.num_tokens < total:
+            seq.token_ids.append(7)  # the sampled token
+        seen.append((seq.num_computed_tokens, *(len(t) for t in seq.block_tables)))
+    return seen
+
+
+def test_ring_constant_entries_grow_to_10k_tokens() -> None:
+    """One V4-Flash-shaped request to 10,000 tokens (a 9,000-token prompt in 512-token chunks,
+    then 1,000 decode steps): its ring stays at 10 blocks from its first step on, its entry
+    groups hold cdiv(L // m, 64) blocks; finishing returns every block."""
+    groups = cache_groups(flash_config(), BS, MAX_STEP_TOKENS)
+    pools = group_pool_blocks(groups, cdiv(10_000, BS), max_num_seqs=1)
+    bm = GroupedBlockManager(groups, pools, BS)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=8192, max_tokens_per_request=MAX_STEP_TOKENS)
+    seq = Sequence("0", None, [3] * 9000, SamplingParams(max_tokens=1000), max_total_tokens=10_000)
+    seen = drive(bm, seq, sched, 10_000)
+    assert seen[0][0] == MAX_STEP_TOKENS  # prefill chunks capped per request
+    for tokens, ring, e4, e128 in seen:
+        assert ring == 10
+        assert e4 == cdiv(tokens // 4, BS) and e128 == cdiv(tokens // 128, BS)
+    assert seen[-1] == (10_000, 10, 40, 2)
+    sched.finish(seq)
+    assert bm.num_free_blocks == bm.num_blocks and all(not t for t in seq.block_tables)
+
+
+def test_preemption_returns_every_group() -> None:
+    """Two requests in an entry pool for one: the later one is preempted (all of its groups
+    freed, its ring included) and recomputed once the first finishes."""
+    groups = [KVCacheGroup("ring", 3, ring_blocks=2), KVCacheGroup("entries/4", 2, ratio=4)]
+    pools = group_pool_blocks(groups, num_blocks=8, max_num_seqs=2)  # ring 4, entries 2 + 2
+    assert pools == [4, 4]
+    bm = GroupedBlockManager(groups, pools, block_size=4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, max_tokens_per_request=8)
+    a = Sequence("a", None, [1] * 40, SamplingParams(max_tokens=1))
+    b = Sequence("b", None, [2] * 40, SamplingParams(max_tokens=1))
+    sched.add(a)
+    sched.add(b)
+    preempted = []
+    while a.num_computed_tokens < 40:
+        batch = sched.schedule()
+        preempted += batch.preempted
+        sched.advance(batch)
+        held = sum(len(t) for s in sched.running for t in s.block_tables)
+        assert held + bm.num_free_blocks == bm.num_blocks
+    assert preempted == [b] and b.block_tables == [[], []] and len(a.block_tables[0]) == 2
+    sched.finish(a)
+    batch = sched.schedule()  # b again, from its first token
+    assert batch.seqs == [b] and batch.num_new_tokens == [8] and len(b.block_tables[0]) == 2
+    sched.finish(b)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_pool_sizing() -> None:
+    """A ring per request slot; growing groups sized for the tokens plus, at ratio > 1, one
+    partial block per request slot; fit_blocks finds the largest pool within a budget."""
+    groups = [
+        KVCacheGroup("ring", 5, ring_blocks=3),
+        KVCacheGroup("entries/4", 2, ratio=4),
+        KVCacheGroup("entries/128", 1, ratio=128),
+    ]
+    assert group_pool_blocks(groups, 1000, max_num_seqs=8) == [24, 250 + 8, 8 + 8]
+
+    def pool_bytes(n: int) -> int:
+        return sum(b * g.num_caches * 100 for g, b in zip(groups, group_pool_blocks(groups, n, 8)))
+
+    # 1001..1004 blocks of tokens take one more block of entries/4 (2 caches of 100 bytes)
+    assert fit_blocks(pool_bytes(1000) + 199, pool_bytes, 10**6) == 1000
+    assert fit_blocks(pool_bytes(1000) + 200, pool_bytes, 10**6) == 1004
+    assert fit_blocks(pool_bytes(1000), pool_bytes, 500) == 500
+    assert fit_blocks(pool_bytes(0) - 1, pool_bytes, 10**6) == 0
+
+
+def test_engine_request_ring_is_constant(tmp_path: Path) -> None:
+    """Through the engine (tiny random V4, blocks of 4, window 6, ratios 4 and 8, 7-token steps):
+    a 300-token request keeps its ring (4 blocks: 7 + 7 rows rounded up) at every step while its
+    entry blocks grow at 1/4 and 1/8 of its tokens; every block is free at the end."""
+    root = write_random_v4_checkpoint(tmp_path / "v4", tiny_v4_config(max_position_embeddings=512))
+    llm = LLM(
+        str(root), backend="reference", dtype="float32", block_size=4, max_model_len=320,
+        max_num_batched_tokens=7, max_num_seqs=2,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    seq = engine.make_sequence(
+        {"prompt_token_ids": [(5 * i) % 120 + 2 for i in range(280)]},
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    )
+    engine.add(seq)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        if not seq.is_finished:
+            seen.append((seq.num_computed_tokens, *(len(t) for t in seq.block_tables)))
+    assert len(seen) > 40 and seen[-1][0] >= 290
+    for tokens, ring, e4, e8 in seen:
+        assert ring == 4
+        assert e4 == cdiv(tokens // 4, 4) and e8 == cdiv(tokens // 8, 4)
+    assert len(seq.output_token_ids) == 20
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
