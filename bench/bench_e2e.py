@@ -64,10 +64,12 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       a --invariant-warmup-len (4) token warm-up at the same batch, and skips its timed call when
       the warm-up shows that the time budget would not hold it;
   (c) ablations at batch 1, 32 and 256, one change each: enforce_eager=True (a fresh LLMEngine on
-      the same model and backend), async_scheduling=False and DEEPINFER_CUDA_UNFUSED=1 (each a
-      fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
-      takes well under a second). They run --ablation-output-len tokens (default: --output-len);
-      the default engine is measured again at that length beside them, as it is for (b).
+      the same model and backend), async_scheduling=False, DEEPINFER_CUDA_UNFUSED=1 (the backend's
+      fused kernels) and DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
+      shared experts in the routed grouped GEMM) (each a fresh backend and the model rebuilt on
+      it: the rebuild shares transformers' tensors, so it takes well under a second). They run
+      --ablation-output-len tokens (default: --output-len); the default engine is measured again
+      at that length beside them, as it is for (b).
 
     python bench/bench_e2e.py --out bench/results/DIR        # on the GPU (4 to 5 minutes on an H200)
     python bench/bench_e2e.py --smoke --out /tmp/e2e_smoke    # the whole logic on the CPU, tiny model
@@ -102,6 +104,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.time()
+CUDA_UNFUSED = "DEEPINFER_CUDA_UNFUSED"  # read by the cuda backend when it is created
+MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 
 
 def log(msg: str) -> None:
@@ -1006,35 +1010,36 @@ class Bench:
         llm = model = backend = None
         free_memory(self.device)
 
-    def unfused(self) -> None:
-        """(c) DEEPINFER_CUDA_UNFUSED=1 read at backend creation: a fresh backend + model."""
+    def unfused(self, var: str, key: str) -> None:
+        """(c) `var`=1, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED: the
+        backend's fused kernels; DEEPINFER_MODEL_UNFUSED: the model's fusions): a fresh backend +
+        model, its rows under `key`_tok_s."""
         a = self.args
         n = a.ablation_output_len
         rows = self.extra.setdefault("ablations", {"output_len": n, "rows": {}})["rows"]
-        if not backend_reads_env(a.backend, "DEEPINFER_CUDA_UNFUSED"):
+        if var == CUDA_UNFUSED and not backend_reads_env(a.backend, var):
             self.notes.append(
-                f"backend {a.backend!r}'s source never mentions DEEPINFER_CUDA_UNFUSED: "
-                "the unfused row changes nothing"
+                f"backend {a.backend!r}'s source never mentions {var}: the {key} row changes nothing"
             )
             log(self.notes[-1])
-        old = os.environ.get("DEEPINFER_CUDA_UNFUSED")
-        os.environ["DEEPINFER_CUDA_UNFUSED"] = "1"
+        old = os.environ.get(var)
+        os.environ[var] = "1"
         try:
             backend, model = self.rebuilt(batch_invariant=False)
             llm, init_s = self.make_llm(model, backend, max(a.ablation_batches))
-            self.extra["ablations"].setdefault("engine_init_s", {})["unfused"] = init_s
+            self.extra["ablations"].setdefault("engine_init_s", {})[key] = init_s
             for b in a.ablation_batches:
-                if self.over_budget(f"unfused batch {b}"):
+                if self.over_budget(f"{key} batch {b}"):
                     break
                 tok_s, _, _ = self.di_throughput(llm, b, n)
-                rows.setdefault(str(b), {"batch": b})["unfused_tok_s"] = tok_s
-                log(f"unfused B={b}: {tok_s:.1f} tok/s")
+                rows.setdefault(str(b), {"batch": b})[f"{key}_tok_s"] = tok_s
+                log(f"{key} B={b}: {tok_s:.1f} tok/s")
                 self.write()
         finally:
             if old is None:
-                os.environ.pop("DEEPINFER_CUDA_UNFUSED", None)
+                os.environ.pop(var, None)
             else:
-                os.environ["DEEPINFER_CUDA_UNFUSED"] = old
+                os.environ[var] = old
         llm = model = None
         free_memory(self.device)
 
@@ -1253,8 +1258,10 @@ class Bench:
                 f"## Ablations ({n} output tokens per request, the default measured again at that length)",
                 "",
                 "Each column switches one thing off: CUDA graphs (enforce_eager=True, a fresh engine on the "
-                "same model), async scheduling (async_scheduling=False), fused kernels "
-                "(DEEPINFER_CUDA_UNFUSED=1); the last two each on a fresh backend with the model rebuilt. "
+                "same model), async scheduling (async_scheduling=False), the backend's fused kernels "
+                "(DEEPINFER_CUDA_UNFUSED=1), the model's fusions (DEEPINFER_MODEL_UNFUSED=1: MLA's q + kv_a "
+                "GEMM, shared experts in the routed grouped GEMM); the last three each on a fresh backend "
+                "with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
                 + (
                     f"; enforce_eager warm-ups generate {min(self.args.eager_warmup_len, n)} tokens"
@@ -1264,8 +1271,8 @@ class Bench:
                 + ".",
                 "",
                 "| batch | default tok/s | enforce_eager | async_scheduling=False "
-                "| DEEPINFER_CUDA_UNFUSED=1 |",
-                "| --- | --- | --- | --- | --- |",
+                "| DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 |",
+                "| --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1280,7 +1287,7 @@ class Bench:
                 out.append(
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_async_scheduling_tok_s')} "
-                    f"| {cell('unfused_tok_s')} |"
+                    f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1503,7 +1510,10 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(bench.device)
         with bench.section("unfused"):
             if not bench.over_budget("unfused"):
-                bench.unfused()
+                bench.unfused(CUDA_UNFUSED, "unfused")
+        with bench.section("model_unfused"):
+            if not bench.over_budget("model unfused"):
+                bench.unfused(MODEL_UNFUSED, "model_unfused")
         with bench.section("batch_invariant"):  # last: the slowest
             if not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()

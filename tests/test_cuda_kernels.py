@@ -11,6 +11,7 @@ composition it replaces, the noise hash bit for bit, and the DEEPINFER_CUDA_UNFU
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -112,6 +113,40 @@ def test_decode_with_many_splits(gen: torch.Generator, window: int | None, sinks
     )  # fmt: skip
     expected = oracle_attention(q, rows, seq, [1] * len(seq), d**-0.5, dv, window, sk)
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("tma", [True, False])
+def test_adaptive_splits_with_upper_bound_host_lengths(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, window: int | None, tma: bool
+) -> None:
+    """A replayed decode graph: the host lengths are the capture's upper bound (the grid has many
+    splits), the device lengths are shorter and differ per request. Each program cuts its own
+    range; splits past it store an empty partial (unwritten memory the combine must not read).
+    132 SMs (an H200) so that four requests are few tiles."""
+    monkeypatch.setattr(attn_k, "num_sms", lambda device: 132)
+    seq = [1, 17, 64, 150]
+    lat, rope, bs, h = 32, 16, 32, 4
+    pool, meta, rows = paged(seq, [1] * len(seq), lat + rope, bs, gen)
+    upper = 320
+    table = torch.zeros((len(seq), upper // bs), dtype=torch.int32)
+    table[:, : meta.block_tables.shape[1]] = meta.block_tables.cpu()
+    bound = dataclasses.replace(
+        meta, block_tables=table.to(DEV), seq_lens_host=(upper,) * len(seq), max_seq_len=upper
+    )
+    cfg = attn_k.AttentionConfig(16, 16, 4, 1, tma=tma)
+    splits = attn_k._num_splits(len(seq), upper, 1, window, cfg, DEV)
+    span = upper if window is None else window + 1  # keys a row may see
+    assert splits == span // 32  # splits of two 16-key tiles; without a window most are past the ends
+    q = torch.randn((len(seq), h, lat + rope), generator=gen)
+    sk = torch.randn(h, generator=gen)
+    for sinks in (None, sk):
+        out = attn_k.mla_attention(
+            q.to(DEV), pool.to(DEV), bound, scale=0.2, v_dim=lat, latent_dim=lat, window=window,
+            sinks=None if sinks is None else sinks.to(DEV), config=cfg,
+        )  # fmt: skip
+        expected = oracle_attention(q, rows, seq, [1] * len(seq), 0.2, lat, window, sinks)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
 
 
 def test_prefill_with_splits_and_topk(gen: torch.Generator) -> None:

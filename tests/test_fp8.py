@@ -188,3 +188,31 @@ def test_fp8_padded_fusion_is_exact(tmp_path: Path) -> None:
     torch.testing.assert_close(full[256:456], dequantize_weight(uq, us), rtol=0, atol=0)
     assert full[200:256].abs().max() == 0 and full[456:].abs().max() == 0
     torch.testing.assert_close(dequantize_weight(w2, s2)[:, :200], dequantize_weight(dq, ds), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [(256, 72), (200, 72), (128, 128)])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
+def test_concatenated_projections_equal_separate_ones(rows: tuple[int, int], fp8: bool) -> None:
+    """MLA's q (or q_a) and kv_a projections read the same input and run as one GEMM: its output
+    split by rows equals the two GEMMs', and the parts' weights become views of the fused one.
+    FP8 parts concatenate only where the first part's rows fill whole 128-row scale blocks."""
+    from deepinfer.models.layers import concat_linears
+    from deepinfer.reference.gemm import quantize_weight
+
+    backend = create_reference_backend()
+    gen = torch.Generator().manual_seed(sum(rows))
+    parts = [Linear(backend, 96, n) for n in rows]
+    for p in parts:
+        w = torch.randn((p.out_features, 96), generator=gen) * 96**-0.5
+        p.weight, p.weight_scale_inv = quantize_weight(w) if fp8 else (w, None)
+    x = torch.randn((5, 96), generator=gen)
+    separate = [p(x) for p in parts]
+    fused = concat_linears(backend, parts)
+    if fp8 and rows[0] % 128:
+        assert fused is None
+        return
+    assert fused is not None
+    for y, p, want in zip(fused(x).split(list(rows), -1), parts, separate):
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        assert p.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        torch.testing.assert_close(p(x), want, rtol=0, atol=0)

@@ -456,10 +456,11 @@ class MoeOps(_Part):
         correction_bias: torch.Tensor | None = None,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits (T, E) -> (weights (T, K) float32, ids (T, K) int32), see RouterConfig.
+        """logits (T, E) -> (weights (T, K + S) float32, ids (T, K + S) int32), see RouterConfig
+        (S = config.shared_experts, usually 0: the pairs (E + s, 1.0) follow the K routed ones).
         correction_bias (E,) float32 changes selection only. hash_ids (T, K) fixes the selection
         (hash routing by token id); weights still come from the scores at those experts. The
-        order of the K pairs within a row is free. Default: the reference (torch ops)."""
+        order of the K + S pairs within a row is free. Default: the reference (torch ops)."""
         return ref_moe.route(logits, config, correction_bias, hash_ids)
 
     def permute(

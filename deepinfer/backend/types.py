@@ -251,6 +251,11 @@ class RouterConfig:
     with num_groups > 1 only the `topk_groups` best groups (by `group_score` over each group's
     biased scores) are eligible. Weights are the UNBIASED scores at the chosen experts,
     divided by their sum when `renormalize`, then times `routed_scaling_factor`.
+
+    shared_experts = S > 0 appends S always-chosen experts to every row: ids E .. E + S - 1
+    (E = the logits' width) with weight exactly 1.0, neither renormalised nor scaled. A model
+    that holds its shared MLP as S more experts after the routed ones (w13 / w2 with E + S
+    experts) then computes routed and shared experts in one grouped GEMM.
     """
 
     scoring: Scoring
@@ -260,3 +265,4 @@ class RouterConfig:
     group_score: GroupScore = "max"
     renormalize: bool = False
     routed_scaling_factor: float = 1.0
+    shared_experts: int = 0

@@ -22,7 +22,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import PagedKVCache
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch
-from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.layers import Linear, RMSNorm, concat_linears, fusion_enabled
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
@@ -51,6 +51,9 @@ class MLAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(backend, c.q_lora_rank, LORA_NORM_EPS)
             self.q_b_proj = Linear(backend, c.q_lora_rank, q_out)
         self.kv_a_proj_with_mqa = Linear(backend, c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        # q_proj (or q_a_proj) and kv_a_proj_with_mqa concatenated at load (both read x): one GEMM;
+        # None where FP8 scale blocks do not allow it (concat_linears) or DEEPINFER_MODEL_UNFUSED
+        self.qkv_a_proj: Linear | None = None
         self.kv_a_layernorm = RMSNorm(backend, c.kv_lora_rank, LORA_NORM_EPS)
         self.o_proj = Linear(backend, c.num_attention_heads * c.v_head_dim, c.hidden_size)
         # kv_b_proj (H * (N + Vh), C) split per head, kept in the model dtype (FP8 is dequantised).
@@ -66,16 +69,18 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). Writes this step's latent rows to `cache` before attending."""
         small, t = self.backend.small, x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        q_a = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if self.qkv_a_proj is not None:  # (T, Nq + C + R) -> views (T, Nq), (T, C + R)
+            q, kv = self.qkv_a_proj(x).split([q_a.out_features, self.kv_a_proj_with_mqa.out_features], -1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)
+            q, kv = q_a(x), self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # rows may be strided
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
         q_pe = small.rope(q_pe, batch.positions, cos_sin, self.interleaved)
 
-        # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: (T, C + R) -> the cache.
-        kv = self.kv_a_proj_with_mqa(x)  # (T, C + R)
+        # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: kv (T, C + R) -> the cache.
         self.backend.kv_cache.write_mla_kv(
             cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, batch.positions, cos_sin,
             self.interleaved, batch.slot_mapping,
@@ -101,6 +106,9 @@ class MLAttention(nn.Module):
             self.q_a_layernorm.load(reader, f"{prefix}.q_a_layernorm.weight", dtype)
             self.q_b_proj.load(reader, f"{prefix}.q_b_proj", dtype)
         self.kv_a_proj_with_mqa.load(reader, f"{prefix}.kv_a_proj_with_mqa", dtype)
+        if fusion_enabled("qkv_a"):
+            q_a = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+            self.qkv_a_proj = concat_linears(self.backend, [q_a, self.kv_a_proj_with_mqa])
         self.kv_a_layernorm.load(reader, f"{prefix}.kv_a_layernorm.weight", dtype)
         self.o_proj.load(reader, f"{prefix}.o_proj", dtype)
         shape = (self.num_heads * (self.nope_dim + self.v_dim), self.kv_lora_rank)

@@ -6,6 +6,7 @@ name prefix DeepSeek publishes); until then they live on the meta device.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,24 @@ from deepinfer.backend.ops import Backend
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
+
+
+UNFUSED_ENV = "DEEPINFER_MODEL_UNFUSED"
+MODEL_FUSIONS = ("qkv_a", "shared_experts")
+
+
+def fusion_enabled(name: str) -> bool:
+    """Whether the model-level fusion `name` (one of MODEL_FUSIONS) is on. DEEPINFER_MODEL_UNFUSED
+    switches fusions off when a model is built: a comma-separated list of names, or 1 / all for
+    every one (benchmarks measure what each buys)."""
+    value = {v.strip().lower() for v in os.environ.get(UNFUSED_ENV, "").split(",")} - {"", "0"}
+    unknown = value - {*MODEL_FUSIONS, "1", "all"}
+    if unknown:
+        raise ValueError(
+            f"{UNFUSED_ENV}={os.environ[UNFUSED_ENV]!r}: unknown {', '.join(sorted(unknown))}; "
+            f"name any of {', '.join(MODEL_FUSIONS)}, or 1 / all"
+        )
+    return not value & {name, "1", "all"}
 
 
 def _placeholder() -> torch.Tensor:
@@ -65,6 +84,30 @@ class Linear(nn.Module):
         self.weight, self.weight_scale_inv = reader.linear(
             prefix, (self.out_features, self.in_features), dtype
         )
+
+
+def concat_linears(backend: Backend, parts: list[Linear]) -> Linear | None:
+    """One Linear for projections that read the same input: x [W_0; W_1; ...]^T = [y_0 | y_1 | ...]
+    along the output dimension, one GEMM instead of len(parts). The parts' weights (and scales)
+    become views into it, so the weights are held once. None where the parts do not concatenate
+    exactly: FP8 mixed with floating point, or an FP8 part other than the last whose rows are not
+    a multiple of the 128-row scale block (its last scale row would also cover the next part)."""
+    fp8 = [p.is_fp8 for p in parts]
+    if any(fp8) != all(fp8) or (all(fp8) and any(p.out_features % FP8_BLOCK for p in parts[:-1])):
+        return None
+    fused = Linear(backend, parts[0].in_features, sum(p.out_features for p in parts))
+    rows = [p.out_features for p in parts]
+    if all(fp8):  # e4m3 has no torch.cat kernel on every device: concatenate the bytes
+        fused.weight = torch.cat([p.weight.view(torch.uint8) for p in parts]).view(parts[0].weight.dtype)
+        scales = torch.cat([p.weight_scale_inv for p in parts if p.weight_scale_inv is not None])
+        fused.weight_scale_inv = scales
+        for p, s in zip(parts, torch.split(scales, [-(-n // FP8_BLOCK) for n in rows])):
+            p.weight_scale_inv = s
+    else:
+        fused.weight = torch.cat([p.weight for p in parts])
+    for p, w in zip(parts, torch.split(fused.weight, rows)):
+        p.weight = w
+    return fused
 
 
 def _pad_rows_fp8(w: torch.Tensor, rows: int) -> torch.Tensor:

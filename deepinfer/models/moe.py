@@ -11,24 +11,38 @@ Routers (DeepSeek's MoEGate), all through backend.moe.route:
 Weights: V3 divides by their sum when norm_topk_prob (and K > 1), then ALWAYS multiplies by
 routed_scaling_factor. V2 does one or the other: normalise when norm_topk_prob (and K > 1),
 otherwise multiply by routed_scaling_factor (DeepSeek-V2's published code).
+
+Shared experts fusion (S = n_shared_experts): the shared MLP of intermediate S * I is S more
+experts of intermediate I after the routed ones (SwiGLU over a concatenated intermediate is the
+sum of the chunks' outputs), which the router appends to every token with weight 1
+(RouterConfig.shared_experts): one grouped GEMM pair computes routed and shared experts, and the
+shared MLP's two GEMMs, its silu_and_mul and the final add are gone. Not under expert parallelism
+(the shared experts stay on every rank), nor in batch-invariant mode (its bits stay those of the
+separate MLP), nor for FP8 weights unless I is a whole number of 128-row scale blocks;
+DEEPINFER_MODEL_UNFUSED=shared_experts switches it off (layers.fusion_enabled).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from deepinfer.backend.fp8 import num_blocks
+from deepinfer.backend.fp8 import FP8_BLOCK, num_blocks
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.config import ModelConfig
-from deepinfer.models.layers import MLP, fuse_gate_up, padded_intermediate
+from deepinfer.models.layers import MLP, fuse_gate_up, fusion_enabled, padded_intermediate
 from deepinfer.parallel.expert_parallel import ExpertParallel, dispatch_combine
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
+
+
+# (w13 (2I', Dm), w13 scale or None, w2 (Dm, I'), w2 scale or None): one expert's fused weights
+ExpertWeights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
 
 
 def router_config(config: ModelConfig) -> RouterConfig:
@@ -54,7 +68,8 @@ def router_config(config: ModelConfig) -> RouterConfig:
 
 
 class MoE(nn.Module):
-    """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts.
+    """Routed experts (fused w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I)) plus shared experts,
+    held as S more experts of w13 / w2 where they fuse (module docstring), else as an MLP.
 
     With expert parallelism (deepinfer.parallel.expert_parallel) the layer holds only its
     rank's E / W experts and every rank must call forward (possibly with no tokens) the same
@@ -78,17 +93,27 @@ class MoE(nn.Module):
         meta = torch.empty(0, device="meta")
         self.register_buffer("gate_weight", meta)  # (E, Dm) float32: routing is computed in float32
         self.register_buffer("e_score_correction_bias", None)  # (E,) float32 for noaux_tc
-        self.register_buffer("w13", meta)
-        self.register_buffer("w2", meta)
-        self.register_buffer("w13_scale", None)  # FP8: (E, 2 ceil(I/128), ceil(Dm/128))
-        self.register_buffer("w2_scale", None)  # FP8: (E, ceil(Dm/128), ceil(I/128))
-        shared = config.n_shared_experts * config.moe_intermediate_size
-        self.shared_experts = MLP(backend, config.hidden_size, shared) if shared else None
+        # E' = E routed experts (this rank's), + S with the shared experts fused
+        self.register_buffer("w13", meta)  # (E', 2I, Dm)
+        self.register_buffer("w2", meta)  # (E', Dm, I)
+        self.register_buffer("w13_scale", None)  # FP8: (E', 2 ceil(I/128), ceil(Dm/128))
+        self.register_buffer("w2_scale", None)  # FP8: (E', ceil(Dm/128), ceil(I/128))
+        self.num_shared = config.n_shared_experts
+        shared = self.num_shared * self.inter
+        self.shared_experts: MLP | None = MLP(backend, config.hidden_size, shared) if shared else None
+        # shared experts as experts E .. E + S - 1 of w13 / w2 (module docstring); final at load
+        self.fuse_shared = (
+            shared > 0
+            and ep is None
+            and not backend.options.batch_invariant
+            and fusion_enabled("shared_experts")
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm)."""
         logits = self.backend.gemm.linear(x.float(), self.gate_weight)  # (T, E) float32
-        weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)  # (T, K)
+        # (T, K), or (T, K + S) with the shared experts fused
+        weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)
         if self.ep is None:
             y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
             return y if self.shared_experts is None else y + self.shared_experts(x)
@@ -126,19 +151,60 @@ class MoE(nn.Module):
             self.e_score_correction_bias = reader.get(
                 f"{prefix}.gate.e_score_correction_bias", (e,), torch.float32
             )
+        transformers_layout = reader.has(f"{prefix}.experts.gate_up_proj")
+        shared: list[ExpertWeights] = []
         if self.shared_experts is not None:
-            self.shared_experts.load(reader, f"{prefix}.shared_experts", dtype)
-        if reader.has(f"{prefix}.experts.gate_up_proj"):  # transformers' fused in-memory layout
+            routed_fp8 = not transformers_layout and reader.has(
+                f"{prefix}.experts.{self.local.start}.gate_proj.weight_scale_inv"
+            )
+            shared_fp8 = reader.has(f"{prefix}.shared_experts.gate_proj.weight_scale_inv")
+            self.fuse_shared &= routed_fp8 == shared_fp8 and (not shared_fp8 or inter % FP8_BLOCK == 0)
+            if self.fuse_shared:
+                shared = self._shared_as_experts(reader, f"{prefix}.shared_experts", dtype)
+                self.shared_experts = None
+                self.router = dataclasses.replace(self.router, shared_experts=self.num_shared)
+            else:
+                self.shared_experts.load(reader, f"{prefix}.shared_experts", dtype)
+        if transformers_layout:  # transformers' fused in-memory layout
             w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)
             w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)
             mine = slice(self.local.start, self.local.stop)
             self.w13, self.w2 = (w13, w2) if self.ep is None else (w13[mine].clone(), w2[mine].clone())
+            if shared:
+                self.w13 = torch.cat([self.w13, torch.stack([w[0] for w in shared])])
+                self.w2 = torch.cat([self.w2, torch.stack([w[2] for w in shared])])
             return
-        self._load_per_expert(reader, f"{prefix}.experts", dtype)
+        self._load_per_expert(reader, f"{prefix}.experts", dtype, shared)
 
-    def _load_per_expert(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def _shared_as_experts(
+        self, reader: CheckpointReader, prefix: str, dtype: torch.dtype
+    ) -> list[ExpertWeights]:
+        """The shared MLP (S * I wide) as S experts of intermediate I: chunk s is rows
+        [s * I, (s + 1) * I) of gate_proj and up_proj and those columns of down_proj, with their
+        scale blocks (FP8 is fused only when I is a multiple of 128)."""
+        n, dm, inter = self.num_shared, self.hidden, self.inter
+        gate, gate_s = reader.linear(f"{prefix}.gate_proj", (n * inter, dm), dtype)
+        up, up_s = reader.linear(f"{prefix}.up_proj", (n * inter, dm), dtype)
+        down, down_s = reader.linear(f"{prefix}.down_proj", (dm, n * inter), dtype)
+        out = []
+        for s in range(n):
+            rows = slice(s * inter, (s + 1) * inter)
+            blocks = slice(s * inter // FP8_BLOCK, (s + 1) * inter // FP8_BLOCK)
+            out.append(
+                fuse_gate_up(
+                    (gate[rows], None if gate_s is None else gate_s[blocks]),
+                    (up[rows], None if up_s is None else up_s[blocks]),
+                    (down[:, rows], None if down_s is None else down_s[:, blocks]),
+                )
+            )
+        return out
+
+    def _load_per_expert(
+        self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, shared: list[ExpertWeights]
+    ) -> None:
         """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv).
-        Only this rank's experts are read; the others are marked as known."""
+        Only this rank's experts are read; the others are marked as known. `shared`: the shared
+        experts' chunks, held after the routed experts (indices e .. e + S - 1)."""
         e, dm, inter = len(self.local), self.hidden, self.inter
         first = self.local.start
         for i in [*range(first), *range(self.local.stop, self.num_experts)]:
@@ -150,17 +216,21 @@ class MoE(nn.Module):
         inter_p = padded_intermediate(inter, fp8)
         w_dtype = reader.fp8_dtype if fp8 else dtype
         device = reader.device
-        w13 = torch.empty((e, 2 * inter_p, dm), dtype=w_dtype, device=device)
-        w2 = torch.empty((e, dm, inter_p), dtype=w_dtype, device=device)
+        n = e + len(shared)
+        w13 = torch.empty((n, 2 * inter_p, dm), dtype=w_dtype, device=device)
+        w2 = torch.empty((n, dm, inter_p), dtype=w_dtype, device=device)
         s13 = s2 = None
         if fp8:
-            s13 = torch.empty((e, 2 * num_blocks(inter), num_blocks(dm)), dtype=torch.float32, device=device)
-            s2 = torch.empty((e, num_blocks(dm), num_blocks(inter)), dtype=torch.float32, device=device)
-        for i in range(e):
-            gate = reader.linear(f"{prefix}.{first + i}.gate_proj", (inter, dm), dtype)
-            up = reader.linear(f"{prefix}.{first + i}.up_proj", (inter, dm), dtype)
-            down = reader.linear(f"{prefix}.{first + i}.down_proj", (dm, inter), dtype)
-            a, sa, b, sb = fuse_gate_up(gate, up, down)
+            s13 = torch.empty((n, 2 * num_blocks(inter), num_blocks(dm)), dtype=torch.float32, device=device)
+            s2 = torch.empty((n, num_blocks(dm), num_blocks(inter)), dtype=torch.float32, device=device)
+        for i in range(n):
+            if i < e:
+                gate = reader.linear(f"{prefix}.{first + i}.gate_proj", (inter, dm), dtype)
+                up = reader.linear(f"{prefix}.{first + i}.up_proj", (inter, dm), dtype)
+                down = reader.linear(f"{prefix}.{first + i}.down_proj", (dm, inter), dtype)
+                a, sa, b, sb = fuse_gate_up(gate, up, down)
+            else:
+                a, sa, b, sb = shared[i - e]
             if (sa is None) == fp8:
                 raise ValueError(f"{prefix}: experts mix FP8 and floating-point weights (expert {i})")
             w13[i].copy_(a)

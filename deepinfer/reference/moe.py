@@ -50,7 +50,22 @@ def route(
     weights = scores.gather(1, ids)
     if config.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * config.routed_scaling_factor, ids.to(torch.int32)
+    return append_shared(weights * config.routed_scaling_factor, ids.to(torch.int32), logits.shape[1], config)
+
+
+def append_shared(
+    weights: torch.Tensor, ids: torch.Tensor, num_experts: int, config: RouterConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, K) routed pairs -> (T, K + S): the S = config.shared_experts experts after the E routed
+    ones, ids E .. E + S - 1 with weight 1.0, appended to every row."""
+    s = config.shared_experts
+    if s < 0:
+        raise ValueError(f"shared_experts must be >= 0, got {s}")
+    if s == 0:
+        return weights, ids
+    t = ids.shape[0]
+    shared = torch.arange(num_experts, num_experts + s, dtype=ids.dtype, device=ids.device).expand(t, s)
+    return torch.cat([weights, weights.new_ones((t, s))], 1), torch.cat([ids, shared], 1)
 
 
 def permute(

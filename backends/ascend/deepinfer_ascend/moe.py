@@ -7,6 +7,8 @@ route       npu_moe_gating_top_k (softmax: norm_type 0, sigmoid: norm_type 1; gr
             Not expressible with the op, and computed with torch (aten) ops on the NPU:
             sqrtsoftplus scoring, hash routing, and shapes outside its limits (E <= 2048,
             E / groups > 2, k <= E / groups * topk_groups).
+            Shared experts fused as extra ones (RouterConfig.shared_experts): their ids and
+            unit weights are appended to the op's output (one concatenation each).
 permute     npu_moe_init_routing_v2 (dropless, row_idx_type 0: expanded_row_idx[src] = dst,
             TOKEN-MAJOR src = t * K + k; expert_tokens_num_type 1: counts)
 unpermute   npu_moe_token_unpermute(permuted, src_to_dst (int32), probs)
@@ -22,6 +24,7 @@ import torch
 
 from deepinfer.backend.ops import MoeOps
 from deepinfer.backend.types import BackendOptions, RouterConfig
+from deepinfer.reference.moe import append_shared
 from deepinfer_ascend.gemm import AscendGemm, grouped_matmul
 
 GATING_MAX_EXPERTS = 2048
@@ -54,6 +57,17 @@ class AscendMoe(MoeOps):
         correction_bias: torch.Tensor | None = None,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = self._route(logits, config, correction_bias, hash_ids)
+        return append_shared(weights, ids, logits.shape[1], config)
+
+    def _route(
+        self,
+        logits: torch.Tensor,
+        config: RouterConfig,
+        correction_bias: torch.Tensor | None,
+        hash_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K routed pairs per row (the shared ones are appended by route)."""
         t, e = logits.shape
         if hash_ids is not None or not gating_fits(e, config) or t == 0:
             return _route_torch(logits, config, correction_bias, hash_ids)

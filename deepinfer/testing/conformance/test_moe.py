@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,6 +113,60 @@ def test_route_hash(backend: Backend, gen: torch.Generator, scoring: str, expert
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
     assert torch.equal(i, ri), "hash routing must select exactly the given experts"
+    assert_close(w, rw, torch.float32, what="hash-routed weights")
+
+
+SHARED_ROUTERS = {  # name: (config, experts, with correction bias); shared experts appended
+    "deepseek_v2_lite_shared2": (RouterConfig("softmax", top_k=6, shared_experts=2), 64, False),
+    "deepseek_v3_shared1": (dataclasses.replace(V3_FULL, shared_experts=1), 256, True),
+    "softmax_group_max_shared3": (dataclasses.replace(V2, shared_experts=3), 32, False),
+    "softmax_top1_renorm_shared1": (
+        RouterConfig("softmax", top_k=1, renormalize=True, routed_scaling_factor=2.0, shared_experts=1),
+        12,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SHARED_ROUTERS))
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_route_with_shared_experts(backend: Backend, gen: torch.Generator, name: str, tokens: int) -> None:
+    """Shared experts fused as S more experts: every row also holds (E + s, 1.0) for s < S, the
+    routed weights unchanged (renormalised and scaled without them)."""
+    config, experts, with_bias = SHARED_ROUTERS[name]
+    s = config.shared_experts
+    dev = backend.device.device()
+    logits = randn((tokens, experts), torch.float32, dev, gen, 2.0)
+    bias = randn((experts,), torch.float32, dev, gen, 0.5) if with_bias else None
+    weights, ids = backend.moe.route(logits, config, bias)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (tokens, config.top_k + s)
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config, None if bias is None else oracle(bias))
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert torch.equal(i[:, -s:], torch.arange(experts, experts + s).expand(tokens, s)), "shared ids"
+    assert torch.equal(w[:, -s:], torch.ones((tokens, s), dtype=torch.float64)), "shared weights must be 1"
+    assert_close(w, rw, torch.float32, what="router weights")
+    plain_w, _ = ref_moe.route(
+        oracle(logits), dataclasses.replace(config, shared_experts=0), None if bias is None else oracle(bias)
+    )
+    torch.testing.assert_close(rw[:, :-s].sum(1), plain_w.double().sum(1))
+
+
+def test_route_hash_with_shared_experts(backend: Backend, gen: torch.Generator) -> None:
+    tokens, experts, top_k = 7, 20, 3
+    dev = backend.device.device()
+    config = RouterConfig(
+        "sigmoid", top_k=top_k, renormalize=True, routed_scaling_factor=1.5, shared_experts=2
+    )
+    logits = randn((tokens, experts), torch.float32, dev, gen)
+    hash_ids = random_ids(tokens, top_k, experts, gen)
+    weights, ids = backend.moe.route(logits, config, hash_ids=hash_ids.to(dev))
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config, hash_ids=hash_ids)
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    assert torch.equal(i, ri), "hash routing must select exactly the given experts plus the shared ones"
     assert_close(w, rw, torch.float32, what="hash-routed weights")
 
 

@@ -10,11 +10,18 @@ one K tile loaded from the paged cache feeds every row of the program:
     S = Q_lat @ K_lat^T + Q_rope @ K_rope^T        (BLOCK_M, BLOCK_N), float32
     O += softmax_online(S) @ K[:, :Dv]             V is a prefix of K: the loaded tile is reused
 
-Split-KV: the KV axis is cut at ABSOLUTE positions s * split_size (a split size, not a split
-count), each split writes a normalised partial output and its log-sum-exp, and a combine kernel
-merges them in split order. With a fixed split size a row's bits depend only on its own length,
-which is what batch-invariant mode needs. KV tiles are aligned to BLOCK_N multiples of absolute
-position too, so fully-masked tiles (another row's range) leave a row's accumulators unchanged.
+Split-KV: each split writes a normalised partial output and its log-sum-exp, and a combine
+kernel merges them in split order. The launch fixes the number of splits (grid axis 2, from the
+host lengths, which may be upper bounds in a replayed graph); where the KV axis is cut depends on
+the mode:
+  * adaptive (the default): a program cuts ITS OWN key range, read from the device lengths, into
+    that many parts of whole BLOCK_N tiles (at least min_split_tiles each). A graph captured with
+    max_model_len as the host length still spreads a short row over several programs; splits
+    past the end of the range store an empty partial (log-sum-exp -inf) and exit.
+  * fixed: ABSOLUTE positions s * split_size (batch-invariant mode, or an explicit split_size).
+    A row's bits then depend only on its own length, which is what batch-invariant mode needs.
+KV tiles are aligned to BLOCK_N multiples of absolute position in both, so fully-masked tiles
+(another row's range) leave a row's accumulators unchanged.
 
 Masks: causal (key j <= the row's position), sliding window (position - j < window), top-k (a
 (T, L) byte mask built from the index lists, i.e. top-k is applied by masking: the kernel still
@@ -54,8 +61,16 @@ FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 # Batch-invariant mode: one fixed configuration (per dtype) and split size for every batch.
 INVARIANT_SPLIT = 1024
 INVARIANT_CONFIG = WIDE_CONFIG
-# Below this many KV positions per split, splitting costs more than it gains.
+# Below this many KV positions per split, splitting costs more than it gains once the grid
+# fills at least half the SMs without splitting.
 MIN_SPLIT = 512
+# With fewer tiles than that (small-batch decode: one tile per request), splits go down to this
+# many BLOCK_N tiles: at batch 1 a single program walking a 192-token span was 17 us on an H200.
+FEW_TILES_MIN_SPLIT_TILES = 2
+# Splits merged per step of the combine kernel (one vector load of their log-sum-exps).
+COMBINE_SPLITS = 16
+# Output columns per combine program: the row's columns are merged by several programs.
+COMBINE_COLS = 128
 
 
 @triton.jit
@@ -119,12 +134,22 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["H", "page_size", "window", "split_size", "max_splits", "stride_allow"])
+@triton.jit(
+    do_not_specialize=[
+        "H",
+        "page_size",
+        "window",
+        "split_size",
+        "min_split_tiles",
+        "max_splits",
+        "stride_allow",
+    ]
+)
 def _mla_attention_kernel(
     q_ptr, kv_ptr, k_desc, kr_desc, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
     out_ptr, part_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kvb, stride_kvt, stride_bt, stride_ot, stride_oh, stride_allow,
-    H, page_size, qk_scale, window, split_size, max_splits, D_LAT, D_ROPE, DV,
+    H, page_size, qk_scale, window, split_size, min_split_tiles, max_splits, D_LAT, D_ROPE, DV,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -150,10 +175,23 @@ def _mla_attention_kernel(
         lo_r = tl.maximum(pos - window + 1, 0)
     else:
         lo_r = tl.zeros_like(pos)
-    split_lo = split * split_size
-    start = tl.maximum(tl.min(tl.where(row_valid, lo_r, kv_len), axis=0), split_lo)
-    end = tl.minimum(tl.max(tl.where(row_valid, pos + 1, 0), axis=0), split_lo + split_size)
-    start = (start // BLOCK_N) * BLOCK_N  # absolute tile alignment (split_size % BLOCK_N == 0)
+    lo = tl.min(tl.where(row_valid, lo_r, kv_len), axis=0)  # the program's key range [lo, hi)
+    hi = tl.max(tl.where(row_valid, pos + 1, 0), axis=0)
+    if split_size > 0:  # fixed: absolute positions [s * split_size, (s + 1) * split_size)
+        start = tl.maximum(lo, split * split_size)
+        end = tl.minimum(hi, split * split_size + split_size)
+        start = (start // BLOCK_N) * BLOCK_N  # absolute tile alignment (split_size % BLOCK_N == 0)
+    else:  # adaptive: the range's whole tiles in max_splits parts of >= min_split_tiles tiles
+        base = (lo // BLOCK_N) * BLOCK_N
+        n_tiles = (hi - base + BLOCK_N - 1) // BLOCK_N
+        per = tl.maximum(min_split_tiles, (n_tiles + max_splits - 1) // max_splits) * BLOCK_N
+        start = base + split * per
+        end = tl.minimum(hi, start + per)
+    if not DIRECT:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if start >= end:  # an empty split: nothing to attend, an empty partial
+            row_g = (t_glob * H + head) * max_splits + split
+            tl.store(lse_ptr + row_g, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            return
 
     offs_dl = tl.arange(0, BLOCK_DL)
     q_row = q_ptr + t_glob * stride_qt + head * stride_qh  # (BLOCK_M,) pointers
@@ -213,34 +251,45 @@ def _mla_attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, sinks_ptr, out_ptr,
     H, max_splits, DV, stride_ot, stride_oh,
-    HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """One program per (token, head) row: merge the splits IN ORDER (fixed reduction order)."""
+    """Program (row, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of one (token, head) row, merged
+    over the splits BLOCK_S at a time in split order (a fixed reduction order: a split past a
+    row's range adds exact zeros). Empty splits (log-sum-exp -inf) are never read: their partial
+    may be unwritten memory."""
     row = tl.program_id(0).to(tl.int64)
     t = row // H
     h = row % H
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_row = lse_ptr + row * max_splits
     m = tl.full([], float("-inf"), tl.float32)
-    for s in range(0, max_splits):
-        m = tl.maximum(m, tl.load(lse_ptr + row * max_splits + s))
+    for s0 in range(0, max_splits, BLOCK_S):
+        lse = tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < max_splits, other=float("-inf"))
+        m = tl.maximum(m, tl.max(lse, axis=0))
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h) * 1.4426950408889634
         m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    acc = tl.zeros([BLOCK_DV], tl.float32)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], tl.float32)
     den = tl.zeros([], tl.float32)
-    for s in range(0, max_splits):
-        lse = tl.load(lse_ptr + row * max_splits + s)
-        if lse > float("-inf"):
-            w = tl.exp2(lse - m)
-            o = tl.load(part_ptr + (row * max_splits + s) * BLOCK_DV + offs_dv)
-            acc += w * o
-            den += w
+    for s0 in range(0, max_splits, BLOCK_S):
+        s = s0 + offs_s
+        lse = tl.load(lse_row + s, mask=s < max_splits, other=float("-inf"))
+        full = lse > float("-inf")
+        w = tl.where(full, tl.exp2(lse - m), 0.0)  # (BLOCK_S,)
+        o = tl.load(
+            part_ptr + (row * max_splits + s)[:, None] * BLOCK_DV + offs_c[None, :],
+            mask=full[:, None] & (offs_c[None, :] < BLOCK_DV),
+            other=0.0,
+        )  # (BLOCK_S, BLOCK_C)
+        acc += tl.sum(w[:, None] * o, axis=0)
+        den += tl.sum(w, axis=0)
     if HAS_SINKS:
         den += tl.exp2(sink - m)
     out = acc / tl.where(den == 0.0, 1.0, den)
     tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty), mask=offs_dv < DV
+        out_ptr + t * stride_ot + h * stride_oh + offs_c, out.to(out_ptr.dtype.element_ty), mask=offs_c < DV
     )
 
 
@@ -283,6 +332,21 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
     return k_desc, kr_desc
 
 
+def _num_splits(
+    tiles: int, max_len: int, max_q: int, window: int | None, cfg: AttentionConfig, device: torch.device
+) -> int:
+    """KV splits per tile of rows for `tiles` tiles over spans of up to `max_len` keys: about two
+    programs per SM, rounded DOWN (programs just past a full wave each walk a whole split after
+    the wave ends: H200 run 8, 16 heads x 32768 keys: batch 32 in 288 programs took 0.64 ms, 5.5x
+    batch 8 in 264 programs for 4x the data), splits of at least MIN_SPLIT keys, or of
+    FEW_TILES_MIN_SPLIT_TILES tiles when the tiles fill fewer than half the SMs."""
+    sms = num_sms(device)
+    span = max_len if window is None else min(max_len, window + max_q)
+    want = max(1, 2 * sms // tiles)
+    min_split = MIN_SPLIT if 2 * tiles >= sms else FEW_TILES_MIN_SPLIT_TILES * cfg.block_n
+    return max(1, min(want, span // min_split))
+
+
 def mla_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -300,10 +364,12 @@ def mla_attention(
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
 
-    split_size: tokens per KV split (a multiple of the config's block_n); None picks one (or,
-    in batch-invariant mode, uses the fixed INVARIANT_SPLIT). The launch grid comes from the host
-    lengths in `meta` (max query and KV length): a CUDA graph captured with this op replays that
-    grid, so capture with metadata whose maxima cover every step replayed."""
+    split_size: tokens per KV split at absolute positions (a multiple of the config's block_n);
+    None: batch-invariant mode uses the fixed INVARIANT_SPLIT, otherwise the number of splits is
+    picked here and each program cuts its own range (adaptive splits, module docstring). The
+    launch grid comes from the host lengths in `meta` (max query and KV length): a CUDA graph
+    captured with this op replays that grid, so capture with metadata whose maxima cover every
+    step replayed."""
     t, h, d = q.shape
     if kv.shape[-1] != d:
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
@@ -334,23 +400,18 @@ def mla_attention(
         cfg = config or (
             FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
         )
-        if split_size is None:
-            tiles = batch * triton.cdiv(max_q * h, cfg.block_m)
-            span = max_len if window is None else min(max_len, window + max_q)
-            # about two programs per SM, rounded DOWN: programs just past a full wave each walk a
-            # whole split after the wave ends (H200 run 8, 16 heads x 32768 keys: batch 32 in 288
-            # programs took 0.64 ms, 5.5x batch 8 in 264 programs for 4x the data)
-            want = max(1, 2 * num_sms(q.device) // tiles)
-            n_splits = max(1, min(want, span // MIN_SPLIT))
-            split = triton.cdiv(triton.cdiv(max_len, n_splits), cfg.block_n) * cfg.block_n
-        else:
-            split = split_size
+        split = split_size or 0
     if split % cfg.block_n:
         raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
-    max_splits = triton.cdiv(max_len, split)
+    if split:
+        max_splits = triton.cdiv(max_len, split)
+    else:
+        max_splits = _num_splits(
+            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device
+        )
     direct = max_splits == 1 and not batch_invariant
     if direct:
-        split = 1 << 30  # one split covers any length (a replayed graph may see longer rows)
+        split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)
 
     allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
     k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma else (None, None)
@@ -367,7 +428,8 @@ def mla_attention(
         out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), allow.stride(0) if allow is not None else 0,
-        h, kv.shape[1], scale * LOG2E, window or 0, split, max_splits, latent_dim, rope_dim, v_dim,
+        h, kv.shape[1], scale * LOG2E, window or 0, split, FEW_TILES_MIN_SPLIT_TILES, max_splits,
+        latent_dim, rope_dim, v_dim,
         BLOCK_DL=next_pow2(latent_dim), BLOCK_DR=next_pow2(rope_dim), BLOCK_DV=block_dv,
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -376,9 +438,11 @@ def mla_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
-        _combine_kernel[(t * h,)](
+        cols = min(COMBINE_COLS, block_dv)
+        _combine_kernel[(t * h, triton.cdiv(v_dim, cols))](
             part, lse, sinks if sinks is not None else q, out,
             h, max_splits, v_dim, out.stride(0), out.stride(1),
-            HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, num_warps=4,
+            HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
+            num_warps=4,
         )  # fmt: skip
     return out

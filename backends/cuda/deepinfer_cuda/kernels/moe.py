@@ -46,10 +46,11 @@ ALIGN_MAX_ROWS = 1024
 def _route_kernel(
     logits_ptr, bias_ptr, hash_ptr, w_ptr, ids_ptr, E, stride_l, stride_h, scaling,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
-    TOP_K: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    TOP2_SUM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One token: logits (E,) -> weights (K,) float32 and ids (K,) int32."""
+    """One token: logits (E,) -> weights (K + S,) float32 and ids (K + S,) int32, the S shared
+    experts (ids E .. E + S - 1, weight 1) after the K routed ones."""
     t = tl.program_id(0).to(tl.int64)
     size = E // GROUPS
     gi = tl.arange(0, BLOCK_G)
@@ -106,9 +107,12 @@ def _route_kernel(
             ids = tl.where(ks == k, pick, ids)
     if RENORMALIZE:
         w = w / (tl.sum(w, 0) + 1e-20)
-    kmask = ks < TOP_K
-    tl.store(w_ptr + t * TOP_K + ks, w * scaling, mask=kmask)
-    tl.store(ids_ptr + t * TOP_K + ks, ids, mask=kmask)
+    shared = ks >= TOP_K
+    w = tl.where(shared, 1.0, w * scaling)
+    ids = tl.where(shared, E + ks - TOP_K, ids)
+    kmask = ks < TOP_K + SHARED
+    tl.store(w_ptr + t * (TOP_K + SHARED) + ks, w, mask=kmask)
+    tl.store(ids_ptr + t * (TOP_K + SHARED) + ks, ids, mask=kmask)
 
 
 def route(
@@ -117,10 +121,10 @@ def route(
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (T, E) -> (weights (T, K) float32, ids (T, K) int32) in one launch; the meaning is
-    deepinfer.reference.moe.route's (RouterConfig)."""
+    """logits (T, E) -> (weights (T, K + S) float32, ids (T, K + S) int32) in one launch, S =
+    config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig)."""
     t, e = logits.shape
-    k = config.top_k
+    k, shared = config.top_k, config.shared_experts
     if config.scoring not in SCORING:
         raise ValueError(f"unknown router scoring {config.scoring!r}; expected one of {sorted(SCORING)}")
     if not 0 < k <= e:
@@ -132,8 +136,10 @@ def route(
         raise ValueError(f"route: hash_ids must be ({t}, {k}), got {tuple(hash_ids.shape)}")
     if correction_bias is not None and correction_bias.shape != (e,):
         raise ValueError(f"route: correction_bias must be ({e},), got {tuple(correction_bias.shape)}")
-    weights = torch.empty((t, k), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+    if shared < 0:
+        raise ValueError(f"route: shared_experts must be >= 0, got {shared}")
+    weights = torch.empty((t, k + shared), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, k + shared), dtype=torch.int32, device=logits.device)
     if t == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -143,9 +149,10 @@ def route(
         logits, bias if bias is not None else logits, hashed if hashed is not None else ids, weights, ids,
         e, logits.stride(0), hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
         SCORING=SCORING[config.scoring], HAS_BIAS=bias is not None, HASH=hashed is not None,
-        RENORMALIZE=config.renormalize, TOP_K=k, GROUPS=groups, TOPK_GROUPS=config.topk_groups,
-        TOP2_SUM=config.group_score == "top2_sum",
-        BLOCK_G=next_pow2(groups, 2), BLOCK_S=next_pow2(e // groups), BLOCK_K=next_pow2(k, 2), num_warps=4,
+        RENORMALIZE=config.renormalize, TOP_K=k, SHARED=shared, GROUPS=groups,
+        TOPK_GROUPS=config.topk_groups, TOP2_SUM=config.group_score == "top2_sum",
+        BLOCK_G=next_pow2(groups, 2), BLOCK_S=next_pow2(e // groups), BLOCK_K=next_pow2(k + shared, 2),
+        num_warps=4,
     )  # fmt: skip
     return weights, ids
 
