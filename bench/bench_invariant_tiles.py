@@ -5,11 +5,13 @@ timed at the DeepSeek-V2-Lite shapes a decode step and a prefill run through it.
 
 In batch-invariant mode every linear (and MLA's per-head absorbed products, batched_matmul) uses
 ONE tile configuration for every M: a row's bits never depend on the batch. Which one is a
-speed choice only. For each candidate this times, with CUDA events over 20 back-to-back calls,
-each weight shape of one V2-Lite layer (and the LM head) at M = 1, 32, 256 and 4096, and sums
-them into the time of one decode step's invariant GEMMs (27 layers' worth, the head once).
-Writes DIR/invariant_tiles.json and prints a table; the copy bandwidth measured in the same run
-gives each shape's floor (weight bytes / copy rate).
+speed choice only. For each candidate this times each weight shape of one V2-Lite layer (and the
+LM head) at M = 1, 32, 256 and 4096 as a CUDA graph of 20 back-to-back calls (as the engine
+replays them: no launch overhead in the figure), and sums them into the time of one decode
+step's invariant GEMMs (27 layers' worth, the head once). Writes DIR/invariant_tiles.json and
+prints a table, then the best candidate at --pick-m as `BEST BM,BN,BK,WARPS,STAGES` (the value of
+DEEPINFER_CUDA_INVARIANT_TILE); the copy bandwidth measured in the same run gives the floor
+(weight bytes / copy rate).
 """
 
 from __future__ import annotations
@@ -53,14 +55,20 @@ CANDIDATES = {
 
 
 def time_us(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
-    fn()
+    """Microseconds per call of fn: `reps` calls captured in one CUDA graph, the best of 3 replays."""
+    fn()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(reps):
-            fn()
+        graph.replay()
         b.record()
         b.synchronize()
         best = min(best, a.elapsed_time(b) * 1e3 / reps)
@@ -71,12 +79,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 32, 256, 4096])
+    ap.add_argument("--pick-m", type=int, default=32, help="M whose decode-step time picks the best")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / time_us(lambda: dst.copy_(src), 10) / 1e3
+    copy_gbs = 2 * src.numel() / time_us(lambda: dst.copy_(src), 10) / 1e3  # bytes per us / 1e3
     rows = []
     bf16 = torch.bfloat16
     weights = {(n, k): torch.randn(n, k, device=dev, dtype=bf16) * 0.02 for _, n, k, _ in SHAPES}
@@ -84,8 +93,8 @@ def main() -> None:
     for m in args.ms:
         xs = {k: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for k in {k for _, _, k, _ in SHAPES}}
         bxs = {(g, k): torch.randn(g, m, k, device=dev, dtype=torch.bfloat16) for _, g, _, k, _ in BATCHED}
-        floor = sum(n * k * 2 * calls for _, n, k, calls in SHAPES) / copy_gbs / 1e3
-        floor += sum(g * n * k * 2 * calls for _, g, n, k, calls in BATCHED) / copy_gbs / 1e3
+        floor = sum(n * k * 2 * calls for _, n, k, calls in SHAPES) / copy_gbs / 1e6  # ms
+        floor += sum(g * n * k * 2 * calls for _, g, n, k, calls in BATCHED) / copy_gbs / 1e6
         for name, cfg in CANDIDATES.items():
             per: dict[str, float] = {}
             step = 0.0
@@ -102,7 +111,10 @@ def main() -> None:
             )
             print(f"M={m:5d} {name:28s} step {step / 1e3:7.3f} ms (weights at copy rate {floor:.3f} ms)")
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"copy_GBps": copy_gbs, "rows": rows}
+    picked = min((r for r in rows if r["m"] == args.pick_m), key=lambda r: r["step_ms"])
+    c = CANDIDATES[picked["config"]]
+    print(f"BEST {c.block_m},{c.block_n},{c.block_k},{c.num_warps},{c.num_stages} ({picked['config']})")
+    result = {"copy_GBps": copy_gbs, "rows": rows, "best_at_pick_m": picked["config"]}
     (args.out / "invariant_tiles.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -10,6 +10,7 @@ result never depends on M. Scales MULTIPLY (DeepSeek's convention): value = fp8 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -328,9 +329,22 @@ def fp8_gemm(
     return _launch_dense(xq, weight, out_dtype, cfg, x_scale, weight_scale)
 
 
-# The batch-invariant linear's one tile configuration (no choice by M: a row's bits never depend on
-# how many rows share the call).
-MATMUL_CONFIG = GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+def _invariant_tile() -> GemmConfig:
+    """The batch-invariant linear's one tile configuration (no choice by M: a row's bits never
+    depend on how many rows share the call). DEEPINFER_CUDA_INVARIANT_TILE="BM,BN,BK,WARPS,STAGES"
+    replaces it (benchmarks, bench/bench_invariant_tiles.py): any fixed choice keeps the
+    invariance, though the bits differ from one choice to another."""
+    value = os.environ.get("DEEPINFER_CUDA_INVARIANT_TILE")
+    if not value:
+        return GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+    try:
+        bm, bn, bk, warps, stages = (int(v) for v in value.split(","))
+    except ValueError:
+        raise ValueError(f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES") from None
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+MATMUL_CONFIG = _invariant_tile()
 
 
 def matmul(
