@@ -336,7 +336,10 @@ def _invariant_tile() -> GemmConfig:
     invariance, though the bits differ from one choice to another."""
     value = os.environ.get("DEEPINFER_CUDA_INVARIANT_TILE")
     if not value:
-        return GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+        # 16 x 32 x 128: the best of eight at a decode step of 32 rows on an H200 (V2-Lite's
+        # linears: 1.45 ms in CUDA graphs against 2.10 for 64 x 64 x 32; the engine's decode step
+        # 13.2 ms against 17.8), 3x slower at 4096-row prefill (bench/results/2026-12-01_H200_session2)
+        return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     try:
         bm, bn, bk, warps, stages = (int(v) for v in value.split(","))
     except ValueError:
