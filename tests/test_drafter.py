@@ -233,11 +233,21 @@ def test_engine_never_verifies_more_than_the_budget(
         return batch
 
     monkeypatch.setattr(engine.scheduler, "schedule", record)
+    chained: list[tuple[int, int | None]] = []  # chained steps bypass the scheduler
+    real_append = decoder._append_verified
+
+    def record_chained(seqs, num_drafts, result):  # type: ignore[no-untyped-def]
+        if decoder.chain is not None:
+            chained.append((sum(num_drafts), decoder.budget()))
+        return real_append(seqs, num_drafts, result)
+
+    monkeypatch.setattr(decoder, "_append_verified", record_chained)
     assert run(llm, GREEDY) == expected[0]
-    drafted = [(n, b) for n, b, _ in seen if n]
+    drafted = [(n, b) for n, b, _ in seen if n] + [(n, b) for n, b in chained if n]
     assert drafted, "no step verified drafts"
     assert all(b is not None and n <= b for n, b in drafted)
     assert max(n for n, _ in drafted) > 1
+    assert method == "mtp" or any(n for n, _ in chained), "no chained step verified drafts"
 
 
 def test_no_budget_no_drafts(ckpt: Path, expected: Any) -> None:

@@ -69,9 +69,11 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> 
 VerifyFinish = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
-# chain(step inputs, out_tokens (B, 3 + 2K), out_conf (B, K), limit (B,)): writes the next step's
-# inputs of the same (bucket, K) layout on the device: see speculative.chain_next_inputs
-VerifyChain = Callable[[ForwardBatch, SamplingInputs, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# chain(step inputs, out_tokens (B, 3 + 2K), out_conf (B, K), limit (B,), budget (1,)): writes the
+# next step's inputs of the same (bucket, K) layout on the device: see speculative.chain_next_inputs
+VerifyChain = Callable[
+    [ForwardBatch, SamplingInputs, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
 
 # Verification graphs are captured for the buckets up to this many requests: beyond it
 # confidence scheduling leaves drafts little room, and eager steps serve what is left.
@@ -247,6 +249,7 @@ class ModelRunner:
             "tokens": torch.zeros((max(buckets), 3 + 2 * k), dtype=torch.int64, device=dev),
             "conf": torch.zeros((max(buckets), k), dtype=torch.float32, device=dev),
             "limit": torch.zeros((max(buckets),), dtype=torch.int64, device=dev),
+            "budget": torch.zeros((1,), dtype=torch.int64, device=dev),
         }
         buf = self._verify_buffers
         pool = next(iter(self.graphs.values()))
@@ -278,7 +281,10 @@ class ModelRunner:
                             buf["tokens"][:bs, : q + 1 + k], buf["conf"][:bs],
                         )  # fmt: skip
                         if chain is not None and w == k:
-                            chain(fb, step.sampling, buf["tokens"][:bs], buf["conf"][:bs], buf["limit"][:bs])
+                            chain(
+                                fb, step.sampling, buf["tokens"][:bs], buf["conf"][:bs], buf["limit"][:bs],
+                                buf["budget"],
+                            )  # fmt: skip
 
                     runner = self.backend.device.capture_graph(finish, share_with=pool)
                     assert runner is not None
@@ -345,13 +351,15 @@ class ModelRunner:
         """One verification step, waited for."""
         return self.verify_read(self.verify_launch(batch, bucket, width, greedy, len(batch)))
 
-    def set_chain_limits(self, limits: list[int]) -> None:
-        """Per request of the next chained steps (in batch order): the positions below which a
-        chained step may write its tokens (covered by allocated blocks, below max_model_len).
-        Stream-ordered: steps launched after this call read it."""
-        lim = torch.tensor(limits, dtype=torch.int64)
-        self._verify_buffers["limit"][: len(limits)].copy_(lim, non_blocking=True)
-        self._verify_buffers["limit"][len(limits) :].zero_()
+    def set_chain_limits(self, limits: list[int], budget: int) -> None:
+        """For the next chained steps: per request (in batch order) the positions below which a
+        chained step may write its tokens (covered by allocated blocks, below max_model_len),
+        and the most drafts a step verifies. Stream-ordered: steps launched after this read it."""
+        buf = self._verify_buffers
+        lim = torch.tensor([*limits, budget], dtype=torch.int64)
+        buf["limit"][: len(limits)].copy_(lim[:-1], non_blocking=True)
+        buf["limit"][len(limits) :].zero_()
+        buf["budget"].copy_(lim[-1:], non_blocking=True)
 
     # ------------------------------------------------------------------ steps
 

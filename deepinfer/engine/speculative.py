@@ -133,14 +133,16 @@ def chain_next_inputs(
     out_tokens: torch.Tensor,
     out_conf: torch.Tensor,
     limit: torch.Tensor,
+    budget: torch.Tensor,
 ) -> None:
     """Device only (graph-safe), after accept_and_draft in a verification step of width K: the
     next step's inputs in the same layout, written over this step's (fb, sampling), so the next
     step replays without the host. Request b continues at position n = start + a + 1 with its
     last known token (the one drawn after its a accepted drafts) and the K drafts just made;
-    drafts below `threshold` confidence, and every row at or past limit[b] (the positions its
-    blocks cover, below max_model_len; 0 for padding requests), are padding (slot -1). Also
-    writes out_tokens[:, 2 + 2K] = the drafts the next step verifies."""
+    drafts below `threshold` confidence, past the step's draft budget (budget (1,): the most
+    confident drafts of the batch first, as schedule_drafts ranks them), and every row at or past
+    limit[b] (the positions its blocks cover, below max_model_len; 0 for padding requests), are
+    padding (slot -1). Also writes out_tokens[:, 2 + 2K] = the drafts the next step verifies."""
     b, k = out_conf.shape
     q = 1 + k
     start = fb.positions.view(b, q)[:, 0]
@@ -150,6 +152,14 @@ def chain_next_inputs(
     pos = first[:, None] + torch.arange(q, device=first.device)  # (B, q)
     confident = torch.cat([torch.ones_like(out_conf[:, :1], dtype=torch.bool), out_conf >= threshold], 1)
     valid = confident & (pos < limit[:, None])  # a prefix: confidences fall along the block
+    # the budget: rank the candidate drafts by (confidence down, block position, request), in
+    # (K, B) order so that a stable sort breaks ties as schedule_drafts does; keeps prefixes
+    key = torch.where(valid[:, 1:], out_conf, -1.0).t().reshape(-1)  # (K B)
+    order = torch.sort(-key, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    within = (rank < budget).view(k, b).t()  # (B, K)
+    valid = torch.cat([valid[:, :1], valid[:, 1:] & within], 1)
     table = fb.attn.block_tables.long()
     col = (pos // block_size).clamp(max=table.shape[1] - 1)
     slots = torch.where(valid, table.gather(1, col) * block_size + pos % block_size, -1)
@@ -187,7 +197,7 @@ def schedule_drafts(confidences: list[list[float]], budget: int | None) -> list[
 
 # A chain of verification steps makes each request's blocks cover this many steps ahead when it
 # starts (at most 1 + K positions per step); it goes on while every request has room for two.
-CHAIN_STEPS = 8
+CHAIN_STEPS = 32
 
 
 @dataclass
@@ -350,12 +360,8 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ chained steps
 
     def _can_chain(self, batch: ScheduledBatch, bucket: int) -> bool:
-        """Chain from this step: overlap on, a width-K graph for the bucket, nothing waiting,
-        and no draft budget that would cut the chained steps' drafts."""
-        if not self.overlap or (bucket, self.k) not in self.runner.verify_graphs or self.scheduler.waiting:
-            return False
-        budget = self.budget()
-        return budget is None or budget >= len(batch) * self.k
+        """Chain from this step: overlap on, a width-K graph for the bucket, nothing waiting."""
+        return self.overlap and (bucket, self.k) in self.runner.verify_graphs and not self.scheduler.waiting
 
     def _start_chain(self, batch: ScheduledBatch, bucket: int) -> list[Sequence]:
         """Launch the chain's first step (prepared by the host, padded to width K) after making
@@ -367,7 +373,8 @@ class SpeculativeDecoder:
             want = min(seq.num_computed_tokens + CHAIN_STEPS * (1 + self.k), self.max_model_len)
             self.block_manager.allocate(seq, want - seq.num_computed_tokens)  # if it fails: fewer steps
             limits.append(min(len(seq.block_table) * bs, self.max_model_len))
-        self.runner.set_chain_limits(limits)
+        budget = self.budget()  # the same for every chained step: nothing waits, nothing joins
+        self.runner.set_chain_limits(limits, len(batch) * self.k if budget is None else budget)
         greedy = all(s.params.greedy for s in batch.seqs)
         self.num_graph_steps += 1
         pending = self.runner.verify_launch(batch, bucket, self.k, greedy, len(batch))
