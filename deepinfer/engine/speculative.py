@@ -32,7 +32,9 @@ forward over every request padded to 1 + width tokens, then the draw of every ro
 acceptance and the drafter's next block on the device (accept_and_draft); the host reads the
 result once. Drawing every row before acceptance is the same as drawing them one by one: each
 row's noise depends only on its request's seed and position, and without logits processors a
-row's distribution does not depend on the tokens appended before it.
+row's distribution does not depend on the tokens appended before it. Such steps chain (Chain):
+a graph of width K also writes the next step's inputs on the device (chain_next_inputs), so the
+host launches step N + 1 before it reads step N, as async scheduling does for plain steps.
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ class Chain:
 
 
 class SpeculativeDecoder:
-    """One synchronous step with drafts: forward, verification, proposals (MTP or block drafter)."""
+    """Steps with drafts: forward, verification, proposals (MTP or block drafter); eager and
+    synchronous, or verification graph replays, chained where they can be."""
 
     def __init__(
         self,
