@@ -49,7 +49,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "model" / "tiny"))
 # DeepSeek's special tokens and chat template: the same as the random test model's tokenizer
-from make_tiny import BOS, CHAT_TEMPLATE, EOS, SPECIAL
+from make_tiny import BOS, CHAT_TEMPLATE, EOS, train_tokenizer
 from twin import Twin, TwinConfig, checkpoint_tensors
 
 HELD_OUT_MODULUS = 20
@@ -138,22 +138,6 @@ def stdlib_files(max_files: int | None) -> tuple[list[tuple[str, str]], list[tup
         raise RuntimeError(f"no Python sources found under {root} (train {len(train)}, held-out {len(held)})")
     listing = "\n".join(sorted(rel for rel, _ in train + held))
     return train, held, hashlib.sha256(listing.encode()).hexdigest()
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
 
 
 def token_stream(tok: Any, texts: Sequence[str]) -> torch.Tensor:

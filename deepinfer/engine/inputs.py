@@ -386,21 +386,11 @@ class StepInputs:
         """Per sampled row (seqs[i]: row i's request); padding rows (None, or past the list) are
         greedy."""
         k = len(seqs)
-        if k and all(q is not None for q in seqs):
-            real = [q for q in seqs if q is not None]
-            h["temperature"][:k] = [0.0 if q.params.greedy else q.params.temperature for q in real]
-            h["top_k"][:k] = [q.params.top_k for q in real]
-            h["top_p"][:k] = [q.params.top_p for q in real]
-            h["min_p"][:k] = [q.params.min_p for q in real]
-            h["seeds"][:k] = [q.seed for q in real]
-        else:
-            h["temperature"][:k] = [
-                0.0 if q is None or q.params.greedy else q.params.temperature for q in seqs
-            ]
-            h["top_k"][:k] = [0 if q is None else q.params.top_k for q in seqs]
-            h["top_p"][:k] = [1.0 if q is None else q.params.top_p for q in seqs]
-            h["min_p"][:k] = [0.0 if q is None else q.params.min_p for q in seqs]
-            h["seeds"][:k] = [0 if q is None else q.seed for q in seqs]
+        h["temperature"][:k] = [0.0 if q is None or q.params.greedy else q.params.temperature for q in seqs]
+        h["top_k"][:k] = [0 if q is None else q.params.top_k for q in seqs]
+        h["top_p"][:k] = [1.0 if q is None else q.params.top_p for q in seqs]
+        h["min_p"][:k] = [0.0 if q is None else q.params.min_p for q in seqs]
+        h["seeds"][:k] = [0 if q is None else q.seed for q in seqs]
         h["offsets"][:k] = offsets[:k]
         for name, value in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
             h[name][k:s] = value

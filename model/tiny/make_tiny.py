@@ -67,18 +67,21 @@ the faces of the people they loved.
 """
 
 
-def train_tokenizer() -> Tokenizer:
+def train_tokenizer(texts: list[str] | None = None, vocab_size: int = VOCAB_SIZE) -> Tokenizer:
+    """Byte-level BPE with DeepSeek's special tokens (ids 0..3) over `texts` (default: the sample
+    text above, four times); train/train_tiny.py trains the shipped model's with it."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [line for line in TEXT.strip().splitlines() if line]
-    tok.train_from_iterator(lines * 4, trainer=trainer)
+    if texts is None:
+        texts = [line for line in TEXT.strip().splitlines() if line] * 4
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 

@@ -119,57 +119,44 @@ def rope(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, y_ptr, I, stride_x, stride_y, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:  # DeepSeek-V4: gate clamped above, up clamped on both sides
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
     y = g / (1.0 + tl.exp(-g)) * u
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (M, 2I) = [gate | up] -> silu(gate) * up (M, I), computed in float32."""
+def _swiglu(x: torch.Tensor, limit: float | None, name: str) -> torch.Tensor:
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dim, got {x.shape[-1]}")
+        raise ValueError(f"{name} needs an even last dim, got {x.shape[-1]}")
     x2 = _rows(x)
     inner = x.shape[-1] // 2
     y = torch.empty((x2.shape[0], inner), dtype=x.dtype, device=x.device)
     if x2.shape[0] and inner:
         block = min(1024, next_pow2(inner))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inner, block))](
-            x2, y, inner, x2.stride(0), y.stride(0), BLOCK=block, num_warps=4
-        )
+            x2, y, inner, x2.stride(0), y.stride(0), float(limit or 0.0), CLAMP=limit is not None,
+            BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return y.view(*x.shape[:-1], inner)
 
 
-@triton.jit
-def _clamped_silu_and_mul_kernel(x_ptr, y_ptr, I, stride_x, stride_y, limit, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < I
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
-    y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (M, 2I) = [gate | up] -> silu(gate) * up (M, I), computed in float32."""
+    return _swiglu(x, None, "silu_and_mul")
 
 
 def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
     """DeepSeek-V4's SwiGLU: x (M, 2I) -> silu(min(gate, limit)) * clamp(up, -limit, limit) (M, I)."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"clamped_silu_and_mul needs an even last dim, got {x.shape[-1]}")
-    x2 = _rows(x)
-    inner = x.shape[-1] // 2
-    y = torch.empty((x2.shape[0], inner), dtype=x.dtype, device=x.device)
-    if x2.shape[0] and inner:
-        block = min(1024, next_pow2(inner))
-        _clamped_silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inner, block))](
-            x2, y, inner, x2.stride(0), y.stride(0), float(limit), BLOCK=block, num_warps=4
-        )
-    return y.view(*x.shape[:-1], inner)
+    return _swiglu(x, limit, "clamped_silu_and_mul")
 
 
 @triton.jit
