@@ -75,13 +75,49 @@ def time_us(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
     return best
 
 
+# Tiles that share BLOCK_K = 128 (the order of the K reduction) but not M/N tiling, warps or stages:
+# --bits checks whether a row's bits depend on them on this GPU (the MMA instruction differs:
+# mma.sync at 16 rows, wgmma at 64 and up on SM90).
+SAME_K = [
+    GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
+    GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3),
+    GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+]
+
+
+def bits_check(dev: torch.device) -> list[dict[str, object]]:
+    """For each V2-Lite shape: rows of M = 1, 32 and 4096 computed under every SAME_K tile,
+    compared bit for bit with the first tile's result on the same rows (and M = 1's row with
+    row 0 of M = 4096)."""
+    out = []
+    for name, n, k, _ in SHAPES[:5]:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(4096, k, device=dev, dtype=torch.bfloat16)
+        base = {m: matmul(x[:m], w, config=SAME_K[0]) for m in (1, 32, 4096)}
+        for cfg in SAME_K[1:]:
+            equal = all(torch.equal(matmul(x[:m], w, config=cfg), base[m]) for m in base)
+            equal &= torch.equal(matmul(x[:4096], w, config=cfg)[:1], base[1])
+            tile = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            out.append({"shape": name, "tile": tile, "bitwise_equal_to_16x32x128": bool(equal)})
+            print(f"bits {name:16s} {tile:24s} equal to 16x32x128: {equal}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 32, 256, 4096])
     ap.add_argument("--pick-m", type=int, default=32, help="M whose decode-step time picks the best")
+    ap.add_argument("--bits", action="store_true", help="only the bitwise check across SAME_K tiles")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.bits:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tile_bits.json").write_text(json.dumps(bits_check(dev), indent=1) + "\n")
+        return
     torch.manual_seed(0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

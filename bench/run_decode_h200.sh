@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call for decode speed: the decode-sized MoE sweep (bench/bench_moe_decode.py), whose
+# chosen GEMV setting the end-to-end run then uses (DEEPINFER_CUDA_MOE_GEMV), the bitwise check of
+# the batch-invariant linear across tiles of one K order (bench/bench_invariant_tiles.py --bits),
+# and bench/bench_e2e.py with the arguments given. Each part under its own limit, logs in $OUT.
+#   usage: OUT=dir bash bench/run_decode_h200.sh [bench_e2e.py arguments]
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+echo "install rc=$?"
+t0=$SECONDS
+timeout "${MOE_TIMEOUT:-200}" python3 bench/bench_moe_decode.py --out "$OUT/moe" > "$OUT/moe.log" 2>&1
+echo "moe sweep rc=$? in $((SECONDS - t0)) s"
+cut -c1-220 "$OUT/moe.log" | tail -n 18
+setting=$(awk -F= '/^DEEPINFER_CUDA_MOE_GEMV=/ {print $2}' "$OUT/moe.log")
+t0=$SECONDS
+timeout 90 python3 bench/bench_invariant_tiles.py --bits --out "$OUT/moe" > "$OUT/bits.log" 2>&1
+echo "tile bits rc=$? in $((SECONDS - t0)) s"
+cut -c1-160 "$OUT/bits.log" | tail -n 26
+if [ $# -gt 0 ]; then
+  t0=$SECONDS
+  DEEPINFER_CUDA_MOE_GEMV=${setting:-} timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_e2e.py --out "$OUT/e2e" "$@" \
+    > "$OUT/e2e.log" 2>&1
+  echo "bench_e2e (DEEPINFER_CUDA_MOE_GEMV=${setting:-default}) rc=$? in $((SECONDS - t0)) s"
+  grep -E "tok/s|kernels/step|cost|busy" "$OUT/e2e.log" | cut -c1-200 | tail -n 30
+  rm -f "$OUT"/e2e/trace_*.json.gz
+fi
+tar -C "$OUT" -czf "$OUT/results.tgz" moe e2e 2>/dev/null; rm -rf "$OUT/moe" "$OUT/e2e"
