@@ -26,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backends" / "cuda"))
 
+from deepinfer_cuda.kernels import gemm as gemm_k  # noqa: E402
 from deepinfer_cuda.kernels.gemm import GemmConfig, batched_matmul, matmul  # noqa: E402
 
 # (name, N, K, calls per decode step): V2-Lite, hidden 2048, 16 heads, qk 192, v 128, latent 512
@@ -42,16 +43,18 @@ SHAPES = [
 ]
 BATCHED = [("absorb q (16 heads)", 16, 512, 128, 27), ("absorb out (16 heads)", 16, 128, 512, 27)]
 
+# Every candidate reduces K in BLOCK_K = 128 steps and INVARIANT_K_CHUNK chunks (the same bits:
+# --bits); "split" spreads the chunks over programs at every M, "auto" as the engine does (while
+# the tiles are few), "whole" never.
 CANDIDATES = {
-    "64x64x32 w4 s3 (current)": GemmConfig(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3),
-    "64x32x64 w4 s4": GemmConfig(block_m=64, block_n=32, block_k=64, num_warps=4, num_stages=4),
-    "32x32x128 w4 s3": GemmConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3),
-    "16x32x128 w4 s4": GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4),
-    "16x64x128 w4 s4": GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4),
-    "32x64x64 w4 s4": GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4),
-    "16x16x256 w2 s3": GemmConfig(block_m=16, block_n=16, block_k=256, num_warps=2, num_stages=3),
-    "64x128x64 w8 s3": GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    f"{bm}x{bn}x128 w{w} s{st} {mode}": (
+        GemmConfig(block_m=bm, block_n=bn, block_k=128, num_warps=w, num_stages=st),
+        mode,
+    )
+    for bm, bn, w, st in [(16, 32, 4, 4), (16, 64, 4, 3), (32, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+    for mode in ("auto", "split", "whole")
 }
+SPLIT_MODES = {"auto": gemm_k.SPLIT_BELOW_TILES_PER_SM, "split": 10**9, "whole": 0}
 
 
 def time_us(fn, reps: int = 20) -> float:  # type: ignore[no-untyped-def]
@@ -131,7 +134,8 @@ def main() -> None:
         bxs = {(g, k): torch.randn(g, m, k, device=dev, dtype=torch.bfloat16) for _, g, _, k, _ in BATCHED}
         floor = sum(n * k * 2 * calls for _, n, k, calls in SHAPES) / copy_gbs / 1e6  # ms
         floor += sum(g * n * k * 2 * calls for _, g, n, k, calls in BATCHED) / copy_gbs / 1e6
-        for name, cfg in CANDIDATES.items():
+        for name, (cfg, mode) in CANDIDATES.items():
+            gemm_k.SPLIT_BELOW_TILES_PER_SM = SPLIT_MODES[mode]
             per: dict[str, float] = {}
             step = 0.0
             for shape, n, k, calls in SHAPES:
@@ -146,9 +150,26 @@ def main() -> None:
                 {"m": m, "config": name, "step_ms": step / 1e3, "weights_floor_ms": floor, "per_call_us": per}
             )
             print(f"M={m:5d} {name:28s} step {step / 1e3:7.3f} ms (weights at copy rate {floor:.3f} ms)")
+        # the default (not batch-invariant) path beside them: cuBLAS linear and bmm
+        step = sum(
+            time_us(lambda w=weights[(n, k)], x=xs[k]: torch.nn.functional.linear(x, w)) * calls
+            for _, n, k, calls in SHAPES
+        )
+        step += sum(
+            time_us(lambda w=bweights[(g, n, k)], x=bxs[(g, k)]: torch.bmm(x, w.transpose(1, 2))) * calls
+            for _, g, n, k, calls in BATCHED
+        )
+        rows.append(
+            {"m": m, "config": "cuBLAS (default mode)", "step_ms": step / 1e3, "weights_floor_ms": floor}
+        )
+        print(f"M={m:5d} {'cuBLAS (default mode)':28s} step {step / 1e3:7.3f} ms")
     args.out.mkdir(parents=True, exist_ok=True)
-    picked = min((r for r in rows if r["m"] == args.pick_m), key=lambda r: r["step_ms"])
-    c = CANDIDATES[picked["config"]]
+    ours = [r for r in rows if r["config"] in CANDIDATES]
+    picked = min((r for r in ours if r["m"] == args.pick_m), key=lambda r: r["step_ms"])
+    for m in args.ms:
+        best = min((r for r in ours if r["m"] == m), key=lambda r: r["step_ms"])
+        print(f"best at M={m}: {best['config']} {best['step_ms']:.3f} ms")
+    c = CANDIDATES[picked["config"]][0]
     print(f"BEST {c.block_m},{c.block_n},{c.block_k},{c.num_warps},{c.num_stages} ({picked['config']})")
     result = {"copy_GBps": copy_gbs, "rows": rows, "best_at_pick_m": picked["config"]}
     (args.out / "invariant_tiles.json").write_text(json.dumps(result, indent=1) + "\n")

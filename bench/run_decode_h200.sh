@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for decode speed: the decode-sized MoE sweep (bench/bench_moe_decode.py), whose
 # chosen GEMV setting the end-to-end run then uses (DEEPINFER_CUDA_MOE_GEMV), the bitwise check of
-# the batch-invariant linear across tiles of one K order (bench/bench_invariant_tiles.py --bits),
+# the batch-invariant linear across tiles of one K order (bench/bench_invariant_tiles.py --bits)
+# and its tiles timed against cuBLAS,
 # and bench/bench_e2e.py with the arguments given. Each part under its own limit, logs in $OUT.
 #   usage: OUT=dir bash bench/run_decode_h200.sh [bench_e2e.py arguments]
 set -u -o pipefail
@@ -19,7 +20,11 @@ setting=$(awk -F= '/^DEEPINFER_CUDA_MOE_GEMV=/ {print $2}' "$OUT/moe.log")
 t0=$SECONDS
 timeout 90 python3 bench/bench_invariant_tiles.py --bits --out "$OUT/moe" > "$OUT/bits.log" 2>&1
 echo "tile bits rc=$? in $((SECONDS - t0)) s"
-cut -c1-160 "$OUT/bits.log" | tail -n 26
+grep -c "equal to 16x32x128: True" "$OUT/bits.log"; grep "False" "$OUT/bits.log" | cut -c1-160
+t0=$SECONDS
+timeout "${TILES_TIMEOUT:-150}" python3 bench/bench_invariant_tiles.py --out "$OUT/moe" > "$OUT/tiles.log" 2>&1
+echo "invariant tiles rc=$? in $((SECONDS - t0)) s"
+grep -E "^best|^BEST|cuBLAS" "$OUT/tiles.log" | cut -c1-160
 if [ $# -gt 0 ]; then
   t0=$SECONDS
   DEEPINFER_CUDA_MOE_GEMV=${setting:-} timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_e2e.py --out "$OUT/e2e" "$@" \

@@ -506,6 +506,32 @@ def test_batched_matmul_is_each_matmul_bit_for_bit(gen: torch.Generator, dtype: 
     assert gemm_k.batched_matmul(x[:, :0], w).shape == (g, 0, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_invariant_matmul_split_chunks_equal_one_program(
+    gen: torch.Generator, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch-invariant matmul reduces K in INVARIANT_K_CHUNK chunks added in order: split
+    over programs (small M) or walked in one (large M), the same bits, bias included; K = 300
+    leaves a partial last chunk and step. The float64 product bounds both."""
+    monkeypatch.setattr(gemm_k, "INVARIANT_K_CHUNK", 128)
+    cfg = gemm_k.GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    m, k, n = 20, 300, 40
+    x = torch.randn((m, k), generator=gen).to(dtype).to(DEV)
+    w = torch.randn((n, k), generator=gen).to(dtype).to(DEV)
+    bias = torch.randn((n,), generator=gen).to(dtype).to(DEV)
+    ways = [
+        gemm_k._launch_dense(x, w, dtype, cfg, bias=bias, k_chunk=128, split=split) for split in (False, True)
+    ]
+    assert_bitwise_equal(ways[0], ways[1], what="chunks split over programs vs walked in one")
+    monkeypatch.setattr(gemm_k, "SPLIT_BELOW_TILES_PER_SM", 0)  # matmul walks the chunks itself
+    assert_bitwise_equal(gemm_k.matmul(x, w, bias, config=cfg), ways[0], what="matmul, unsplit")
+    monkeypatch.setattr(gemm_k, "SPLIT_BELOW_TILES_PER_SM", 10**6)
+    assert_bitwise_equal(gemm_k.matmul(x[3:4], w, bias, config=cfg), ways[0][3:4], what="one row, split")
+    expected = x.double() @ w.double().T + bias.double()
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ways[0].double(), expected, rtol=tol, atol=tol * k**0.5)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_gemv_moe_against_float64_and_the_grouped_path(

@@ -118,15 +118,20 @@ def quantize_fp8(x: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tenso
 
 @triton.jit
 def _dense_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg,
-    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, K_CHUNK,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg, stride_cs,
+    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """C (M, N) = A (M, K) @ B (N, K)^T (+ bias), tiles swizzled in GROUP_M bands for L2 reuse.
     FP8: A and B e4m3 with A scales (M, K/128) and B scales (N/128, K/128); BLOCK_K == 128.
     Grid axis 1 is a batch of G such products (strides stride_ag, stride_bg, stride_cg between
-    them): every one is computed exactly as it would be alone."""
+    them): every one is computed exactly as it would be alone.
+
+    K is reduced in chunks of K_CHUNK (a multiple of BLOCK_K; K_CHUNK >= K: one chunk), each
+    from zero in BLOCK_K steps, the chunk sums added in order. SPLIT: grid axis 2 is the chunk;
+    program s writes chunk s's float32 sum to C + s * stride_cs (a (S, M, N) workspace that
+    _chunk_sum_kernel adds up in the same order), so both ways give the same bits."""
     g = tl.program_id(1).to(tl.int64)
     a_ptr += g * stride_ag
     b_ptr += g * stride_bg
@@ -143,26 +148,47 @@ def _dense_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]  # (BLOCK_K, BLOCK_N) = B^T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = rk < K - k0
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
-        if FP8:
-            kb = k0 // BLOCK_K
-            a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=rm < M, other=0.0)
-            b_s = tl.load(bs_ptr + (rn // BLOCK_K) * stride_bsn + kb, mask=rn < N, other=0.0)
-            acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
-        else:
-            acc = mma(a, b, acc, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * stride_am
+    b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn  # (BLOCK_K, BLOCK_N) tiles = B^T
+    first = 0
+    last = K
+    if SPLIT:  # this program's chunk only
+        first = tl.program_id(2) * K_CHUNK
+        last = first + 1
+        c_ptr += tl.program_id(2).to(tl.int64) * stride_cs
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for c0 in range(first, last, K_CHUNK):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(c0, tl.minimum(c0 + K_CHUNK, K), BLOCK_K):
+            kmask = rk < K - k0
+            a = tl.load(a_rows + (k0 + rk)[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+            b = tl.load(b_cols + (k0 + rk)[:, None], mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+            if FP8:
+                kb = k0 // BLOCK_K
+                a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=rm < M, other=0.0)
+                b_s = tl.load(bs_ptr + (rn // BLOCK_K) * stride_bsn + kb, mask=rn < N, other=0.0)
+                acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
+            else:
+                acc = mma(a, b, acc, IEEE)
+        total += acc
+    if HAS_BIAS and not SPLIT:
+        total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _chunk_sum_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """C (flat M*N, any batch of products laid end to end) = sum over s, in order, of the float32
+    chunk sums ws (S, MN) (+ bias): what _dense_kernel computes in one program without SPLIT."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    total = tl.zeros([BLOCK], tl.float32)
+    for s in range(0, S):
+        total += tl.load(ws_ptr + s * MN + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + i, total.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 def _launch_dense(
@@ -173,11 +199,18 @@ def _launch_dense(
     a_scale: torch.Tensor | None = None,
     b_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    k_chunk: int | None = None,
+    split: bool = False,
 ) -> torch.Tensor:
-    m, k = a.shape
-    n = b.shape[0]
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
+    """a (M, K) @ b (N, K)^T, or a (G, M, K) @ b (G, N, K)^T batched -> (M, N) / (G, M, N).
+    k_chunk: reduce K in chunks of that many (the batch-invariant matmul's K_CHUNK; None: one
+    chunk); split: one program per chunk and tile, the chunks added by a second launch."""
+    batched = a.dim() == 3
+    g = a.shape[0] if batched else 1
+    m, k = a.shape[-2:]
+    n = b.shape[-2]
+    c = torch.empty((*a.shape[:-2], m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0 or g == 0:
         return c
     if k == 0:
         c.zero_()
@@ -185,18 +218,30 @@ def _launch_dense(
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
     fp8 = a_scale is not None
+    chunk = k_chunk or triton.cdiv(k, cfg.block_k) * cfg.block_k
+    if chunk % cfg.block_k:
+        raise ValueError(f"K chunk {chunk} must be a multiple of block_k {cfg.block_k}")
+    chunks = triton.cdiv(k, chunk)
+    split = split and chunks > 1
+    dest = torch.empty((chunks, g, m, n), dtype=torch.float32, device=a.device) if split else c
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dummy = c
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _dense_kernel[grid](
-        a, b, c,
+    _dense_kernel[(tiles, g, chunks if split else 1)](
+        a, b, dest,
         a_scale if fp8 else dummy, b_scale if fp8 else dummy, bias if bias is not None else dummy,
-        m, n, k, a.stride(0), b.stride(0), c.stride(0),
+        m, n, k, chunk, a.stride(-2), b.stride(-2), n,
         a_scale.stride(0) if a_scale is not None else 0, b_scale.stride(0) if b_scale is not None else 0,
-        0, 0, 0,
-        FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32,
+        a.stride(0) if batched else 0, b.stride(0) if batched else 0, m * n, g * m * n,
+        FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, SPLIT=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split:
+        block = 1024
+        _chunk_sum_kernel[(triton.cdiv(g * m * n, block),)](
+            dest, bias if bias is not None else dummy, c, g * m * n, n, chunks,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
     return c
 
 
@@ -329,59 +374,67 @@ def fp8_gemm(
     return _launch_dense(xq, weight, out_dtype, cfg, x_scale, weight_scale)
 
 
-def _invariant_tile() -> GemmConfig:
-    """The batch-invariant linear's one tile configuration (no choice by M: a row's bits never
-    depend on how many rows share the call). DEEPINFER_CUDA_INVARIANT_TILE="BM,BN,BK,WARPS,STAGES"
-    replaces it (benchmarks, bench/bench_invariant_tiles.py): any fixed choice keeps the
-    invariance, though the bits differ from one choice to another."""
+# Batch-invariant float matmul: K reduced in chunks of this many, each from zero, the chunk sums
+# added in order (_dense_kernel). A row's bits depend on K_CHUNK and BLOCK_K (the order of the
+# sum), not on M: small-M calls split the chunks over programs (more of them to fill the GPU)
+# and large-M calls walk them in one program, with the same bits.
+INVARIANT_K_CHUNK = 512
+# Split the chunks over programs while the output tiles are fewer than this many per SM.
+SPLIT_BELOW_TILES_PER_SM = 2
+
+
+def _invariant_tile(m: int, device: torch.device) -> GemmConfig:
+    """The batch-invariant matmul's tiles for M rows. Every choice reduces K in BLOCK_K = 128
+    steps; on an H200 (SM90) the tiles below gave bit-identical rows for every M (MMA shape,
+    warps and stages apart: bench/bench_invariant_tiles.py --bits, 2026-12-01), so the tile
+    follows M there. Elsewhere (another MMA generation, unchecked) one tile serves every M.
+    DEEPINFER_CUDA_INVARIANT_TILE="BM,BN,BK,WARPS,STAGES" fixes one for every M (benchmarks)."""
     value = os.environ.get("DEEPINFER_CUDA_INVARIANT_TILE")
-    if not value:
-        # 16 x 32 x 128: the best of eight at a decode step of 32 rows on an H200 (V2-Lite's
-        # linears: 1.45 ms in CUDA graphs against 2.10 for 64 x 64 x 32; the engine's decode step
-        # 13.2 ms against 17.8), 3x slower at 4096-row prefill (bench/results/2026-12-01_H200_session2)
-        return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
-    try:
-        bm, bn, bk, warps, stages = (int(v) for v in value.split(","))
-    except ValueError:
-        raise ValueError(f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES") from None
-    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    if value:
+        try:
+            bm, bn, bk, warps, stages = (int(v) for v in value.split(","))
+        except ValueError:
+            raise ValueError(
+                f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES"
+            ) from None
+        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    checked = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if checked and m > 256:  # prefill: 3x faster than 16 x 32 at 4096 rows
+        return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    if checked and m > 32:
+        return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    # 16 x 32 x 128: the best of eight at a decode step of 32 rows on an H200 (V2-Lite's linears
+    # in CUDA graphs: 1.45 ms against 2.10 for 64 x 64 x 32; bench/results/2026-12-01_H200_session2)
+    return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
 
 
-MATMUL_CONFIG = _invariant_tile()
+def _invariant_launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig | None
+) -> torch.Tensor:
+    m, n = x.shape[-2], weight.shape[-2]
+    cfg = config or _invariant_tile(m, x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * (x.shape[0] if x.dim() == 3 else 1)
+    split = tiles < SPLIT_BELOW_TILES_PER_SM * num_sms(x.device)
+    return _launch_dense(x, weight, x.dtype, cfg, bias=bias, k_chunk=INVARIANT_K_CHUNK, split=split)
 
 
 def matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemmConfig | None = None
 ) -> torch.Tensor:
-    """Fixed-tile x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear. `config`
-    (benchmarks) replaces MATMUL_CONFIG; any fixed choice keeps the invariance."""
-    return _launch_dense(x, weight, x.dtype, config or MATMUL_CONFIG, bias=bias)
+    """x (M, K) @ weight (N, K)^T (+ bias): the batch-invariant linear (K in INVARIANT_K_CHUNK
+    chunks added in order; `config` (benchmarks) fixes the tiles)."""
+    return _invariant_launch(x, weight, bias, config)
 
 
 def batched_matmul(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """x (G, M, K) @ weight (G, N, K)^T -> (G, M, N) in ONE launch (grid axis 1 over G), each
-    product tiled exactly as matmul tiles it alone: batch-invariant, bit for bit equal to G
+    product reduced exactly as matmul reduces it alone: batch-invariant, bit for bit equal to G
     matmul calls (MLA's per-head absorbed projections: G = heads, 2 launches per layer instead
     of 2 x heads)."""
-    g, m, k = x.shape
-    n = weight.shape[1]
-    c = torch.empty((g, m, n), dtype=x.dtype, device=x.device)
-    if g == 0 or m == 0 or n == 0:
-        return c
-    if k == 0:
-        return c.zero_()
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = config or MATMUL_CONFIG
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), g)
-    _dense_kernel[grid](
-        x, weight, c, c, c, c, m, n, k,
-        x.stride(1), weight.stride(1), c.stride(1), 0, 0, x.stride(0), weight.stride(0), c.stride(0),
-        FP8=False, HAS_BIAS=False, IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    return c
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[0] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(f"batched_matmul: x (G, M, K) and weight (G, N, K), got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")  # fmt: skip
+    return _invariant_launch(x, weight, None, config)
 
 
 # --------------------------------------------------------------------------- grouped GEMM
