@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# One device call for decode speed: the decode-sized MoE sweep (bench/bench_moe_decode.py), whose
-# chosen GEMV setting the end-to-end run then uses (DEEPINFER_CUDA_MOE_GEMV), the bitwise check of
+# One device call for decode speed: the decode-sized MoE tilings (bench/bench_moe_decode.py), the bitwise check of
 # the batch-invariant linear across tiles of one K order (bench/bench_invariant_tiles.py --bits)
 # and its tiles timed against cuBLAS,
 # and bench/bench_e2e.py with the arguments given. Each part under its own limit, logs in $OUT.
@@ -16,7 +15,6 @@ t0=$SECONDS
 timeout "${MOE_TIMEOUT:-200}" python3 bench/bench_moe_decode.py --out "$OUT/moe" > "$OUT/moe.log" 2>&1
 echo "moe sweep rc=$? in $((SECONDS - t0)) s"
 cut -c1-220 "$OUT/moe.log" | tail -n 18
-setting=$(awk -F= '/^DEEPINFER_CUDA_MOE_GEMV=/ {print $2}' "$OUT/moe.log")
 t0=$SECONDS
 timeout 90 python3 bench/bench_invariant_tiles.py --bits --out "$OUT/moe" > "$OUT/bits.log" 2>&1
 echo "tile bits rc=$? in $((SECONDS - t0)) s"
@@ -27,9 +25,9 @@ echo "invariant tiles rc=$? in $((SECONDS - t0)) s"
 grep -E "^best|^BEST|cuBLAS" "$OUT/tiles.log" | cut -c1-160
 if [ $# -gt 0 ]; then
   t0=$SECONDS
-  DEEPINFER_CUDA_MOE_GEMV=${setting:-} timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_e2e.py --out "$OUT/e2e" "$@" \
+  timeout "${BENCH_TIMEOUT:-240}" python3 bench/bench_e2e.py --out "$OUT/e2e" "$@" \
     > "$OUT/e2e.log" 2>&1
-  echo "bench_e2e (DEEPINFER_CUDA_MOE_GEMV=${setting:-default}) rc=$? in $((SECONDS - t0)) s"
+  echo "bench_e2e rc=$? in $((SECONDS - t0)) s"
   grep -E "tok/s|kernels/step|cost|busy" "$OUT/e2e.log" | cut -c1-200 | tail -n 30
   rm -f "$OUT"/e2e/trace_*.json.gz
 fi

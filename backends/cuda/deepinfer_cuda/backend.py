@@ -381,15 +381,11 @@ class CudaMoe(MoeOps):
     ) -> torch.Tensor:
         """Like the default composition, but the first GEMM reads token rows straight from x
         through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
-        counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine;
-        up to GEMV_MAX_TOKENS tokens (decode at small batch, outside batch-invariant mode) two
-        GEMV-shaped launches instead (kernels/moe.py gemv_moe)."""
+        counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
-        if self.fused and not self.batch_invariant and ids.shape[0] <= moe_k.GEMV_MAX_TOKENS:
-            return moe_k.gemv_moe(x, weights, ids, w13, w2, w13_scale, w2_scale)
         cfg = self._config(ids.numel(), w13_scale)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)

@@ -167,7 +167,9 @@ def _dense_kernel(
                 kb = k0 // BLOCK_K
                 a_s = tl.load(as_ptr + rm * stride_asm + kb, mask=rm < M, other=0.0)
                 b_s = tl.load(bs_ptr + (rn // BLOCK_K) * stride_bsn + kb, mask=rn < N, other=0.0)
-                acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
+                acc += (
+                    mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s[:, None] * b_s[None, :]
+                )
             else:
                 acc = mma(a, b, acc, IEEE)
         total += acc
@@ -379,11 +381,13 @@ def fp8_gemm(
 # sum), not on M: small-M calls split the chunks over programs (more of them to fill the GPU)
 # and large-M calls walk them in one program, with the same bits.
 INVARIANT_K_CHUNK = 512
-# Split the chunks over programs while the output tiles are fewer than this many per SM.
+# Split the chunks over programs at decode sizes while the output tiles are fewer than this many
+# per SM (at 256 rows and more, walking them in one program was faster on an H200).
 SPLIT_BELOW_TILES_PER_SM = 2
+SPLIT_MAX_M = 64
 
 
-def _invariant_tile(m: int, device: torch.device) -> GemmConfig:
+def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """The batch-invariant matmul's tiles for M rows. Every choice reduces K in BLOCK_K = 128
     steps; on an H200 (SM90) the tiles below gave bit-identical rows for every M (MMA shape,
     warps and stages apart: bench/bench_invariant_tiles.py --bits, 2026-12-01), so the tile
@@ -398,23 +402,27 @@ def _invariant_tile(m: int, device: torch.device) -> GemmConfig:
                 f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES"
             ) from None
         return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    checked = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    if checked and m > 256:  # prefill: 3x faster than 16 x 32 at 4096 rows
-        return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
-    if checked and m > 32:
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if dtype == torch.float32 or not sm90:  # float32 (IEEE products on the CUDA cores, unchecked) or not SM90
+        return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    # the fastest of five tilings per M for V2-Lite's linears in CUDA graphs on an H200
+    # (bench/bench_invariant_tiles.py, bench/results/2026-12-01_H200_session3)
+    if m <= 16:
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if m <= 48:
+        return GemmConfig(block_m=32, block_n=32, block_k=128, num_warps=4, num_stages=3)
+    if m <= 512:
         return GemmConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    # 16 x 32 x 128: the best of eight at a decode step of 32 rows on an H200 (V2-Lite's linears
-    # in CUDA graphs: 1.45 ms against 2.10 for 64 x 64 x 32; bench/results/2026-12-01_H200_session2)
-    return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def _invariant_launch(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemmConfig | None
 ) -> torch.Tensor:
     m, n = x.shape[-2], weight.shape[-2]
-    cfg = config or _invariant_tile(m, x.device)
+    cfg = config or _invariant_tile(m, x.dtype, x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) * (x.shape[0] if x.dim() == 3 else 1)
-    split = tiles < SPLIT_BELOW_TILES_PER_SM * num_sms(x.device)
+    split = m <= SPLIT_MAX_M and tiles < SPLIT_BELOW_TILES_PER_SM * num_sms(x.device)
     return _launch_dense(x, weight, x.dtype, cfg, bias=bias, k_chunk=INVARIANT_K_CHUNK, split=split)
 
 
@@ -520,10 +528,19 @@ def _grouped_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
 
 
+DECODE_ROWS = 128  # token copies of a decode step at up to 16 tokens (top-8)
+
+
 def grouped_config(rows: int, fp8: bool, batch_invariant: bool) -> GemmConfig:
     """Tiles for the grouped GEMM; rows = sorted rows in the launch (token copies)."""
     if batch_invariant:
         return GemmConfig(block_m=64, block_n=128, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
+    if rows <= DECODE_ROWS:
+        # 16 x 64 x 128: the best of five tilings at 1 to 8 decode tokens on an H200, V2-Lite
+        # and V3 shapes, bf16 and FP8 (bench/bench_moe_decode.py; at one V2-Lite token 2210
+        # against 1978 GB/s for 16 x 128 x 64, and ahead of two GEMV-shaped kernels that read
+        # each token copy's expert rows directly: 2165 GB/s, bench/results/2026-12-01_H200_session3)
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if fp8 else 3)
     block_m = 16 if rows <= 1024 else 64 if rows <= 16384 else 128
     warps = 8 if block_m == 128 else 4
     return GemmConfig(block_m=block_m, block_n=128, block_k=128 if fp8 else 64, num_warps=warps, num_stages=3)

@@ -19,7 +19,6 @@ on T, K and E only: no host sync, graph-safe.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +26,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import RouterConfig
-from deepinfer_cuda.kernels.common import log1p, next_pow2, to_dtype
-from deepinfer_cuda.kernels.gemm import TileTable, quantize_fp8
+from deepinfer_cuda.kernels.common import log1p, next_pow2
+from deepinfer_cuda.kernels.gemm import TileTable
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -323,171 +322,3 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Al
         BLOCK_T=SPARE_TILES_BLOCK, num_warps=4,
     )  # fmt: skip
     return Alignment(order, token, src_to_dst, counts, tiles)
-
-
-# --------------------------------------------------------------------------- decode-sized MoE
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Tiles of the two GEMV-shaped expert kernels (a few tokens: no sort, no tile table).
-    up: BLOCK_N intermediate columns of one token copy per program; down: BLOCK_N output columns
-    of one token per program, all its copies summed in the program."""
-
-    up_n: int = 16
-    up_k: int = 256
-    up_warps: int = 4
-    down_n: int = 16
-    down_k: int = 256
-    down_warps: int = 4
-
-
-def _gemv_setting() -> tuple[GemvConfig, int]:
-    """The GEMV tiles and the most tokens a MoE layer sends to the GEMV kernels (outside
-    batch-invariant mode): each token copy reads its expert's rows itself, so at T tokens an
-    expert hit by several of them is read several times (from L2 when they run together) where
-    the grouped GEMM reads it once. DEEPINFER_CUDA_MOE_GEMV="UP_N,UP_K,UP_WARPS,DOWN_N,DOWN_K,
-    DOWN_WARPS,MAX_TOKENS" replaces both (benchmarks: bench/bench_moe_decode.py)."""
-    value = os.environ.get("DEEPINFER_CUDA_MOE_GEMV")
-    if not value:
-        return GemvConfig(), 4
-    try:
-        *tiles, max_tokens = (int(v) for v in value.split(","))
-        return GemvConfig(*tiles), max_tokens
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"DEEPINFER_CUDA_MOE_GEMV={value!r}: expected "
-            "UP_N,UP_K,UP_WARPS,DOWN_N,DOWN_K,DOWN_WARPS,MAX_TOKENS"
-        ) from None
-
-
-GEMV_CONFIG, GEMV_MAX_TOKENS = _gemv_setting()
-
-
-@triton.jit
-def _gemv_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, H, I, K_IDS,
-    stride_x, stride_xs, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Token copy c = t * K_IDS + k (expert e = ids[c]) and BLOCK_N intermediate columns j:
-    act[c, j] = silu(gate) * up, gate = x[t] . w13[e, j], up = x[t] . w13[e, I + j], both rounded
-    to act's dtype first (as the grouped GEMM stores them before silu_and_mul). FP8: x and w13
-    e4m3, BLOCK_K == 128, one x scale and one weight scale per (row block, K step)."""
-    c = tl.program_id(0).to(tl.int64)
-    t = c // K_IDS
-    e = tl.load(ids_ptr + c).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < I
-    gate_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    up_ptrs = gate_ptrs + I * stride_wn
-    gate = tl.zeros([BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = rk < H - k0
-        xv = tl.load(x_ptr + t * stride_x + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-        mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.sum(tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32) * xv[None, :], 1)
-        u = tl.sum(tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32) * xv[None, :], 1)
-        if FP8:
-            kb = k0 // BLOCK_K
-            x_s = tl.load(xs_ptr + t * stride_xs + kb)
-            s_ptrs = ws_ptr + e * stride_wse + kb
-            g *= x_s * tl.load(s_ptrs + (rn // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
-            u *= x_s * tl.load(s_ptrs + ((rn + I) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
-        gate += g
-        up += u
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    dtype = act_ptr.dtype.element_ty
-    gate = to_dtype(gate, dtype).to(tl.float32)
-    up = to_dtype(up, dtype).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + c * stride_act + rn, to_dtype(act, dtype), mask=n_ok)
-
-
-@triton.jit
-def _gemv_down_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, out_ptr, H, I, K_IDS,
-    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_out,
-    FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Token t and BLOCK_N output columns n: out[t, n] = sum over k, in order, of
-    wt[t, k] * (act[t * K_IDS + k] . w2[ids[t, k], n]), each expert's output rounded to out's
-    dtype first (as the grouped GEMM stores it before the weighted combine)."""
-    t = tl.program_id(0).to(tl.int64)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < H
-    dtype = out_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k in range(0, K_IDS):
-        c = t * K_IDS + k
-        e = tl.load(ids_ptr + c).to(tl.int64)
-        w_ptrs = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-        y = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = rk < I - k0
-            av = tl.load(a_ptr + c * stride_a + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-            mask = n_ok[:, None] & k_ok[None, :]
-            part = tl.sum(tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * av[None, :], 1)
-            if FP8:
-                kb = k0 // BLOCK_K
-                a_s = tl.load(as_ptr + c * stride_as + kb)
-                w_s = tl.load(
-                    ws_ptr + e * stride_wse + (rn // BLOCK_K) * stride_wsn + kb, mask=n_ok, other=0.0
-                )
-                part *= a_s * w_s
-            y += part
-            w_ptrs += BLOCK_K
-        acc += tl.load(wt_ptr + c) * to_dtype(y, dtype).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + rn, to_dtype(acc, dtype), mask=n_ok)
-
-
-def gemv_moe(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    config: GemvConfig | None = None,
-) -> torch.Tensor:
-    """fused_moe for a few tokens in two launches: x (T, H), weights / ids (T, K) -> (T, H).
-    The up kernel reads each copy's expert rows and applies silu_and_mul; the down kernel reads
-    the K experts of a token and sums their weighted outputs (the combine) in float32, in k order.
-    FP8 (w13_scale / w2_scale (E, N/128, K/128)): x and the activations quantised per token and
-    128 channels as the grouped path quantises them."""
-    cfg = config or GEMV_CONFIG
-    t, k = ids.shape
-    e, two_i, h = w13.shape
-    inter = two_i // 2
-    if w2.shape != (e, h, inter):
-        raise ValueError(f"gemv_moe: w2 must be {(e, h, inter)}, got {tuple(w2.shape)}")
-    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    if t == 0 or k == 0:
-        return out.zero_()
-    fp8 = w13_scale is not None and w2_scale is not None
-    up_k, down_k = (128, 128) if fp8 else (cfg.up_k, cfg.down_k)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    ids = ids.contiguous()
-    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    xq, xs = quantize_fp8(x) if fp8 else (x, x)
-    s13 = w13_scale.float().contiguous() if w13_scale is not None else x
-    _gemv_up_kernel[(t * k, triton.cdiv(inter, cfg.up_n))](
-        xq, xs, w13, s13, ids, act, h, inter, k,
-        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0,
-        s13.stride(1) if fp8 else 0, act.stride(0),
-        FP8=fp8, BLOCK_N=cfg.up_n, BLOCK_K=up_k, num_warps=cfg.up_warps,
-    )  # fmt: skip
-    aq, a_s = quantize_fp8(act) if fp8 else (act, act)
-    s2 = w2_scale.float().contiguous() if w2_scale is not None else x
-    _gemv_down_kernel[(t, triton.cdiv(h, cfg.down_n))](
-        aq, a_s, w2, s2, ids, weights.float().contiguous(), out, h, inter, k,
-        aq.stride(0), a_s.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0,
-        s2.stride(1) if fp8 else 0, out.stride(0),
-        FP8=fp8, BLOCK_N=cfg.down_n, BLOCK_K=down_k, num_warps=cfg.down_warps,
-    )  # fmt: skip
-    return out
