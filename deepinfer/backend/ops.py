@@ -449,6 +449,12 @@ class MoeOps(_Part):
     Token ids into the permuted buffer are TOKEN-MAJOR: source row s = t * K + k.
     """
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The router's scores before routing: x (T, Dm) float (any float dtype), weight (E, Dm)
+        float32 -> (T, E) float32 = x @ weight^T with x taken exactly to float32 (routing is
+        computed in float32). Default: the backend's linear on x.float()."""
+        return self.backend.gemm.linear(x.float(), weight.float())
+
     def route(
         self,
         logits: torch.Tensor,

@@ -111,7 +111,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm)."""
-        logits = self.backend.gemm.linear(x.float(), self.gate_weight)  # (T, E) float32
+        logits = self.backend.moe.router_logits(x, self.gate_weight)  # (T, E) float32
         # (T, K), or (T, K + S) with the shared experts fused
         weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)
         if self.ep is None:

@@ -319,14 +319,23 @@ class CudaGemm(GemmOps):
 
 
 class CudaMoe(MoeOps):
-    """Fused: the router in one Triton kernel; the stable expert sort, src_to_dst, counts and the
-    grouped GEMM's tile table in another (kernels/moe.py); expert MLPs by the Triton grouped
+    """Fused: the router's scores at decode sizes and the router in one Triton kernel each; the
+    stable expert sort, src_to_dst, counts and the grouped GEMM's tile table in another
+    (kernels/moe.py); expert MLPs by the Triton grouped
     GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
     torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
 
     def __init__(self, options: BackendOptions, fused: bool = True) -> None:
         super().__init__(options)
         self.fused = fused
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Decode sizes (outside batch-invariant mode): one Triton launch on x as it is; else the
+        contract's x.float() and a float32 linear."""
+        small = x.dim() == 2 and x.shape[0] <= moe_k.ROUTER_GEMV_MAX_TOKENS and weight.dtype == torch.float32
+        if self.fused and small and not self.batch_invariant:
+            return moe_k.router_logits(x, weight)
+        return super().router_logits(x, weight)
 
     def route(
         self,

@@ -64,6 +64,21 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
     return weights.cpu().double().gather(1, order), ids.gather(1, order)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 13, 70])
+@pytest.mark.parametrize("experts,dm", [(64, 200), (10, 1100)], ids=["E64", "E10-wide"])
+def test_router_logits(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, experts: int, dm: int
+) -> None:
+    """x in the model's dtype, the gate in float32 -> float32 scores equal to x @ W^T in float64
+    within float32 rounding (70 tokens: past a backend's decode-sized path, if it has one)."""
+    dev = backend.device.device()
+    x = randn((tokens, dm), dtype, dev, gen)
+    w = randn((experts, dm), torch.float32, dev, gen, dm**-0.5)
+    logits = backend.moe.router_logits(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (tokens, experts)
+    assert_close(logits, oracle(x) @ oracle(w).T, torch.float32, what="router logits")
+
+
 @pytest.mark.parametrize("name", list(ROUTERS))
 @pytest.mark.parametrize("tokens", [0, 1, 13])
 def test_route(backend: Backend, gen: torch.Generator, name: str, tokens: int) -> None:

@@ -157,6 +157,52 @@ def route(
     return weights, ids
 
 
+# Up to this many tokens the router's scores come from router_logits' kernel (one launch reading
+# x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches).
+ROUTER_GEMV_MAX_TOKENS = 64
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """One token, BLOCK_E experts: out[t, e] = sum_d float32(x[t, d]) * w[e, d], float32 products
+    summed per lane over BLOCK_D steps, then across the lanes."""
+    t = tl.program_id(0).to(tl.int64)
+    re = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rd = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_ok = rd < D - d0
+        xv = tl.load(x_ptr + t * stride_x + d0 + rd, mask=d_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + d0 + rd[None, :],
+                    mask=(re[:, None] < E) & d_ok[None, :], other=0.0)  # fmt: skip
+        acc += w * xv[None, :]
+    tl.store(out_ptr + t * stride_o + re, tl.sum(acc, 1), mask=re < E)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (T, D) float, weight (E, D) float32 -> (T, E) float32 in one launch (decode sizes: each
+    program reads BLOCK_E = 4 experts' rows, so even one token spreads over E / 4 programs)."""
+    t, d = x.shape
+    e = weight.shape[0]
+    if weight.shape != (e, d) or weight.dtype != torch.float32:
+        raise ValueError(
+            f"router_logits: weight must be ({e}, {d}) float32, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    out = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    if t == 0 or e == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    block_e = 4
+    _router_logits_kernel[(t, triton.cdiv(e, block_e))](
+        x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_E=block_e, BLOCK_D=min(512, next_pow2(d)), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 # --------------------------------------------------------------------------- alignment
 
 
