@@ -10,8 +10,11 @@ the model has none. Plain decoding (graphs and async scheduling where the backen
 every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
 block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
 (--threshold, --step-token-budget). A configuration whose drafter the model lacks is listed as
-skipped, with the reason, in the table. Block-drafter steps of up to 32 requests replay
-verification graphs (forward, then draw + acceptance + next block); MTP steps run eagerly.
+skipped, with the reason, in the table. Speculative steps of up to 32 requests replay
+verification graphs (forward, then draw + acceptance + the drafter's next block: the block
+drafter's pass, or the MTP head over the verified rows and chained k - 1 times), chained so that
+the host reads step N while step N + 1 runs; larger batches step eagerly. graph_steps = the share
+of a row's speculative steps that replayed graphs.
 
 Output tokens per second = B * new tokens / wall time of the generate call (prefill included;
 the median of --repeats calls), after a warm-up call of the same batch; each row's plain figure
@@ -24,8 +27,8 @@ differ is recorded in each row (a verification pass may round a near-tie differe
 one-row decode step; tests/ check exactness on the reference backend).
 
 Writes OUT/spec.json (rows {"device", "drafter", "k", "scheduled", "batch", "plain_tok_s",
-"spec_tok_s", "mean_accepted"}), OUT/spec.md (the table) and OUT/spec.svg (speed-up against
-batch size, one line per configuration).
+"spec_tok_s", "mean_accepted", "graph_steps", "requests_differing_from_plain"}), OUT/spec.md
+(the table) and OUT/spec.svg (speed-up against batch size, one line per configuration).
 """
 
 from __future__ import annotations
@@ -100,23 +103,28 @@ def configurations(
 
 def timed(
     llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int
-) -> tuple[float, list[list[int]], int]:
-    """(output tok/s, outputs, accepted drafts) of a generate call: the median wall time of
-    `repeats` calls after a warm-up call (the accepted drafts of the last)."""
+) -> tuple[float, list[list[int]], int, float]:
+    """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs) of a
+    generate call: the median wall time of `repeats` calls after a warm-up call (the accepted
+    drafts and graph share of the last)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(batch, params, use_tqdm=False)
     engine = llm.llm_engine
+    spec = engine.speculative
     walls = []
     for _ in range(repeats):
         accepted = engine.num_accepted_tokens
+        steps = (spec.num_steps, spec.num_graph_steps) if spec else (0, 0)
         start = time.perf_counter()
         out = llm.generate(batch, params, use_tqdm=False)
         engine.backend.device.synchronize()
         walls.append(time.perf_counter() - start)
     tokens = [list(r.outputs[0].token_ids) for r in out]
     wall = sorted(walls)[len(walls) // 2]
-    return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted
+    ran, graphs = (spec.num_steps - steps[0], spec.num_graph_steps - steps[1]) if spec else (0, 0)
+    share = graphs / ran if ran else 0.0
+    return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted, share
 
 
 def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
@@ -161,7 +169,7 @@ def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
     """Speed-up (spec / plain tok/s) against batch size (log2 axis), one polyline per configuration."""
     w, h, left, right, top, bottom = 760, 420, 60, 250, 30, 50
     batches = sorted({r["batch"] for r in rows})
-    speedups = [r["spec_tok_s"] / r["plain_tok_s"] for r in rows] + [1.0]
+    speedups: list[float] = [r["spec_tok_s"] / r["plain_tok_s"] for r in rows] + [1.0]
     lo, hi = min(speedups) * 0.9, max(speedups) * 1.1
     bx = {b: left + (w - left - right) * (i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
 
@@ -209,14 +217,15 @@ def markdown(rows: list[dict[str, Any]], skipped: list[str], header: str) -> str
     lines = [
         header,
         "",
-        "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | mean accepted |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | mean accepted "
+        "| graph steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['drafter']} | {r['k']} | {'yes' if r['scheduled'] else 'no'} | {r['batch']} | "
             f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | "
-            f"{r['mean_accepted']:.2f} |"
+            f"{r['mean_accepted']:.2f} | {r.get('graph_steps', 0.0):.0%} |"
         )
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped) + "."]
@@ -281,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         print(json.dumps(profiles[-1]), flush=True)
     base = {}
     for b in args.batches:
-        tok_s, tokens, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
+        tok_s, tokens, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
         base[b] = (tok_s, tokens)
         print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
 
@@ -310,8 +319,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         for b in args.batches:
             # plain decoding timed again right before: the two figures of a row are neighbours in
             # time (a baseline timed once, first, drifted by up to 1.5x on a shared CPU)
-            plain_tok_s, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
-            tok_s, tokens, accepted = timed(llm, prompts[b], args.new_tokens, args.repeats)
+            plain_tok_s, _, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
+            tok_s, tokens, accepted, graph_share = timed(llm, prompts[b], args.new_tokens, args.repeats)
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
             # near-tie differently from a one-row decode step, so differences are counted, not hidden.
             differ = sum(t != u for t, u in zip(tokens, base[b][1], strict=True))
@@ -327,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "plain_tok_s": round(plain_tok_s, 2),
                 "spec_tok_s": round(tok_s, 2),
                 "mean_accepted": round(total / (total - accepted), 3),
+                "graph_steps": round(graph_share, 3),
                 "requests_differing_from_plain": differ,
             }
             rows.append(row)

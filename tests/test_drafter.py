@@ -1,9 +1,9 @@
 """The block drafter and confidence-scheduled verification: outputs equal plain decoding token for
-token (block drafter and MTP, greedy and seeded, with and without scheduling, with async
-scheduling and graphs between drafting steps); the scheduling rule against a brute-force
-optimum; the engine never verifies more drafts than the step's budget and drafts nothing at a
-batch that leaves none; drafter files round-trip and mismatches are refused; training lowers the
-loss at toy size."""
+token (block drafter and MTP, greedy and seeded, with and without scheduling, verification graph
+steps chained and not, with async scheduling and graphs between drafting steps); the scheduling
+rule against a brute-force optimum; the engine never verifies more drafts than the step's budget
+and drafts nothing at a batch that leaves none; drafter files round-trip and mismatches are
+refused; training lowers the loss at toy size."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.speculative import draft_budget, schedule_drafts
 from deepinfer.models.drafter import BlockDrafter, DrafterConfig, load_drafter
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.models.random_checkpoint import (
+    tiny_config,
+    write_mirrored_mtp_checkpoint,
+    write_random_checkpoint,
+)
 from deepinfer.reference.backend import create_reference_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +58,12 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint whose MTP head mostly drafts what the model samples (accepted drafts)."""
+    return write_mirrored_mtp_checkpoint(tmp_path_factory.mktemp("mirrored") / "ckpt", seed=3)
+
+
 def make(ckpt: Path, **kw: Any) -> LLM:
     args: dict[str, Any] = {"backend": "reference", "dtype": "float32", "block_size": 8, "max_model_len": 128}
     return LLM(str(ckpt), **{**args, **kw})
@@ -81,9 +91,10 @@ def expected(ckpt: Path) -> tuple[list[list[int]], list[list[int]]]:
             "confidence_scheduling": True,
             "step_token_budget": 7,
         },
+        {"method": "mtp", "num_speculative_tokens": 3},
         {"method": "mtp", "num_speculative_tokens": 2, "confidence_scheduling": True, "step_token_budget": 9},
     ],
-    ids=["block-k5", "block-k3-threshold", "block-k5-scheduled", "mtp-k2-scheduled"],
+    ids=["block-k5", "block-k3-threshold", "block-k5-scheduled", "mtp-k3", "mtp-k2-scheduled"],
 )
 def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str, Any]) -> None:
     llm = make(ckpt, speculative_config=spec)  # async scheduling and (emulated) graphs on
@@ -91,8 +102,7 @@ def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str,
     assert llm.llm_engine.num_draft_tokens > 0
     decoder = llm.llm_engine.speculative
     assert decoder is not None
-    # block-drafter steps verify as graph replays; the MTP head's are eager
-    assert (decoder.num_graph_steps > 0) == (spec["method"] == "dspark")
+    assert decoder.num_graph_steps > 0  # both drafters' steps verify as graph replays
 
 
 def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
@@ -123,16 +133,27 @@ def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
     assert engine.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
 @pytest.mark.parametrize(
     "engine_args",
-    [{}, {"max_model_len": 40}, {"num_gpu_blocks_override": 40}],
-    ids=["default", "max-model-len-40", "small-kv-pool"],
+    [
+        {},
+        {"max_model_len": 40},
+        {"num_gpu_blocks_override": 40},
+        {"num_gpu_blocks_override": 10, "max_model_len": 64},
+    ],
+    ids=["default", "max-model-len-40", "small-kv-pool", "preempting"],
 )
-def test_chained_verification_steps_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any]) -> None:
+def test_chained_verification_steps_equal_plain_decoding(
+    ckpt: Path, mirrored: Path, engine_args: dict[str, Any], method: str
+) -> None:
     """Chained steps (the host reads step N while step N + 1, prepared on the device, runs)
-    against plain decoding and against the same engine unchained: greedy and seeded, stop
-    tokens, min_tokens-free stops at different steps, requests reaching max_model_len, and a KV
-    pool too small to cover every request's chain (shorter chains)."""
+    against plain decoding and against the same engine unchained, for the block drafter and the
+    MTP head (one whose drafts are mostly accepted): greedy and seeded, stop tokens,
+    min_tokens-free stops at different steps, requests reaching max_model_len, a KV pool too
+    small to cover every request's chain (shorter chains, the MTP head's rows past the blocks
+    left unwritten) and one that preempts."""
+    ckpt = mirrored if method == "mtp" else ckpt
     params = [
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=40, seed=3, max_tokens=23, ignore_eos=True),
@@ -141,7 +162,7 @@ def test_chained_verification_steps_equal_plain_decoding(ckpt: Path, engine_args
     ]
     plain = make(ckpt, async_scheduling=False, enforce_eager=True, **engine_args)
     want = run(plain, params)
-    spec = {"method": "dspark", "num_speculative_tokens": 3, "min_draft_confidence": 0.05}
+    spec = {"method": method, "num_speculative_tokens": 3, "min_draft_confidence": 0.05}
     outs, chained = [], []
     for overlap in (True, False):
         llm = make(ckpt, speculative_config=spec, **engine_args)
@@ -159,8 +180,22 @@ def test_chained_verification_steps_equal_plain_decoding(ckpt: Path, engine_args
         outs.append(run(llm, params))
         chained.append(launches["chained"])
         assert engine.speculative.chain is None and not engine.has_unfinished()
+        if engine_args.get("num_gpu_blocks_override") == 10:
+            assert engine.scheduler.num_preemptions > 0
+        assert method == "dspark" or engine.num_accepted_tokens > 0
     assert outs[0] == want and outs[1] == want
     assert chained[0] > 0 and chained[1] == 0
+
+
+def test_verification_graphs_stay_inside_the_rope_table(ckpt: Path, expected: Any) -> None:
+    """max_model_len at max_position_embeddings (512): a verification graph's padding drafts would
+    sit past the rope table, so speculative steps run eagerly (decode graphs stay)."""
+    llm = make(ckpt, max_model_len=512, speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    assert engine.runner.graphs and not engine.runner.verify_graphs
+    assert run(llm, GREEDY) == expected[0]
+    assert engine.speculative is not None and engine.speculative.num_graph_steps == 0
+    assert engine.num_draft_tokens > 0
 
 
 @pytest.mark.skipif(
@@ -211,8 +246,13 @@ def test_schedule_drafts_takes_the_most_confident_prefixes() -> None:
 
 @pytest.mark.parametrize("method", ["dspark", "mtp"])
 def test_engine_never_verifies_more_than_the_budget(
-    ckpt: Path, expected: Any, monkeypatch: pytest.MonkeyPatch, method: str
+    ckpt: Path, mirrored: Path, expected: Any, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:
+    """No step verifies more drafts than its budget, scheduled or chained (ranked on the device),
+    for the block drafter and the MTP head (one whose drafts are mostly accepted)."""
+    if method == "mtp":
+        ckpt = mirrored
+        expected = [run(make(ckpt, async_scheduling=False, enforce_eager=True), GREEDY)]
     spec = {
         "method": method,
         "num_speculative_tokens": 3,
@@ -236,10 +276,10 @@ def test_engine_never_verifies_more_than_the_budget(
     chained: list[tuple[int, int | None]] = []  # chained steps bypass the scheduler
     real_append = decoder._append_verified
 
-    def record_chained(seqs, num_drafts, result):  # type: ignore[no-untyped-def]
+    def record_chained(seqs, num_drafts, *rest):  # type: ignore[no-untyped-def]
         if decoder.chain is not None:
             chained.append((sum(num_drafts), decoder.budget()))
-        return real_append(seqs, num_drafts, result)
+        return real_append(seqs, num_drafts, *rest)
 
     monkeypatch.setattr(decoder, "_append_verified", record_chained)
     assert run(llm, GREEDY) == expected[0]
@@ -247,7 +287,7 @@ def test_engine_never_verifies_more_than_the_budget(
     assert drafted, "no step verified drafts"
     assert all(b is not None and n <= b for n, b in drafted)
     assert max(n for n, _ in drafted) > 1
-    assert method == "mtp" or any(n for n, _ in chained), "no chained step verified drafts"
+    assert any(n for n, _ in chained), "no chained step verified drafts"
 
 
 def test_no_budget_no_drafts(ckpt: Path, expected: Any) -> None:
@@ -303,7 +343,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
     run(llm, GREEDY[:1] * 4)
     assert len(seen) > 8
     assert (replays["n"] > 0) == (not eager)
-    model = load_model(str(ckpt), create_reference_backend(), torch.float32)
+    model: Any = load_model(str(ckpt), create_reference_backend(), torch.float32)
     for tokens, drafts, conf in seen[:: max(1, len(seen) // 6)]:
         main = PagedRunner(model, model.backend, num_blocks=32, block_size=8)
         main.step([(0, tokens[:-1])], all_logits=True)
@@ -375,6 +415,7 @@ def test_bench_spec_small_run(ckpt: Path, tmp_path: Path) -> None:
     for r in rows:
         assert r["device"] == "cpu" and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert 1.0 <= r["mean_accepted"] <= 1 + r["k"]
+        assert 0 < r["graph_steps"] <= 1  # both drafters' decode steps replay verification graphs
     assert json.loads((tmp_path / "spec.json").read_text()) == rows
     table = (tmp_path / "spec.md").read_text()
     assert table.count("\n| mtp |") == 4 and "dspark k=6: the drafter's block size is 5" in table

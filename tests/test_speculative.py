@@ -1,7 +1,13 @@
 """Speculative decoding with the checkpoint's MTP head (speculative_config): the outputs are those
 of plain decoding, greedy and seeded sampling, through chunked prefill, preemption and prefix
-caching; right drafts are accepted (fewer steps), wrong ones rejected; the head's incremental
-drafts equal a from-scratch computation over the whole sequence; bad configurations are errors."""
+caching, in eager steps and in verification graph replays (chained or not), and with batches
+too large for those graphs; right drafts are accepted (fewer steps), wrong ones rejected; the
+head's incremental drafts, eager or drafted inside the graphs, equal a from-scratch computation
+over the whole sequence and each other; bad configurations are errors.
+
+Drafts of a random MTP head are almost never right; `mirrored` is a checkpoint whose head mostly
+drafts what the model samples (write_mirrored_mtp_checkpoint), so that accepted drafts (the
+head's cache written at the accepted rows only) are exercised too."""
 
 from __future__ import annotations
 
@@ -15,8 +21,13 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.models.random_checkpoint import (
+    tiny_config,
+    write_mirrored_mtp_checkpoint,
+    write_random_checkpoint,
+)
 from deepinfer.models.runner_util import PagedRunner, build_batch
 from deepinfer.reference.backend import create_reference_backend
 
@@ -27,6 +38,11 @@ PROMPTS = [[5 + (7 * i + 3 * j) % 120 for j in range(n)] for i, n in enumerate([
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("mtp") / "ckpt", tiny_config(), seed=3)
+
+
+@pytest.fixture(scope="module")
+def mirrored(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_mirrored_mtp_checkpoint(tmp_path_factory.mktemp("mirrored") / "ckpt", seed=3)
 
 
 def make(ckpt: Path, **kw: Any) -> LLM:
@@ -60,6 +76,7 @@ def test_outputs_equal_plain_decoding(ckpt: Path, engine_args: dict[str, Any], k
     assert run(spec, GREEDY) == run(plain, GREEDY)
     assert run(spec, SEEDED) == run(plain, SEEDED)
     assert spec.llm_engine.num_draft_tokens > 0
+    assert spec.llm_engine.speculative is not None and spec.llm_engine.speculative.num_graph_steps > 0
     if "num_gpu_blocks_override" in engine_args:
         assert spec.llm_engine.scheduler.num_preemptions > 0
 
@@ -70,11 +87,11 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
 ) -> None:
     """Drafts from an oracle that knows plain decoding's output, one in four wrong: the output
     is unchanged, every right draft up to the first wrong one is accepted, and the run takes
-    fewer steps."""
+    fewer steps. Eager steps: the oracle stands in for their proposals."""
     plain = make(ckpt)
     expected = run(plain, GREEDY)
     by_prompt = {tuple(p): p + out for p, out in zip(PROMPTS, expected)}
-    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k})
+    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k}, enforce_eager=True)
     engine = spec.llm_engine
     calls = {"n": 0, "right": 0}
 
@@ -131,40 +148,220 @@ def fresh_drafts(model: Any, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
+def record_drafts(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, ...], list[int]]:
+    """token ids of a request -> the drafts the engine proposed after them (from eager steps'
+    proposals and from verification graph steps alike, before the confidence cut)."""
+    decoder = llm.llm_engine.speculative
+    assert decoder is not None
+    seen: dict[tuple[int, ...], list[int]] = {}
+    real = decoder._keep_confident
+
+    def record(seq, chain):  # type: ignore[no-untyped-def]
+        chain = list(chain)
+        if chain:
+            seen[tuple(seq.token_ids)] = [d for d, _ in chain]
+        real(seq, chain)
+
+    monkeypatch.setattr(decoder, "_keep_confident", record)
+    return seen
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_mtp_drafts_equal_a_fresh_computation(ckpt: Path, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+def test_mtp_drafts_equal_a_fresh_computation(
+    mirrored: Path, monkeypatch: pytest.MonkeyPatch, k: int, eager: bool
+) -> None:
     """The head's drafts after incremental steps (chunked prefill, then decode, its own paged
-    cache, chained drafts whose cache rows are rewritten later) equal the head run once over the
-    whole sequence with fresh caches."""
-    spec = make(ckpt, speculative_config={**SPEC, "num_speculative_tokens": k}, max_num_batched_tokens=24)
-    runner = spec.llm_engine.speculative
-    seen: list[tuple[list[int], list[int]]] = []
-    real = runner.propose
+    cache written at the accepted rows, chained drafts whose cache rows are rewritten later)
+    equal the head run once over the whole sequence with fresh caches: drafted by eager steps,
+    and inside verification graph replays (chained)."""
+    spec = make(
+        mirrored, speculative_config={**SPEC, "num_speculative_tokens": k}, max_num_batched_tokens=24,
+        enforce_eager=eager,
+    )  # fmt: skip
+    seen = record_drafts(spec, monkeypatch)
+    run(spec, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    decoder = spec.llm_engine.speculative
+    assert decoder is not None and (decoder.num_graph_steps > 0) == (not eager)
+    assert spec.llm_engine.num_accepted_tokens > 0
+    assert len(seen) >= len(PROMPTS) * 4
 
-    def record(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
-        drafts = real(seqs, spans, rows, wants)
-        for s, (_, e), chain, want in zip(seqs, spans, drafts, wants):
-            if e == s.num_tokens - 1:
-                assert len(chain) == want
-                seen.append((list(s.token_ids), [d for d, _ in chain]))
-        return drafts
+    model: Any = load_model(str(mirrored), create_reference_backend(), torch.float32)
+    items = sorted(seen.items())
+    for tokens, drafts in items[:: max(1, len(items) // 12)]:
+        assert len(drafts) == min(k, 256 - len(tokens))
+        assert fresh_drafts(model, list(tokens), len(drafts)) == drafts
 
-    monkeypatch.setattr(runner, "propose", record)
-    run(spec, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    assert len(seen) >= len(PROMPTS) * 5
 
-    model = load_model(str(ckpt), create_reference_backend(), torch.float32)
-    for tokens, drafts in seen[:: max(1, len(seen) // 12)]:
-        assert fresh_drafts(model, tokens, len(drafts)) == drafts
+@pytest.mark.parametrize("k", [2, 3])
+def test_graph_drafts_equal_eager_drafts(mirrored: Path, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    """Eager steps, verification graph steps, and chained graph steps: the same outputs as plain
+    decoding (greedy and seeded), the same drafts after the same tokens, and as many of them
+    accepted."""
+    params = [GREEDY, *SEEDED[:3], GREEDY, SEEDED[4]]
+    want = run(make(mirrored), params)
+    drafts, counts = [], []
+    for eager, overlap in ((True, False), (False, False), (False, True)):
+        llm = make(mirrored, speculative_config={**SPEC, "num_speculative_tokens": k}, enforce_eager=eager)
+        decoder = llm.llm_engine.speculative
+        assert decoder is not None
+        decoder.overlap = overlap
+        chained = {"n": 0}
+        real = llm.llm_engine.runner.verify_launch
+
+        def count(batch, *args, real=real, chained=chained):  # type: ignore[no-untyped-def]
+            chained["n"] += batch is None
+            return real(batch, *args)
+
+        monkeypatch.setattr(llm.llm_engine.runner, "verify_launch", count)
+        drafts.append(record_drafts(llm, monkeypatch))
+        assert run(llm, params) == want
+        assert (decoder.num_graph_steps > 0) == (not eager) and (chained["n"] > 0) == overlap
+        counts.append((llm.llm_engine.num_draft_tokens, llm.llm_engine.num_accepted_tokens))
+    assert counts[0][1] > 0 and counts[0] == counts[1] == counts[2]
+    for graph in drafts[1:]:
+        common = set(drafts[0]) & set(graph)
+        assert len(common) >= len(drafts[0]) // 2
+        assert all(drafts[0][t] == graph[t] for t in common)
+
+
+def test_graph_drafting_writes_the_accepted_rows_only(mirrored: Path) -> None:
+    """mtp_drafts, the drafting inside a verification graph, against the MTP head run by hand:
+    the same drafts and confidences; the head's cache written at the accepted rows and at the
+    chained drafts' rows below the limit, every other row (rejected drafts, padding, rows past
+    the limit, other requests' blocks) untouched."""
+    from deepinfer.backend.types import AttentionMetadata
+    from deepinfer.engine.speculative import mtp_drafts
+    from deepinfer.models.forward_batch import ForwardBatch
+
+    model: Any = load_model(str(mirrored), create_reference_backend(), torch.float32)
+    bs, q, k = 8, 3, 3
+    gen = torch.Generator().manual_seed(0)
+    before = torch.randn((8, bs, 40), generator=gen)  # (NB, BS, D): stale rows everywhere
+    # request b starts at starts[b] (blocks tables[b]) with a accepted; a third is padding
+    starts, accepted, limits = [10, 5, 0], [2, 0, 0], [16, 7, 0]
+    tables = torch.tensor([[1, 2], [3, 0], [0, 0]], dtype=torch.int32)
+    sampled = torch.randint(2, 128, (3, q), generator=gen)
+    hidden = torch.randn((3 * q, 64), generator=gen)
+    pos = torch.tensor(starts)[:, None] + torch.arange(q)
+    slots = tables.long().gather(1, pos // bs) * bs + pos % bs
+    slots[2] = -1
+    fb = ForwardBatch(
+        input_ids=sampled.view(-1), positions=pos.view(-1), slot_mapping=slots.view(-1),
+        attn=AttentionMetadata(
+            block_tables=tables, seq_lens=(pos[:, -1] + 1).int(),
+            query_start_loc=torch.arange(0, 4 * q, q, dtype=torch.int32), seq_lens_host=(64,) * 3,
+            query_lens_host=(q,) * 3, max_query_len=q, max_seq_len=64,
+        ),
+        logits_indices=torch.arange(3 * q),
+    )  # fmt: skip
+    spec = model.kv_cache_spec(8, bs)
+    graph = model.backend.kv_cache.allocate(spec, 1)
+    graph[0].tensors[0].copy_(before)
+    drafts, conf = mtp_drafts(
+        model, graph, bs, fb, sampled, hidden, torch.tensor(accepted), torch.tensor(limits), k
+    )
+    hand = model.backend.kv_cache.allocate(spec, 1)
+    hand[0].tensors[0].copy_(before)
+    written = torch.zeros((8, bs), dtype=torch.bool)
+    for b in range(2):  # the head over rows 0..a, then chained while its rows are below the limit
+        n, table = accepted[b] + 1, tables[b : b + 1]
+        p = torch.arange(starts[b], starts[b] + n)
+        one = ForwardBatch(
+            input_ids=sampled[b, :n], positions=p, slot_mapping=slots[b, :n],
+            attn=AttentionMetadata.build(table, [starts[b] + n], [n]), logits_indices=torch.tensor([n - 1]),
+        )  # fmt: skip
+        h = model.forward_mtp(one, hidden[b * q : b * q + n], hand)[-1:]
+        want, chance = [], 1.0
+        for i in range(k):
+            probs = torch.softmax(model.compute_logits(h), dim=-1)[0]
+            want.append(int(probs.argmax()))
+            chance *= float(probs.max())
+            assert drafts[b, i] == want[-1] and float(conf[b, i]) == pytest.approx(chance, rel=1e-5)
+            at = starts[b] + n + i
+            if i == k - 1 or at >= limits[b]:  # the next draft's row would not be written
+                break
+            slot = int(table[0, at // bs]) * bs + at % bs
+            one = ForwardBatch(
+                input_ids=torch.tensor(want[-1:]), positions=torch.tensor([at]),
+                slot_mapping=torch.tensor([slot]), attn=AttentionMetadata.build(table, [at + 1], [1]),
+                logits_indices=torch.tensor([0]),
+            )  # fmt: skip
+            h = model.forward_mtp(one, h, hand)
+        for row in [
+            *range(starts[b], starts[b] + n),
+            *range(starts[b] + n, min(starts[b] + n + k - 1, limits[b])),
+        ]:
+            written[int(tables[b, row // bs]), row % bs] = True
+    out, ref = graph[0].tensors[0], hand[0].tensors[0]
+    assert torch.equal(out[~written], before[~written])  # untouched: rejected, padding, past limits
+    assert not torch.equal(out[written], before[written])
+    torch.testing.assert_close(out[written], ref[written], rtol=1e-5, atol=1e-5)
+
+
+def test_batches_beyond_the_verification_graphs_run_eagerly(
+    mirrored: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More requests than MAX_VERIFY_GRAPH_BATCH: eager steps (no verification graph fits);
+    once the short requests finish, the rest replay graphs. Outputs are plain decoding's, greedy
+    and seeded."""
+    n = MAX_VERIFY_GRAPH_BATCH + 8
+    prompts = [{"prompt_token_ids": [5 + (7 * i + 3 * j) % 120 for j in range(3 + i % 5)]} for i in range(n)]
+    params = [  # greedy and seeded, short and long
+        SamplingParams(temperature=0.8 * (i % 3 > 0), seed=i, max_tokens=3 if i % 2 else 12, ignore_eos=True)
+        for i in range(n)
+    ]
+
+    def outputs(llm: LLM) -> list[list[int]]:
+        return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = outputs(make(mirrored))
+    llm = make(mirrored, speculative_config={**SPEC, "num_speculative_tokens": 2})
+    runner = llm.llm_engine.runner
+    real = runner.verify_bucket_for
+    seen: list[tuple[int, bool]] = []  # (requests, served by a graph) of every drafting step
+
+    def spy(batch: Any) -> tuple[int, int] | None:
+        graph = real(batch)
+        seen.append((len(batch), graph is not None))
+        return graph
+
+    monkeypatch.setattr(runner, "verify_bucket_for", spy)
+    assert outputs(llm) == want
+    assert any(b > MAX_VERIFY_GRAPH_BATCH and not g for b, g in seen)
+    assert all(b <= MAX_VERIFY_GRAPH_BATCH for b, g in seen if g) and any(g for _, g in seen)
+    assert llm.llm_engine.num_accepted_tokens > 0
+
+
+def test_mtp_steps_run_eagerly_where_graphs_cannot_serve_them(
+    mirrored: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No verification graphs (decode graphs stay), eager steps, plain decoding's outputs: at a
+    max_model_len whose padding drafts would pass max_position_embeddings (512), and on a backend
+    whose graphs cannot compute attention lengths (DeviceOps.graph_lengths_on_device)."""
+    from deepinfer.reference.backend import ReferenceDevice
+
+    want = run(make(mirrored), GREEDY)
+    spec = {**SPEC, "num_speculative_tokens": 3}
+    for args, on_device in (({"max_model_len": 510}, True), ({}, False)):
+        monkeypatch.setattr(ReferenceDevice, "graph_lengths_on_device", on_device)
+        llm = make(mirrored, speculative_config=spec, **args)
+        engine = llm.llm_engine
+        assert engine.runner.graphs and not engine.runner.verify_graphs
+        assert run(llm, GREEDY) == want
+        assert engine.speculative is not None and engine.speculative.num_graph_steps == 0
+        assert engine.num_accepted_tokens > 0
 
 
 def test_confidence_threshold_schedules_only_likely_drafts(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Drafts the head is less sure of than min_draft_confidence are not verified; outputs stay."""
+    """Drafts the head is less sure of than min_draft_confidence are not verified; outputs stay.
+    Eager steps: the test marks the confidences of their proposals."""
     expected = run(make(ckpt), GREEDY)
-    spec = make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 0.5})
+    spec = make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 0.5}, enforce_eager=True)
     runner = spec.llm_engine.speculative
+    assert runner is not None
     real = runner.propose
     confident = {"n": 0, "all": 0}
 
@@ -230,16 +427,24 @@ def test_max_model_len_stop_tokens_and_grammars_with_drafts(tmp_path: Path) -> N
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
     reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
 )
-def test_cuda_backend_outputs_equal_plain_decoding(ckpt: Path) -> None:
-    """Verification rows (1 + k query tokens next to decode rows) through the cuda kernels."""
-    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+def test_cuda_backend_outputs_equal_plain_decoding(mirrored: Path) -> None:
+    """Verification rows (1 + k query tokens next to decode rows) through the cuda kernels, in
+    graph steps (the MTP head over the verified rows and chained inside the graphs) and, with
+    a logits processor (a repetition penalty), eager steps."""
     prompts = [{"prompt_token_ids": t} for t in PROMPTS[:3]]
-    outs = []
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True)
+    penalty = SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.2, ignore_eos=True)
+    outs, counts = [], []
     for spec in (None, {**SPEC, "num_speculative_tokens": 3}):
-        llm = make(ckpt, backend="cuda", max_model_len=128, speculative_config=spec)
+        llm = make(mirrored, backend="cuda", max_model_len=128, speculative_config=spec)
         assert llm.llm_engine.backend.name == "cuda"
-        outs.append([r.outputs[0].token_ids for r in llm.generate(prompts, p, use_tqdm=False)])
-    assert outs[0] == outs[1]
+        for batch, params in ((prompts, [greedy, seeded, greedy]), (prompts[:1], [penalty])):
+            outs.append([r.outputs[0].token_ids for r in llm.generate(batch, params, use_tqdm=False)])
+        decoder = llm.llm_engine.speculative
+        counts.append((decoder.num_graph_steps, llm.llm_engine.num_accepted_tokens) if decoder else (0, 0))
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+    assert counts[1][0] > 0 and counts[1][1] > 0
 
 
 @pytest.mark.skipif(

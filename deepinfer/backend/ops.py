@@ -113,6 +113,13 @@ class DeviceOps(_Part):
     these four methods unless the conformance suite's stream test passes on the real device.
     """
 
+    # Whether a graph replay's attention takes its lengths from AttentionMetadata's device tensors
+    # as they are when the op runs, so that a captured function may compute them itself (the MTP
+    # head's chained drafts inside a verification graph). False (the default): a replay may read
+    # them before it starts (the Ascend backend re-issues its attention tasks with them), so only
+    # tensors the caller refilled in place are safe, and the engine steps such work eagerly.
+    graph_lengths_on_device: bool = False
+
     @abstractmethod
     def device(self) -> torch.device:
         """The torch device every tensor of this backend lives on."""

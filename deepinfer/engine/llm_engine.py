@@ -42,7 +42,13 @@ from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.speculative import SpeculativeDecoder, accept_and_draft, chain_next_inputs
+from deepinfer.engine.speculative import (
+    SpeculativeDecoder,
+    accept_and_draft,
+    block_drafts,
+    chain_next_inputs,
+    mtp_drafts,
+)
 from deepinfer.engine.structured import StructuredOutputs
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.log import configure_logging
@@ -149,8 +155,9 @@ class LLMEngine:
                 f"speculative_config: num_speculative_tokens={self.num_speculative_tokens} exceeds the "
                 f"block drafter's block_size {drafter.block_size}"
             )
-        # Graphs and async scheduling serve plain decoding steps on one rank: steps with drafts
-        # and expert-parallel exchanges (host-sized all_to_all) run eagerly and synchronously.
+        # Graphs and async scheduling serve decoding steps on one rank (steps with drafts replay
+        # verification graphs, chained: deepinfer.engine.speculative); expert-parallel exchanges
+        # (host-sized all_to_all) run eagerly and synchronously.
         plain = self.expert_parallel is None
         use_graphs = plain and not config.enforce_eager and backend.capabilities.supports_graphs
         use_graphs = use_graphs and getattr(model, "supports_graphs", True)  # DeepSeek-V4: eager
@@ -177,8 +184,7 @@ class LLMEngine:
             self.max_model_len, self.num_speculative_tokens, self.kv_groups,
         )  # fmt: skip
         buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
-        # block-drafter steps replay verification graphs of the buckets up to MAX_VERIFY_GRAPH_BATCH
-        verify_buckets = [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH] if drafter is not None else []
+        verify_buckets = self._verify_buckets(buckets, method)
         # Graphs hold one forward's activations of the largest bucket (or verify step) in their pool.
         reserves = [self.runner.decode_memory_bytes(max(buckets)) or 0] if buckets else []
         if verify_buckets:
@@ -216,11 +222,15 @@ class LLMEngine:
             free_before, _ = self.backend.device.memory_info()
             start = time.perf_counter()
             self.runner.capture_graphs(buckets)
-            if drafter is not None:
-                embed, head = model.embed_tokens, model.lm_head
+            if verify_buckets:
+                draft = (
+                    functools.partial(block_drafts, drafter, model.embed_tokens, model.lm_head)
+                    if drafter is not None
+                    else functools.partial(mtp_drafts, model, self.runner.mtp_caches, bs)
+                )
                 self.runner.capture_verify_graphs(
                     verify_buckets,
-                    functools.partial(accept_and_draft, drafter, embed, head),
+                    functools.partial(accept_and_draft, draft),
                     functools.partial(chain_next_inputs, bs, config.min_draft_confidence),
                 )
             self.backend.device.synchronize()
@@ -263,6 +273,30 @@ class LLMEngine:
         return self.speculative.num_accepted_tokens if self.speculative else 0
 
     # ------------------------------------------------------------------ setup
+
+    def _verify_buckets(self, buckets: list[int], method: str | None) -> list[int]:
+        """The graph buckets whose speculative steps replay verification graphs: those up to
+        MAX_VERIFY_GRAPH_BATCH requests, unless a step's padding drafts (up to k positions past
+        max_model_len) would leave the rope table, or the MTP head's chained drafts need graphs
+        that compute attention lengths and the backend's cannot."""
+        if method is None or not buckets:
+            return []
+        positions = self.model.config.max_position_embeddings
+        if self.max_model_len + self.num_speculative_tokens > positions:
+            logger.info(
+                "speculative steps run eagerly: max_model_len + num_speculative_tokens (%d) exceeds "
+                "max_position_embeddings (%d); a smaller max_model_len lets them replay graphs",
+                self.max_model_len + self.num_speculative_tokens, positions,
+            )  # fmt: skip
+            return []
+        if method == "mtp" and not self.backend.device.graph_lengths_on_device:
+            logger.info(
+                "MTP steps run eagerly: the %s backend's graphs cannot compute attention lengths "
+                "(DeviceOps.graph_lengths_on_device), which the MTP head's chained drafts need",
+                self.backend.name,
+            )
+            return []
+        return [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH]
 
     @staticmethod
     def _resolve_max_model_len(requested: int | None, max_positions: int) -> int:

@@ -10,12 +10,13 @@ Everything a graph reads lives at a fixed address: the step inputs (deepinfer.en
 the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
 device (async scheduling) are resolved from sampled_ids as the first op of the forward.
 
-Speculative steps with the block drafter verify as graph replays too, per (bucket, width) with
-every request padded to 1 + width tokens (deepinfer.engine.inputs): one graph for the forward
-(logits of every row and the final hidden states, into persistent buffers) and one per greedy
-flag for the rest (the draw of every row, acceptance, and the drafter's next block from the
-last accepted position: deepinfer.engine.speculative.accept_and_draft). The host reads the
-result with one copy per step.
+Speculative steps verify as graph replays too, per (bucket, width) with every request padded to
+1 + width tokens (deepinfer.engine.inputs): one graph for the forward (logits of every row and
+the final hidden states, into persistent buffers) and one per greedy flag for the rest (the draw
+of every row, acceptance, and the drafter's next block from the last accepted position: the
+block drafter's one pass, or the MTP head over the verified rows and chained on its own output,
+writing its cache: deepinfer.engine.speculative.accept_and_draft). The host reads the result
+with one copy per step.
 
 Prompt log-probabilities need the logits of every prompt position a step computes, not only of
 the sampled rows: steps that compute some run eagerly, and prompt_logprobs() takes the LM head
@@ -64,10 +65,10 @@ def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> 
     return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 
-# accept(sampled (B, 1 + w), drafts (B, w), valid (B, w), hidden (B (1 + w), Dm),
+# accept(step inputs, sampled (B, 1 + w), hidden (B (1 + w), Dm), limit (B,),
 #        out_tokens (B, 2 + w + K), out_conf (B, K)): see speculative.accept_and_draft
 VerifyFinish = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+    [ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
 ]
 # chain(step inputs, out_tokens (B, 3 + 2K), out_conf (B, K), limit (B,), budget (1,)): writes the
 # next step's inputs of the same (bucket, K) layout on the device: see speculative.chain_next_inputs
@@ -234,7 +235,8 @@ class ModelRunner:
     ) -> None:
         """Capture the verification graphs of every bucket and width 0..max_draft_width, after
         capture_graphs (their pool is shared). `accept` (deepinfer.engine.speculative.
-        accept_and_draft with the drafter bound) turns the sampled rows into the result; in the
+        accept_and_draft with a drafter bound: block_drafts or mtp_drafts) turns the sampled rows
+        into the result, writing a drafter's cache rows below the limits (set_chain_limits); in the
         graphs of width max_draft_width, `chain` then writes the next step's inputs (a chained
         step replays without the host preparing it)."""
         if not self.graphs or not buckets:
@@ -276,8 +278,7 @@ class ModelRunner:
                         q = 1 + w
                         fb = step.forward
                         accept(
-                            sampled.view(bs, q), fb.input_ids.view(bs, q)[:, 1:],
-                            fb.slot_mapping.view(bs, q)[:, 1:] >= 0, buf["hidden"][:t],
+                            fb, sampled.view(bs, q), buf["hidden"][:t], buf["limit"][:bs],
                             buf["tokens"][:bs, : q + 1 + k], buf["conf"][:bs],
                         )  # fmt: skip
                         if chain is not None and w == k:
@@ -352,9 +353,10 @@ class ModelRunner:
         return self.verify_read(self.verify_launch(batch, bucket, width, greedy, len(batch)))
 
     def set_chain_limits(self, limits: list[int], budget: int) -> None:
-        """For the next chained steps: per request (in batch order) the positions below which a
-        chained step may write its tokens (covered by allocated blocks, below max_model_len),
-        and the most drafts a step verifies. Stream-ordered: steps launched after this read it."""
+        """For the next verification steps: per request (in batch order) the positions below
+        which a step may write cache rows (covered by allocated blocks, below max_model_len): a
+        chained step's tokens, the MTP head's drafts; and the most drafts a chained step
+        verifies. Stream-ordered: steps launched after this read it."""
         buf = self._verify_buffers
         lim = torch.tensor([*limits, budget], dtype=torch.int64)
         buf["limit"][: len(limits)].copy_(lim[:-1], non_blocking=True)

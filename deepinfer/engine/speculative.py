@@ -26,25 +26,36 @@ A request's first step after plain steps has no drafts; the MTP head's cache mis
 positions plain steps computed, which lowers its acceptance, never the outputs' exactness.
 
 Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
-step's accepted tokens. With the block drafter, a step whose requests all decode (and need no
-host logits processing or log-probabilities) is two graph replays (ModelRunner.verify): the
-forward over every request padded to 1 + width tokens, then the draw of every row at once,
-acceptance and the drafter's next block on the device (accept_and_draft); the host reads the
-result once. Drawing every row before acceptance is the same as drawing them one by one: each
-row's noise depends only on its request's seed and position, and without logits processors a
-row's distribution does not depend on the tokens appended before it. Such steps chain (Chain):
-a graph of width K also writes the next step's inputs on the device (chain_next_inputs), so the
-host launches step N + 1 before it reads step N, as async scheduling does for plain steps.
+step's accepted tokens. A step whose requests all decode (at most MAX_VERIFY_GRAPH_BATCH of
+them, needing no host logits processing or log-probabilities) is two graph replays
+(ModelRunner.verify): the forward over every request padded to 1 + width tokens, then the draw
+of every row at once, acceptance and the drafter's next block on the device (accept_and_draft
+with block_drafts or mtp_drafts); the host reads the result once. Drawing every row before
+acceptance is the same as drawing them one by one: each row's noise depends only on its
+request's seed and position, and without logits processors a row's distribution does not
+depend on the tokens appended before it. Such steps chain (Chain): a graph of width K also
+writes the next step's inputs on the device (chain_next_inputs), so the host launches step
+N + 1 before it reads step N, as async scheduling does for plain steps. Other steps run eagerly
+(the MTP head's proposals: propose_mtp, over host-built spans, then the same mtp_chain).
+
+The MTP head in a graph step: it runs over every row of the step (1 + w per request), its cache
+written at the accepted rows only (the others' slots masked to -1), then k - 1 single-row passes
+per request (mtp_chain) at positions computed on the device, each writing its cache row only
+below the request's limit: the positions its blocks cover, allocated by the host before the
+step (k - 1 rows past the verified ones; a chained run's blocks cover CHAIN_STEPS steps). A
+draft whose row could not be written is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from deepinfer.backend.types import AttentionMetadata
+from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.engine.inputs import SamplingInputs
 from deepinfer.engine.kv_cache import BlockManager
 from deepinfer.engine.model_runner import ModelRunner, PendingVerify, VerifyResult
@@ -95,36 +106,142 @@ def mtp_batch(
     )
 
 
+# draft(fb, sampled (B, q), hidden (B q, Dm), accepted (B,), limit (B,), K) -> (drafts (B, K),
+# confidences (B, K)): a drafter's next block after a verification step (block_drafts, mtp_drafts)
+DraftFn = Callable[
+    [ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
 def accept_and_draft(
-    drafter: BlockDrafter,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
+    draft: DraftFn,
+    fb: ForwardBatch,
     sampled: torch.Tensor,
-    drafts: torch.Tensor,
-    valid: torch.Tensor,
     hidden: torch.Tensor,
+    limit: torch.Tensor,
     out_tokens: torch.Tensor,
     out_conf: torch.Tensor,
 ) -> None:
     """Device only (graph-safe): acceptance and the next block of a verification step.
 
-    sampled (B, q) the token drawn at each row of request b (q = 1 + w); drafts (B, w) the drafts
-    verified, valid (B, w) False for padding; hidden (B q, Dm) the final hidden states by row.
-    Draft j is accepted when drafts 0..j all equal the tokens drawn before them; with a
-    accepted, the request's last known token is sampled[b, a] and the drafter drafts from the
-    hidden state of row b q + a. Writes out_tokens (B, q + 1 + K) = [sampled | a | K drafts] and
-    out_conf (B, K) their confidences."""
+    fb: the step's inputs, request b at rows b q .. b q + q - 1 (q = 1 + w: its last token, then
+    the drafts verified; padding drafts write no cache row, slot -1); sampled (B, q) the token
+    drawn at each row; hidden (B q, Dm) the final hidden states by row; limit (B,) the positions
+    below which the drafter may write a cache row. Draft j is accepted when drafts 0..j all equal
+    the tokens drawn before them; with a accepted, the request's last known token is
+    sampled[b, a] and `draft` proposes the next K. Writes out_tokens (B, q + 1 + K) =
+    [sampled | a | K drafts] and out_conf (B, K) their confidences."""
     b, q = sampled.shape
     k = out_conf.shape[1]
+    drafts = fb.input_ids.view(b, q)[:, 1:]  # (B, w)
+    valid = fb.slot_mapping.view(b, q)[:, 1:] >= 0  # (B, w): False for padding
     match = (sampled[:, : q - 1] == drafts) & valid  # (B, w)
     accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # (B,)
-    last = sampled.gather(1, accepted[:, None])[:, 0]  # (B,)
-    rows = torch.arange(b, device=sampled.device) * q + accepted
-    block, conf = drafter.draft(hidden[rows], last, embed, lm_head, k)  # (B, K) each
+    block, conf = draft(fb, sampled, hidden, accepted, limit, k)  # (B, K) each
     out_tokens[:, :q].copy_(sampled)
     out_tokens[:, q].copy_(accepted)
     out_tokens[:, q + 1 :].copy_(block)
     out_conf.copy_(conf)
+
+
+def block_drafts(
+    drafter: BlockDrafter,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    fb: ForwardBatch,
+    sampled: torch.Tensor,
+    hidden: torch.Tensor,
+    accepted: torch.Tensor,
+    limit: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DraftFn of the block drafter: one pass from the hidden state of row b q + a (the last
+    accepted position) and the token drawn there. It keeps no cache (fb and limit unused)."""
+    b, q = sampled.shape
+    rows = torch.arange(b, device=sampled.device) * q + accepted
+    last = sampled.gather(1, accepted[:, None])[:, 0]  # (B,)
+    return drafter.draft(hidden[rows], last, embed, lm_head, k)
+
+
+def mtp_drafts(
+    model: Any,
+    caches: list[PagedKVCache],
+    block_size: int,
+    fb: ForwardBatch,
+    sampled: torch.Tensor,
+    hidden: torch.Tensor,
+    accepted: torch.Tensor,
+    limit: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DraftFn of the MTP head: the head over every row of the step (row j of request b at
+    position p = start + j takes the model's hidden state there and the token drawn at it, token
+    p + 1), writing its cache at the verified rows j <= a only; then mtp_chain from row a, the
+    last accepted position."""
+    b, q = sampled.shape
+    j = torch.arange(q, device=sampled.device)
+    slots = torch.where(j[None, :] <= accepted[:, None], fb.slot_mapping.view(b, q), -1)  # (B, q)
+    verified = dataclasses.replace(fb, input_ids=sampled.view(-1), slot_mapping=slots.view(-1))
+    out = model.forward_mtp(verified, hidden, caches)  # (B q, Dm)
+    rows = torch.arange(b, device=sampled.device) * q + accepted
+    last = fb.positions.view(b, q)[:, 0] + accepted  # (B,) the position of row a
+    return mtp_chain(
+        model, caches, block_size, out[rows], last, fb.attn.block_tables, limit, fb.attn.max_seq_len, k
+    )
+
+
+def mtp_chain(
+    model: Any,
+    caches: list[PagedKVCache],
+    block_size: int,
+    h: torch.Tensor,
+    last: torch.Tensor,
+    tables: torch.Tensor,
+    limit: torch.Tensor,
+    max_seq_len: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device only (graph-safe): k greedy drafts per request from the MTP head, each with its
+    confidence (the product of the head's probabilities of it and of the drafts before it).
+
+    h (B, Dm): the head's output at position last[b], which predicts token last + 2 (draft 0).
+    Draft i > 0: the head one position on (last + i) on draft i - 1 and its own previous output
+    (the model's hidden state there is not known yet; the next step's pass over verified rows
+    rewrites those cache rows). Its cache row is written only below limit[b] (the positions
+    allocated for it); a row at or past it writes nothing, sits at limit - 1 and drafts noise
+    that the caller drops. tables (B, MB) block tables; max_seq_len: a host upper bound of
+    limit (the attention's host lengths)."""
+    b, dev = h.shape[0], h.device
+    rows = torch.arange(b, device=dev)
+    starts = torch.arange(b + 1, dtype=torch.int32, device=dev)  # one query row per request
+    table = tables.long()
+    top = (limit - 1).clamp(min=0)
+    conf = torch.ones(b, dtype=torch.float32, device=dev)
+    drafts, confs = [], []
+    for i in range(k):
+        probs = torch.softmax(model.compute_logits(h), dim=-1)  # (B, V)
+        p, token = probs.max(dim=-1)
+        conf = conf * p
+        drafts.append(token)
+        confs.append(conf)
+        if i == k - 1:
+            break
+        pos = last + i + 1  # (B,)
+        write = pos < limit
+        pos = torch.minimum(pos, top)
+        col = (pos // block_size).clamp(max=table.shape[1] - 1)
+        slots = torch.where(write, table.gather(1, col[:, None])[:, 0] * block_size + pos % block_size, -1)
+        attn = AttentionMetadata(
+            block_tables=tables, seq_lens=(pos + 1).to(torch.int32), query_start_loc=starts,
+            seq_lens_host=(max_seq_len,) * b, query_lens_host=(1,) * b, max_query_len=1,
+            max_seq_len=max_seq_len,
+        )  # fmt: skip
+        step = ForwardBatch(
+            input_ids=token, positions=pos, slot_mapping=slots, attn=attn, logits_indices=rows
+        )
+        h = model.forward_mtp(step, h, caches)  # (B, Dm)
+    return torch.stack(drafts, dim=1), torch.stack(confs, dim=1)
 
 
 def chain_next_inputs(
@@ -241,6 +358,9 @@ class SpeculativeDecoder:
         self.min_draft_confidence = min_draft_confidence
         self.max_model_len = max_model_len
         self.drafter = drafter
+        # the drafter's cache rows past a step's verified ones: the MTP head's chain writes k - 1
+        # (the block drafter keeps no cache)
+        self.head_rows = num_speculative_tokens - 1 if drafter is None else 0
         self.step_token_budget = step_token_budget
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
@@ -282,7 +402,7 @@ class SpeculativeDecoder:
 
     def step(self, batch: ScheduledBatch) -> list[Sequence]:
         self.num_steps += 1
-        graph = self.runner.verify_bucket_for(batch) if self.drafter is not None else None
+        graph = self.runner.verify_bucket_for(batch)
         seqs = batch.seqs
         on_host = self.sampler.needs_processing(seqs) or any(s.needs_logprob for s in seqs)
         if graph is not None and not on_host:  # processors and log-probabilities: eager
@@ -327,21 +447,43 @@ class SpeculativeDecoder:
 
     def _graph_step(self, batch: ScheduledBatch, bucket: int, width: int) -> list[Sequence]:
         """A decode step verified by graph replays (ModelRunner.verify): append each request's
-        accepted drafts and the token after them, then keep the next block's confident drafts."""
+        accepted drafts and the token after them, then keep the next block's confident drafts.
+        The drafter's cache rows past the verified ones get blocks first (where the pool has them)."""
         self.hidden = None
         self.num_graph_steps += 1
+        limits = self._cover(batch.seqs, [1 + nd + self.head_rows for nd in batch.num_draft_tokens])
+        self.runner.set_chain_limits(limits, self._chain_budget(len(batch)))
         result = self.runner.verify(batch, bucket, width, greedy=all(s.params.greedy for s in batch.seqs))
-        return self._append_verified(batch.seqs, batch.num_draft_tokens, result)
+        return self._append_verified(batch.seqs, batch.num_draft_tokens, result, limits)
+
+    def _cover(self, seqs: list[Sequence], tokens: list[int]) -> list[int]:
+        """Blocks for request b's next tokens[b] positions (below max_model_len; none more where
+        the pool runs short) -> the positions its blocks cover, below max_model_len: the limits
+        of its cache writes on the device (ModelRunner.set_chain_limits)."""
+        bs = self.block_manager.block_size
+        limits = []
+        for seq, n in zip(seqs, tokens):
+            want = min(seq.num_computed_tokens + n, self.max_model_len)
+            self.block_manager.allocate(seq, want - seq.num_computed_tokens)  # if it fails: less room
+            limits.append(min(len(seq.block_table) * bs, self.max_model_len))
+        return limits
+
+    def _chain_budget(self, num_requests: int) -> int:
+        """The draft budget of a chained step (every draft when unscheduled): the same for every
+        step of a chain, as nothing waits and nothing joins."""
+        budget = self.budget()
+        return num_requests * self.k if budget is None else budget
 
     def _append_verified(
-        self, seqs: list[Sequence], num_drafts: list[int], result: VerifyResult
+        self, seqs: list[Sequence], num_drafts: list[int], result: VerifyResult, limits: list[int]
     ) -> list[Sequence]:
         """The host's side of a verified step: each request's row and accepted drafts count as
         computed, their tokens are appended (stop conditions checked token by token), and the
-        next block's confident drafts become its drafts."""
+        next block's confident drafts become its drafts. limits: the positions below which the
+        step wrote cache rows (the MTP head's draft i > 0 is kept only if its row was written)."""
         finished: list[Sequence] = []
         self.confidence = {}
-        for b, (seq, nd) in enumerate(zip(seqs, num_drafts)):
+        for b, (seq, nd, limit) in enumerate(zip(seqs, num_drafts, limits)):
             if seq.is_finished:  # a chained step's row of a request that finished before it
                 continue
             self.num_draft_tokens += nd
@@ -357,6 +499,8 @@ class SpeculativeDecoder:
             seq.draft = []
             if not seq.is_finished:
                 k = min(self.k, self.max_model_len - seq.num_tokens)
+                if self.head_rows:  # the head's row of draft i > 0 sits at num_tokens - 2 + i
+                    k = min(k, max(1, limit - seq.num_tokens + 2))
                 self._keep_confident(seq, zip(result.drafts[b][:k], result.confidences[b][:k]))
         return finished
 
@@ -370,14 +514,9 @@ class SpeculativeDecoder:
         """Launch the chain's first step (prepared by the host, padded to width K) after making
         each request's blocks cover CHAIN_STEPS steps, then go on as chain_step does."""
         self.hidden = None
-        bs = self.block_manager.block_size
-        limits = []
-        for seq in batch.seqs:
-            want = min(seq.num_computed_tokens + CHAIN_STEPS * (1 + self.k), self.max_model_len)
-            self.block_manager.allocate(seq, want - seq.num_computed_tokens)  # if it fails: fewer steps
-            limits.append(min(len(seq.block_table) * bs, self.max_model_len))
-        budget = self.budget()  # the same for every chained step: nothing waits, nothing joins
-        self.runner.set_chain_limits(limits, len(batch) * self.k if budget is None else budget)
+        # fewer steps where the pool runs short
+        limits = self._cover(batch.seqs, [CHAIN_STEPS * (1 + self.k) + self.head_rows] * len(batch))
+        self.runner.set_chain_limits(limits, self._chain_budget(len(batch)))
         greedy = all(s.params.greedy for s in batch.seqs)
         self.num_graph_steps += 1
         pending = self.runner.verify_launch(batch, bucket, self.k, greedy, len(batch))
@@ -398,7 +537,7 @@ class SpeculativeDecoder:
             self.num_graph_steps += 1
             launched = self.runner.verify_launch(None, chain.bucket, self.k, chain.greedy, len(chain.seqs))
         result = self.runner.verify_read(chain.pending)
-        finished = self._append_verified(chain.seqs, chain.num_drafts, result)
+        finished = self._append_verified(chain.seqs, chain.num_drafts, result, chain.limits)
         if launched is None or all(s.is_finished for s in chain.seqs):
             self.chain = None  # a step still in flight writes only its finished requests' rows
         else:
@@ -501,10 +640,10 @@ class SpeculativeDecoder:
         The head first runs over positions spans[b] = [start, end) of request b: position p takes
         the model's hidden state of p (self.hidden row hidden_rows[b] + p - start) and token p + 1,
         and writes the head's own cache. Its output at end - 1 predicts token end + 1, the first
-        draft (end = num_tokens - 1: the token after the last known one). Each further draft runs
-        the head one position on, on its own previous output and the previous draft (the model's
-        hidden state there is not known yet; the next step's run over verified positions
-        rewrites those cache rows). Greedy drafts: verification keeps the outputs exact anyway."""
+        draft (end = num_tokens - 1: the token after the last known one). The further drafts are
+        mtp_chain's, as in a verification graph step; their cache rows end .. end + n - 2 (n the
+        drafts wanted) are written, no others. Greedy drafts: verification keeps the outputs exact
+        anyway."""
         runner, model = self.runner, self.runner.model
         assert self.hidden is not None and runner.mtp_caches
         bs, device = runner.block_size, runner.device
@@ -512,26 +651,14 @@ class SpeculativeDecoder:
         fb = mtp_batch(seqs, spans, tokens, bs, device)
         rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(device)
         out = model.forward_mtp(fb, self.hidden[rows], runner.mtp_caches)  # (T, Dm)
-        h = out[fb.logits_indices]  # (B, Dm): the head's output at each request's last position
-        drafts: list[list[tuple[int, float]]] = [[] for _ in seqs]
-        live = list(range(len(seqs)))  # requests that want another draft
-        for j in range(max(num_drafts)):
-            probs = torch.softmax(model.compute_logits(h), dim=-1)  # (len(live), V)
-            top_p, top_t = probs.max(dim=-1)
-            for b, t, p in zip(live, top_t.tolist(), top_p.tolist()):
-                before = drafts[b][-1][1] if drafts[b] else 1.0
-                drafts[b].append((int(t), before * float(p)))
-            keep = [i for i, b in enumerate(live) if num_drafts[b] > j + 1]
-            if not keep:
-                break
-            live = [live[i] for i in keep]
-            pos = [spans[b][1] + j for b in live]  # the head's next position, fed the last draft
-            fb = mtp_batch(
-                [seqs[b] for b in live],
-                [(q, q + 1) for q in pos],
-                [[drafts[b][-1][0]] for b in live],
-                bs,
-                device,
-            )
-            h = model.forward_mtp(fb, h[keep], runner.mtp_caches)
-        return drafts
+        limits = [min(e + n - 1, len(s.block_table) * bs) for s, (_, e), n in zip(seqs, spans, num_drafts)]
+        last = [e - 1 for _, e in spans]
+
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        drafts, conf = mtp_chain(
+            model, runner.mtp_caches, bs, out[fb.logits_indices], dev(last), fb.attn.block_tables,
+            dev(limits), max(limits), max(num_drafts),
+        )  # fmt: skip
+        return [list(zip(d[:n], c[:n])) for d, c, n in zip(drafts.tolist(), conf.tolist(), num_drafts)]

@@ -213,6 +213,25 @@ def write_random_checkpoint(
     return write_checkpoint(path, cfg, state, shards)
 
 
+def write_mirrored_mtp_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random one-layer tiny_config checkpoint whose MTP head mostly drafts what the model then
+    samples (speculative tests that need accepted drafts). The MTP layer is a copy of the decoder
+    layer that reads only the next token's embedding (eh_proj = [I | 0], embeddings of unit RMS,
+    enorm 1; the final norm shared): at position p on token p + 1 it computes what the model
+    computes at position p + 1, except that its attention lacks token 0."""
+    cfg = tiny_config(**{"num_hidden_layers": 1, "first_k_dense_replace": 0, **overrides})  # both MoE
+    state = random_state_dict(ModelConfig.from_dict(cfg), seed)
+    dm = cfg["hidden_size"]
+    embed = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = embed / embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    for name in [n for n in state if n.startswith("model.layers.0.")]:
+        state[name.replace("model.layers.0.", "model.layers.1.")] = state[name].clone()
+    state["model.layers.1.enorm.weight"] = torch.ones(dm)
+    state["model.layers.1.eh_proj.weight"] = torch.cat([torch.eye(dm), torch.zeros(dm, dm)], dim=1)
+    state["model.layers.1.shared_head.norm.weight"] = state["model.norm.weight"].clone()
+    return write_checkpoint(path, cfg, state)
+
+
 # --------------------------------------------------------------------------- DeepSeek-V4
 
 

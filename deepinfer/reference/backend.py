@@ -39,6 +39,8 @@ DEVICE_ENV = "DEEPINFER_REFERENCE_DEVICE"
 
 
 class ReferenceDevice(DeviceOps):
+    graph_lengths_on_device = True  # a replay reruns the function, lengths and all
+
     def __init__(self, options: BackendOptions, device: torch.device) -> None:
         super().__init__(options)
         self._device = device

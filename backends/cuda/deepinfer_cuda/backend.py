@@ -77,6 +77,8 @@ class CudaGraphRunner(GraphRunner):
 
 
 class CudaDevice(DeviceOps):
+    graph_lengths_on_device = True  # the kernels read lengths on the device (host ones: bounds)
+
     def __init__(self, options: BackendOptions, device: torch.device) -> None:
         super().__init__(options)
         self._device = device

@@ -326,6 +326,42 @@ def test_prefill_equals_decode_on_decode_rows(backend: Backend, gen: torch.Gener
     assert_close(a, oracle(b), dt, what="decode vs prefill", locate=attention_locator(batch.meta))
 
 
+def test_graph_computes_its_own_lengths(backend: Backend, gen: torch.Generator) -> None:
+    """A backend that claims DeviceOps.graph_lengths_on_device: a captured decode whose KV lengths
+    the graph computes itself (from an input refilled before each replay) replays with each
+    replay's lengths, as an eager call given them does."""
+    if not backend.capabilities.supports_graphs or not backend.device.graph_lengths_on_device:
+        pytest.skip("the backend does not claim graphs that compute attention lengths")
+    dt, device = backend.capabilities.dtypes[0], backend.device.device()
+    batch = make_paged_batch(
+        backend, seq_lens=[20, 40, 9], query_lens=[1, 1, 1], block_size=8, head_dim=576, dtype=dt, gen=gen,
+        rope_dim=64,
+    )  # fmt: skip
+    q = randn((3, 4, 576), dt, device, gen)
+    before = torch.zeros(3, dtype=torch.int32, device=device)  # (B,) refilled: the lengths less one
+    out = torch.zeros((3, 4, 512), dtype=dt, device=device)
+    upper = (40, 40, 40)  # host lengths: upper bounds
+
+    def step() -> None:
+        meta = AttentionMetadata(
+            block_tables=batch.meta.block_tables, seq_lens=before + 1,
+            query_start_loc=batch.meta.query_start_loc, seq_lens_host=upper, query_lens_host=(1, 1, 1),
+            max_query_len=1, max_seq_len=40,
+        )  # fmt: skip
+        out.copy_(backend.attention.decode(q, batch.cache, meta, scale=576**-0.5, v_dim=512))
+
+    graph = backend.device.capture_graph(step)
+    assert graph is not None
+    for lens in ([20, 40, 9], [5, 17, 1]):
+        before.copy_(torch.tensor(lens, dtype=torch.int32).to(device) - 1)
+        graph.replay()
+        meta = AttentionMetadata.build(batch.meta.block_tables, lens, [1, 1, 1])
+        want = backend.attention.decode(q, batch.cache, meta, scale=576**-0.5, v_dim=512)
+        assert_close(
+            out, oracle(want), dt, what=f"graph-computed lengths {lens}", locate=attention_locator(meta)
+        )
+
+
 # --------------------------------------------------------------------------- the edge rules, one by one
 
 
