@@ -20,6 +20,7 @@ python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet -e '.[test]' -e backends/cuda -e backends/ascend triton==3.6.0
 python -c "import torch; print('torch', torch.__version__)"
 
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per worker: two workers on two cores, no oversubscription
 set +e
 python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --durations=25 "$@"
 status=$?

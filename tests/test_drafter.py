@@ -187,15 +187,23 @@ def test_chained_verification_steps_equal_plain_decoding(
     assert chained[0] > 0 and chained[1] == 0
 
 
-def test_verification_graphs_stay_inside_the_rope_table(ckpt: Path, expected: Any) -> None:
-    """max_model_len at max_position_embeddings (512): a verification graph's padding drafts would
-    sit past the rope table, so speculative steps run eagerly (decode graphs stay)."""
-    llm = make(ckpt, max_model_len=512, speculative_config={"method": "dspark", "num_speculative_tokens": 3})
-    engine = llm.llm_engine
-    assert engine.runner.graphs and not engine.runner.verify_graphs
-    assert run(llm, GREEDY) == expected[0]
-    assert engine.speculative is not None and engine.speculative.num_graph_steps == 0
-    assert engine.num_draft_tokens > 0
+def test_verification_graphs_at_the_rope_tables_end(
+    ckpt: Path, expected: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_model_len at max_position_embeddings (512): a verification graph's padding drafts sit
+    past it, in the rope table's padding rows, so steps replay graphs. Without those rows they
+    would leave the table: speculative steps then run eagerly (decode graphs stay)."""
+    import deepinfer.models.deepseek as deepseek_model
+
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    for padding in (deepseek_model.SPECULATIVE_PADDING_POSITIONS, 0):
+        monkeypatch.setattr(deepseek_model, "SPECULATIVE_PADDING_POSITIONS", padding)
+        llm = make(ckpt, max_model_len=512, speculative_config=spec)
+        engine = llm.llm_engine
+        assert engine.runner.graphs and bool(engine.runner.verify_graphs) == (padding > 0)
+        assert run(llm, GREEDY) == expected[0]
+        assert engine.speculative is not None and (engine.speculative.num_graph_steps > 0) == (padding > 0)
+        assert engine.num_draft_tokens > 0
 
 
 @pytest.mark.skipif(

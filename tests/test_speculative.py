@@ -337,14 +337,17 @@ def test_mtp_steps_run_eagerly_where_graphs_cannot_serve_them(
     mirrored: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No verification graphs (decode graphs stay), eager steps, plain decoding's outputs: at a
-    max_model_len whose padding drafts would pass max_position_embeddings (512), and on a backend
+    max_model_len whose padding drafts would leave the rope table (here without its padding
+    rows), and on a backend
     whose graphs cannot compute attention lengths (DeviceOps.graph_lengths_on_device)."""
+    import deepinfer.models.deepseek as deepseek_model
     from deepinfer.reference.backend import ReferenceDevice
 
     want = run(make(mirrored), GREEDY)
     spec = {**SPEC, "num_speculative_tokens": 3}
     for args, on_device in (({"max_model_len": 510}, True), ({}, False)):
         monkeypatch.setattr(ReferenceDevice, "graph_lengths_on_device", on_device)
+        monkeypatch.setattr(deepseek_model, "SPECULATIVE_PADDING_POSITIONS", 0 if on_device else 32)
         llm = make(mirrored, speculative_config=spec, **args)
         engine = llm.llm_engine
         assert engine.runner.graphs and not engine.runner.verify_graphs

@@ -281,11 +281,11 @@ class LLMEngine:
         that compute attention lengths and the backend's cannot."""
         if method is None or not buckets:
             return []
-        positions = self.model.config.max_position_embeddings
+        positions = getattr(self.model, "rope_positions", self.model.config.max_position_embeddings)
         if self.max_model_len + self.num_speculative_tokens > positions:
             logger.info(
                 "speculative steps run eagerly: max_model_len + num_speculative_tokens (%d) exceeds "
-                "max_position_embeddings (%d); a smaller max_model_len lets them replay graphs",
+                "the rope table's %d positions; a smaller max_model_len lets them replay graphs",
                 self.max_model_len + self.num_speculative_tokens, positions,
             )  # fmt: skip
             return []

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
 
 
+# Rope-table rows past max_position_embeddings (speculative padding drafts; see DeepseekForCausalLM)
+SPECULATIVE_PADDING_POSITIONS = 32
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h)). The residual add is fused into
     the next norm (backend.small.add_rms_norm)."""
@@ -129,7 +132,11 @@ class DeepseekForCausalLM(nn.Module):
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         device = backend.device.device()
-        table = cos_sin_cache(config.rope, config.qk_rope_head_dim, config.max_position_embeddings, device)
+        # rows past max_position_embeddings serve only speculative steps' padding drafts (up to
+        # k positions past max_model_len, outputs discarded), so verification graphs captured at
+        # max_model_len = max_position_embeddings stay inside the table
+        self.rope_positions = config.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS
+        table = cos_sin_cache(config.rope, config.qk_rope_head_dim, self.rope_positions, device)
         self.register_buffer("cos_sin", table, persistent=False)  # (P, R) float32
 
     # ------------------------------------------------------------------ engine interface
@@ -149,10 +156,10 @@ class DeepseekForCausalLM(nn.Module):
         return KVCacheSpec(num_blocks, block_size, c.kv_lora_rank, c.qk_rope_head_dim, self.dtype)
 
     def _check_positions(self, batch: ForwardBatch) -> None:
-        if batch.attn.max_seq_len > self.config.max_position_embeddings:
+        if batch.attn.max_seq_len > self.rope_positions:
             raise ValueError(
                 f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings})"
+                f"({self.config.max_position_embeddings}) + {SPECULATIVE_PADDING_POSITIONS} padding positions"
             )
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
