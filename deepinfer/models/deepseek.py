@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 # Rope-table rows past max_position_embeddings (speculative padding drafts; see DeepseekForCausalLM)
 SPECULATIVE_PADDING_POSITIONS = 32
 
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: h += MLA(norm(h)); h += MLP-or-MoE(norm(h)). The residual add is fused into
     the next norm (backend.small.add_rms_norm)."""
