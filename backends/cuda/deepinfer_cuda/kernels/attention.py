@@ -61,6 +61,18 @@ FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 # Batch-invariant mode: one fixed configuration (per dtype) and split size for every batch.
 INVARIANT_SPLIT = 1024
 INVARIANT_CONFIG = WIDE_CONFIG
+def _invariant_config(rows: int, device: torch.device) -> AttentionConfig:
+    """Batch-invariant tiles: a row's bits depend on BLOCK_N and the split size (the order of its
+    sums), not on how many query rows share a tile, where the MMA gives each row the same bits in
+    any tile height: checked on SM90 for the GEMMs (bench/bench_invariant_tiles.py --bits) and by
+    the conformance suite's batch-invariance cases. There, decode-sized launches (fewer than 64
+    rows per request) take 16- or 32-row tiles; elsewhere INVARIANT_CONFIG serves every launch."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if not sm90 or rows >= 64:
+        return INVARIANT_CONFIG
+    return AttentionConfig(block_m=max(16, next_pow2(rows)), block_n=INVARIANT_CONFIG.block_n, num_warps=4)
+
+
 # Below this many KV positions per split, splitting costs more than it gains once the grid
 # fills at least half the SMs without splitting.
 MIN_SPLIT = 512
@@ -393,7 +405,7 @@ def mla_attention(
 
     fp32 = q.dtype == torch.float32
     if batch_invariant:
-        cfg = config or (FP32_CONFIG if fp32 else INVARIANT_CONFIG)
+        cfg = config or (FP32_CONFIG if fp32 else _invariant_config(max_q * h, q.device))
         split = split_size or INVARIANT_SPLIT
     else:
         rows = max_q * h
