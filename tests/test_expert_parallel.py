@@ -106,6 +106,80 @@ def test_expert_parallel_outputs_equal_one_process(tmp_path: Path, backend: str,
     assert results[0]["bad"].startswith("RuntimeError: generate failed on another expert-parallel rank")
 
 
+def _exchange_worker(rank: int, store: str, out_dir: str) -> None:
+    """fixed_exchange against dispatch_combine and the dense sum, 7 experts over 2 ranks; then its
+    failure promise: rank 1's experts raise, zeros go back, and a forward that stops after its
+    first exchange completes the second with log.complete (no rank waits)."""
+    import torch
+
+    from deepinfer.parallel.exchanges import log_exchanges
+    from deepinfer.parallel.expert_parallel import dispatch_combine, fixed_exchange
+    from deepinfer.reference.backend import create_reference_backend
+
+    result: dict[str, Any] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+        collectives = create_reference_backend().collectives
+        bounds, t, k = [0, 4, 7], 5, 3
+        lo = bounds[rank]
+        g = torch.Generator().manual_seed(10 + rank)
+        x, w = torch.randn(t, 6, generator=g), torch.rand(t, k, generator=g)
+        ids = torch.randint(0, 7, (t, k), generator=g, dtype=torch.int32)
+        scale = torch.arange(1, 8, dtype=torch.float32) * 0.25  # expert e multiplies by scale[e]
+
+        def pairs(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            return rows * scale[local_ids.long() + lo].unsqueeze(-1)
+
+        def fused(rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            return (rows.unsqueeze(1) * (weights * scale[local_ids.long() + lo]).unsqueeze(-1)).sum(1)
+
+        dense = (x.unsqueeze(1) * (w * scale[ids.long()]).unsqueeze(-1)).sum(1)
+        fixed = fixed_exchange(collectives, x, w, ids, bounds, rank, fused)
+        sized = dispatch_combine(collectives, x, w, ids, bounds, rank, pairs)
+        result["fixed_vs_dense"] = float((fixed - dense).abs().max())
+        result["fixed_vs_sized"] = float((fixed - sized).abs().max())
+
+        def failing(rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("experts failed")
+
+        with log_exchanges() as log:
+            try:
+                fixed_exchange(collectives, x, w, ids, bounds, rank, failing if rank == 1 else fused)
+                if rank == 0:  # rank 1 stopped after its first exchange: it owes the second
+                    result["second"] = fixed_exchange(collectives, x, w, ids, bounds, rank, fused).tolist()
+            except RuntimeError as exc:
+                result["raised"] = str(exc)
+                result["log"] = [log.done, log.open]
+                log.complete(2)
+        result["rank0_dense"] = dense.tolist()
+        # rank 0's tokens got no share from rank 1's experts: only those of rank 0 (0..3) count
+        own = torch.where(ids < 4, w, 0.0)
+        result["rank0_own"] = (x.unsqueeze(1) * (own * scale[ids.long()]).unsqueeze(-1)).sum(1).tolist()
+        dist.destroy_process_group()
+    except Exception:
+        result["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def test_fixed_exchange_equals_the_sized_one_and_keeps_its_failure_promise(tmp_path: Path) -> None:
+    import torch
+
+    workers = spawn(_exchange_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=False)  # type: ignore[no-untyped-call]
+    deadline = time.monotonic() + 180
+    while not workers.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in workers.processes:
+                proc.kill()
+            pytest.fail("the ranks did not finish within 180 s: an exchange hung")
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)}
+    for r, res in results.items():
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+        assert res["fixed_vs_dense"] < 1e-5 and res["fixed_vs_sized"] < 1e-5, (r, res)
+    assert results[1]["raised"] == "experts failed" and results[1]["log"] == [1, False]
+    assert "raised" not in results[0]
+    torch.testing.assert_close(torch.tensor(results[0]["second"]), torch.tensor(results[0]["rank0_own"]))
+
+
 def test_expert_parallel_needs_torch_distributed(tmp_path: Path) -> None:
     ckpt = write_random_checkpoint(tmp_path / "ckpt", tiny_config(num_nextn_predict_layers=0))
     assert not dist.is_initialized()
