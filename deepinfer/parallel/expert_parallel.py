@@ -249,7 +249,7 @@ def fixed_exchange(
 
 def _pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """(T, Dm), (T, K), (T, K) -> (T, B) uint8 rows [weights float32 | ids int32 | x | padding to
-    4 bytes], B = 8K + Dm * itemsize rounded up to 4: each part unpacks as a view, no copy."""
+    4 bytes], B = 8K + Dm * itemsize rounded up to 4, so that every part unpacks as a view."""
     t = x.shape[0]
     parts = [
         weights.float().contiguous().view(torch.uint8),
