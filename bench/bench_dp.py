@@ -10,7 +10,11 @@
    throughput.
 
 Every configuration runs in worker processes the engine starts (deepinfer.parallel.data_parallel),
-so each starts from a clean device. Results: one JSON file (--out) and a table on stdout.
+so each starts from a clean device. Decode steps replay graphs on every rank (with expert
+parallelism: padded to the bucket the ranks agree on each step, the MoE exchanges inside;
+--enforce-eager turns them off) and the host schedules ahead (async scheduling); each run
+records and prints whether its ranks had graphs. Results: one JSON file (--out) and a table on
+stdout.
 
     python bench/bench_dp.py --out bench/results/dp_h200x2.json         # two GPUs
     python bench/bench_dp.py --toy --out /tmp/dp_toy.json               # CPU, toy sizes, seconds
@@ -48,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace, dp: int, max_model_len: int) -> dict
         "enable_expert_parallel": dp > 1,
         "enable_two_batch_overlap": dp > 1 and args.two_batch_overlap,
         "distributed_timeout_s": args.timeout_s,
+        "enforce_eager": args.enforce_eager,
     }
 
 
@@ -88,7 +93,18 @@ def serve(
         "output_tokens_per_s": num_out / elapsed,
         "total_tokens_per_s": (num_out + num_prompts * args.input_len) / elapsed,
         "num_preemptions": engine.num_preemptions,
+        "graph_buckets": engine.graph_buckets,  # the decode graphs every rank captured ([]: eager)
+        "async_scheduling": engine.async_scheduling,
     }
+
+
+def graphs_on(run: dict[str, Any]) -> str:
+    """Whether a run's ranks replayed decode graphs, for the table."""
+    buckets = run["graph_buckets"]
+    scheduling = "async" if run["async_scheduling"] else "sync"
+    if not buckets:
+        return f"off (eager), {scheduling}"
+    return f"on ({len(buckets)} buckets up to {max(buckets)}), {scheduling}"
 
 
 def with_layers(config_file: Path, layers: int, folder: Path) -> Path:
@@ -121,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=None, help="default: auto (toy: reference)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 (toy: float32)")
     parser.add_argument("--two-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs on the ranks")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="distributed_timeout_s")
     args = parser.parse_args(argv)
     toy = args.toy
@@ -171,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         results["big_model"]["two_devices"] = serve(big, 2, args, args.big_num_prompts, args.output_len, True)
 
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"{'run':<34} {'startup s':>10} {'elapsed s':>10} {'out tok/s':>12} {'total tok/s':>12}")
+    print(f"{'run':<34} {'startup s':>10} {'elapsed s':>10} {'out tok/s':>12} {'total tok/s':>12}  graphs")
     rows = [("small, one device", one), ("small, two devices", two)]
     one_big = results["big_model"].get("one_device", {})
     if "elapsed_s" in one_big:
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows:
         print(
             f"{name:<34} {r['startup_s']:>10.1f} {r['elapsed_s']:>10.2f} {r['output_tokens_per_s']:>12.1f} "
-            f"{r['total_tokens_per_s']:>12.1f}"
+            f"{r['total_tokens_per_s']:>12.1f}  {graphs_on(r)}"
         )
     if "refused" in one_big:
         print(f"big FP8, one device: {one_big['refused']}")

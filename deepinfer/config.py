@@ -325,7 +325,8 @@ class EngineConfig:
     enable_two_batch_overlap: bool = engine_arg(
         False,
         "with expert parallelism, split each MoE layer's tokens into two micro-batches so that one's "
-        "all-to-all runs while the other's experts compute (same tokens)",
+        "all-to-all runs while the other's experts compute (same tokens); in eager steps (decode "
+        "graphs exchange fixed-size buffers, unsplit)",
         _boolean,
     )
     distributed_timeout_s: float = engine_arg(
@@ -339,13 +340,13 @@ class EngineConfig:
     enforce_eager: bool = engine_arg(
         False,
         "never capture graphs; by default decode steps replay graphs captured per batch-size bucket "
-        "where the backend has them",
+        "where the backend has them (expert-parallel ranks: a bucket they agree on each step)",
         _boolean,
     )
     async_scheduling: bool = engine_arg(
         True,
         "schedule and prepare step n+1 on the host while the device runs step n (same outputs as "
-        "synchronous scheduling); speculative steps and expert-parallel ranks run synchronously",
+        "synchronous scheduling); speculative steps run synchronously",
         _boolean,
     )
     generation_config: str = engine_arg(

@@ -440,6 +440,9 @@ def test_bench_dp_runs_at_toy_sizes(tmp_path: Path) -> None:
     one, two = result["runs"]
     assert (one["data_parallel_size"], two["data_parallel_size"]) == (1, 2)
     assert one["output_tokens_per_s"] > 0 and two["output_tokens_per_s"] > 0
+    # decode graphs on every rank, expert-parallel ones included (the toy max_num_seqs 8: 1 .. 8)
+    assert one["graph_buckets"] == two["graph_buckets"] == [1, 2, 4, 8]
+    assert two["async_scheduling"] and "on (4 buckets up to 8), async" in done.stdout
     assert result["speedup_two_over_one"] == two["total_tokens_per_s"] / one["total_tokens_per_s"]
     big = result["big_model"]
     assert big["weight_bytes_per_rank_of_two"] < big["weight_bytes_one_device"]

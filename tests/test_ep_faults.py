@@ -168,13 +168,15 @@ def _calls_worker(rank: int, ckpt: str, store: str, out_dir: str) -> None:
 
 
 def _stall_worker(rank: int, ckpt: str, store: str, out_dir: str) -> None:
-    """Rank 1 stalls after the MoE exchanges of its third step until rank 0 gave up on it."""
+    """Rank 1 stalls when it processes sampled tokens the third time (after the MoE exchanges of
+    that step: the third, or with async scheduling the fourth) until rank 0 gave up on it."""
     result: dict[str, Any] = {}
     gave_up = Path(out_dir, "rank0_gave_up")
     try:
         llm = _llm(rank, ckpt, store)
         if rank == 1:
-            outputs = llm.llm_engine.outputs
+            outputs, ep = llm.llm_engine.outputs, llm.llm_engine.expert_parallel
+            assert ep is not None
             real = outputs.process
             steps = {"n": 0}
 
@@ -182,6 +184,7 @@ def _stall_worker(rank: int, ckpt: str, store: str, out_dir: str) -> None:
                 steps["n"] += 1
                 if steps["n"] == 3:
                     result["stalled_at"] = time.time()
+                    result["stalled_step"] = ep.sync.steps
                     _wait_for(gave_up)
                     result["resumed_at"] = time.time()
                 return real(*args, **kwargs)
@@ -305,7 +308,8 @@ def test_ranks_that_call_generate_a_different_number_of_times(tmp_path: Path) ->
 
 def test_a_rank_that_does_not_reach_the_next_step_in_time(tmp_path: Path) -> None:
     results = _run(_stall_worker, tmp_path)
-    cause = f"rank 1 did not reach step 4 of generate call 1 within distributed_timeout_s={BOUND_S:g} s"
+    step = results[1]["stalled_step"] + 1
+    cause = f"rank 1 did not reach step {step} of generate call 1 within distributed_timeout_s={BOUND_S:g} s"
     waited = results[0]["first"]
     assert cause in waited.get("error", ""), waited
     waited_s = waited["end"] - results[1]["stalled_at"]

@@ -533,6 +533,11 @@ class MoeOps(_Part):
 # --------------------------------------------------------------------------- collectives
 
 
+# torch renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn)
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 class CollectiveOps(_Part):
     """Collectives over torch.distributed with the backend's process-group backend.
 
@@ -555,14 +560,14 @@ class CollectiveOps(_Part):
         """(n, ...) per rank -> (world * n, ...), rank-ordered."""
         world = dist.get_world_size(group)
         out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        _all_gather_single(out, t.contiguous(), group=group)
         return out
 
     def reduce_scatter(self, t: torch.Tensor, group: Any = None) -> torch.Tensor:
         """(world * n, ...) per rank -> this rank's (n, ...) slice of the sum over ranks."""
         world = dist.get_world_size(group)
         out = torch.empty((t.shape[0] // world, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out, t.contiguous(), group=group)
+        _reduce_scatter_single(out, t.contiguous(), group=group)
         return out
 
     def all_to_all_single(

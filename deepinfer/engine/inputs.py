@@ -257,6 +257,7 @@ class StepInputs:
             attn=attn,
             logits_indices=views["logits_indices"],
             group_block_tables=self._split_group_tables(views["group_block_tables"], b, group_mbs),
+            fixed_exchange=bucket is not None,
         )
         sampling = SamplingInputs(
             temperature=views["temperature"],

@@ -6,6 +6,13 @@ forward (a graph replay for decode steps), the host then processes the PREVIOUS 
 of this step is launched with every request's history up to date. Without async scheduling the
 step's own tokens are processed right away. Steps with speculative drafts run synchronously
 (deepinfer.engine.speculative).
+
+Expert-parallel ranks schedule their step before the status exchange that starts it
+(deepinfer.parallel.rank_sync), where each says how many decode rows it asks for: when every
+rank's step is a decode batch that fits a graph (or no forward), every rank replays the graph of
+the smallest bucket that holds the largest batch (an idle rank with every row padding), its MoE
+exchanges of fixed shapes captured inside; otherwise every rank runs eagerly, with the
+host-sized exchanges.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +48,7 @@ from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH, ModelRunner, g
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.speculative import (
     SpeculativeDecoder,
@@ -54,6 +62,7 @@ from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_j
 from deepinfer.log import configure_logging
 from deepinfer.models.forward_batch import KVCacheGroup
 from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.rank_sync import EAGER
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +105,15 @@ def completion_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & SEED_MASK
     return _int64(x ^ (x >> 31))
+
+
+@dataclass
+class PlannedStep:
+    """Expert parallelism: a step scheduled before the status exchange, and the graph bucket the
+    ranks agreed on there (None: eager forwards)."""
+
+    batch: ScheduledBatch
+    bucket: int | None = None
 
 
 class LLMEngine:
@@ -155,11 +173,13 @@ class LLMEngine:
                 f"speculative_config: num_speculative_tokens={self.num_speculative_tokens} exceeds the "
                 f"block drafter's block_size {drafter.block_size}"
             )
-        # Graphs and async scheduling serve decoding steps on one rank (steps with drafts replay
-        # verification graphs, chained: deepinfer.engine.speculative); expert-parallel exchanges
-        # (host-sized all_to_all) run eagerly and synchronously.
-        plain = self.expert_parallel is None
-        use_graphs = plain and not config.enforce_eager and backend.capabilities.supports_graphs
+        # Graphs and async scheduling serve decoding steps (steps with drafts replay verification
+        # graphs, chained: deepinfer.engine.speculative). Expert-parallel ranks replay graphs
+        # together (module docstring), except in batch-invariant mode: a token's MoE sum is added
+        # in another order in a graph step (fixed_exchange) than in an eager one, and which one a
+        # step is depends on the others.
+        invariant_ep = self.expert_parallel is not None and config.batch_invariant
+        use_graphs = not invariant_ep and not config.enforce_eager and backend.capabilities.supports_graphs
         use_graphs = use_graphs and getattr(model, "supports_graphs", True)  # DeepSeek-V4: eager
         if config.enable_prefix_caching and not getattr(model, "supports_prefix_caching", True):
             raise ValueError(
@@ -167,7 +187,7 @@ class LLMEngine:
                 "compressed KV entries depend on tokens past the shared prefix; run it with "
                 "enable_prefix_caching=False"
             )
-        self.async_scheduling = plain and config.async_scheduling
+        self.async_scheduling = config.async_scheduling
         bs = config.block_size
         # A model with several cache groups (DeepSeek-V4's ring and entry caches) caps the tokens a
         # request computes per step (its ring is sized for them; drafts fit under the cap).
@@ -255,6 +275,7 @@ class LLMEngine:
                 config.min_draft_confidence, self.max_model_len, drafter, config.step_token_budget,
             )  # fmt: skip
         self.in_flight: SampledStep | None = None  # the last step's tokens, not yet processed
+        self.planned: PlannedStep | None = None  # expert parallelism: the next step, scheduled
         # two pinned buffers: a step's tokens land in one while the host reads the other's
         self._host_tokens = [
             self.backend.device.pinned_empty((self.runner.max_rows,), torch.int64) for _ in range(2)
@@ -572,6 +593,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Drop every request (after an error in a step): finish_reason "abort"."""
         self.in_flight = None
+        self.planned = None
         if self.speculative is not None:
             self.speculative.chain = None
         for seq in self.scheduler.abort_all():
@@ -604,11 +626,15 @@ class LLMEngine:
             return finished + done
         if spec is not None:  # confidence scheduling left no room for drafts: a plain step
             spec.drop_drafts()
-        batch = self.scheduler.schedule()
+        if self.planned is None:
+            batch, eager, bucket = self.scheduler.schedule(), False, None
+        else:  # expert parallelism: scheduled before the status exchange, which chose the forward
+            batch, bucket = self.planned.batch, self.planned.bucket
+            eager, self.planned = bucket is None, None
         if len(batch) == 0:  # only requests whose last token is still in flight are left
             assert self.in_flight is not None, "scheduler made no progress"
             return self._process_in_flight()
-        step, logits, hidden = self.runner.forward(batch)
+        step, logits, hidden = self.runner.forward(batch, eager, bucket)
         spans = self.runner.prompt_logprob_spans(batch)
         prompt_lp = None
         if spans:  # such steps run eagerly (ModelRunner.bucket_for): their hidden states are here
@@ -680,8 +706,9 @@ class LLMEngine:
 
         Expert parallelism: the ranks step together, each step after a status exchange, until
         none has requests left; a rank without any runs forwards with no tokens, for the MoE
-        exchanges. A step that raises on one rank raises on every rank at the next exchange,
-        naming that rank and its error (deepinfer.parallel.rank_sync)."""
+        exchanges (graph replays of padding rows when the others replay graphs). A step that
+        raises on one rank raises on every rank at the next exchange, naming that rank and its
+        error (deepinfer.parallel.rank_sync)."""
         for seq in seqs:
             self.add(seq)
         sync = self.expert_parallel.sync if self.expert_parallel is not None else None
@@ -694,15 +721,43 @@ class LLMEngine:
                     if not busy:
                         break
                     finished = self.step()
-                elif not sync.start_step(busy):
-                    break
-                elif busy:
-                    finished = sync.run_forward(self.step, self.runner.run_idle)
-                else:  # the other ranks still step: this one joins their MoE exchanges
-                    sync.run_forward(self.runner.run_idle, self.runner.run_idle)
-                    continue
+                else:
+                    rows = sync.start_step(busy, functools.partial(self._plan_step, busy))
+                    if rows is None:  # no rank has requests left
+                        break
+                    bucket = self._agreed_bucket(rows)
+
+                    def idle(bucket: int | None = bucket) -> None:
+                        self.runner.run_idle(bucket)
+
+                    if not busy:  # the other ranks still step: this one joins their MoE exchanges
+                        sync.run_forward(idle, idle)
+                        continue
+                    assert self.planned is not None
+                    self.planned.bucket = bucket
+                    finished = sync.run_forward(self.step, idle)
                 if progress is not None and finished:
                     progress.update(len(finished))
         except BaseException:
             self.abort_all()
             raise
+
+    def _plan_step(self, busy: bool) -> int:
+        """Expert parallelism, before the status exchange: schedule this rank's step (when busy)
+        -> the rows it asks for: its decode batch size where a graph serves it, 0 for no forward
+        of its own, EAGER for a step that needs eager forwards (or on a rank without graphs)."""
+        self.planned = PlannedStep(self.scheduler.schedule()) if busy else None
+        if not self.runner.graphs:
+            return EAGER
+        if self.planned is None or len(self.planned.batch) == 0:  # idle, or only tokens in flight
+            return 0
+        batch = self.planned.batch
+        return len(batch) if self.runner.bucket_for(batch) is not None else EAGER
+
+    def _agreed_bucket(self, rows: list[int]) -> int | None:
+        """The graph bucket every expert-parallel rank replays this step, from every rank's rows
+        (each rank decides the same); None: eager forwards (some rank's step needs them, or no
+        rank has a forward of its own)."""
+        if EAGER in rows or max(rows) == 0:
+            return None
+        return min(b for b in self.runner.graphs if b >= max(rows))

@@ -10,6 +10,11 @@ Everything a graph reads lives at a fixed address: the step inputs (deepinfer.en
 the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
 device (async scheduling) are resolved from sampled_ids as the first op of the forward.
 
+Expert parallelism: a graph step's MoE layers exchange fixed-size buffers with the other ranks
+(ForwardBatch.fixed_exchange), captured in the graph; every rank replays the same bucket at the
+same step (the engine has them agree on it), an idle rank with every row padding (run_idle).
+The ranks capture together: each capture's warm-up run exchanges with the others.
+
 Speculative steps verify as graph replays too, per (bucket, width) with every request padded to
 1 + width tokens (deepinfer.engine.inputs): one graph for the forward (logits of every row and
 the final hidden states, into persistent buffers) and one per greedy flag for the rest (the draw
@@ -46,6 +51,7 @@ from deepinfer.engine.sampler import (
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
+from deepinfer.parallel.exchanges import current_log
 
 logger = logging.getLogger(__name__)
 
@@ -374,17 +380,29 @@ class ModelRunner:
         return hidden, logits.float()
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, eager: bool = False) -> ForwardOutput:
+    def forward(self, batch: ScheduledBatch, eager: bool = False, bucket: int | None = None) -> ForwardOutput:
         """Launch one step's forward: a graph replay for a decode batch that fits a bucket
-        (unless `eager`: a step that needs its hidden states)."""
-        bucket = None if eager else self.bucket_for(batch)
+        (unless `eager`: a step that needs its hidden states, or expert-parallel ranks that
+        agreed on eager forwards). `bucket`: the graph to replay (the one the expert-parallel
+        ranks agreed on; at least bucket_for's); default: bucket_for's."""
+        if eager:
+            bucket = None
+        elif bucket is None:
+            bucket = self.bucket_for(batch)
         step = self.inputs.prepare(batch, bucket)
         if bucket is None:
             hidden, logits = self._logits(step.forward)
             return ForwardOutput(step, logits, hidden)
-        assert self.logits is not None
-        self.graphs[bucket].replay()
+        assert self.logits is not None and len(batch) <= bucket
+        self._replay(bucket)
         return ForwardOutput(step, self.logits[:bucket], None)
+
+    def _replay(self, bucket: int) -> None:
+        """Replay the forward graph of `bucket`; its MoE exchanges (expert parallelism) all ran."""
+        self.graphs[bucket].replay()
+        log = current_log()
+        if log is not None:
+            log.replayed()
 
     @staticmethod
     def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:
@@ -441,9 +459,14 @@ class ModelRunner:
         return self.sampled_ids[:rows]
 
     @torch.inference_mode()
-    def run_idle(self) -> None:
+    def run_idle(self, bucket: int | None = None) -> None:
         """A forward pass over no tokens: with expert parallelism a rank without requests still
-        takes part in every MoE layer's exchange while the other ranks step."""
+        takes part in every MoE layer's exchange while the other ranks step. `bucket`: the graph
+        step the ranks agreed on, replayed with every row padding; None: an eager forward."""
+        if bucket is not None:
+            self.inputs.prepare(ScheduledBatch(), bucket)
+            self._replay(bucket)
+            return
         empty = torch.zeros((0,), dtype=torch.int64, device=self.device)
         tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
         fb = ForwardBatch(

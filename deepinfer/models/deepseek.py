@@ -66,6 +66,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add(x, residual)
         h = self.self_attn(h, batch, cache, cos_sin)
         h, residual = self.post_attention_layernorm.add(h, residual)
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, batch.fixed_exchange), residual
         return self.mlp(h), residual
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:

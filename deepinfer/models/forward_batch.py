@@ -49,6 +49,10 @@ class ForwardBatch:
                     (B, MBg) int32 block tables of that group; slot_mapping and attn.block_tables
                     are the first group's (a ring's: column i is ring block i % n). Empty: every
                     cache is paged by attn.block_tables.
+    fixed_exchange  the step is padded to a graph bucket, and with expert parallelism every rank
+                    runs a step of that bucket: MoE layers exchange fixed-size buffers
+                    (deepinfer.parallel.expert_parallel.fixed_exchange), capturable in a graph.
+                    False: the host-sized all_to_all exchange.
     """
 
     input_ids: torch.Tensor
@@ -57,6 +61,7 @@ class ForwardBatch:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     group_block_tables: tuple[torch.Tensor, ...] = ()
+    fixed_exchange: bool = False
 
     @property
     def num_tokens(self) -> int:

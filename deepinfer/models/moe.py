@@ -35,7 +35,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import MLP, fuse_gate_up, fusion_enabled, padded_intermediate
-from deepinfer.parallel.expert_parallel import ExpertParallel, dispatch_combine
+from deepinfer.parallel.expert_parallel import ExpertParallel, dispatch_combine, fixed_exchange
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import CheckpointReader
@@ -109,15 +109,31 @@ class MoE(nn.Module):
             and fusion_enabled("shared_experts")
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, Dm) -> (T, Dm)."""
+    def forward(self, x: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
+        """x (T, Dm) -> (T, Dm). fixed_exchange (expert parallelism): every rank runs this layer
+        with the same T (a graph step: ForwardBatch.fixed_exchange)."""
         logits = self.backend.moe.router_logits(x, self.gate_weight)  # (T, E) float32
         # (T, K), or (T, K + S) with the shared experts fused
         weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)
         if self.ep is None:
             y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
             return y if self.shared_experts is None else y + self.shared_experts(x)
+        if fixed_exchange:
+            return self._fixed_exchange(x, weights, ids)
         return self._expert_parallel(x, weights, ids)
+
+    def _fixed_exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts over the ranks by the fixed-shape exchange of a graph step
+        (deepinfer.parallel.expert_parallel.fixed_exchange): x (T, Dm), weights / ids (T, K)."""
+        assert self.ep is not None
+
+        def local_moe(rows: torch.Tensor, local_w: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+            return self.backend.moe.fused_moe(
+                rows, local_w, local_ids, self.w13, self.w2, self.w13_scale, self.w2_scale
+            )
+
+        y = fixed_exchange(self.backend.collectives, x, weights, ids, self.bounds, self.ep.rank, local_moe)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
 
     def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts over the ranks (deepinfer.parallel): x (T, Dm), weights / ids (T, K).

@@ -202,7 +202,10 @@ def _worker_main(
         if setup is not None:
             setup(rank, llm)
         engine = llm.llm_engine
-        conn.send({"vocab_size": engine.vocab_size, "backend": engine.backend.name, "pid": os.getpid()})
+        conn.send({
+            "vocab_size": engine.vocab_size, "backend": engine.backend.name, "pid": os.getpid(),
+            "graph_buckets": sorted(engine.runner.graphs), "async_scheduling": engine.async_scheduling,
+        })  # fmt: skip
     except BaseException as exc:
         conn.send(_error_reply(exc, rank))
         return
@@ -323,6 +326,9 @@ class DataParallelEngine:
         self.vocab_size: int = ready[0]["vocab_size"]
         self.backend_name: str = ready[0]["backend"]
         self.worker_pids: list[int] = [r["pid"] for r in ready]
+        # the decode graphs every rank captured (none: eager steps) and whether it schedules ahead
+        self.graph_buckets: list[int] = ready[0]["graph_buckets"]
+        self.async_scheduling: bool = ready[0]["async_scheduling"]
         logger.info("data parallelism: %d ranks ready in %.1f s", self.size, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ calls

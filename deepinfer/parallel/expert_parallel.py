@@ -5,6 +5,14 @@ Rank r of W holds experts [r * E / W, (r + 1) * E / W) (when W does not divide E
 E % W ranks hold one more: ExpertParallel.expert_bounds); every rank keeps the router and the
 shared experts and serves its own requests (attention data parallelism). Every MoE layer is a
 collective: each rank must run it the same number of times, with no tokens if it has none.
+
+Two exchanges serve a MoE layer:
+- dispatch_combine, sized on the host: each (token, expert) pair goes to the rank holding the
+  expert (all_to_all with the pair counts as splits). Any step: prefill, mixed, eager decode.
+- fixed_exchange, of fixed shapes: every rank has the same number of rows (a decode step padded
+  to the graph bucket the ranks agreed on), each token goes once to every rank (all_gather) and
+  the ranks' partial sums come back summed (reduce_scatter). Nothing is sized on the host, so a
+  whole decode forward, exchanges included, is captured in one graph per bucket.
 How the ranks keep in step across calls and steps, and learn of each other's failures:
 deepinfer.parallel.rank_sync.
 """
@@ -187,6 +195,102 @@ def _fused_exchange(
     if failures:
         raise failures[0]
     return y
+
+
+def fixed_exchange(
+    collectives: CollectiveOps,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    bounds: Sequence[int],
+    rank: int,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """x (T, Dm), routing weights / global expert ids (T, K) -> sum_k weights * expert_k(x), (T, Dm),
+    where every rank passes the same T (a graph bucket, padding rows included): no size is read
+    on the host, so the exchange can be captured in a graph.
+
+    1. all_gather of one packed row per token, [weights (K,) float32 | ids (K,) int32 | x (Dm,)]
+       as bytes: the tokens of every rank, (W*T, ...) in rank order. Each token travels once to
+       each rank: T rows a peer (one row per (token, expert) pair would be K times more).
+    2. experts(rows (W*T, Dm), weights (W*T, K), local ids (W*T, K)) -> (W*T, Dm), the weighted
+       sum over the pairs whose expert this rank holds: the other pairs get weight 0 and some
+       expert of this rank as their id (they add nothing; a fused MoE still computes them).
+    3. reduce_scatter: each token's partial sums added over the ranks (in x's dtype, each rank's
+       partial rounded to it first), (T, Dm) back where the token lives.
+
+    As dispatch_combine: once the all_gather ran, the reduce_scatter runs too; if experts() raises,
+    zeros go to the other ranks and the error is raised after (deepinfer.parallel.exchanges)."""
+    t, k = ids.shape
+    local = range(bounds[rank], bounds[rank + 1])
+    packed = _pack(x, weights, ids)  # (T, B) uint8
+    log = current_log()
+    if log is not None:
+        log.started()
+    rows = collectives.all_gather(packed)  # (W*T, B)
+    failure: BaseException | None = None
+    try:
+        got_w, got_ids, got_x = _unpack(rows, k, x.shape[1], x.dtype)
+        mine = (got_ids >= local.start) & (got_ids < local.stop)
+        local_w = torch.where(mine, got_w, 0.0)
+        local_ids = torch.where(mine, got_ids - local.start, got_ids % len(local))
+        partial_sums = experts(got_x, local_w, local_ids)  # (W*T, Dm)
+    except BaseException as exc:  # the other ranks wait in the reduce_scatter: zeros go back, then raise
+        failure = exc
+        partial_sums = x.new_zeros((rows.shape[0], x.shape[1]))
+    y = collectives.reduce_scatter(partial_sums.to(x.dtype))  # (T, Dm)
+    if log is not None:
+        shape = (t, k, x.shape[1], x.dtype, bounds, rank, x.device)
+        log.finished(partial(_empty_fixed_exchange, collectives, *shape))
+    if failure is not None:
+        raise failure
+    return y
+
+
+def _pack(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """(T, Dm), (T, K), (T, K) -> (T, B) uint8 rows [weights float32 | ids int32 | x | padding to
+    4 bytes], B = 8K + Dm * itemsize rounded up to 4, so that every part unpacks as a view."""
+    t = x.shape[0]
+    parts = [
+        weights.float().contiguous().view(torch.uint8),
+        ids.to(torch.int32).contiguous().view(torch.uint8),
+        x.contiguous().view(torch.uint8),
+    ]
+    pad = -(x.shape[1] * x.element_size()) % 4
+    if pad:
+        parts.append(torch.zeros((t, pad), dtype=torch.uint8, device=x.device))
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(
+    rows: torch.Tensor, k: int, hidden: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_pack's (N, B) rows -> weights (N, K) float32, ids (N, K) int32, x (N, Dm) contiguous."""
+    x_bytes = hidden * torch.empty((), dtype=dtype).element_size()
+    weights = rows[:, : 4 * k].view(torch.float32)
+    ids = rows[:, 4 * k : 8 * k].view(torch.int32)
+    x = rows[:, 8 * k : 8 * k + x_bytes].view(dtype).contiguous()  # fused_moe's x is contiguous
+    return weights, ids, x
+
+
+def _empty_fixed_exchange(
+    collectives: CollectiveOps,
+    t: int,
+    k: int,
+    hidden: int,
+    dtype: torch.dtype,
+    bounds: Sequence[int],
+    rank: int,
+    device: torch.device,
+) -> None:
+    """One fixed_exchange of T padding rows whose experts return zeros (deepinfer.parallel.exchanges)."""
+    x = torch.zeros((t, hidden), dtype=dtype, device=device)
+    ids = torch.zeros((t, k), dtype=torch.int32, device=device)
+
+    def zeros(rows: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(rows)
+
+    fixed_exchange(collectives, x, ids.float(), ids, bounds, rank, zeros)
 
 
 def _empty_exchange(

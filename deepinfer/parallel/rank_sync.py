@@ -5,14 +5,16 @@ and every step of it begins with a status exchange over a small gloo group the e
 its first call (the control group: on the CPU whatever the device's backend, with
 distributed_timeout_s as its timeout; torch.distributed.new_group, so the ranks' engines must
 start their first calls in the same order). Each rank adds one record (an all_reduce of one row
-per rank): where it is (call and step numbers), whether it has requests left, and whether it
-failed, with its error.
+per rank): where it is (call and step numbers), whether it has requests left, the rows its step
+asks for (its decode batch size when a graph serves it, or EAGER: the ranks then agree on one
+graph bucket, or on eager forwards, at no extra exchange), and whether it failed, with its error.
 
 - A rank that cannot start a call (its requests were refused) says so at the call's exchange:
   every rank raises, nothing of the call runs, and the ranks go on serving.
 - A rank whose step raises first runs the MoE exchanges it still owes the others, with no tokens
   (deepinfer.parallel.exchanges), then reports its error at the next step exchange: every rank
   raises there, naming it. The call's requests are dropped on every rank; the ranks go on serving.
+  A rank that fails while planning its step (before the exchange) reports at that exchange.
 - What cannot be settled that way breaks the group: a rank that does not join an exchange within
   the timeout (it called generate fewer times, it is stuck, or one step took longer than the
   timeout), a failed collective (a rank exited), a failure part-way through a MoE exchange,
@@ -42,8 +44,9 @@ from deepinfer.parallel.exchanges import ExchangeLog, log_exchanges
 T = TypeVar("T")
 
 CALL, STEP = 1, 2  # the kinds of exchange
-RECORD_BYTES = 1024  # one rank's record: 6 int64 fields, then its error as UTF-8
-_FIELDS = 6  # kind, call, step, busy, failed, error length
+EAGER = -1  # the rows of a step that needs eager forwards (prefill, mixed, no graph fits)
+RECORD_BYTES = 1024  # one rank's record: 7 int64 fields, then its error as UTF-8
+_FIELDS = 7  # kind, call, step, busy, rows, failed, error length
 _MESSAGE_BYTES = RECORD_BYTES - 8 * _FIELDS
 # The ranks' engines start their first calls in the same order (each makes its control group
 # then), so the n-th engine to do so on each rank shares its store keys with the n-th of the others.
@@ -78,6 +81,7 @@ class Status:
     step: int
     busy: bool
     error: str | None  # why it failed; None if it did not
+    rows: int = 0  # the rows its step asks for: a decode batch size, 0 (no forward) or EAGER
 
     def where(self) -> str:
         if self.kind == CALL:
@@ -89,7 +93,8 @@ class Status:
     def encode(self) -> torch.Tensor:
         """-> (RECORD_BYTES,) uint8."""
         message = (self.error or "").encode()[:_MESSAGE_BYTES]
-        fields = [self.kind, self.call, self.step, int(self.busy), int(self.error is not None), len(message)]
+        failed = int(self.error is not None)
+        fields = [self.kind, self.call, self.step, int(self.busy), self.rows, failed, len(message)]
         record = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
         record[: 8 * _FIELDS].view(torch.int64)[:] = torch.tensor(fields, dtype=torch.int64)
         if message:
@@ -98,9 +103,9 @@ class Status:
 
     @classmethod
     def decode(cls, rank: int, record: torch.Tensor) -> Status:
-        kind, call, step, busy, failed, n = record[: 8 * _FIELDS].view(torch.int64).tolist()
+        kind, call, step, busy, rows, failed, n = record[: 8 * _FIELDS].view(torch.int64).tolist()
         message = bytes(record[8 * _FIELDS : 8 * _FIELDS + n].tolist()).decode(errors="replace")
-        return cls(rank, kind, call, step, bool(busy), message if failed else None)
+        return cls(rank, kind, call, step, bool(busy), message if failed else None, rows)
 
 
 class RankSync:
@@ -142,32 +147,47 @@ class RankSync:
         self._raise_failures(statuses, "; nothing of this call ran")
         return True
 
-    def start_step(self, busy: bool) -> bool:
-        """The exchange before each step: whether any rank has requests left (`busy` is this
-        rank's). RuntimeError naming the rank(s) whose last step failed, or if the group is
-        broken, or breaks."""
+    def start_step(self, busy: bool, plan: Callable[[], int] | None = None) -> list[int] | None:
+        """The exchange before each step: None when no rank has requests left (`busy` is this
+        rank's), else the rows every rank's step asks for, in rank order. plan(), called first,
+        plans this rank's step -> its rows; without it a busy rank asks for EAGER, an idle one
+        for 0. If plan raises, this rank reports the error at this exchange (the others raise
+        there, naming it) and the error propagates. RuntimeError naming the rank(s) whose last
+        step failed, or if the group is broken, or breaks."""
         self.steps += 1
-        statuses = self._exchange(STEP, busy=busy)
+        rows = EAGER if busy else 0
+        if plan is not None:
+            try:
+                rows = plan()
+            except BaseException as exc:
+                self._report(exc, f"step {self.steps} of generate call {self.calls}")
+                raise
+        statuses = self._exchange(STEP, busy=busy, rows=rows)
         self._raise_failures(statuses, "; every rank dropped the requests of this call")
-        return any(s.busy for s in statuses)
+        return [s.rows for s in statuses] if any(s.busy for s in statuses) else None
 
     def run_forward(self, forward: Callable[[], T], idle: Callable[[], object]) -> T:
         """forward(): a step, or idle(), a forward with no tokens; either makes the same MoE
-        exchanges as every other rank's forward. If it raises, this rank runs the exchanges it
-        still owes the others (all of them by idle() if it made none), then reports the error at
-        the step exchange the others wait at: they raise there, naming this rank, and the error
-        propagates here. If that cannot be done the group is broken and RuntimeError says why."""
+        exchanges as every other rank's forward; a step that made none (its tokens were still in
+        flight: async scheduling) runs idle() after it. If either raises, this rank runs the
+        exchanges it still owes the others (all of them by idle() if it made none), then reports
+        the error at the step exchange the others wait at: they raise there, naming this rank,
+        and the error propagates here. If that cannot be done the group is broken and
+        RuntimeError says why."""
         with log_exchanges() as log:
             try:
                 result = forward()
+                if self.exchanges_per_forward and log.done == 0 and not log.whole:
+                    idle()
             except BaseException as exc:
                 failure = self._fail(exc, log, idle)
                 if failure is exc:
                     raise
                 raise failure from exc
             if self.exchanges_per_forward is None:
+                assert not log.whole, "the first forward (counting the exchanges) runs eagerly"
                 self.exchanges_per_forward = log.done
-            elif log.done != self.exchanges_per_forward:  # the others would wait for the rest
+            elif not log.whole and log.done != self.exchanges_per_forward:  # the others would wait
                 try:
                     self._settle(log, idle)
                 except BaseException as exc:
@@ -180,6 +200,8 @@ class RankSync:
         """Run the MoE exchanges this forward still owes the other ranks."""
         if log.open:
             raise RuntimeError("it stopped part-way through a MoE exchange")
+        if log.whole:  # a graph replay ran them all
+            return
         if log.done == 0:
             idle()
         elif self.exchanges_per_forward is None:
@@ -200,8 +222,13 @@ class RankSync:
                 f"rank {self.rank} raised at {where} ({describe(exc)}) and could not run the MoE "
                 f"exchanges it owed the other ranks: {describe(owed)}"
             )
+        self.steps += 1
+        return self._report(exc, where)
+
+    def _report(self, exc: BaseException, where: str) -> BaseException:
+        """Report this rank's error at the step exchange the others are at (they raise there,
+        naming it) -> exc, with a note saying how that went."""
         try:
-            self.steps += 1
             self._exchange(STEP, error=f"raised {describe(exc)} (at {where})")
         except RuntimeError as sync_exc:
             exc.add_note(f"expert parallelism: {sync_exc}")
@@ -267,12 +294,14 @@ class RankSync:
             except Exception as exc:  # a rank did not come (gloo's "Wait timeout")
                 raise self._break(self._diagnose(exc, CALL)) from exc
 
-    def _exchange(self, kind: int, busy: bool = False, error: str | None = None) -> list[Status]:
+    def _exchange(
+        self, kind: int, busy: bool = False, error: str | None = None, rows: int = 0
+    ) -> list[Status]:
         """Every rank's record at this exchange (all_reduce of one row per rank)."""
         if self.broken is not None or self._group is None:
             raise self._break(self.broken or "the control group was never made")
         records = torch.zeros((self.world_size, RECORD_BYTES), dtype=torch.uint8)
-        records[self.rank] = Status(self.rank, kind, self.calls, self.steps, busy, error).encode()
+        records[self.rank] = Status(self.rank, kind, self.calls, self.steps, busy, error, rows).encode()
         try:
             dist.all_reduce(records, group=self._group)
         except Exception as exc:  # timed out, or a rank closed its side

@@ -80,6 +80,13 @@ def check_collectives(backend: Backend, rank: int, world: int) -> None:
         expected = torch.cat([block(r) for r in range(world)])
         same(c.all_gather(block(rank)), expected, f"all_gather ({dt})")
 
+    # all_gather of bytes: the fixed-shape MoE exchange (expert_parallel.fixed_exchange) sends
+    # each token's weights, expert ids and activations packed as uint8 rows
+    def byte_rows(r: int) -> torch.Tensor:  # an odd row width: no multiple of a wider dtype
+        return torch.arange(2 * 7, dtype=torch.uint8, device=dev).view(2, 7) + (50 * r) % 240
+
+    same(c.all_gather(byte_rows(rank)), torch.cat([byte_rows(r) for r in range(world)]), "all_gather (uint8)")
+
     # reduce_scatter: this rank's slice of the sum
     whole = ar((2 * world, 2)) + 10 * rank
     total = torch.stack([ar((2 * world, 2)) + 10 * r for r in range(world)]).sum(0)

@@ -42,8 +42,8 @@ def require_dist_backend(backend: Backend) -> str:
 def test_collectives_across_two_processes(
     backend: Backend, backend_name: str, backend_plugins: list[str]
 ) -> None:
-    """all_reduce, all_gather (each claimed dtype), reduce_scatter, all_to_all_single (uneven,
-    even, empty), broadcast and barrier across two ranks, compared exactly."""
+    """all_reduce, all_gather (each claimed dtype, and bytes), reduce_scatter, all_to_all_single
+    (uneven, even, empty), broadcast and barrier across two ranks, compared exactly."""
     require_dist_backend(backend)
     try:
         run_collectives(backend_name, world=WORLD, plugins=backend_plugins, timeout_s=TIMEOUT_S)
@@ -75,6 +75,8 @@ def test_world_of_one(backend: Backend, group: None, device: torch.device) -> No
     t = torch.arange(12, dtype=torch.float32, device=device).view(4, 3)
     assert torch.equal(c.all_reduce(t.clone()).cpu(), t.cpu())
     assert torch.equal(c.all_gather(t).cpu(), t.cpu())
+    raw = torch.arange(14, dtype=torch.uint8, device=device).view(2, 7)
+    assert torch.equal(c.all_gather(raw).cpu(), raw.cpu())
     assert torch.equal(c.reduce_scatter(t).cpu(), t.cpu())
     assert torch.equal(c.all_to_all_single(t, [4], [4]).cpu(), t.cpu())
     assert torch.equal(c.all_to_all_single(t).cpu(), t.cpu())
