@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 is set for the whole process (tests/test_cuda_interpret.py ru
 that way in a subprocess, so other tests never see the variable). They cover paths the
 conformance suite does not reach at its sizes: several KV splits and the combine kernel,
 bitwise batch invariance across different split counts, exact FP8 rounding, the grouped GEMM's
-tile table and row gather, the one-launch MoE alignment (sort + tile table) against the torch
+tile table and row gather, the MXFP4 grouped GEMM's decode of every code and scale, the
+one-launch MoE alignment (sort + tile table) against the torch
 composition it replaces, the noise hash bit for bit, and the DEEPINFER_CUDA_UNFUSED switch.
 """
 
@@ -322,6 +323,32 @@ def test_grouped_gemm_with_gather(gen: torch.Generator) -> None:
     torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
     assert torch.equal(counts.cpu(), torch.bincount(flat, minlength=e))
     assert torch.equal(src_to_dst.cpu()[src], torch.arange(t * top))
+
+
+def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
+    """Each of the 16 e2m1 codes in both nibbles, under UE8M0 scales from 2^-127 (byte 0) to
+    2^125 (byte 252: 6 x 2^125 is near float32's largest), multiplied by identity rows in
+    float32: the kernel's decode gives exactly the format's dequantised weights."""
+    from deepinfer.backend import fp4
+
+    n, k = 16, 64
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16  # (N, K): every code in every slot
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)[None]  # (1, N, K/2)
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 4, dtype=torch.uint8).view(1, n, 2)
+    x = torch.eye(k)  # row i picks column i of W^T: y = W^T exactly
+    y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), torch.tensor([k], device=DEV))
+    want = fp4.dequantize_weight(packed[0], scales[0]).T
+    assert torch.equal(y.cpu(), want), (y.cpu() - want).abs().max()
+
+
+def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
+    x = torch.zeros((3, 64), device=DEV)
+    w = torch.zeros((2, 8, 32), dtype=torch.uint8, device=DEV)
+    sizes = torch.tensor([1, 2], device=DEV)
+    with pytest.raises(ValueError, match="need \\(E, N, K/2\\) and \\(E, N, ceil\\(K/32\\)\\)"):
+        gemm_k.grouped_gemm_fp4(x, w, torch.zeros((2, 8, 1), dtype=torch.uint8, device=DEV), sizes)
+    with pytest.raises(ValueError, match="uint8 weights and scales"):
+        gemm_k.grouped_gemm_fp4(x, w.float(), torch.zeros((2, 8, 2), dtype=torch.uint8, device=DEV), sizes)
 
 
 def test_weighted_combine_and_write_kv(gen: torch.Generator) -> None:
