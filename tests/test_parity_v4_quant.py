@@ -50,6 +50,7 @@ from safetensors.torch import load_file, save_file
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.loader import CheckpointError, NonFiniteWeightError, ShapeMismatchError, load_model
 from deepinfer.models.random_checkpoint import V4_EXPERT_DTYPE, V4_QUANTIZATION_CONFIG, quantize_v4_state_dict
+from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.reference.gemm import dequantize_act, quantize_fp8
 
@@ -209,6 +210,33 @@ def test_bfloat16_as_close_as_transformers(case: Case) -> None:
         want = case.oracle(case.twin_q, prompt, tokens)
         theirs = case.oracle(case.twin_q_bf16, prompt, tokens)
         assert rel(ours, want) <= 2 * rel(theirs, want), (rel(ours, want), rel(theirs, want))
+
+
+def test_storage_variants_load_the_same_model(case: Case, tmp_path: Path) -> None:
+    """The same weights stored as other checkpoints store them: UE8M0 scales as uint8 exponent
+    bytes and packed experts as uint8; or experts as float4_e2m1fn_x2, scales under the
+    `weight_scale_inv` name and FP8 block scales in float32. Bit for bit the same logits."""
+    e8m0, f4 = torch.float8_e8m0fnu, torch.float4_e2m1fn_x2
+    as_bytes = {
+        n: t.view(torch.uint8) if t.dtype in (e8m0, torch.int8) else t for n, t in case.published.items()
+    }
+    other: dict[str, torch.Tensor] = {}
+    for name, t in case.published.items():
+        if name.endswith(".scale"):
+            fp8 = case.published[name.removesuffix("scale") + "weight"].dtype == torch.float8_e4m3fn
+            other[name.removesuffix("scale") + "weight_scale_inv"] = t.float() if fp8 else t
+        else:
+            other[name] = t.view(f4) if t.dtype == torch.int8 else t
+    backend = create_reference_backend()
+    logits = []
+    for root, tensors in ((case.quant, None), (tmp_path / "bytes", as_bytes), (tmp_path / "other", other)):
+        if tensors is not None:
+            root.mkdir()
+            save_file(tensors, root / "model.safetensors")
+            (root / "config.json").write_text((case.quant / "config.json").read_text())
+        runner = PagedRunner(load_model(root, backend), backend, num_blocks=32, block_size=4)
+        logits.append(runner.step([(0, case.prompts[1])], all_logits=True))
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
 
 
 # --------------------------------------------------------------------------- refused checkpoints
