@@ -262,11 +262,12 @@ E8M0 = torch.float8_e8m0fnu  # the scales' dtype in V4's safetensors
 
 
 def quantize_v4_state_dict(
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor], expert_dtype: str = V4_EXPERT_DTYPE
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(DeepSeek-V4's published format, the same weights dequantised to float32) of a float V4
     state dict (transformers' or DeepSeek's names). Routed experts' w1 / w2 / w3: MXFP4, packed
-    int8 with float8_e8m0fnu `.scale` (deepinfer.backend.fp4); the linears DeepSeek keeps in FP8
+    int8 with float8_e8m0fnu `.scale` (deepinfer.backend.fp4), or with expert_dtype "fp8"
+    (V4-Flash-Base) FP8 as the linears; the linears DeepSeek keeps in FP8
     (deepseek_v4.stored_in_fp8): e4m3 with power-of-two block scales as float8_e8m0fnu `.scale`;
     the rest (embedding, head, router, compressors, norms, mixing parameters) as they are."""
     from deepinfer.models.deepseek_v4 import stored_in_fp8
@@ -276,7 +277,8 @@ def quantize_v4_state_dict(
     for name, t in state.items():
         prefix = name.removesuffix(".weight")
         linear = t.dim() == 2 and prefix != name and "embed" not in name and not name.endswith("head.weight")
-        if linear and ".experts." in prefix:  # routed (shared experts are `.shared_experts.`)
+        routed = ".experts." in prefix  # (shared experts are `.shared_experts.`)
+        if linear and routed and expert_dtype == "fp4":
             packed, scale = fp4.quantize_weight(t)
             quantized[name], quantized[f"{prefix}.scale"] = packed.view(torch.int8), scale.view(E8M0)
             dequant[name] = fp4.dequantize_weight(packed, scale)
