@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -31,14 +32,14 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     import triton
     import triton.language as tl
     from deepinfer_cuda import backend as cuda_backend
-    from deepinfer_cuda.backend import sort_by_expert
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
+    from deepinfer_cuda.kernels.moe import sort_by_expert
 
-    @triton.jit
-    def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
@@ -174,10 +175,11 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     q = torch.randn((2, h, d), generator=gen).to(DEV)
 
     def run(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return attn_k.mla_attention(
+        out: torch.Tensor = attn_k.mla_attention(
             q, pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, config=small_config(), split_size=32,
             batch_invariant=True,
         )  # fmt: skip
+        return out
 
     both = run(q, meta)
     alone = run(q[:1], AttentionMetadata.build(meta.block_tables[:1], [20], [1]))
@@ -479,9 +481,8 @@ def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -
     fused = cuda_backend.create_cuda_backend(BackendOptions())
     monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
-    assert (
-        fused.moe.fused and not unfused.moe.fused and not unfused.kv_cache.fused and not unfused.small.fused
-    )
+    parts: list[Any] = [fused.moe, unfused.moe, unfused.kv_cache, unfused.small]
+    assert parts[0].fused and not any(p.fused for p in parts[1:])
     config = RouterConfig(
         "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True
     )
