@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.npu_sim` 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import BackendRegistry
 from deepinfer.reference import attention as ref_attention
-from deepinfer.testing.helpers import make_paged_batch, oracle, randn
+from deepinfer.reference import gemm as ref_gemm
+from deepinfer.testing.helpers import make_paged_batch, mxfp4_weight, oracle, randn
 from deepinfer.testing.tolerances import assert_close
 from tests.npu_sim import install, uninstall
 from tests.npu_sim import torch_npu_sim as tnpu
@@ -240,3 +241,37 @@ def test_graph_capture_refuses_the_gathered_path(backend: Backend) -> None:
         backend.device.capture_graph(
             lambda: backend.attention.decode(q, batch.cache, batch.meta, scale=0.2, v_dim=16)
         )
+
+
+# --------------------------------------------------------------------------- MXFP4 experts
+
+
+def test_mxfp4_experts_dequantise_into_the_grouped_matmul(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No MXFP4 grouped matmul in torch_npu: the experts with rows are dequantised to bf16,
+    FP4_EXPERTS_PER_CALL at a time, each batch through one npu_grouped_matmul on its rows."""
+    from deepinfer_ascend.gemm import FP4_EXPERTS_PER_CALL
+
+    calls: list[tuple[tuple[int, ...], list[int]]] = []
+    real = tnpu.npu_grouped_matmul
+
+    def spy(x: list[torch.Tensor], weight: list[torch.Tensor], **kw: Any) -> Any:
+        calls.append((tuple(weight[0].shape), kw["group_list"].tolist()))
+        return real(x, weight, **kw)
+
+    monkeypatch.setattr(tnpu, "npu_grouped_matmul", spy)
+    gen = torch.Generator().manual_seed(3)
+    experts = FP4_EXPERTS_PER_CALL + 4
+    sizes = [0 if e % 3 == 1 else 1 + e % 4 for e in range(experts)]  # 13 used, 7 empty
+    sizes += [2] * 6  # 19 used: one full batch of 16 and a second of 3
+    x = randn((sum(sizes), 64), torch.bfloat16, "cpu", gen)
+    packed, scales = mxfp4_weight((len(sizes), 40, 64), "cpu", gen, 0.125)
+    y = backend.gemm.grouped_gemm_fp4(x, packed, scales, torch.tensor(sizes))
+    used = [n for n in sizes if n]
+    assert calls == [
+        ((FP4_EXPERTS_PER_CALL, 64, 40), used[:FP4_EXPERTS_PER_CALL]),
+        ((len(used) - FP4_EXPERTS_PER_CALL, 64, 40), used[FP4_EXPERTS_PER_CALL:]),
+    ]
+    expected = ref_gemm.grouped_gemm_fp4(oracle(x), packed, scales, torch.tensor(sizes))
+    assert_close(y, expected, torch.bfloat16, what="grouped_gemm_fp4")

@@ -33,7 +33,12 @@ from deepinfer.backend import (
 )
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import small as ref_small
-from deepinfer.reference.backend import ReferenceAttention, ReferenceCollectives, create_reference_backend
+from deepinfer.reference.backend import (
+    ReferenceAttention,
+    ReferenceCollectives,
+    ReferenceGemm,
+    create_reference_backend,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGIN_SPEC = f"{Path(__file__).stem}:MUTANTS"
@@ -182,6 +187,13 @@ class HyperConnectionCombTransposed(SmallOps):
         return super().hc_post(y, streams, post, comb.transpose(-1, -2))
 
 
+class Fp4NibblesSwapped(ReferenceGemm):
+    """MXFP4 experts read with the other packing convention: element 2j from the HIGH nibble."""
+
+    def grouped_gemm_fp4(self, x, weight, weight_scale, group_sizes):  # type: ignore[no-untyped-def]
+        return super().grouped_gemm_fp4(x, (weight >> 4) | (weight << 4), weight_scale, group_sizes)
+
+
 @dataclass(frozen=True)
 class Mutant:
     name: str  # the backend is mutant-<name>
@@ -253,6 +265,11 @@ MUTANT_LIST = [
     Mutant(
         "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",
         ("test_hc_pre_post_head",), "hc_post",
+    ),
+    Mutant(
+        "fp4-nibbles-swapped", "gemm", Fp4NibblesSwapped, "test_grouped_gemm_fp4 and float32",
+        ("test_grouped_gemm_fp4", "test_grouped_gemm_fp4_aligned"), "grouped_gemm_fp4",
+        ("group sizes [3, 0, 5, 1], K=70 N=45",),
     ),
 ]  # fmt: skip
 MUTANTS_BY_NAME = {m.name: m for m in MUTANT_LIST}

@@ -80,6 +80,20 @@ def test_fp8_defaults_go_through_quantize_and_fp8_gemm() -> None:
     assert calls["quantize_fp8"] == 1 and calls["fp8_gemm"] == 1
 
 
+def test_fp4_default_dequantises_each_used_expert_into_linear() -> None:
+    """grouped_gemm_fp4's default: one linear per non-empty group, on weights dequantised to the
+    activation dtype (exact), so it equals the reference's float32 product."""
+    from deepinfer.backend import fp4
+    from deepinfer.reference.gemm import grouped_gemm_fp4
+
+    backend, calls = instrumented()
+    packed, scales = fp4.quantize_weight(torch.randn(3, 24, 64))
+    x, sizes = torch.randn(6, 64), torch.tensor([2, 0, 4])
+    y = backend.gemm.grouped_gemm_fp4(x, packed, scales, sizes)
+    assert calls["linear"] == 2
+    torch.testing.assert_close(y, grouped_gemm_fp4(x, packed, scales, sizes))
+
+
 def test_norm_and_kv_defaults_go_through_the_backends_small_ops() -> None:
     backend, calls = instrumented()
     x, r, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
@@ -119,7 +133,7 @@ def test_parts_are_bound_to_their_backend() -> None:
 def test_a_part_of_the_wrong_type_is_refused() -> None:
     ref = create_reference_backend()
     with pytest.raises(TypeError, match="`gemm` must be a GemmOps instance, got MoeOps"):
-        dataclasses.replace(ref, gemm=MoeOps(BackendOptions()))
+        dataclasses.replace(ref, gemm=MoeOps(BackendOptions()))  # type: ignore[arg-type]
 
 
 def test_kv_ops_left_on_the_device_part_are_refused() -> None:

@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 is set for the whole process (tests/test_cuda_interpret.py ru
 that way in a subprocess, so other tests never see the variable). They cover paths the
 conformance suite does not reach at its sizes: several KV splits and the combine kernel,
 bitwise batch invariance across different split counts, exact FP8 rounding, the grouped GEMM's
-tile table and row gather, the one-launch MoE alignment (sort + tile table) against the torch
+tile table and row gather, the MXFP4 grouped GEMM's decode of every code and scale, the
+one-launch MoE alignment (sort + tile table) against the torch
 composition it replaces, the noise hash bit for bit, and the DEEPINFER_CUDA_UNFUSED switch.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -30,14 +32,14 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     import triton
     import triton.language as tl
     from deepinfer_cuda import backend as cuda_backend
-    from deepinfer_cuda.backend import sort_by_expert
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
+    from deepinfer_cuda.kernels.moe import sort_by_expert
 
-    @triton.jit
-    def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
@@ -173,10 +175,11 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     q = torch.randn((2, h, d), generator=gen).to(DEV)
 
     def run(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return attn_k.mla_attention(
+        out: torch.Tensor = attn_k.mla_attention(
             q, pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, config=small_config(), split_size=32,
             batch_invariant=True,
         )  # fmt: skip
+        return out
 
     both = run(q, meta)
     alone = run(q[:1], AttentionMetadata.build(meta.block_tables[:1], [20], [1]))
@@ -324,6 +327,32 @@ def test_grouped_gemm_with_gather(gen: torch.Generator) -> None:
     assert torch.equal(src_to_dst.cpu()[src], torch.arange(t * top))
 
 
+def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
+    """Each of the 16 e2m1 codes in both nibbles, under UE8M0 scales from 2^-127 (byte 0) to
+    2^125 (byte 252: 6 x 2^125 is near float32's largest), multiplied by identity rows in
+    float32: the kernel's decode gives exactly the format's dequantised weights."""
+    from deepinfer.backend import fp4
+
+    n, k = 16, 64
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16  # (N, K): every code in every slot
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)[None]  # (1, N, K/2)
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 4, dtype=torch.uint8).view(1, n, 2)
+    x = torch.eye(k)  # row i picks column i of W^T: y = W^T exactly
+    y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), torch.tensor([k], device=DEV))
+    want = fp4.dequantize_weight(packed[0], scales[0]).T
+    assert torch.equal(y.cpu(), want), (y.cpu() - want).abs().max()
+
+
+def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
+    x = torch.zeros((3, 64), device=DEV)
+    w = torch.zeros((2, 8, 32), dtype=torch.uint8, device=DEV)
+    sizes = torch.tensor([1, 2], device=DEV)
+    with pytest.raises(ValueError, match="need \\(E, N, K/2\\) and \\(E, N, ceil\\(K/32\\)\\)"):
+        gemm_k.grouped_gemm_fp4(x, w, torch.zeros((2, 8, 1), dtype=torch.uint8, device=DEV), sizes)
+    with pytest.raises(ValueError, match="uint8 weights and scales"):
+        gemm_k.grouped_gemm_fp4(x, w.float(), torch.zeros((2, 8, 2), dtype=torch.uint8, device=DEV), sizes)
+
+
 def test_weighted_combine_and_write_kv(gen: torch.Generator) -> None:
     y = torch.randn((6, 10), generator=gen)
     idx = torch.tensor([5, 0, 2, 1, 4, 3])
@@ -452,9 +481,8 @@ def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -
     fused = cuda_backend.create_cuda_backend(BackendOptions())
     monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
-    assert (
-        fused.moe.fused and not unfused.moe.fused and not unfused.kv_cache.fused and not unfused.small.fused
-    )
+    parts: list[Any] = [fused.moe, unfused.moe, unfused.kv_cache, unfused.small]
+    assert parts[0].fused and not any(p.fused for p in parts[1:])
     config = RouterConfig(
         "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True
     )

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.backend.fp4 import pow2_ceil
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_BLOCK = 128  # weights: 128 x 128 blocks; activations: 1 x 128
@@ -40,14 +42,20 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return weight.float() * expand_block_scale(scale.float(), weight.shape[-2], weight.shape[-1])
 
 
-def quantize_weight(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (e4m3 (N, K), float32 scale (ceil(N/b), ceil(K/b))), DeepSeek's format."""
+def quantize_weight(
+    weight: torch.Tensor, block: int = FP8_BLOCK, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (e4m3 (N, K), float32 scale (ceil(N/b), ceil(K/b))), DeepSeek's format.
+    ue8m0: each scale rounded up to a power of two (DeepSeek-V3.1 / V4 checkpoints), so that it
+    fits a UE8M0 byte (deepinfer.backend.fp4.float_to_e8m0); nothing saturates either way."""
     n, k = weight.shape
     pn, pk = -n % block, -k % block
     w = torch.nn.functional.pad(weight.float(), (0, pk, 0, pn))
     blocks = w.view(w.shape[0] // block, block, w.shape[1] // block, block)
     amax = blocks.abs().amax(dim=(1, 3)).clamp(min=AMAX_EPS)
     scale = amax / FP8_MAX
+    if ue8m0:
+        scale = pow2_ceil(scale)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(w)[:n, :k]
     return q.to(FP8_DTYPE), scale
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepinfer.backend import fp4
 from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.types import (
     NO_MODIFIERS,
@@ -363,12 +364,16 @@ class AttentionOps(_Part):
 
 
 class GemmOps(_Part):
-    """Dense and grouped matrix products, in floating point and FP8 e4m3 with block scales.
+    """Dense and grouped matrix products, in floating point, FP8 e4m3 with block scales, and
+    (grouped, for experts) MXFP4.
 
     FP8 format: deepinfer.backend.fp8 (DeepSeek's). Scales MULTIPLY. A weight (N, K) e4m3 has a
     float32 scale per 128x128 block, (ceil(N/128), ceil(K/128)); activations have one per token
     per 128 channels, (M, ceil(K/128)); value = fp8 * scale. Scale tensors may be strided (e.g.
     column-major, as TMA-based kernels keep them): their shapes, not their strides, are the contract.
+    MXFP4 format: deepinfer.backend.fp4 (DeepSeek-V4's routed experts): e2m1 values packed two
+    per byte, one UE8M0 (power-of-two) scale byte per 32 values along K; activations are not
+    quantised.
     """
 
     @abstractmethod
@@ -443,6 +448,26 @@ class GemmOps(_Part):
         out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
         for g, start, end in ref_gemm.group_bounds(group_sizes):
             out[start:end] = self.fp8_gemm(xq[start:end], xs[start:end], weight[g], weight_scale[g], x.dtype)
+        return out
+
+    def grouped_gemm_fp4(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        """As grouped_gemm with MXFP4 weights (deepinfer.backend.fp4): weight (E, N, K/2) uint8,
+        two e2m1 values per byte (element 2j in the low nibble of byte j), weight_scale
+        (E, N, ceil(K/32)) uint8 UE8M0 bytes (scale 2^(byte - 127) for each 32 values along K).
+        out = x @ dequant(weight[e])^T for the rows of group e, accumulated in float32; x (M, K)
+        float is NOT quantised; -> (M, N) in x's dtype. Meaning: the reference
+        (deepinfer.reference.gemm.grouped_gemm_fp4). Default: each non-empty group's weights
+        dequantised to x's dtype (exact: e2m1 times a power of two), then this part's linear."""
+        out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+        for g, start, end in ref_gemm.group_bounds(group_sizes):
+            w = fp4.dequantize_weight(weight[g], weight_scale[g], x.dtype)
+            out[start:end] = self.linear(x[start:end], w)
         return out
 
 

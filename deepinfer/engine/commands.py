@@ -247,7 +247,9 @@ def add_bench_parser(subparsers: Any) -> None:
         "--random-config",
         default=None,
         help="random weights for a config: NAME of model/NAME, or a path; refused when the weights "
-        "cannot fit in the device's free memory (estimated from the config before anything is built)",
+        "cannot fit in the device's free memory (estimated from the config before anything is built). "
+        "Floating point, or with --quantization fp8 the config's FP8 format (DeepSeek-V4-Flash: FP8 "
+        "linears and MXFP4 routed experts)",
     )
     p.add_argument(
         "--num-hidden-layers",
@@ -276,6 +278,17 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     add_engine_options(p)
     p.set_defaults(func=cmd_bench)
+
+
+def weight_format(config_file: Path, fp8: bool) -> str:
+    """How random weights of config_file are stored, for the report: "FP8 ", "FP8 + MXFP4 experts ",
+    or "" (floating point)."""
+    from deepinfer.engine.random_weights import has_fp4_experts
+    from deepinfer.models.config import ModelConfig
+
+    if not fp8:
+        return ""
+    return "FP8 + MXFP4 experts " if has_fp4_experts(ModelConfig.from_file(config_file), fp8) else "FP8 "
 
 
 def random_workload(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -314,17 +327,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
             config = resolve_engine_config(config, config_file)
             if config.data_parallel_size > 1 and args.num_hidden_layers is not None:
                 return fail(ValueError("--num-hidden-layers is not supported with data parallelism"))
+            fp8 = config.quantization == "fp8"  # the config's published format (V4-Flash: + MXFP4 experts)
             if config.data_parallel_size > 1:  # each worker builds its own (its share of the experts)
-                weights = RandomWeights(str(config_file))
+                weights = RandomWeights(str(config_file), fp8)
                 llm = LLM.from_engine(DataParallelEngine(config, random_weights=weights))
             else:
                 backend = get_backend(config.backend, BackendOptions(batch_invariant=config.batch_invariant))
                 model = random_model(
                     config_file, backend, config.torch_dtype, config.seed, config.gpu_memory_utilization,
-                    num_hidden_layers=args.num_hidden_layers,
+                    fp8=fp8, num_hidden_layers=args.num_hidden_layers,
                 )  # fmt: skip
                 llm = LLM.from_engine(LLMEngine(config, model=model, backend=backend))
-            source = f"random weights, {config_file}"
+            source = f"random {weight_format(config_file, fp8)}weights, {config_file}"
         else:
             source = args.model or str(DEFAULT_MODEL)
             llm = LLM(source, **kwargs)

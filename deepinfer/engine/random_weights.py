@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer.backend.fp4 import E8M0_BIAS
+from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.ops import Backend
 
 if TYPE_CHECKING:
@@ -36,14 +39,23 @@ class RandomReader:
 
     Norm weights are ones, routing-correction biases zeros, other weights N(0, std^2). Reports no
     optional tensors (no MTP layers); with fp8, every linear layer a DeepSeek FP8 checkpoint
-    quantizes is FP8 (e4m3 values N(0, 1), block scales std)."""
+    quantizes is FP8 (e4m3 values N(0, 1), block scales std; deepseek_v4.stored_in_fp8 says
+    which); with fp4_experts, DeepSeek-V4's routed experts are MXFP4 (random e2m1 codes, one
+    power-of-two scale that gives them about std)."""
 
-    def __init__(self, device: torch.device, seed: int = 0, std: float = 0.02, fp8: bool = False) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int = 0,
+        std: float = 0.02,
+        fp8: bool = False,
+        fp4_experts: bool = False,
+    ) -> None:
         self.device = device
         self.fp8_dtype = torch.float8_e4m3fn
         self.location: dict[str, str] = {}
         self.std = std
-        self.fp8 = fp8
+        self.fp8, self.fp4_experts = fp8, fp4_experts
         self.generator = torch.Generator(device=device).manual_seed(seed)  # draws on the device
 
     def has(self, name: str) -> bool:
@@ -62,11 +74,19 @@ class RandomReader:
         return t.mul_(1.0 if "embed" in name else self.std)
 
     def linear(
-        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype
+        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.fp8:
+        from deepinfer.models.deepseek_v4 import stored_in_fp8
+
+        n, k = shape
+        if fp4 and self.fp4_experts:  # uniform codes: RMS sqrt(mean e2m1^2) = 2.93 before scaling
+            packed = torch.randint(256, (n, k // 2), generator=self.generator, device=self.device)
+            exponent = E8M0_BIAS + round(math.log2(self.std / 2.93))
+            scale = torch.full(fp4_scale_shape(n, k), exponent, dtype=torch.uint8, device=self.device)
+            return packed.to(torch.uint8), scale
+        if not self.fp8 or not stored_in_fp8(prefix):
             return self.get(f"{prefix}.weight", shape, dtype), None
-        n, k = shape  # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
+        # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
         w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
         scale = torch.full((-(-n // 128), -(-k // 128)), self.std, dtype=torch.float32, device=self.device)
         return w.to(self.fp8_dtype), scale
@@ -103,37 +123,70 @@ class ModelTooLargeError(ValueError):
     """The weights a config describes do not fit in the device's free memory."""
 
 
+def has_fp4_experts(config: ModelConfig, fp8: bool) -> bool:
+    """Whether random FP8 weights of `config` hold MXFP4 routed experts: DeepSeek-V4 configs whose
+    expert_dtype is fp4 (V4-Flash); other experts are FP8 with the dense linears."""
+    q = config.quantization
+    return fp8 and config.v4 is not None and q is not None and q.expert_dtype == "fp4"
+
+
 def estimate_weight_bytes(
     config: ModelConfig, dtype: torch.dtype, fp8: bool = False, expert_share: float = 1.0
 ) -> int:
     """Bytes of the weights (in `dtype`; the router's in float32) and the rotary table of the
     model `config` describes, as random_model builds it (no MTP layers), from the config
-    alone: embedding and head, per layer MLA (q_a/q_b or q, kv_a, kv_b, o, norms) and a dense MLP
-    or the routed + shared experts with their router. fp8: the linear layers at one byte a
-    weight (block scales neglected); expert_share: the share of the routed experts held (expert
+    alone: embedding and head, per layer the attention's projections (MLA: q_a/q_b or q, kv_a,
+    kv_b, o; DeepSeek-V4: q_a/q_b, kv, the grouped output, compressors and indexer) and norms,
+    and a dense MLP or the routed + shared experts with their router. fp8: the linear layers at
+    one byte a weight (block scales neglected), MXFP4 experts (has_fp4_experts) at half a byte
+    plus a scale byte per 32; expert_share: the share of the routed experts held (expert
     parallelism)."""
     c = config
-    linear = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
-    d, h = c.hidden_size, c.num_attention_heads
-    if c.q_lora_rank:
-        attention = d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
-    else:
-        attention = d * h * c.qk_head_dim
-    attention += d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank  # kv_a_proj + its norm
-    attention += c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * d
-    params, linears, float32 = 0, 0, 0
+    act = torch.empty((), dtype=dtype).element_size()
+    linear = 1 if fp8 else act
+    expert = 0.5 + 1 / 32 if has_fp4_experts(c, fp8) else linear
+    d = c.hidden_size
+    params, linears, experts, float32 = 0, 0, 0, 0
     for layer in range(c.num_hidden_layers):
         params += 2 * d  # the two norms
+        attention, attention_float = _attention_params(c, layer)
         linears += attention
+        params += attention_float
         if c.is_moe_layer(layer):
-            experts = round(c.n_routed_experts * expert_share) + c.n_shared_experts
-            linears += 3 * d * c.moe_intermediate_size * experts
+            experts += 3 * d * c.moe_intermediate_size * round(c.n_routed_experts * expert_share)
+            linears += 3 * d * c.moe_intermediate_size * c.n_shared_experts
             float32 += c.n_routed_experts * (d + 1)  # router weight and correction bias
         else:
             linears += 3 * d * c.intermediate_size
     params += c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
-    rotary = c.max_position_embeddings * c.qk_rope_head_dim * 4  # float32 cos/sin table
-    return params * torch.empty((), dtype=dtype).element_size() + linears * linear + float32 * 4 + rotary
+    tables = 2 if c.v4 is not None else 1  # V4: the main and the compressed branches' rope
+    rotary = tables * c.max_position_embeddings * c.qk_rope_head_dim * 4  # float32 cos/sin tables
+    return int(params * act + linears * linear + experts * expert + float32 * 4 + rotary)
+
+
+def _attention_params(c: ModelConfig, layer: int) -> tuple[int, int]:
+    """(weights of the linears an FP8 checkpoint quantises, other weights) of one layer's attention."""
+    d, h = c.hidden_size, c.num_attention_heads
+    v4 = c.v4
+    if v4 is None:  # MLA
+        if c.q_lora_rank:
+            attention = d * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim
+        else:
+            attention = d * h * c.qk_head_dim
+        attention += d * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank  # kv_a_proj + its norm
+        attention += c.kv_lora_rank * h * (c.qk_nope_head_dim + c.v_head_dim) + h * c.v_head_dim * d
+        return attention, 0
+    q_lora, hd, out = c.q_lora_rank or 0, h * v4.head_dim, v4.o_groups * v4.o_lora_rank
+    # wq_a, wq_b, wkv, wo_a ((H*D/G) -> r per group), wo_b
+    quantised = d * q_lora + q_lora * hd + d * v4.head_dim + hd * v4.o_lora_rank + out * d
+    other = q_lora + v4.head_dim + h  # norms and sinks
+    ratio = v4.compress_ratios[layer]
+    if ratio:  # the compressor's kv and gate projections, two series wide for CSA
+        other += 2 * d * (2 if ratio == v4.csa_ratio else 1) * v4.head_dim
+    if ratio == v4.csa_ratio:  # the indexer: its compressor, weights_proj, and wq_b (quantised)
+        other += 2 * d * 2 * v4.index_head_dim + d * v4.index_n_heads
+        quantised += q_lora * v4.index_n_heads * v4.index_head_dim
+    return quantised, other
 
 
 def check_fits(
@@ -184,7 +237,8 @@ def random_model(
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
     gpu_memory_utilization). expert_parallel: only this rank's routed experts; fp8: FP8 linear
-    layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8);
+    layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8), and
+    for DeepSeek-V4 configs with expert_dtype fp4 (V4-Flash) MXFP4 routed experts, as published;
     num_hidden_layers: overrides the config's depth (the first layers of its schedule)."""
     from deepinfer.models.config import ModelConfig
     from deepinfer.models.deepseek import DeepseekForCausalLM
@@ -208,7 +262,8 @@ def random_model(
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM = DeepseekV4ForCausalLM(config, backend, dtype)
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
-    model.load_weights(RandomReader(backend.device.device(), seed, fp8=fp8))  # type: ignore[arg-type]
+    reader = RandomReader(backend.device.device(), seed, fp8=fp8, fp4_experts=has_fp4_experts(config, fp8))
+    model.load_weights(reader)  # type: ignore[arg-type]
     backend.device.synchronize()
     logger.info(
         "random weights for %s built in %.2f s: %.2f GiB (estimated), on %s",

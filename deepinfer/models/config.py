@@ -163,12 +163,17 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """DeepSeek's FP8 checkpoint format: e4m3 weights with one float32 `weight_scale_inv` per block."""
+    """DeepSeek's FP8 checkpoint format: e4m3 weights with one scale per 128x128 block (float32
+    `weight_scale_inv`; V4: UE8M0 bytes named `scale`). expert_dtype (DeepSeek-V4's field, at the
+    top level of its config.json or in quantization_config): the routed experts' format, "fp8"
+    (as the dense weights) or "fp4" (MXFP4, deepinfer.backend.fp4); None: not said (the
+    checkpoint's tensors tell)."""
 
     fmt: str = "e4m3"
     weight_block_size: tuple[int, int] = (128, 128)
     activation_scheme: str = "dynamic"
-    scale_fmt: str | None = None  # V3.1 "ue8m0": scales are powers of two (still stored as float32)
+    scale_fmt: str | None = None  # "ue8m0": scales are powers of two (V3.1: float32; V4: bytes)
+    expert_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -383,7 +388,15 @@ def _parse_quantization(raw: dict[str, Any]) -> Fp8Config | None:
     scale_fmt = q.get("scale_fmt")
     if scale_fmt not in (None, "ue8m0"):
         raise ModelConfigError(f"config.json: scale_fmt {scale_fmt!r} is not supported; supported: ue8m0")
-    return Fp8Config(fmt=fmt, weight_block_size=(128, 128), activation_scheme=scheme, scale_fmt=scale_fmt)
+    expert_dtype = q.get("expert_dtype", raw.get("expert_dtype"))
+    if expert_dtype not in (None, "fp8", "fp4"):
+        raise ModelConfigError(
+            f"config.json: expert_dtype {expert_dtype!r} is not supported; supported: fp8, fp4"
+        )
+    return Fp8Config(
+        fmt=fmt, weight_block_size=(128, 128), activation_scheme=scheme, scale_fmt=scale_fmt,
+        expert_dtype=expert_dtype,
+    )  # fmt: skip
 
 
 def _parse_eos(value: Any) -> tuple[int, ...]:
@@ -422,6 +435,12 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         )
 
     d = f.defaults
+    quantization = _parse_quantization(raw)
+    if quantization is not None and quantization.expert_dtype == "fp4":
+        raise ModelConfigError(
+            f"config.json: expert_dtype 'fp4' (MXFP4 experts) is supported for deepseek_v4 only, "
+            f"not {model_type!r}"
+        )
     n_routed = f.get_int("n_routed_experts", minimum=0)
     topk_method = f.get_choice("topk_method", d["topk_method"], TOPK_METHODS)
     scoring = f.get_choice("scoring_func", d["scoring_func"], SCORING_FUNCS)
@@ -468,7 +487,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=f.get_token_id("bos_token_id"),
         eos_token_id=_parse_eos(f.value("eos_token_id")),
         num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", minimum=0),
-        quantization=_parse_quantization(raw),
+        quantization=quantization,
         torch_dtype=_DTYPES[dtype_name],
     )
     _validate(cfg)

@@ -36,6 +36,14 @@ keeps no prefix). Decode graphs are not captured (the step reads lengths on the 
 Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
 published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
 layout without the prefix (embed.weight, layers.{i}...) loads too.
+
+Weights load as the checkpoint stores them (see loader.CheckpointReader.linear). DeepSeek's
+published V4 checkpoints: the linears FP8 e4m3 with a UE8M0 scale per 128x128 block (`.scale`),
+except the compressors' projections, the indexer's weights_proj and the router (stored_in_fp8);
+the routed experts MXFP4 (deepinfer.backend.fp4; V4-Flash-Base: FP8); embedding, head, norms
+and mixing parameters in bf16 / float32. FP8 linears run through gemm.linear_fp8, FP8 wo_a
+through gemm.grouped_gemm_fp8 (one group per output group), the experts through
+gemm.grouped_gemm_fp4 (or grouped_gemm_fp8).
 """
 
 from __future__ import annotations
@@ -48,11 +56,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from deepinfer.backend.fp8 import FP8_BLOCK, dequantize_weight
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.models.config import ModelConfig, V4Config
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
-from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
 
 if TYPE_CHECKING:
@@ -83,6 +92,14 @@ def _rope_tail(
 def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
     """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
     return x.view(*x.shape[:-1], -1, 2).flip(-1).flatten(-2)
+
+
+def stored_in_fp8(prefix: str) -> bool:
+    """Whether DeepSeek's FP8 checkpoints store linear `prefix` in FP8 (a tensor name without
+    `.weight`): every linear but the compressors' projections (`...compressor.wkv` / `wgate`,
+    the indexer's too), the indexer's weights_proj and the router (`...ffn.gate`), which they keep
+    in bf16 / float32. Random FP8 weights and the test checkpoints follow it."""
+    return ".compressor." not in prefix and not prefix.endswith((".weights_proj", ".gate"))
 
 
 # --------------------------------------------------------------------------- caches
@@ -416,16 +433,31 @@ class V4Attention(nn.Module):
         o = _rope_tail(backend, o, pos, table, inverse=True)
         # Grouped output: G groups of H/G heads, each (H*D/G) -> o_lora_rank, then one mix to Dm.
         per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
-        w = self.wo_a.weight.view(self.groups, self.o_rank, -1)
-        grouped = backend.gemm.batched_linear(per_group, w).transpose(0, 1)  # (T, G, o_lora_rank)
+        grouped = self._grouped_output(per_group).transpose(0, 1)  # (T, G, o_lora_rank)
         out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
         return out
+
+    def _grouped_output(self, per_group: torch.Tensor) -> torch.Tensor:
+        """(G, T, H*D/G) -> (G, T, o_lora_rank), group g through rows [g*r, (g+1)*r) of wo_a.
+        FP8: the groups are the experts of one grouped GEMM of T rows each, with each group's
+        (r/128, Kb) scale blocks (load keeps wo_a FP8 only when r is a multiple of 128)."""
+        gemm, g, t, k = self.backend.gemm, *per_group.shape
+        w, scale = self.wo_a.weight.view(g, self.o_rank, k), self.wo_a.weight_scale_inv
+        if scale is None:
+            return gemm.batched_linear(per_group, w)
+        sizes = torch.full((g,), t, dtype=torch.int64, device=per_group.device)
+        y = gemm.grouped_gemm_fp8(per_group.reshape(g * t, k), w, scale.view(g, -1, scale.shape[-1]), sizes)
+        return y.view(g, t, self.o_rank)
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
             getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
-        if self.wo_a.is_fp8:
-            raise NotImplementedError(f"{prefix}.wo_a: FP8 grouped output projections are not supported yet")
+        scale = self.wo_a.weight_scale_inv
+        if scale is not None and self.o_rank % FP8_BLOCK:
+            # a 128-row scale block would span two output groups: no per-group FP8 weight exists,
+            # so wo_a is dequantised (as DeepSeek's own inference code keeps it, in bf16)
+            self.wo_a.weight = dequantize_weight(self.wo_a.weight, scale).to(dtype)
+            self.wo_a.weight_scale_inv = None
         self.q_norm.weight = _load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
         self.kv_norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
         self.attn_sink = _load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
@@ -459,22 +491,39 @@ class V4MoE(nn.Module):
         self.shared_down = Linear(backend, c.moe_intermediate_size, c.hidden_size)
         for name in ("w13", "w2", "bias", "tid2eid"):
             self.register_buffer(name, torch.empty(0, device="meta"))
-        # w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I), bias (E,) float32, tid2eid (V, K) int64
+        self.register_buffer("w13_scale", None)
+        self.register_buffer("w2_scale", None)
+        # w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I) in the model dtype, no scales; or
+        #   FP8: e4m3, each half of w13 padded to whole 128-row blocks (layers.fuse_gate_up), block
+        #   scales (E, 2I'/128, Dm/128), (E, Dm/128, I'/128) float32;
+        #   MXFP4: packed uint8 (E, 2I, Dm/2), (E, Dm, I/2), UE8M0 bytes (E, 2I, Dm/32), (E, Dm, I/32).
+        # bias (E,) float32, tid2eid (V, K) int64
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x (T, Dm), input_ids (T,) -> (T, Dm)."""
-        moe, gemm, small = self.backend.moe, self.backend.gemm, self.backend.small
+        moe, small = self.backend.moe, self.backend.small
         logits = self.gate(x)  # (T, E)
         if self.hashed:
             weights, ids = moe.route(logits, self.router, hash_ids=self.tid2eid[input_ids])
         else:
             weights, ids = moe.route(logits, self.router, correction_bias=self.bias)
         x_sorted, src_to_dst, counts = moe.permute(x, ids, self.num_experts)
-        h = small.clamped_silu_and_mul(gemm.grouped_gemm(x_sorted, self.w13, counts), self.limit)
-        routed = moe.unpermute(gemm.grouped_gemm(h, self.w2, counts), src_to_dst, weights)
+        h = small.clamped_silu_and_mul(self._experts(x_sorted, self.w13, self.w13_scale, counts), self.limit)
+        routed = moe.unpermute(self._experts(h, self.w2, self.w2_scale, counts), src_to_dst, weights)
         shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
         out: torch.Tensor = routed + shared
         return out
+
+    def _experts(
+        self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Expert-sorted rows x (M, K) through w's groups -> (M, N), in w's format."""
+        gemm = self.backend.gemm
+        if scale is None:
+            return gemm.grouped_gemm(x, w, counts)
+        if w.dtype == torch.uint8:  # packed MXFP4
+            return gemm.grouped_gemm_fp4(x, w, scale, counts)
+        return gemm.grouped_gemm_fp8(x, w, scale, counts)
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts
@@ -484,21 +533,49 @@ class V4MoE(nn.Module):
         else:
             self.bias = _load_f32(reader, f"{prefix}.gate.bias", (e,))
 
-        def dense(name: str, shape: tuple[int, int]) -> torch.Tensor:
-            w, s = reader.linear(name, shape, dtype)
-            if s is not None:
-                raise NotImplementedError(f"{name}: FP8 / FP4 DeepSeek-V4 experts are not supported yet")
-            return w
-
-        ex = f"{prefix}.experts"
-        gate_up = [
-            torch.cat([dense(f"{ex}.{k}.w1", (i, dm)), dense(f"{ex}.{k}.w3", (i, dm))]) for k in range(e)
-        ]
-        self.w13 = torch.stack(gate_up)
-        self.w2 = torch.stack([dense(f"{ex}.{k}.w2", (dm, i)) for k in range(e)])
+        self._load_experts(reader, f"{prefix}.experts", dtype)
         sp = f"{prefix}.shared_experts"
-        self.shared_gate_up.weight = torch.cat([dense(f"{sp}.w1", (i, dm)), dense(f"{sp}.w3", (i, dm))])
-        self.shared_down.weight = dense(f"{sp}.w2", (dm, i))
+        w13, s13, w2, s2 = fuse_gate_up(
+            reader.linear(f"{sp}.w1", (i, dm), dtype),
+            reader.linear(f"{sp}.w3", (i, dm), dtype),
+            reader.linear(f"{sp}.w2", (dm, i), dtype),
+        )
+        self.shared_gate_up.weight, self.shared_gate_up.weight_scale_inv = w13, s13
+        self.shared_down.weight, self.shared_down.weight_scale_inv = w2, s2
+
+    def _load_experts(self, reader: CheckpointReader, ex: str, dtype: torch.dtype) -> None:
+        """Every routed expert's w1 (gate), w3 (up), w2 (down), in one format for all of them."""
+        dm, i = self.hidden, self.inter
+        shapes = {"w1": (i, dm), "w3": (i, dm), "w2": (dm, i)}
+        experts = [
+            {n: reader.linear(f"{ex}.{k}.{n}", shape, dtype, fp4=True) for n, shape in shapes.items()}
+            for k in range(self.num_experts)
+        ]
+
+        def fmt(w: torch.Tensor, s: torch.Tensor | None) -> str:
+            return "float" if s is None else "MXFP4" if w.dtype == torch.uint8 else "FP8"
+
+        formats = {fmt(*p) for parts in experts for p in parts.values()}
+        if len(formats) > 1:
+            raise ValueError(f"{ex}: the routed experts mix weight formats ({', '.join(sorted(formats))})")
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+            """One byte a value through uint8 (e4m3 has no stack kernel on every device)."""
+            raw = [t.view(torch.uint8) if t.dtype.itemsize == 1 else t for t in ts]
+            return torch.stack(raw).view(ts[0].dtype)
+
+        if formats == {"FP8"}:
+            fused = [fuse_gate_up(p["w1"], p["w3"], p["w2"]) for p in experts]
+            self.w13, self.w2 = stack([f[0] for f in fused]), stack([f[2] for f in fused])
+            self.w13_scale = torch.stack([cast(torch.Tensor, f[1]) for f in fused])
+            self.w2_scale = torch.stack([cast(torch.Tensor, f[3]) for f in fused])
+            return
+        # float, or MXFP4 (per-row scales: gate and up rows concatenate as they are)
+        for name, parts in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            setattr(self, name, stack([torch.cat([p[n][0] for n in parts]) for p in experts]))
+            if formats == {"MXFP4"}:
+                scales = [torch.cat([cast(torch.Tensor, p[n][1]) for n in parts]) for p in experts]
+                setattr(self, f"{name}_scale", torch.stack(scales))
 
 
 # --------------------------------------------------------------------------- block and model

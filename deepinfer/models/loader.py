@@ -3,7 +3,9 @@ model.safetensors), with DeepSeek's published tensor names. safetensors only: no
 
 Files are memory-mapped (safetensors' safe_open) and read one tensor at a time straight into the
 model's buffers, so the checkpoint is never copied whole into host memory. FP8 checkpoints (e4m3
-weights + float32 `weight_scale_inv` per 128x128 block) stay FP8 on backends that support it.
+weights + a scale per 128x128 block: float32 `weight_scale_inv` in DeepSeek-V3's, UE8M0 bytes
+`scale` in V4's) stay FP8 on backends that support it; DeepSeek-V4's MXFP4 routed experts stay
+packed (deepinfer.backend.fp4).
 
 Hostile checkpoints are refused with the tensor's name: a bool / integer / complex tensor where a
 float weight belongs (always), and, in one pass over each weight as it lands on the device, NaN
@@ -32,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from deepinfer.backend.fp4 import E8M0_NAN, e8m0_to_float
+from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.fp8 import FP8_DTYPE, dequantize_weight, weight_scale_shape
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
@@ -47,6 +51,12 @@ SINGLE_FILE = "model.safetensors"
 # Floating dtypes a checkpoint may store a non-FP8 weight in (cast to the model dtype on load).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SKIP_CHECK_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"
+# A linear's scales, by DeepSeek's names: `weight_scale_inv` (V3; also transformers'), `scale` (V4)
+SCALE_SUFFIXES = ("weight_scale_inv", "scale")
+# safetensors dtypes of packed MXFP4 weights (two e2m1 values a byte; F4 counts values, not bytes)
+PACKED_FP4 = ("I8", "U8", "F4")
+# safetensors dtypes of UE8M0 scale bytes
+E8M0_BYTES = ("F8_E8M0", "U8")
 _SKIP_HINT = (
     f"(checked once at load; {SKIP_CHECK_ENV}=1 or load_model(..., check_weights=False) skips "
     "this check for weights you trust)"
@@ -222,11 +232,16 @@ class CheckpointReader:
     def shape_of(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self.location[name]).get_slice(name).get_shape())
 
-    def _check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+    def dtype_of(self, name: str) -> str:
+        """The safetensors dtype name of tensor `name` ("F32", "F8_E4M3", "I8", ...), unread."""
+        return str(self._open(self.location[name]).get_slice(name).get_dtype())
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], what: str = "") -> None:
         found = self.shape_of(name)
         if found != tuple(shape):
             raise ShapeMismatchError(
-                f"tensor {name!r} in {self.location[name]}: expected shape {tuple(shape)}, found {found}"
+                f"tensor {name!r} in {self.location[name]}: expected shape {tuple(shape)}{what}, "
+                f"found {found}"
             )
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
@@ -238,12 +253,13 @@ class CheckpointReader:
         t = self._read_raw(name)
         where = f"tensor {name!r} in {self.location[name]}"
         if t.dtype == FP8_DTYPE and dtype is not None and dtype != FP8_DTYPE:
-            raise CheckpointError(f"{where} is FP8 but has no {name.rsplit('.', 1)[0]}.weight_scale_inv")
+            prefix = name.rsplit(".", 1)[0]
+            raise CheckpointError(f"{where} is FP8 but has no {prefix}.weight_scale_inv or {prefix}.scale")
         if t.dtype not in (*FLOAT_DTYPES, FP8_DTYPE):
             raise CheckpointError(
                 f"{where} has dtype {str(t.dtype).replace('torch.', '')}; a weight must be floating point "
                 f"({', '.join(str(d).replace('torch.', '') for d in FLOAT_DTYPES)}, or float8_e4m3fn "
-                "with a weight_scale_inv)"
+                "with a weight_scale_inv / scale; packed MXFP4 with its scale in routed experts only)"
             )
         out = t.to(device=self.device, dtype=dtype or t.dtype)
         if self.check_weights:
@@ -293,28 +309,85 @@ class CheckpointReader:
         """Mark a tensor as known but unused (e.g. the MTP layer's copies of shared weights)."""
         self._read.add(name)
 
+    def scale_name(self, prefix: str) -> str | None:
+        """The scale tensor of linear `prefix` (`{prefix}.weight_scale_inv` or `{prefix}.scale`),
+        None for a floating-point weight."""
+        for suffix in SCALE_SUFFIXES:
+            if self.has(f"{prefix}.{suffix}"):
+                return f"{prefix}.{suffix}"
+        return None
+
     def linear(
-        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype
+        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`{prefix}.weight` (N, K): (weight in dtype, None), or (e4m3 weight, float32 block scales)
-        when the checkpoint has `{prefix}.weight_scale_inv`."""
-        scale_name = f"{prefix}.weight_scale_inv"
-        if not self.has(scale_name):
-            return self.get(f"{prefix}.weight", shape, dtype), None
+        """`{prefix}.weight` (N, K), by what the checkpoint stores:
+          float              -> (weight in dtype, None)
+          FP8 (e4m3 + scale) -> (e4m3 (N, K), float32 block scales (ceil(N/128), ceil(K/128)))
+          MXFP4 (packed int8 / uint8 / float4_e2m1fn_x2 + scale), only where `fp4` allows it
+          (routed experts)   -> (uint8 (N, K/2), uint8 UE8M0 (N, ceil(K/32))): deepinfer.backend.fp4
+        Scales are `{prefix}.weight_scale_inv` or `{prefix}.scale`, float32 or UE8M0 bytes
+        (float8_e8m0fnu or uint8; MXFP4 scales are UE8M0 only)."""
+        scale_name, weight_name = self.scale_name(prefix), f"{prefix}.weight"
+        if scale_name is None:
+            return self.get(weight_name, shape, dtype), None
+        if self.has(weight_name) and self.dtype_of(weight_name) in PACKED_FP4:
+            if not fp4:
+                raise CheckpointError(
+                    f"tensor {weight_name!r} in {self.location[weight_name]} is packed MXFP4 (dtype "
+                    f"{self.dtype_of(weight_name)}); deepinfer reads MXFP4 for routed experts only"
+                )
+            return self._fp4_linear(weight_name, scale_name, shape)
         if not self.allow_fp8:
             raise Fp8NotSupportedError(
                 f"{self.root} holds FP8 weights ({scale_name}) but backend {self.backend_name!r} does not "
                 "support FP8 (capabilities.supports_fp8 is False); use a backend with FP8 GEMMs"
             )
-        w = self.get(f"{prefix}.weight", shape, None)
+        w = self.get(weight_name, shape, None)
         if w.dtype != FP8_DTYPE:
             raise CheckpointError(
-                f"{prefix}.weight has a weight_scale_inv but dtype {w.dtype}, not float8_e4m3fn"
+                f"{weight_name} has a scale ({scale_name}) but dtype {w.dtype}, not float8_e4m3fn"
+                + (" or packed MXFP4" if fp4 else "")
             )
-        return w, self.get(scale_name, weight_scale_shape(*shape), torch.float32)
+        n, k = shape
+        block_scales = weight_scale_shape(n, k)
+        what = f" (one per 128x128 block of the ({n}, {k}) FP8 weight {weight_name!r})"
+        if self.dtype_of(scale_name) in E8M0_BYTES:  # DeepSeek-V4: powers of two, one byte each
+            return w, e8m0_to_float(self._e8m0(scale_name, block_scales, what))
+        self._check_shape(scale_name, block_scales, what)
+        return w, self.get(scale_name, block_scales, torch.float32)
+
+    def _fp4_linear(
+        self, weight_name: str, scale_name: str, shape: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = shape
+        if k % 2:
+            raise CheckpointError(f"tensor {weight_name!r}: MXFP4 packs two values a byte, but K={k} is odd")
+        stored = (n, k) if self.dtype_of(weight_name) == "F4" else (n, k // 2)  # F4 counts values
+        self._check_shape(weight_name, stored, f" (the packed MXFP4 form of an ({n}, {k}) weight)")
+        w = self._read_raw(weight_name).view(torch.uint8).to(self.device)
+        if self.dtype_of(scale_name) not in E8M0_BYTES:
+            raise CheckpointError(
+                f"tensor {scale_name!r} in {self.location[scale_name]} has dtype "
+                f"{self.dtype_of(scale_name)}; MXFP4 scales are UE8M0 bytes (float8_e8m0fnu or uint8)"
+            )
+        what = f" (one per 32 values along K of the ({n}, {k}) MXFP4 weight {weight_name!r})"
+        return w, self._e8m0(scale_name, fp4_scale_shape(n, k), what)
+
+    def _e8m0(self, name: str, shape: tuple[int, int], what: str) -> torch.Tensor:
+        """UE8M0 scale bytes `name`, shape-checked, as uint8 on the device; with check_weights,
+        the NaN byte 0xFF is refused."""
+        self._check_shape(name, shape, what)
+        s = self._read_raw(name).view(torch.uint8).to(self.device)
+        if self.check_weights and s.numel() and int(s.max()) == E8M0_NAN:
+            n, index, _ = _first_bad(s, s == E8M0_NAN)
+            raise NonFiniteWeightError(
+                f"tensor {name!r} in {self.location[name]} holds {n} UE8M0 NaN byte{'s' if n > 1 else ''} "
+                f"(0xFF; the first at index {index}); the checkpoint is corrupt {_SKIP_HINT}"
+            )
+        return s
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        """`{prefix}.weight` in `dtype`; FP8 weights are dequantised (block * weight_scale_inv)."""
+        """`{prefix}.weight` in `dtype`; FP8 weights are dequantised (block * scale)."""
         w, s = self.linear(prefix, shape, dtype)
         if s is None:
             return w

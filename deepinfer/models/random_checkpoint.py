@@ -1,5 +1,6 @@
 """Random DeepSeek checkpoints with the published tensor names, for tests and the conformance suite
-(no transformers needed): float32 or DeepSeek's FP8 format, one file or sharded with an index."""
+(no transformers needed): float32 or DeepSeek's FP8 format (DeepSeek-V4: FP8 + MXFP4 experts),
+one file or sharded with an index."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import dequantize_weight, quantize_weight
 from deepinfer.models.config import ModelConfig
 
@@ -271,6 +273,43 @@ def tiny_v4_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+# DeepSeek-V4's published format: FP8 linears with UE8M0 block scales, MXFP4 routed experts
+# (the expert format at the top level of config.json, where V4 names it)
+V4_QUANTIZATION_CONFIG = dict(FP8_QUANTIZATION_CONFIG, scale_fmt="ue8m0")
+V4_EXPERT_DTYPE = "fp4"
+E8M0 = torch.float8_e8m0fnu  # the scales' dtype in V4's safetensors
+
+
+def quantize_v4_state_dict(
+    state: dict[str, torch.Tensor], expert_dtype: str = V4_EXPERT_DTYPE
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(DeepSeek-V4's published format, the same weights dequantised to float32) of a float V4
+    state dict (transformers' or DeepSeek's names). Routed experts' w1 / w2 / w3: MXFP4, packed
+    int8 with float8_e8m0fnu `.scale` (deepinfer.backend.fp4), or with expert_dtype "fp8"
+    (V4-Flash-Base) FP8 as the linears; the linears DeepSeek keeps in FP8
+    (deepseek_v4.stored_in_fp8): e4m3 with power-of-two block scales as float8_e8m0fnu `.scale`;
+    the rest (embedding, head, router, compressors, norms, mixing parameters) as they are."""
+    from deepinfer.models.deepseek_v4 import stored_in_fp8
+
+    quantized: dict[str, torch.Tensor] = {}
+    dequant: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        prefix = name.removesuffix(".weight")
+        linear = t.dim() == 2 and prefix != name and "embed" not in name and not name.endswith("head.weight")
+        routed = ".experts." in prefix  # (shared experts are `.shared_experts.`)
+        if linear and routed and expert_dtype == "fp4":
+            packed, scale = fp4.quantize_weight(t)
+            quantized[name], quantized[f"{prefix}.scale"] = packed.view(torch.int8), scale.view(E8M0)
+            dequant[name] = fp4.dequantize_weight(packed, scale)
+        elif linear and stored_in_fp8(prefix):
+            q, scale = quantize_weight(t, ue8m0=True)
+            quantized[name], quantized[f"{prefix}.scale"] = q, fp4.float_to_e8m0(scale).view(E8M0)
+            dequant[name] = dequantize_weight(q, scale)
+        else:
+            quantized[name] = dequant[name] = t
+    return quantized, dequant
+
+
 class _RecordingReader:
     """Stands in for CheckpointReader: makes up every tensor the V4 loader asks for (on the CPU,
     seeded) and records it under its name. Norm weights near 1, sinks / biases / mixing
@@ -298,7 +337,9 @@ class _RecordingReader:
         self.tensors[name] = t
         return t.to(dtype or torch.float32)
 
-    def linear(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> tuple[torch.Tensor, None]:
+    def linear(
+        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
+    ) -> tuple[torch.Tensor, None]:
         return self.get(f"{prefix}.weight", shape, dtype), None
 
     def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
@@ -307,18 +348,25 @@ class _RecordingReader:
         return ids
 
 
-def write_random_v4_checkpoint(root: Path, config: dict[str, Any] | None = None, seed: int = 0) -> Path:
+def write_random_v4_checkpoint(
+    root: Path, config: dict[str, Any] | None = None, seed: int = 0, quantized: bool = False
+) -> Path:
     """A random DeepSeek-V4 checkpoint (float32, the names transformers' save_pretrained writes)
     in directory `root`: config.json + model.safetensors. The tensors are exactly those the
-    loader reads (it asks a recording reader for each)."""
+    loader reads (it asks a recording reader for each). quantized: in DeepSeek's published
+    format instead (quantize_v4_state_dict: FP8 linears, MXFP4 routed experts)."""
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
     from deepinfer.reference.backend import create_reference_backend
 
-    config = config or tiny_v4_config()
+    config = dict(config or tiny_v4_config())
     reader = _RecordingReader(seed)
     model = DeepseekV4ForCausalLM(ModelConfig.from_dict(config), create_reference_backend(), torch.float32)
     model.load_weights(reader)  # type: ignore[arg-type]
+    state = reader.tensors
+    if quantized:
+        state, _ = quantize_v4_state_dict(state)
+        config |= {"quantization_config": dict(V4_QUANTIZATION_CONFIG), "expert_dtype": V4_EXPERT_DTYPE}
     root.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in reader.tensors.items()}, str(root / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps(config, indent=2))
     return root

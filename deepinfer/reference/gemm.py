@@ -1,4 +1,5 @@
-"""Reference GEMMs: float matmuls and FP8 e4m3 block-scaled products (dequantise, then float32)."""
+"""Reference GEMMs: float matmuls, FP8 e4m3 block-scaled products and MXFP4 expert products
+(dequantise, then float32)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 # The format (constants, weight quantisation, dequantisation) lives in the contract; re-exported
 # here because the reference functions below are written in its terms.
+from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import (
     AMAX_EPS,
     FP8_BLOCK,
@@ -29,6 +31,7 @@ __all__ = [
     "fp8_gemm",
     "group_bounds",
     "grouped_gemm",
+    "grouped_gemm_fp4",
     "grouped_gemm_fp8",
     "linear",
     "mm",
@@ -113,4 +116,20 @@ def grouped_gemm_fp8(
     for g, s, e in group_bounds(group_sizes):
         w = dequantize_weight(weight[g], weight_scale[g])
         out[s:e] = mm(xd[s:e], w.t(), batch_invariant).to(x.dtype)
+    return out
+
+
+def grouped_gemm_fp4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_sizes: torch.Tensor,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """MXFP4 experts: each non-empty group's weights dequantised to float32, x in float32 (not
+    quantised), a float32 product, the result in x's dtype."""
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+    for g, s, e in group_bounds(group_sizes):
+        w = fp4.dequantize_weight(weight[g], weight_scale[g])
+        out[s:e] = mm(x[s:e].float(), w.t(), batch_invariant).to(x.dtype)
     return out

@@ -70,6 +70,19 @@ def quantized_weight(
     return q.to(device), s.to(device)
 
 
+def mxfp4_weight(
+    shape: tuple[int, int, int], device: torch.device | str, gen: torch.Generator, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random (E, N, K) MXFP4 weight (deepinfer.backend.fp4's layout): uniform e2m1 codes (RMS
+    2.93) packed two a byte, (E, N, K/2) uint8, and UE8M0 scale bytes (E, N, ceil(K/32)) spread
+    over 2^-2 .. 2^2 around the one that gives the values an RMS of about `scale`."""
+    e, n, k = shape
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=gen).to(torch.uint8)
+    base = 127 + round(math.log2(scale / 2.93))
+    scales = torch.randint(base - 2, base + 3, (e, n, -(-k // 32)), generator=gen).to(torch.uint8)
+    return packed.to(device), scales.to(device)
+
+
 @dataclass
 class PagedBatch:
     """A ragged step over a paged cache, built twice: on the backend and as the reference's oracle.

@@ -9,6 +9,10 @@ quantize_fp8    npu_dynamic_block_quant(x, dst_type=float8_e4m3fn, row_block_siz
 fp8_gemm        npu_quant_matmul(xq, W^T, W_scale^T, pertoken_scale=x_scale,
                 group_sizes=[1, 128, 128], output_dtype=...) (DeepSeek's 128x128 block scales)
 grouped FP8     one npu_quant_matmul per non-empty expert (host-side split: one sync)
+MXFP4 experts (DeepSeek-V4): torch_npu has no MXFP4 grouped matmul on the CANN releases this
+backend targets, as far as known (npu_grouped_matmul takes float, int8 and on the 950 FP8 /
+MXFP8 weights; npu_quant_matmul's MX modes are dense). The documented fallback: dequantise the
+experts that have rows to the activation dtype (exact) and run the bf16 grouped matmul.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from typing import Any
 
 import torch
 
+from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import FP8_BLOCK as BLOCK
 from deepinfer.backend.fp8 import FP8_DTYPE as FP8
 from deepinfer.backend.ops import GemmOps
 from deepinfer.backend.types import BackendOptions
 
 BLOCK_GROUPS = [1, BLOCK, BLOCK]  # per-token x 128 channels (x), 128 x 128 blocks (weight)
+# Experts dequantised for one npu_grouped_matmul in the MXFP4 fallback: bounds the transient
+# weights (V4-Flash's w13: 16 x 4096 x 4096 bf16 = 512 MiB)
+FP4_EXPERTS_PER_CALL = 16
 
 
 class AscendGemm(GemmOps):
@@ -36,6 +44,30 @@ class AscendGemm(GemmOps):
 
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         return grouped_matmul(self._tnpu, x, weight, group_sizes)
+
+    def grouped_gemm_fp4(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        """MXFP4 experts by the fallback (module docstring): the experts with rows dequantised to
+        x's dtype with aten ops on the NPU, FP4_EXPERTS_PER_CALL at a time, each batch of them
+        through npu_grouped_matmul on its rows (sorted by expert: one contiguous range). One
+        host sync reads the group sizes."""
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        sizes = group_sizes.tolist()
+        starts = [sum(sizes[:e]) for e in range(len(sizes))]
+        used = [e for e, n in enumerate(sizes) if n]
+        for i in range(0, len(used), FP4_EXPERTS_PER_CALL):
+            chunk = used[i : i + FP4_EXPERTS_PER_CALL]
+            rows = slice(starts[chunk[0]], starts[chunk[-1]] + sizes[chunk[-1]])  # experts between: none
+            ids = torch.tensor(chunk, device=weight.device)
+            w = fp4.dequantize_weight(weight[ids], weight_scale[ids], x.dtype)  # (C, N, K)
+            counts = torch.tensor([sizes[e] for e in chunk], dtype=torch.int64, device=x.device)
+            out[rows] = grouped_matmul(self._tnpu, x[rows], w, counts)
+        return out
 
     # ------------------------------------------------------------------ FP8 (950)
 

@@ -316,6 +316,20 @@ class CudaGemm(GemmOps):
             batch_invariant=self.batch_invariant, tiles=self._tiles(group_sizes, x.shape[0], True),
         )  # fmt: skip
 
+    def grouped_gemm_fp4(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
+        the product in x's dtype (SM90 has no FP4 tensor cores)."""
+        return gemm_k.grouped_gemm_fp4(
+            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant,
+            tiles=self._tiles(group_sizes, x.shape[0], False),
+        )  # fmt: skip
+
 
 # --------------------------------------------------------------------------- moe
 

@@ -16,7 +16,7 @@ from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import moe as ref_moe
 from deepinfer.reference import small as ref_small
-from deepinfer.testing.helpers import make_paged_batch, oracle, randn, request_rows
+from deepinfer.testing.helpers import make_paged_batch, mxfp4_weight, oracle, randn, request_rows
 from deepinfer.testing.tolerances import assert_bitwise_equal, assert_close
 
 ROWS = [0, 5, 16]  # rows checked alone
@@ -131,3 +131,20 @@ def test_decode_long(invariant_backend: Backend, dtype: torch.dtype, gen: torch.
         meta = AttentionMetadata.build(batch.meta.block_tables[b : b + 1], [seq[b]], [qlen[b]])
         alone = op(q[rows], batch.cache, meta, scale=20**-0.5, v_dim=16, modifiers=mods)
         assert_bitwise_equal(alone, full[rows], what=f"attention request {b}")
+
+
+def test_grouped_gemm_fp4(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """MXFP4 experts: a row alone in its group gives the bits it gives among the group's rows."""
+    dev = invariant_backend.device.device()
+    sizes = [9, 0, 24]
+    x = randn((sum(sizes), 96), dtype, dev, gen)
+    packed, scales = mxfp4_weight((len(sizes), 80, 96), dev, gen, 96**-0.5)
+    gemm = invariant_backend.gemm
+    full = gemm.grouped_gemm_fp4(x, packed, scales, torch.tensor(sizes, device=dev))
+    expected = ref_gemm.grouped_gemm_fp4(oracle(x), packed.cpu(), scales.cpu(), torch.tensor(sizes))
+    assert_close(full, expected, dtype, what="grouped_gemm_fp4")
+    for i in ROWS:
+        group = 0 if i < sizes[0] else 2
+        alone_sizes = torch.tensor([int(g == group) for g in range(len(sizes))], device=dev)
+        alone = gemm.grouped_gemm_fp4(x[i : i + 1], packed, scales, alone_sizes)
+        assert_bitwise_equal(alone, full[i : i + 1], what=f"grouped_gemm_fp4 row {i}")

@@ -1,4 +1,4 @@
-"""Dense, FP8 block-scaled and grouped GEMMs against the float64 reference.
+"""Dense, FP8 block-scaled and grouped GEMMs (float, FP8, MXFP4) against the float64 reference.
 
 Two families of shapes: odd ones (K and N that no tile divides, empty and single rows, empty
 groups) where kernels must mask, and ALIGNED ones (`aligned` in the test id: K and N multiples of
@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.reference import gemm as ref_gemm
-from deepinfer.testing.helpers import oracle, quantized_weight, randn
+from deepinfer.testing.helpers import mxfp4_weight, oracle, quantized_weight, randn
 from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, Locator, assert_close, index_locator
 
 SHAPES = [(0, 17, 9), (1, 64, 32), (7, 67, 45), (33, 128, 130)]  # (M, K, N)
@@ -301,3 +301,52 @@ def test_grouped_gemm_fp8_aligned(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
 ) -> None:
     run_grouped_gemm_fp8(backend, dtype, gen, sizes, 256, 384)
+
+
+# --------------------------------------------------------------------------- MXFP4 (DeepSeek-V4 experts)
+
+
+def mxfp4_oracle(packed: torch.Tensor, scales: torch.Tensor, k: int) -> torch.Tensor:
+    """(E, N, K/2) packed e2m1 with (E, N, ceil(K/32)) UE8M0 bytes -> float64 (E, N, K), decoded
+    here from the format's definition (not deepinfer.backend.fp4): byte j holds element 2j in
+    its low nibble; code = sign | exponent (2 bits) | mantissa (1 bit), value
+    (-1)^sign 2^(exponent-1) (1 + mantissa/2), or mantissa/2 for exponent 0; times 2^(byte-127)."""
+    b = packed.cpu().long()
+    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
+    exponent, mantissa = ((codes >> 1) & 3).double(), (codes & 1).double()
+    magnitude = torch.where(exponent == 0, mantissa / 2, 2.0 ** (exponent - 1) * (1 + mantissa / 2))
+    value = torch.where(codes >= 8, -magnitude, magnitude)
+    scale = torch.pow(2.0, scales.cpu().double() - 127).repeat_interleave(32, dim=-1)[..., :k]
+    return value * scale
+
+
+def run_grouped_gemm_fp4(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int], k: int, n: int
+) -> None:
+    dev = backend.device.device()
+    x = randn((sum(sizes), k), dtype, dev, gen)
+    packed, scales = mxfp4_weight((len(sizes), n, k), dev, gen, k**-0.5)
+    group_sizes = torch.tensor(sizes, dtype=torch.int64)
+    y = backend.gemm.grouped_gemm_fp4(x, packed, scales, group_sizes.to(dev))
+    expected = ref_gemm.grouped_gemm(oracle(x), mxfp4_oracle(packed, scales, k), group_sizes)
+    assert y.dtype == dtype and y.shape == (sum(sizes), n)
+    assert_close(
+        y, expected, dtype, what="grouped_gemm_fp4", locate=grouped_locator(sizes),
+        case=f"group sizes {sizes}, K={k} N={n}",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", GROUPS, ids=lambda g: "-".join(map(str, g)))
+def test_grouped_gemm_fp4(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    """MXFP4 experts (no activation quantisation): K = 70, three scales per row, the last one
+    covering 6 values; N = 45."""
+    run_grouped_gemm_fp4(backend, dtype, gen, sizes, 70, 45)
+
+
+@pytest.mark.parametrize("sizes", ALIGNED_GROUPS, ids=lambda g: "aligned-" + "-".join(map(str, g)))
+def test_grouped_gemm_fp4_aligned(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, sizes: list[int]
+) -> None:
+    run_grouped_gemm_fp4(backend, dtype, gen, sizes, 256, 384)

@@ -16,7 +16,13 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, RouterConfig
-from deepinfer.testing.helpers import make_paged_batch, quantized_weight, randn, topk_indices_for
+from deepinfer.testing.helpers import (
+    make_paged_batch,
+    mxfp4_weight,
+    quantized_weight,
+    randn,
+    topk_indices_for,
+)
 
 
 def snapshot(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -128,6 +134,8 @@ def test_gemm_and_moe_inputs(backend: Backend, gen: torch.Generator) -> None:
     check("fused_moe", lambda: backend.moe.fused_moe(x, weights, ids, w13, w2), x, weights, ids, w13, w2)
     counts = torch.tensor([3, 0, 3] + [0] * 13, device=dev)
     check("experts", lambda: backend.moe.experts(x, counts, w13, w2), x, counts, w13, w2)
+    w4, s4 = mxfp4_weight((3, 24, 32), dev, gen, 0.2)
+    check("grouped_gemm_fp4", lambda: backend.gemm.grouped_gemm_fp4(x, w4, s4, sizes), x, w4, s4, sizes)
 
     if backend.capabilities.supports_fp8:
         xf = randn((4, 256), dt, dev, gen)

@@ -17,6 +17,7 @@ from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_c
 from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
+from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, assert_close, tolerance
 
 # --------------------------------------------------------------------------- elementwise and pooling
@@ -294,12 +295,35 @@ def test_tiny_v4_model(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> 
     root = write_random_v4_checkpoint(tmp_path / "tiny-v4", config, seed=3)
     expected = _run_v4(create_reference_backend(), root, torch.float64)
     actual = _run_v4(backend, root, dtype)
-    tol = tolerance(dtype)
-    scaled = Tolerance(tol.atol * V4_MODEL_DEPTH, tol.rtol * V4_MODEL_DEPTH)
+    _assert_v4_within(actual, expected, tolerance(dtype), dtype)
+
+
+@pytest.mark.usefixtures("fp8")
+def test_tiny_v4_model_fp8_fp4(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> None:
+    """The same in DeepSeek-V4's published format: FP8 linears with UE8M0 block scales (wo_a as a
+    grouped FP8 GEMM: o_lora_rank 128 fills whole scale blocks) and MXFP4 routed experts. The
+    FP8 GEMMs quantise activations, so the budget is the FP8 one (with its relative L2 bound)."""
+    if dtype == torch.float64:
+        skip_not_applicable("FP8 GEMMs produce float32 or narrower activations, not float64")
+    config = tiny_v4_config(num_experts_per_tok=4, index_topk=16, o_lora_rank=128)
+    root = write_random_v4_checkpoint(tmp_path / "tiny-v4-fp8-fp4", config, seed=3, quantized=True)
+    expected = _run_v4(create_reference_backend(), root, torch.float64)
+    actual = _run_v4(backend, root, dtype)
+    _assert_v4_within(actual, expected, tolerance(dtype, fp8_act=True), dtype)
+
+
+def _assert_v4_within(
+    actual: list[torch.Tensor], expected: list[torch.Tensor], tol: Tolerance, dtype: torch.dtype
+) -> None:
+    """Every step's logits within V4_MODEL_DEPTH x the per-op budget (and its relative L2 bound)."""
+    atol, rtol = tol.atol * V4_MODEL_DEPTH, tol.rtol * V4_MODEL_DEPTH
     for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
         err = (a.double() - e).abs()
-        bound = scaled.atol + scaled.rtol * e.abs()
+        bound = atol + rtol * e.abs()
         assert bool((err <= bound).all()), (
             f"step {i} ({dtype}): {int((err > bound).sum())}/{err.numel()} logits outside "
-            f"atol={scaled.atol:.3g} rtol={scaled.rtol:.3g}; max abs error {err.max().item():.3e}"
+            f"atol={atol:.3g} rtol={rtol:.3g}; max abs error {err.max().item():.3e}"
         )
+        if tol.rel_l2 is not None:
+            rel = float(err.norm() / e.norm())
+            assert rel <= tol.rel_l2 * V4_MODEL_DEPTH, f"step {i} ({dtype}): relative L2 error {rel:.3e}"

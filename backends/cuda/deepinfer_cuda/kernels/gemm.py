@@ -605,3 +605,111 @@ def grouped_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+# --------------------------------------------------------------------------- MXFP4 experts
+
+
+@triton.jit
+def _e2m1_tile(w_ptr, s_ptr, grp, rn, k, N, K, stride_we, stride_wn, stride_se, stride_sn):
+    """float32 (BLOCK_K, BLOCK_N) tile of dequantised MXFP4 weights W[grp][rn, k]^T: the e2m1
+    code of element k sits in byte k // 2 (low nibble for even k), its UE8M0 scale in byte
+    k // 32 of the row's scales. Decoded arithmetically: code = sign | exponent e (2 bits) |
+    mantissa m (1 bit), magnitude (1 + m/2) 2^(e-1), or m 2^-1 for e = 0 (powers of two are
+    written into float32 exponent bits: exact, no exp2)."""
+    ok = (rn[None, :] < N) & (k[:, None] < K)
+    row = grp * stride_we + rn[None, :].to(tl.int64) * stride_wn
+    byte = tl.load(w_ptr + row + k[:, None] // 2, mask=ok, other=0).to(tl.int32)
+    code = (byte >> ((k[:, None] % 2) * 4)) & 0xF
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    pow2 = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e-1)
+    magnitude = tl.where(e == 0, m, 1.0 + 0.5 * m) * pow2
+    value = tl.where(code >= 8, -magnitude, magnitude)
+    srow = grp * stride_se + rn[None, :].to(tl.int64) * stride_sn
+    s = tl.load(s_ptr + srow + k[:, None] // 32, mask=ok, other=127).to(tl.int32)
+    # 2^(s - 127) written into the float32 exponent bits (s = 0: the subnormal 2^-127)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+    return value * scale
+
+
+@triton.jit
+def _grouped_fp4_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, tile_group_ptr, tile_rows_ptr, N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """C rows [start, end) of one tile = A rows @ dequant(W[group])^T; A is not quantised, the
+    weights are dequantised in float32 (exact) and cast to A's dtype (exact: 2 significant bits
+    times a power of two) for the product, accumulated in float32."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(tile_rows_ptr + 2 * pid_t)
+    end = tl.load(tile_rows_ptr + 2 * pid_t + 1)
+    if start >= end:
+        return
+    grp = tl.load(tile_group_ptr + pid_t).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + rk[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (rk[None, :] < K - k0), other=0.0)
+        b = _e2m1_tile(w_ptr, s_ptr, grp, rn, k0 + rk, N, K, stride_we, stride_wn, stride_se, stride_sn)
+        acc = mma(a, b.to(a.dtype), acc, IEEE)
+        a_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+
+
+def grouped_gemm_fp4(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_sizes: torch.Tensor,
+    *,
+    batch_invariant: bool = False,
+    tiles: TileTable | None = None,
+) -> torch.Tensor:
+    """Rows of x (M, K) sorted by group times the dequantised MXFP4 weight[group]^T: weight
+    (E, N, K/2) uint8 packed e2m1, weight_scale (E, N, ceil(K/32)) uint8 UE8M0 (the format of
+    deepinfer.backend.fp4) -> (M, N) in x's dtype. x is not quantised. The tiles are the float
+    grouped GEMM's (grouped_config(rows, False, ...): BLOCK_K 64, two scales per step); tiles:
+    a precomputed tile table for that block_m."""
+    e, n, half_k = weight.shape
+    k = x.shape[-1]
+    if weight.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
+        raise ValueError(
+            f"grouped_gemm_fp4 takes uint8 weights and scales, got {weight.dtype}, {weight_scale.dtype}"
+        )
+    if 2 * half_k != k or weight_scale.shape != (e, n, -(-k // 32)):
+        raise ValueError(
+            f"grouped_gemm_fp4: x has K={k}; weights {tuple(weight.shape)} and scales "
+            f"{tuple(weight_scale.shape)} need (E, N, K/2) and (E, N, ceil(K/32))"
+        )
+    if group_sizes.shape != (e,):
+        raise ValueError(f"grouped_gemm_fp4: group_sizes must be ({e},), got {tuple(group_sizes.shape)}")
+    rows = x.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = grouped_config(rows, False, batch_invariant)
+    if tiles is None:
+        tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
+    else:
+        tile_group, tile_rows, n_tiles = tiles.group, tiles.rows, tiles.num_tiles
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    grid = (n_tiles, triton.cdiv(n, cfg.block_n))
+    _grouped_fp4_kernel[grid](
+        x, weight, weight_scale, out, tile_group, tile_rows, n, k,
+        x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
+        out.stride(0), IEEE=x.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
