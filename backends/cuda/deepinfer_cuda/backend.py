@@ -142,6 +142,9 @@ class CudaDevice(DeviceOps):
             fn()
         return CudaGraphRunner(graph)
 
+    def is_capturing(self) -> bool:
+        return self._is_cuda and torch.cuda.is_current_stream_capturing()
+
     def peak_memory_bytes(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self._device)) if self._is_cuda else None
 
