@@ -598,20 +598,27 @@ def _entry_pool(
 @pytest.mark.parametrize("select_block", [16, 1024])
 def test_indexer_topk_select_blocks_and_upper_bounds(gen: torch.Generator, select_block: int) -> None:
     """The select kernel over several blocks of entries (the threshold and the ties in later
-    blocks), with the host lengths a replayed graph gives (upper bounds): the ids of the reference
-    as sets; rows whose scores all tie (zero queries) keep the lowest ids."""
-    seq, ql, ratio, topk, hi, di = [203, 150, 9], [1, 3, 1], 2, 20, 3, 8
+    blocks), with the host lengths a replayed graph gives (upper bounds), and with a scores
+    budget that runs each request alone (a request with no entry among them): the ids of the
+    reference as sets; rows whose scores all tie (zero queries) keep the lowest ids."""
+    seq, ql, ratio, topk, hi, di = [203, 150, 9, 1], [1, 3, 1, 1], 2, 20, 3, 8
     keys, table, _ = _entry_pool(seq, ratio, di, 8, gen)
     meta = AttentionMetadata.build(table.to(DEV), seq, ql)
     q = torch.randn((sum(ql), hi, di), generator=gen)
     q[1] = 0  # every score 0
     w = torch.randn((sum(ql), hi), generator=gen)
     want = ref_v4.indexer_topk(q, w, keys, AttentionMetadata.build(table, seq, ql), ratio, topk, 0.3)
-    bound = dataclasses.replace(meta, seq_lens_host=(400,) * 3, max_seq_len=400)
-    for m in (meta, bound):
+    bound = dataclasses.replace(meta, seq_lens_host=(400,) * 4, max_seq_len=400)
+    assert v4_k._score_groups(meta.seq_lens_host, meta.query_lens_host, ratio, 1) == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    for m, budget in ((meta, v4_k.SCORES_BUDGET_BYTES), (bound, v4_k.SCORES_BUDGET_BYTES), (meta, 1)):
         got = v4_k.indexer_topk(
             q.to(DEV), w.to(DEV), keys.tensors[0].to(DEV), m, ratio=ratio, topk=topk, scale=0.3,
-            block_n=16, select_block=select_block,
+            block_n=16, select_block=select_block, scores_budget=budget,
         ).cpu()  # fmt: skip
         for row in range(sum(ql)):
             if row == 1:

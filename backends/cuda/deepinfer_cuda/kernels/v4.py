@@ -340,13 +340,17 @@ INDEXER_BLOCK_N = 64
 SELECT_BLOCK = 1024
 # Fewest tiles per split of a row's entries (adaptive splits, as attention's).
 INDEXER_MIN_SPLIT_TILES = 4
+# Bytes of (rows, entries) float32 scores one launch may hold: a step that needs more (long
+# prefill chunks over a long context: 8192 rows x 262144 entries would be 8 GiB) runs its
+# requests in groups under it (one request at least).
+SCORES_BUDGET_BYTES = 1 << 29
 
 
-@triton.jit(do_not_specialize=["page", "ratio", "max_splits"])
+@triton.jit(do_not_specialize=["page", "ratio", "max_splits", "row0"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, score_ptr,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_st,
-    HI, DI, page, ratio, scale, max_splits,
+    HI, DI, page, ratio, scale, max_splits, row0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)
@@ -382,7 +386,7 @@ def _indexer_scores_kernel(
         k = tl.load(krow[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < DI), other=0.0)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)  # (BLOCK_H, BLOCK_N)
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
-        tl.store(score_ptr + t * stride_st + e, score, mask=valid)
+        tl.store(score_ptr + (t - row0) * stride_st + e, score, mask=valid)
 
 
 @triton.jit
@@ -393,13 +397,14 @@ def _order_key(x):
     return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
 
 
-@triton.jit(do_not_specialize=["ratio", "topk"])
+@triton.jit(do_not_specialize=["ratio", "topk", "row0"])
 def _indexer_select_kernel(
-    score_ptr, seq_lens_ptr, qsl_ptr, out_ptr, stride_st, stride_ot, ratio, topk,
+    score_ptr, seq_lens_ptr, qsl_ptr, out_ptr, stride_st, stride_ot, ratio, topk, row0,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Row t's ids: every visible entry when they are at most topk, else the topk best (ties at the
-    threshold: the lowest ids). Writes all topk columns (-1 where unused)."""
+    threshold: the lowest ids). Writes all topk columns (-1 where unused). Scores of row t at
+    score row t - row0."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
@@ -409,7 +414,7 @@ def _indexer_select_kernel(
     pos = tl.load(seq_lens_ptr + b) - q_len + i
     n_vis = (pos + 1) // ratio
     t = (q_start + i).to(tl.int64)
-    row = score_ptr + t * stride_st
+    row = score_ptr + (t - row0) * stride_st
     out_row = out_ptr + t * stride_ot
     offs = tl.arange(0, BLOCK)
     if n_vis <= topk:
@@ -463,6 +468,7 @@ def indexer_topk(
     scale: float,
     block_n: int = INDEXER_BLOCK_N,
     select_block: int = SELECT_BLOCK,
+    scores_budget: int = SCORES_BUDGET_BYTES,
 ) -> torch.Tensor:
     """q (T, Hi, Di), weights (T, Hi) float32, keys (NBc, BS, >= Di) paged by meta.block_tables
     -> (T, topk) int32 entry ids, -1 unused. The scores buffer and the grid come from the host
@@ -481,29 +487,53 @@ def indexer_topk(
     out = torch.empty((t, topk), dtype=torch.int32, device=q.device)
     if t == 0 or topk == 0:
         return out
-    cmax = max(meta.seq_lens_host) // ratio
-    if cmax == 0:
-        return out.fill_(-1)
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    batch, max_q = meta.num_requests, max(meta.query_lens_host)
-    scores = torch.empty((t, cmax), dtype=torch.float32, device=q.device)
-    tiles = triton.cdiv(cmax, block_n)
-    want = max(1, 2 * num_sms(q.device) // (batch * max_q))
-    splits = max(1, min(want, tiles // INDEXER_MIN_SPLIT_TILES))
-    _indexer_scores_kernel[(max_q, batch, splits)](
-        q, weights, keys, meta.block_tables, meta.seq_lens, meta.query_start_loc, scores,
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1),
-        meta.block_tables.stride(0), scores.stride(0),
-        hi, di, keys.shape[1], ratio, scale, splits,
-        BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=4,
-    )  # fmt: skip
-    _indexer_select_kernel[(max_q, batch)](
-        scores, meta.seq_lens, meta.query_start_loc, out, scores.stride(0), out.stride(0), ratio, topk,
-        BLOCK=select_block, num_warps=4,
-    )  # fmt: skip
+    for b0, b1 in _score_groups(meta.seq_lens_host, meta.query_lens_host, ratio, scores_budget):
+        rows, row0 = sum(meta.query_lens_host[b0:b1]), sum(meta.query_lens_host[:b0])
+        cmax = max(meta.seq_lens_host[b0:b1]) // ratio
+        if rows == 0:
+            continue
+        if cmax == 0:
+            out[row0 : row0 + rows].fill_(-1)
+            continue
+        batch, max_q = b1 - b0, max(meta.query_lens_host[b0:b1])
+        tables, seq_lens, qsl = (
+            meta.block_tables[b0:b1],
+            meta.seq_lens[b0:b1],
+            meta.query_start_loc[b0 : b1 + 1],
+        )
+        scores = torch.empty((rows, cmax), dtype=torch.float32, device=q.device)
+        tiles = triton.cdiv(cmax, block_n)
+        want = max(1, 2 * num_sms(q.device) // (batch * max_q))
+        splits = max(1, min(want, tiles // INDEXER_MIN_SPLIT_TILES))
+        _indexer_scores_kernel[(max_q, batch, splits)](
+            q, weights, keys, tables, seq_lens, qsl, scores,
+            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), tables.stride(0),
+            scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, row0,
+            BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            num_warps=4,
+        )  # fmt: skip
+        _indexer_select_kernel[(max_q, batch)](
+            scores, seq_lens, qsl, out, scores.stride(0), out.stride(0), ratio, topk, row0,
+            BLOCK=select_block, num_warps=4,
+        )  # fmt: skip
     return out
+
+
+def _score_groups(
+    seq_lens: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, budget: int
+) -> list[tuple[int, int]]:
+    """Consecutive request ranges [b0, b1) whose (rows, max entries) float32 scores fit `budget`
+    bytes, each holding one request at least."""
+    groups: list[tuple[int, int]] = []
+    b0, rows, cmax = 0, 0, 0
+    for b, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        if b > b0 and (rows + q) * max(cmax, n // ratio) * 4 > budget:
+            groups.append((b0, b))
+            b0, rows, cmax = b, 0, 0
+        rows, cmax = rows + q, max(cmax, n // ratio)
+    return [*groups, (b0, len(seq_lens))] if seq_lens else groups
 
 
 # --------------------------------------------------------------------------- compressed attention
