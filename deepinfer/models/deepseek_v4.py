@@ -231,7 +231,7 @@ class NewEntries:
             # its last): every index stays inside its tables, whatever it reads is discarded
             w = torch.minimum(w, (ends // ratio - 1).clamp(min=0)).flatten()
             last = (ends - 1).expand(-1, k).flatten()
-            req = torch.arange(ends.shape[0], device=device).repeat_interleave(k)
+            req = torch.arange(ends.shape[0] * k, device=device) // k  # (B * k,) b, b, ...
         else:
             reqs: list[int] = []
             ids: list[int] = []
