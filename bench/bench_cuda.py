@@ -1,15 +1,20 @@
-"""CUDA backend benchmarks on one GPU: MLA decode, FP8 block-scaled GEMM, fused MoE.
+"""CUDA backend benchmarks on one GPU: MLA decode, FP8 block-scaled GEMM, fused MoE, DeepSeek-V4's ops.
 
 Every ratio is measured side by side in this one run:
   * MLA decode: effective bandwidth (latent KV + block tables + q bytes read, over time) against
     a device-to-device copy (bytes read + written) timed in the same process;
   * FP8 GEMM: TFLOP/s against torch._scaled_mm with per-tensor scales (cuBLAS);
   * fused MoE (DeepSeek-V3 layer: hidden 7168, 256 experts, top-8, inter 2048): time and
-    TFLOP/s against the reference backend running on the same GPU.
+    TFLOP/s against the reference backend running on the same GPU;
+  * DeepSeek-V4 (V4-Flash shapes): the Triton mHC ops (hc_pre, hc_post, hc_head), lightning
+    indexer and compressed attention (CSA with top-k, HCA) against the torch compositions they
+    replace (the reference's mHC ops; batched torch gathers for decode attention and the indexer),
+    both replayed from CUDA graphs, with the relative difference of their outputs.
 Timing: triton.testing.do_bench, median; inputs rotate through sets larger than L2 where one
 set would fit in it; random data everywhere.
 
     python bench/bench_cuda.py --out bench/results/DIR      # writes bench_cuda.json and .md
+    python bench/bench_cuda.py --only v4 --out bench/results/DIR   # one section
     TRITON_INTERPRET=1 python bench/bench_cuda.py --smoke   # tiny shapes on the CPU: checks the code
 """
 
@@ -17,6 +22,8 @@ set would fit in it; random data everywhere.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import math
 import os
@@ -443,6 +450,229 @@ def bench_moe(
     return rows
 
 
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+
+def torch_compressed_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ckv: torch.Tensor,
+    tables: torch.Tensor,
+    ctables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    ratio: int,
+    window: int,
+    sinks: torch.Tensor,
+    topk: torch.Tensor | None,
+    num_entries: int,
+) -> torch.Tensor:
+    """Decode compressed attention as a torch composition without host syncs (graph-capturable):
+    gather each request's window rows and its top-k (or all num_entries) entries, one masked
+    softmax with the sinks. q (B, H, D), kv / ckv (NB, BS, D) -> (B, H, D). Top-k ids distinct."""
+    b, _, d = q.shape
+    bs, cbs, dev = kv.shape[1], ckv.shape[1], q.device
+    pos = seq_lens.long() - 1
+    j = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)  # (B, W)
+    wvalid = j >= 0
+    j = j.clamp(min=0)
+    kw = kv.view(-1, d)[tables.long().gather(1, j // bs) * bs + j % bs]  # (B, W, D)
+    ids = torch.arange(num_entries, device=dev).expand(b, -1) if topk is None else topk.long()
+    cvalid = (ids >= 0) & (ids < ((pos + 1) // ratio)[:, None])
+    ids = torch.where(cvalid, ids, 0)
+    kc = ckv.view(-1, d)[ctables.long().gather(1, ids // cbs) * cbs + ids % cbs]  # (B, K, D)
+    keys = torch.cat([kw, kc], dim=1).float()
+    s = torch.einsum("bhd,bnd->bhn", q.float(), keys) * scale
+    s = s.masked_fill(~torch.cat([wvalid, cvalid], dim=1)[:, None, :], float("-inf"))
+    top = torch.maximum(s.amax(-1), sinks[None, :])
+    e = torch.exp(s - top[..., None])
+    den = e.sum(-1) + torch.exp(sinks[None, :] - top)
+    return (torch.einsum("bhn,bnd->bhd", e, keys) / den[..., None]).to(q.dtype)
+
+
+def torch_indexer_decode(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    ctables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    ratio: int,
+    topk: int,
+    scale: float,
+    num_entries: int,
+) -> torch.Tensor:
+    """The indexer's decode top-k as a torch composition without host syncs: every entry up to
+    num_entries gathered, scored, masked past each request's visible ones, torch.topk."""
+    di = q.shape[-1]
+    cbs, dev = keys.shape[1], q.device
+    ids = torch.arange(num_entries, device=dev)
+    rows = keys.view(-1, keys.shape[-1])[ctables.long()[:, ids // cbs] * cbs + ids % cbs][..., :di]
+    logits = torch.einsum("bhd,bcd->bhc", q.float(), rows.float())
+    scores = (torch.relu(logits) * weights[..., None]).sum(1) * scale  # (B, C)
+    scores = scores.masked_fill(ids[None, :] >= (seq_lens.long() // ratio)[:, None], float("-inf"))
+    top = scores.topk(min(topk, num_entries), dim=-1)
+    return torch.where(torch.isfinite(top.values), top.indices, -1).to(torch.int32)
+
+
+def v4_paged(
+    batch: int, kv_len: int, rows_per_token: int, d: int, keep: int, dev: torch.device, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16 (NB, 64, d) pool and (B, MB) tables for `kv_len // rows_per_token` rows per request,
+    of which only the last `keep` have blocks of their own (the window: the rest share block 0)."""
+    n = kv_len // rows_per_token
+    mb = max(1, math.ceil(n / 64))
+    own = min(mb, math.ceil(keep / 64) + 1)
+    pool = torch.randn((batch * own + 1, 64, d), generator=gen).to(dev, torch.bfloat16)
+    tables = torch.zeros((batch, mb), dtype=torch.int32)
+    for b in range(batch):
+        tables[b, mb - own :] = torch.arange(1 + b * own, 1 + (b + 1) * own, dtype=torch.int32)
+    return pool, tables.to(dev)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+class V4Recorder:
+    """Times a kernel and its torch composition (CUDA graph replays; --smoke: eagerly) and keeps
+    one row per comparison."""
+
+    def __init__(self, timer: Timer, smoke: bool) -> None:
+        self.timer, self.smoke = timer, smoke
+        self.rows: list[dict[str, Any]] = []
+
+    def _time(self, fn: Callable[[], object]) -> float:
+        if self.smoke:
+            return self.timer(fn)
+        return self.timer(graph_replayer(lambda: void(fn()), 1))
+
+    def __call__(
+        self,
+        op: str,
+        shape: dict[str, Any],
+        kernel: Callable[[], object],
+        torch_fn: Callable[[], object],
+        diff: float,
+    ) -> None:
+        ms, torch_ms = self._time(kernel), self._time(torch_fn)
+        self.rows.append(
+            {"op": op, **shape, "ms": ms, "torch_ms": torch_ms, "speedup": torch_ms / ms, "rel_diff": diff}
+        )
+        dims = " ".join(f"{k}={v}" for k, v in shape.items())
+        log(
+            f"v4 {op} {dims}: {ms * 1e3:8.1f} us | torch {torch_ms * 1e3:9.1f} us | "
+            f"{torch_ms / ms:6.1f}x diff {diff:.1e}"
+        )
+
+
+def void(_: object) -> None:
+    return None
+
+
+def bench_hc(be: Backend, dev: torch.device, rec: V4Recorder, smoke: bool, gen: torch.Generator) -> None:
+    """hc_pre / hc_post / hc_head over T tokens of 4 streams of 4096 (20 Sinkhorn iterations)
+    against the reference's torch ops."""
+    from deepinfer.reference import v4 as ref_v4
+
+    n, dm, iters, eps = (4, 4096, 20, 1e-6) if not smoke else (4, 64, 20, 1e-6)
+    for t in [1, 8, 32, 128, 1024, 8192] if not smoke else [1, 9]:
+        s = torch.randn((t, n, dm), generator=gen).to(dev, torch.bfloat16)
+        fn = (torch.randn(((2 + n) * n, n * dm), generator=gen) * (n * dm) ** -0.5).to(dev)
+        base, scale = torch.randn(((2 + n) * n,), generator=gen).to(dev), torch.ones(3, device=dev)
+        y = torch.randn((t, dm), generator=gen).to(dev, torch.bfloat16)
+        hfn, hbase, hscale = fn[:n], base[:n], scale[:1]
+
+        def pre(small: Any) -> Any:
+            return small.hc_pre(s, fn, base, scale, eps, eps, iters)
+
+        def post(small: Any) -> Any:
+            return small.hc_post(y, s, mixes[1], mixes[2])
+
+        def head(small: Any) -> Any:
+            return small.hc_head(s, hfn, hbase, hscale, eps, eps)
+
+        mixes = pre(ref_v4)
+        for name, op in (("hc_pre", pre), ("hc_post", post), ("hc_head", head)):
+            got, want = op(be.small), op(ref_v4)
+            pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+            diff = max(rel(g, w) for g, w in pairs)
+            rec(name, {"tokens": t}, functools.partial(op, be.small), functools.partial(op, ref_v4), diff)
+
+
+def bench_v4_decode(
+    be: Backend, dev: torch.device, rec: V4Recorder, smoke: bool, gen: torch.Generator
+) -> None:
+    """One query per request: the indexer (64 x 128, top-512 at ratio 4) and compressed attention
+    (64 heads x 512, window 128, sinks; CSA over the indexer's picks, HCA over every entry of
+    ratio 128) against the batched torch compositions above."""
+    from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
+
+    h, d, window, hi, di, k = (64, 512, 128, 64, 128, 512) if not smoke else (4, 32, 8, 4, 16, 8)
+    for batch in [1, 32, 128] if not smoke else [2]:
+        for kv_len in [8192, 65536] if not smoke else [64]:
+            seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=dev)
+            shape = {"batch": batch, "kv_len": kv_len}
+            tok_pool, tok_tables = v4_paged(batch, kv_len, 1, d, window, dev, gen)
+            meta = AttentionMetadata.build(tok_tables, [kv_len] * batch, [1] * batch)
+            tokens = PagedKVCache(KVCacheSpec(tok_pool.shape[0], 64, d, 0, torch.bfloat16), (tok_pool,))
+            sinks = torch.randn((h,), generator=gen).to(dev)
+            q = torch.randn((batch, h, d), generator=gen).to(dev, torch.bfloat16)
+            for ratio, name in ((4, "csa"), (128, "hca")):
+                c = kv_len // ratio
+                e_pool, e_tables = v4_paged(batch, kv_len, ratio, d, c, dev, gen)
+                entries = PagedKVCache(KVCacheSpec(e_pool.shape[0], 64, d, 0, torch.bfloat16), (e_pool,))
+                e_meta = dataclasses.replace(meta, block_tables=e_tables)
+                topk = None
+                if name == "csa":  # the indexer over these entries, then attention over its picks
+                    qi = torch.randn((batch, hi, di), generator=gen).to(dev, torch.bfloat16)
+                    wi = torch.randn((batch, hi), generator=gen).to(dev) * hi**-0.5
+
+                    def index(qi: torch.Tensor = qi, wi: torch.Tensor = wi, e: Any = entries) -> torch.Tensor:
+                        return be.attention.indexer_topk(qi, wi, e, e_meta, ratio=4, topk=k, scale=di**-0.5)
+
+                    def index_torch(
+                        qi: torch.Tensor = qi,
+                        wi: torch.Tensor = wi,
+                        p: torch.Tensor = e_pool,
+                        t: Any = e_tables,
+                    ) -> torch.Tensor:
+                        return torch_indexer_decode(qi, wi, p, t, seq_lens, 4, k, di**-0.5, c)
+
+                    topk = index()
+                    same = (topk.sort(-1).values == index_torch().sort(-1).values).float().mean()
+                    rec("indexer_topk", shape, index, index_torch, 1.0 - float(same))  # ids that differ
+                mods = AttentionModifiers(window=window, sinks=sinks, topk_indices=topk)
+
+                def attend(
+                    m: AttentionModifiers = mods, e: Any = entries, r: int = ratio, t: Any = e_tables
+                ) -> Any:
+                    return be.attention.compressed_attention(
+                        q, tokens, e, meta, scale=d**-0.5, ratio=r, modifiers=m, compressed_block_tables=t
+                    )
+
+                def attend_torch(
+                    r: int = ratio, p: Any = e_pool, t: Any = e_tables, tk: Any = topk, c: int = c
+                ) -> Any:
+                    return torch_compressed_decode(
+                        q, tok_pool, p, tok_tables, t, seq_lens, d**-0.5, r, window, sinks, tk, c
+                    )
+
+                rec(
+                    f"compressed_attention/{name}", shape, attend, attend_torch, rel(attend(), attend_torch())
+                )
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def bench_v4(be: Backend, dev: torch.device, timer: Timer, smoke: bool) -> list[dict[str, Any]]:
+    """DeepSeek-V4's ops at V4-Flash shapes, kernel against torch composition."""
+    gen = torch.Generator().manual_seed(3)
+    rec = V4Recorder(timer, smoke)
+    bench_hc(be, dev, rec, smoke, gen)
+    bench_v4_decode(be, dev, rec, smoke, gen)
+    return rec.rows
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -510,6 +740,24 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['format']} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ref_ms']:.2f} | "
             f"{r['ref_tflops']:.1f} | {r['speedup']:.1f}x | {r['rel_err_vs_ref']:.1e} |"
         )
+    if res.get("v4"):
+        out += [
+            "",
+            "## DeepSeek-V4 ops (V4-Flash shapes), Triton kernel vs torch composition, CUDA graphs",
+            "",
+            "hc_*: N 4 x hidden 4096, 20 Sinkhorn iterations (torch: the reference's ops). Decode, one",
+            "query per request: indexer 64 x 128, top-512 at ratio 4; compressed attention 64 heads x",
+            "512, window 128, sinks, CSA (ratio 4, the indexer's top-512) and HCA (ratio 128, every",
+            "entry) (torch: batched gathers, one masked softmax). `diff`: relative L2 difference of the",
+            "outputs (indexer: the fraction of ids that differ).",
+            "",
+            "| op | shape | kernel us | torch us | speedup | diff |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in res["v4"]:
+            shape = ", ".join(f"{k} {r[k]}" for k in ("tokens", "batch", "kv_len") if k in r)
+            times = f"{r['ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} | {r['speedup']:.1f}x"
+            out.append(f"| {r['op']} | {shape} | {times} | {r['rel_diff']:.1e} |")
     return "\n".join(out) + "\n"
 
 
@@ -519,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, host timer (TRITON_INTERPRET=1 on a CPU)"
     )
-    p.add_argument("--only", default="decode,fp8,moe", help="comma-separated sections")
+    p.add_argument("--only", default="decode,fp8,moe,v4", help="comma-separated sections")
     args = p.parse_args(argv)
     registry = BackendRegistry.discover()
     be = registry.create("cuda", BackendOptions())
@@ -540,6 +788,7 @@ def main(argv: list[str] | None = None) -> int:
         "decode": [],
         "fp8": [],
         "moe": [],
+        "v4": [],
     }
     only = set(args.only.split(","))
     res["copy"] = bench_copy(dev, timer, args.smoke)
@@ -551,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
         ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
+        ("v4", lambda: bench_v4(be, dev, timer, args.smoke)),
     ):
         if name in only:
             t0 = time.time()

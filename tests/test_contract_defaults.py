@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepinfer.backend import (
+    AttentionMetadata,
     AttentionModifiers,
     Backend,
     BackendOptions,
@@ -173,6 +174,35 @@ def test_host_stand_ins_on_the_cpu_only() -> None:
 
     meta = MetaDevice(BackendOptions())
     assert not meta._synchronous()
+
+
+def test_v4_host_loop_defaults_refuse_graph_capture() -> None:
+    """DeepSeek-V4's compressed_attention and indexer_topk defaults read request lengths on the
+    host: while a real graph captures (DeviceOps.is_capturing) they raise NotImplementedError,
+    which the model runner takes as "run decode eagerly"; otherwise they run."""
+
+    class Capturing(ReferenceDevice):
+        capturing = False
+
+        def is_capturing(self) -> bool:
+            return self.capturing
+
+    device = Capturing(BackendOptions(), torch.device("cpu"))
+    backend = dataclasses.replace(create_reference_backend(), device=device)
+    cache = backend.kv_cache.allocate(KVCacheSpec(2, 4, 8, 0, torch.float32), 1)[0]
+    meta = AttentionMetadata.build(torch.tensor([[0, 1]], dtype=torch.int32), [5], [1])
+    q = torch.randn(1, 2, 8)
+
+    def both() -> None:
+        backend.attention.compressed_attention(q, cache, cache, meta, scale=0.3, ratio=4)
+        backend.attention.indexer_topk(q, torch.ones(1, 2), cache, meta, ratio=4, topk=2, scale=1.0)
+
+    both()
+    device.capturing = True
+    with pytest.raises(NotImplementedError, match="compressed_attention reads request lengths on the host"):
+        both()
+    with pytest.raises(NotImplementedError, match="indexer_topk"):
+        backend.attention.indexer_topk(q, torch.ones(1, 2), cache, meta, ratio=4, topk=2, scale=1.0)
 
 
 def test_attention_modifiers_describe_and_plain() -> None:

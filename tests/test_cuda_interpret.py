@@ -5,8 +5,9 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
 3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py,
    tests/test_drafter.py: verification graphs),
-   expert parallelism over two processes against one (tests/test_expert_parallel.py), and async
-   scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py).
+   expert parallelism over two processes against one (tests/test_expert_parallel.py), async
+   scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py),
+   and DeepSeek-V4 decode graphs against eager steps (tests/test_v4_cache_groups.py).
 Each subprocess gets a generous limit (SUBPROCESS_TIMEOUT): the interpreter is slow, and on a busy
 machine several times slower; the limit only catches a hang.
 What the interpreter cannot show (speed, CUDA graphs, streams) is listed in docs/cuda.md.
@@ -79,3 +80,10 @@ def test_engine_async_scheduling_and_graphs_under_interpreter() -> None:
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"async scheduling / graphs on cuda failed under TRITON_INTERPRET=1:\n{tail}"
     assert "3 passed" in res.stdout, tail
+
+
+def test_engine_v4_decode_graphs_under_interpreter() -> None:
+    res = _run([str(REPO / "tests" / "test_v4_cache_groups.py"), "-k", "graphs"])
+    tail = (res.stdout + res.stderr)[-4000:]
+    assert res.returncode == 0, f"DeepSeek-V4 graphs on cuda failed under TRITON_INTERPRET=1:\n{tail}"
+    assert "1 passed" in res.stdout, tail

@@ -6,8 +6,10 @@ that way in a subprocess, so other tests never see the variable). They cover pat
 conformance suite does not reach at its sizes: several KV splits and the combine kernel,
 bitwise batch invariance across different split counts, exact FP8 rounding, the grouped GEMM's
 tile table and row gather, the MXFP4 grouped GEMM's decode of every code and scale, the
-one-launch MoE alignment (sort + tile table) against the torch
-composition it replaces, the noise hash bit for bit, and the DEEPINFER_CUDA_UNFUSED switch.
+one-launch MoE alignment (sort + tile table) against the torch composition it replaces, the
+noise hash bit for bit, the DEEPINFER_CUDA_UNFUSED switch, and DeepSeek-V4's kernels (the mHC
+semaphores and split mix, the indexer's multi-block select, compressed attention's splits and
+upper-bound host lengths).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
+    from deepinfer_cuda.kernels import v4 as v4_k
     from deepinfer_cuda.kernels.moe import sort_by_expert
 
     @triton.jit  # type: ignore[untyped-decorator]
@@ -45,10 +48,18 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
 
 
-from deepinfer.backend.types import AttentionMetadata, BackendOptions, RouterConfig  # noqa: E402
+from deepinfer.backend.types import (  # noqa: E402
+    AttentionMetadata,
+    AttentionModifiers,
+    BackendOptions,
+    KVCacheSpec,
+    PagedKVCache,
+    RouterConfig,
+)
 from deepinfer.reference import gemm as ref_gemm  # noqa: E402
 from deepinfer.reference import moe as ref_moe  # noqa: E402
 from deepinfer.reference import small as ref_small  # noqa: E402
+from deepinfer.reference import v4 as ref_v4  # noqa: E402
 from deepinfer.testing.tolerances import assert_bitwise_equal  # noqa: E402
 
 
@@ -481,8 +492,8 @@ def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -
     fused = cuda_backend.create_cuda_backend(BackendOptions())
     monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
-    parts: list[Any] = [fused.moe, unfused.moe, unfused.kv_cache, unfused.small]
-    assert parts[0].fused and not any(p.fused for p in parts[1:])
+    parts = ("moe", "kv_cache", "small", "attention")  # attention: DeepSeek-V4's ops
+    assert all(getattr(fused, p).fused for p in parts) and not any(getattr(unfused, p).fused for p in parts)
     config = RouterConfig(
         "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True
     )
@@ -571,3 +582,179 @@ def test_invariant_matmul_rows_equal_across_tile_choices(gen: torch.Generator) -
     for m in (1, 40, 300):
         assert_bitwise_equal(gemm_k.matmul(x[:m], w), full[:m], what=f"the first {m} rows alone")
     torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4
+
+
+def _hc_inputs(
+    gen: torch.Generator, t: int, n: int, dm: int, head: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    mix = n if head else (2 + n) * n
+    return (
+        torch.randn((t, n, dm), generator=gen),
+        torch.randn((mix, n * dm), generator=gen) * 0.3,
+        torch.randn((mix,), generator=gen) * 0.5,
+        1 + torch.randn((1 if head else 3,), generator=gen) * 0.3,
+    )
+
+
+@pytest.mark.parametrize("t", [1, 40, 300])
+def test_hc_pre_and_head_split_mix(gen: torch.Generator, t: int) -> None:
+    """The mix split over K (16 splits here) and summed by each tile's last program, for one
+    tile, several, and the wide tiles of large steps; the reference in float32. Calling twice
+    gives the same bits (the semaphores are back at zero after every launch)."""
+    n, dm = 4, 256
+    assert v4_k.hc_splits(n * dm) == (16, 64)
+    s, fn, base, scale = _hc_inputs(gen, t, n, dm, head=False)
+    args = (1e-6, 1e-6, 20)
+    got = v4_k.hc_pre(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), *args)
+    want = ref_v4.hc_pre(s, fn, base, scale, *args)
+    for g, w, name in zip(got, want, ("collapsed", "post", "comb")):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4, msg=name)
+    again = v4_k.hc_pre(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), *args)
+    for g, a in zip(got, again):
+        assert_bitwise_equal(g, a, what="hc_pre twice")
+    s, fn, base, scale = _hc_inputs(gen, t, n, dm, head=True)
+    got_head = v4_k.hc_head(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6)
+    want_head = ref_v4.hc_head(s, fn, base, scale, 1e-6, 1e-6)
+    torch.testing.assert_close(got_head.cpu(), want_head, rtol=1e-4, atol=1e-4)
+
+
+def test_hc_is_batch_invariant(gen: torch.Generator) -> None:
+    """Batch-invariant mode: a token alone, in a batch of 40 and in one of 300 (wide tiles
+    otherwise) gets the same bits from hc_pre, hc_head and hc_post."""
+    n, dm = 3, 200
+    s, fn, base, scale = (x.to(DEV) for x in _hc_inputs(gen, 300, n, dm, head=False))
+    hs, hfn, hbase, hscale = (x.to(DEV) for x in _hc_inputs(gen, 300, n, dm, head=True))
+    y = torch.randn((300, dm), generator=gen).to(DEV)
+    outs = []
+    for rows in (slice(7, 8), slice(0, 40), slice(0, 300)):
+        pre = v4_k.hc_pre(s[rows], fn, base, scale, 1e-6, 1e-6, 20, batch_invariant=True)
+        head = v4_k.hc_head(hs[rows], hfn, hbase, hscale, 1e-6, 1e-6, batch_invariant=True)
+        post = v4_k.hc_post(y[rows], s[rows], pre[1], pre[2])
+        first = 7 - (rows.start or 0)
+        outs.append([x[first] for x in (*pre, head, post)])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert_bitwise_equal(a, b, what="one token alone vs batched")
+
+
+def _entry_pool(
+    seq_lens: list[int], ratio: int, d: int, bs: int, gen: torch.Generator
+) -> tuple[PagedKVCache, torch.Tensor, list[torch.Tensor]]:
+    """A float32 pool of compressed entries (L // ratio per request) under shuffled tables, NaN in
+    every row no request owns."""
+    counts = [n // ratio for n in seq_lens]
+    need = [max(1, -(-c // bs)) for c in counts]
+    nb = sum(need) + 1
+    pool = torch.full((nb, bs, d), float("nan"))
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.zeros((len(seq_lens), max(need)), dtype=torch.int32)
+    rows, at = [], 0
+    for b, (c, k) in enumerate(zip(counts, need)):
+        table[b, :k] = perm[at : at + k]
+        at += k
+        r = torch.randn((c, d), generator=gen)
+        for w in range(c):
+            pool[table[b, w // bs].long(), w % bs] = r[w]
+        rows.append(r)
+    return PagedKVCache(KVCacheSpec(nb, bs, d, 0, torch.float32), (pool,)), table, rows
+
+
+@pytest.mark.parametrize("select_block", [16, 1024])
+def test_indexer_topk_select_blocks_and_upper_bounds(gen: torch.Generator, select_block: int) -> None:
+    """The select kernel over several blocks of entries (the threshold and the ties in later
+    blocks), with the host lengths a replayed graph gives (upper bounds), and with a scores
+    budget that runs each request alone (a request with no entry among them): the ids of the
+    reference as sets; rows whose scores all tie (zero queries) keep the lowest ids."""
+    seq, ql, ratio, topk, hi, di = [203, 150, 9, 1], [1, 3, 1, 1], 2, 20, 3, 8
+    keys, table, _ = _entry_pool(seq, ratio, di, 8, gen)
+    meta = AttentionMetadata.build(table.to(DEV), seq, ql)
+    q = torch.randn((sum(ql), hi, di), generator=gen)
+    q[1] = 0  # every score 0
+    w = torch.randn((sum(ql), hi), generator=gen)
+    want = ref_v4.indexer_topk(q, w, keys, AttentionMetadata.build(table, seq, ql), ratio, topk, 0.3)
+    bound = dataclasses.replace(meta, seq_lens_host=(400,) * 4, max_seq_len=400)
+    assert v4_k._score_groups(meta.seq_lens_host, meta.query_lens_host, ratio, 1) == [
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (3, 4),
+    ]
+    for m, budget in ((meta, v4_k.SCORES_BUDGET_BYTES), (bound, v4_k.SCORES_BUDGET_BYTES), (meta, 1)):
+        got = v4_k.indexer_topk(
+            q.to(DEV), w.to(DEV), keys.tensors[0].to(DEV), m, ratio=ratio, topk=topk, scale=0.3,
+            block_n=16, select_block=select_block, scores_budget=budget,
+        ).cpu()  # fmt: skip
+        for row in range(sum(ql)):
+            if row == 1:
+                assert got[row].tolist() == list(range(topk))
+                continue
+            assert sorted(got[row].tolist()) == sorted(want[row].tolist()), row
+
+
+def _compressed_case(
+    gen: torch.Generator, topk_width: int
+) -> tuple[torch.Tensor, PagedKVCache, PagedKVCache, torch.Tensor, AttentionMetadata, torch.Tensor, Any]:
+    seq, ql, d, h, ratio = [1, 90, 203, 40], [1, 1, 1, 6], 32, 5, 4
+    pool, meta, _ = paged(seq, ql, d, 8, gen)
+    tokens = PagedKVCache(KVCacheSpec(pool.shape[0], 8, d, 0, torch.float32), (pool,))
+    entries, entry_table, _ = _entry_pool(seq, ratio, d, 4, gen)
+    q = torch.randn((sum(ql), h, d), generator=gen)
+    topk = None
+    if topk_width:
+        topk = torch.randint(-1, 55, (sum(ql), topk_width), generator=gen, dtype=torch.int32)
+        topk[:, -1] = topk[:, 0]
+    return q, tokens, entries, entry_table, meta, torch.randn(h, generator=gen), topk
+
+
+@pytest.mark.parametrize("topk_width", [0, 40])
+def test_compressed_attention_splits_and_upper_bounds(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, topk_width: int
+) -> None:
+    """Adaptive splits (132 SMs), splits of one 16-key tile each, and the host lengths of a
+    replayed graph (upper bounds): all as the reference, with NaN in every row no request owns."""
+    monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
+    q, tokens, entries, entry_table, meta, sinks, topk = _compressed_case(gen, topk_width)
+    mods = AttentionModifiers(window=20, sinks=sinks, topk_indices=topk)
+    cpu_meta = AttentionMetadata.build(
+        meta.block_tables.cpu(), list(meta.seq_lens_host), list(meta.query_lens_host)
+    )
+    want = ref_v4.compressed_attention(
+        q, tokens, entries, cpu_meta, 0.2, 4, mods, compressed_block_tables=entry_table
+    )
+    upper = 64 * 8
+    table = torch.zeros((4, upper // 8), dtype=torch.int32)
+    table[:, : meta.block_tables.shape[1]] = meta.block_tables.cpu()
+    bound = dataclasses.replace(
+        meta, block_tables=table.to(DEV), seq_lens_host=(upper,) * 4, max_seq_len=upper
+    )
+    cfg = attn_k.AttentionConfig(16, 16, 4, 1)
+    for m, split_tiles in ((meta, None), (meta, 1), (bound, None)):
+        got = v4_k.compressed_attention(
+            q.to(DEV), tokens.tensors[0].to(DEV), entries.tensors[0].to(DEV), m, scale=0.2, ratio=4,
+            window=20, sinks=sinks.to(DEV), topk_indices=None if topk is None else topk.to(DEV),
+            compressed_block_tables=entry_table.to(DEV), config=cfg, split_tiles=split_tiles,
+        ).cpu()  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+
+
+def test_compressed_attention_is_batch_invariant(gen: torch.Generator) -> None:
+    """Batch-invariant mode: request 1's decode row alone and in the batch, bit for bit."""
+    q, tokens, entries, entry_table, meta, sinks, topk = _compressed_case(gen, 40)
+    assert topk is not None
+
+    def run(rows: slice, reqs: slice, seq: list[int], ql: list[int]) -> torch.Tensor:
+        m = AttentionMetadata.build(meta.block_tables[reqs], seq, ql)
+        out: torch.Tensor = v4_k.compressed_attention(
+            q[rows].to(DEV), tokens.tensors[0].to(DEV), entries.tensors[0].to(DEV), m, scale=0.2,
+            ratio=4, window=20, sinks=sinks.to(DEV), topk_indices=topk[rows].to(DEV),
+            compressed_block_tables=entry_table[reqs].to(DEV), batch_invariant=True,
+            config=attn_k.AttentionConfig(16, 16, 4, 1), split_tiles=2,
+        )  # fmt: skip
+        return out
+
+    both = run(slice(0, 9), slice(0, 4), [1, 90, 203, 40], [1, 1, 1, 6])
+    alone = run(slice(1, 2), slice(1, 2), [90], [1])
+    assert_bitwise_equal(alone, both[1:2], what="request 1 alone vs batched")

@@ -5,7 +5,8 @@ only, CSA with the lightning indexer, HCA; hash-routed and top-k-routed MoE):
     transformers' generate, for prompts several windows long spanning many compressed entries,
     with whole and chunked prefill, with and without preemption; with small step budgets the
     per-request ring (window and compressor state) is several times shorter than the longest
-    prompt, so it wraps many times, chunks crossing its end;
+    prompt, so it wraps many times, chunks crossing its end; decode steps replay (emulated)
+    graphs by default, and give the eager engine's tokens;
   - bfloat16 prefill logits within twice transformers' own bfloat16 error of the float32 oracle;
   - config reading (the shipped V4-Flash config, YaRN on the compressed branches) as transformers';
   - prefix caching refused; `deepinfer bench --random-config` at a reduced depth.
@@ -118,6 +119,51 @@ def test_chunked_prefill_with_preemption(case: Case) -> None:
     assert greedy(llm, case.prompts[::-1]) == case.expected[::-1]
     assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "engine_args,preempts",
+    [
+        ({"max_num_batched_tokens": 256, "max_num_seqs": 6, "num_gpu_blocks_override": 240}, False),
+        ({"max_num_batched_tokens": 13, "max_num_seqs": 4, "num_gpu_blocks_override": 40}, True),
+    ],
+    ids=["whole-prefill", "chunked-preempting"],
+)
+def test_decode_graphs_equal_eager(
+    case: Case, engine_args: dict[str, Any], preempts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps replayed from graphs (padded to their batch-size buckets, compressed entries
+    closing inside them, the ring read through a table as wide as max_model_len) give the eager
+    engine's tokens and transformers'. Requests stop at different lengths, so the batch shrinks
+    through the buckets; with a 13-token budget and 40 blocks, prefill is chunked and requests
+    are preempted and recomputed between graph steps."""
+    lengths = [8, 5, 8, 3, 8, 6]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    prompts = [{"prompt_token_ids": p} for p in case.prompts[::-1]]
+    outs = {}
+    for eager in (True, False):
+        llm = case.llm(enforce_eager=eager, **engine_args)
+        runner = llm.llm_engine.runner
+        assert bool(runner.graphs) != eager
+        seen: list[tuple[int, int]] = []
+        real = runner.bucket_for
+
+        def spy(batch: Any, real: Any = real, seen: list[tuple[int, int]] = seen) -> int | None:
+            bucket: int | None = real(batch)
+            if bucket is not None:
+                seen.append((len(batch), bucket))
+            return bucket
+
+        monkeypatch.setattr(runner, "bucket_for", spy)
+        res = llm.generate(prompts, params[::-1], use_tqdm=False)
+        outs[eager] = [list(o.outputs[0].token_ids) for o in res]
+        if not eager:
+            assert any(b < bucket for b, bucket in seen), f"no padded graph step in {seen}"
+        if preempts:
+            assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        assert all_blocks_free(llm)
+    assert outs[False] == outs[True]
+    assert outs[True] == [e[:n] for e, n in zip(case.expected[::-1], lengths[::-1])]
 
 
 def test_async_scheduling_off_gives_the_same_tokens(case: Case) -> None:

@@ -1,11 +1,15 @@
 """DeepSeek-V4's cache groups: a ring of a fixed number of blocks per request for the per-token
 caches (sliding window, compressor state), entry caches growing at 1/m rows per token, all blocks
-returned at finish and preemption; pool sizing across groups."""
+returned at finish and preemption; pool sizing across groups; decode steps replayed from graphs
+through the ring and entry tables (reference backend, and the cuda backend's kernels under the
+Triton interpreter: tests/test_cuda_interpret.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,3 +171,44 @@ def test_engine_request_ring_is_constant(tmp_path: Path) -> None:
     assert len(seq.output_token_ids) == 20
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+# cuda under the Triton interpreter (tests/test_cuda_interpret.py), or on a GPU with
+# DEEPINFER_TEST_BACKEND=cuda (real CUDA graphs)
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+GRAPH_BACKEND = os.environ.get("DEEPINFER_TEST_BACKEND") or ("cuda" if INTERPRET else "reference")
+
+
+def test_engine_decode_graphs_equal_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny random V4 (window 6, ratios 4 and 8, blocks of 4), prompts past the window over
+    many entries, a 13-token step budget (chunked prefill) and a pool of 96 tokens (preemption):
+    decode graph replays (padded to their buckets, entries closing inside them) give the eager
+    engine's greedy tokens, on the backend under test."""
+    root = write_random_v4_checkpoint(tmp_path / "v4", tiny_v4_config(max_position_embeddings=128))
+    prompts = [[(7 * i + 3 * j) % 120 + 2 for i in range(n)] for j, n in enumerate((80, 9, 7, 70, 5))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 12, 14, 4, 10)]
+    outs, preempted = {}, 0
+    for eager in (True, False):
+        llm = LLM(
+            str(root), backend=GRAPH_BACKEND, dtype="float32", block_size=4, max_model_len=96,
+            max_num_batched_tokens=13, max_num_seqs=4, num_gpu_blocks_override=24, enforce_eager=eager,
+        )  # fmt: skip
+        runner = llm.llm_engine.runner
+        seen: list[tuple[int, int]] = []
+        real = runner.bucket_for
+
+        def spy(batch: Any, real: Any = real, seen: list[tuple[int, int]] = seen) -> int | None:
+            bucket: int | None = real(batch)
+            if bucket is not None:
+                seen.append((len(batch), bucket))
+            return bucket
+
+        monkeypatch.setattr(runner, "bucket_for", spy)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[eager] = [list(r.outputs[0].token_ids) for r in res]
+        preempted += llm.llm_engine.scheduler.num_preemptions
+        assert bool(seen) != eager and (eager or any(b < bucket for b, bucket in seen)), seen
+        bm = llm.llm_engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert preempted > 0, "the pool was meant to force preemption"
+    assert outs[False] == outs[True]

@@ -182,6 +182,13 @@ class DeviceOps(_Part):
         group sizes or request lengths on the host)."""
         return None
 
+    def is_capturing(self) -> bool:
+        """True while capture_graph records device work into a real graph (RerunGraph records
+        nothing: False). Defaults that read request lengths on the host (DeepSeek-V4's
+        compressed_attention and indexer_topk) raise NotImplementedError then, and the engine
+        runs decode steps eagerly. Default: False."""
+        return False
+
     def peak_memory_bytes(self) -> int | None:
         """Most device memory held by tensors since the last reset_peak_memory (None: the
         device does not say). The engine sizes its graph memory with it."""
@@ -332,7 +339,9 @@ class AttentionOps(_Part):
         limited to the ids of modifiers.topk_indices (T, Kt) when given (the edge rules of
         AttentionModifiers: a set, -1 unused, ids past the visible entries ignored).
         modifiers.sinks (H,) joins the softmax denominator. Default: the reference, reading the
-        rows through this backend's kv_cache.read_kv (any layout)."""
+        rows through this backend's kv_cache.read_kv (any layout), one request at a time from
+        the device lengths read on the host (NotImplementedError while a real graph captures)."""
+        _refuse_capture(self.backend, "compressed_attention")
         read = self.backend.kv_cache.read_kv
         return ref_v4.compressed_attention(
             q, cache, compressed, meta, scale, ratio, modifiers, read, compressed_block_tables
@@ -356,8 +365,18 @@ class AttentionOps(_Part):
         visible to row t ((w+1)*ratio <= p+1). -> (T, topk) int32: the ids of the
         min(topk, visible) best-scoring visible entries in any order, -1 in the other columns.
         Scores computed in float32. Default: the reference, reading the keys through this
-        backend's kv_cache.read_kv (any layout)."""
+        backend's kv_cache.read_kv (any layout), one request at a time from the device lengths
+        read on the host (NotImplementedError while a real graph captures)."""
+        _refuse_capture(self.backend, "indexer_topk")
         return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, self.backend.kv_cache.read_kv)
+
+
+def _refuse_capture(backend: Backend, op: str) -> None:
+    if backend.device.is_capturing():
+        raise NotImplementedError(
+            f"{backend.name}: the default {op} reads request lengths on the host and cannot be "
+            "captured in a graph; override it with a kernel that reads them on the device"
+        )
 
 
 # --------------------------------------------------------------------------- gemm

@@ -16,7 +16,8 @@ that token in `sampled_ids`; the runner resolves them on the device before the e
 A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
 and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
 i % n (one column per block of the sequence: position p at column p // BS, as for any table), and
-each further group's own tables in group_block_tables. Such models run eager steps only.
+each further group's own tables in group_block_tables (in a graph step, each as wide as
+max_model_len needs).
 
 Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns, MBg those of
 further group g), in bytes from the start of the buffer: int64 [input_ids T | positions T |
@@ -120,8 +121,9 @@ class StepInputs:
         self.max_num_seqs = max_num_seqs
         self.groups = groups  # None: one group, seq.block_table
         rows = max(max_num_tokens, max_num_seqs)
-        group_mbs = tuple(g.blocks_for(max_model_len, block_size) for g in (groups or [])[1:])
-        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, group_mbs)
+        # block-table columns of each further group in a graph step
+        self.group_mbs = tuple(g.blocks_for(max_model_len, block_size) for g in (groups or [])[1:])
+        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
         self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
@@ -212,8 +214,9 @@ class StepInputs:
         mb = self.max_blocks if bucket is not None else max((len(tb) for tb in tables), default=1)
         mb = max(mb, 1)
         group_mbs: tuple[int, ...] = ()
-        if self.groups is not None:
-            assert bucket is None, "a model with several cache groups runs eager steps"
+        if bucket is not None:
+            group_mbs = self.group_mbs
+        elif self.groups is not None:
             group_mbs = tuple(
                 max([1, *(len(q.block_tables[g]) for q in seqs)]) for g in range(1, len(self.groups))
             )

@@ -180,7 +180,7 @@ class LLMEngine:
         # step is depends on the others.
         invariant_ep = self.expert_parallel is not None and config.batch_invariant
         use_graphs = not invariant_ep and not config.enforce_eager and backend.capabilities.supports_graphs
-        use_graphs = use_graphs and getattr(model, "supports_graphs", True)  # DeepSeek-V4: eager
+        use_graphs = use_graphs and getattr(model, "supports_graphs", True)
         if config.enable_prefix_caching and not getattr(model, "supports_prefix_caching", True):
             raise ValueError(
                 f"enable_prefix_caching is not supported for {config.model} ({mc.model_type}): its "
@@ -197,7 +197,6 @@ class LLMEngine:
             cap = max(model.max_step_tokens_per_request, 1 + self.num_speculative_tokens)
             self.max_step_tokens = min(cap, config.max_num_batched_tokens)
             self.kv_groups = model.kv_cache_groups(bs, self.max_step_tokens)
-            use_graphs = False
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.runner = ModelRunner(
             model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,

@@ -31,7 +31,9 @@ cache, and nothing older than R positions is ever read. Given one block table on
 ForwardBatch.group_block_tables, as tests and tools drive it), every cache is paged by it, one
 row per token position (entry w at row w).
 Prefix caching is refused (an entry stored in a block depends on tokens after it, and the ring
-keeps no prefix). Decode graphs are not captured (the step reads lengths on the host).
+keeps no prefix). Decode steps replay graphs: the entries that close in a step where every
+request computes q tokens are found on the device (NewEntries.build), so the forward reads no
+length on the host.
 
 Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
 published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
@@ -224,28 +226,54 @@ class NewEntries:
         batch: ForwardBatch, ratio: int, overlap: bool, block_size: int, entry_tables: torch.Tensor
     ) -> NewEntries | None:
         """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
-        for a request computing positions [start, end). None when there are none."""
+        for a request computing positions [start, end). None when there are none.
+
+        Every request computing the same number q of tokens (decode: q = 1), as a replayed graph
+        does: found on the device from the lengths, ceil(q / m) candidates per request (W fixed
+        by the batch's shape), those that do not close storing nothing (out_slots -1). Ragged
+        steps (prefill, mixed): listed from the host lengths, exact in an eager step."""
         meta = batch.attn
-        reqs: list[int] = []
-        ids: list[int] = []
-        for b, (end, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
-            for entry in range((end - n) // ratio, end // ratio):
-                reqs.append(b)
-                ids.append(entry)
-        if not ids:
-            return None
         device = batch.positions.device
-        req = torch.tensor(reqs, dtype=torch.int64, device=device)
-        w = torch.tensor(ids, dtype=torch.int64, device=device)
+        query_lens = set(meta.query_lens_host)
+        if not query_lens:
+            return None
+        last: torch.Tensor | None = None
+        if len(query_lens) == 1:
+            q = query_lens.pop()
+            k = -(-q // ratio)  # the most entries q consecutive positions close
+            ends = meta.seq_lens.long()[:, None]  # (B, 1)
+            w = (ends - q) // ratio + torch.arange(k, device=device)  # (B, k) candidates
+            closes = (w < ends // ratio).flatten()
+            # a candidate that does not close reads rows it owns (closed entry w, positions up to
+            # its last): every index stays inside its tables, whatever it reads is discarded
+            w = torch.minimum(w, (ends // ratio - 1).clamp(min=0)).flatten()
+            last = (ends - 1).expand(-1, k).flatten()
+            req = torch.arange(ends.shape[0] * k, device=device) // k  # (B * k,) b, b, ...
+        else:
+            reqs: list[int] = []
+            ids: list[int] = []
+            for b, (end, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+                for entry in range((end - n) // ratio, end // ratio):
+                    reqs.append(b)
+                    ids.append(entry)
+            if not ids:
+                return None
+            req = torch.tensor(reqs, dtype=torch.int64, device=device)
+            w = torch.tensor(ids, dtype=torch.int64, device=device)
+            closes = None
         first = (w - 1) * ratio if overlap else w * ratio  # CSA: the previous window, then this one
         span = 2 * ratio if overlap else ratio
         pos = first[:, None] + torch.arange(span, device=device)  # (W, S)
         present = pos >= 0
         pos = pos.clamp(min=0)
+        if last is not None:
+            pos = torch.minimum(pos, last[:, None])
         tables = meta.block_tables.long()
         state_slots = tables[req[:, None], pos // block_size] * block_size + pos % block_size
         out_tables = entry_tables.long()
         out_slots = out_tables[req, w // block_size] * block_size + w % block_size
+        if closes is not None:
+            out_slots = torch.where(closes, out_slots, -1)
         return NewEntries(state_slots, present, out_slots, w * ratio)
 
 
@@ -655,7 +683,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     The MTP layer is not loaded (num_mtp_layers is 0), so speculative decoding is refused.
     """
 
-    supports_graphs = False  # entries closing in a step are found from the lengths on the host
+    supports_graphs = True  # decode steps find their closing entries on the device
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
     max_step_tokens_per_request = MAX_STEP_TOKENS  # the ring is sized for it
 

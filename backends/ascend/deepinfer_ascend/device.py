@@ -66,6 +66,9 @@ class AscendDevice(DeviceOps):
         pool = share_with.pool if isinstance(share_with, AscendGraph) else None
         return AscendGraph(self._ns, self._attention, fn, pool)
 
+    def is_capturing(self) -> bool:
+        return self._attention.issuer is not None  # set by AscendGraph while it captures
+
 
 class AscendKVCache(KVCacheOps):
     """The backend's own latent / rope layout (see kv_cache.py). write_mla_kv is the contract's

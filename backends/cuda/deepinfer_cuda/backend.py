@@ -6,12 +6,15 @@ tensors (no streams or graphs there); that is how CI checks the kernels.
 
 Fused decode paths (fewer launches per step): the MoE router in one kernel, the expert sort and
 the grouped GEMM's tile table in one (computed once per layer, shared by both expert GEMMs),
-MLA's cache write (norm + rope + store) in one, the sampling noise in one.
+MLA's cache write (norm + rope + store) in one, the sampling noise in one; DeepSeek-V4's mHC
+weights (Sinkhorn included), mixes and head collapse in one each, its lightning indexer (scores,
+then top-k) and compressed attention (window rows + compressed entries + sinks) in Triton.
 DEEPINFER_CUDA_UNFUSED=1, read when the backend is created, switches those back to the composed
 paths they replace (routing in torch as the reference computes it, the torch sort and a torch
 tile table per GEMM, write_mla_kv and exponential_noise as the contract's defaults, which run
-through this backend's own rms_norm / rope / write_kv and the reference hash) so that a
-benchmark can measure what the fusion buys. Results agree within each op's contract either way.
+through this backend's own rms_norm / rope / write_kv and the reference hash; the V4 ops as the
+contract's reference defaults) so that a benchmark can measure what the fusion buys. Results
+agree within each op's contract either way.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels import gemm as gemm_k
 from deepinfer_cuda.kernels import moe as moe_k
 from deepinfer_cuda.kernels import small as small_k
+from deepinfer_cuda.kernels import v4 as v4_k
 from deepinfer_cuda.kernels.moe import sort_by_expert
 from deepinfer_cuda.plugin import interpreting
 
@@ -140,6 +144,9 @@ class CudaDevice(DeviceOps):
             fn()
         return CudaGraphRunner(graph)
 
+    def is_capturing(self) -> bool:
+        return self._is_cuda and torch.cuda.is_current_stream_capturing()
+
     def peak_memory_bytes(self) -> int | None:
         return int(torch.cuda.max_memory_allocated(self._device)) if self._is_cuda else None
 
@@ -196,6 +203,13 @@ def _cache_tensor(cache: PagedKVCache) -> torch.Tensor:
 
 
 class CudaAttention(AttentionOps):
+    """The Triton attention kernel (kernels/attention.py); DeepSeek-V4's compressed attention and
+    lightning indexer in kernels/v4.py (unfused: the contract's reference defaults)."""
+
+    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+        super().__init__(options)
+        self.fused = fused
+
     def decode(
         self,
         q: torch.Tensor,
@@ -244,6 +258,48 @@ class CudaAttention(AttentionOps):
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
         )  # fmt: skip
+
+    def compressed_attention(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        compressed: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        ratio: int,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+        compressed_block_tables: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().compressed_attention(
+                q, cache, compressed, meta, scale=scale, ratio=ratio, modifiers=modifiers,
+                compressed_block_tables=compressed_block_tables,
+            )  # fmt: skip
+        sinks = modifiers.sinks
+        return v4_k.compressed_attention(
+            q, _cache_tensor(cache), _cache_tensor(compressed), meta, scale=scale, ratio=ratio,
+            window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
+            topk_indices=modifiers.topk_indices, compressed_block_tables=compressed_block_tables,
+            batch_invariant=self.batch_invariant,
+        )  # fmt: skip
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().indexer_topk(q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
+        return v4_k.indexer_topk(
+            q, weights.float(), _cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale
+        )
 
 
 # --------------------------------------------------------------------------- gemm
@@ -472,8 +528,8 @@ class CudaCollectives(CollectiveOps):
 
 
 class CudaSmall(SmallOps):
-    """Triton rms_norm, rope, silu_and_mul (and DeepSeek-V4's clamped one and compressor pooling),
-    bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
+    """Triton rms_norm, rope, silu_and_mul (and DeepSeek-V4's clamped one, compressor pooling and
+    mHC ops), bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
     vocabulary, already a handful of device kernels)."""
 
     def __init__(self, options: BackendOptions, fused: bool = True) -> None:
@@ -508,6 +564,43 @@ class CudaSmall(SmallOps):
 
     def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return small_k.gated_pool(kv, gate)
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch (kernels/v4.py: split mix product, then Sinkhorn in registers)."""
+        if not self.fused:
+            return super().hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return v4_k.hc_pre(
+            streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant=self.batch_invariant
+        )
+
+    def hc_post(
+        self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().hc_post(y, streams, post, comb)
+        return v4_k.hc_post(y, streams, post, comb)
+
+    def hc_head(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().hc_head(streams, fn, base, scale, norm_eps, hc_eps)
+        return v4_k.hc_head(streams, fn, base, scale, norm_eps, hc_eps, batch_invariant=self.batch_invariant)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         small_k.apply_token_bitmask(logits, bitmask)
@@ -562,7 +655,7 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         capabilities=capabilities_for(device),
         device=CudaDevice(options, device),
         kv_cache=CudaKVCache(options, fused),
-        attention=CudaAttention(options),
+        attention=CudaAttention(options, fused),
         gemm=CudaGemm(options, fused),
         moe=CudaMoe(options, fused),
         collectives=CudaCollectives(options, device),

@@ -80,7 +80,8 @@ def _hc_oracle(
     return collapsed, post, comb
 
 
-@pytest.mark.parametrize("tokens,n,dm", [(0, 4, 16), (1, 4, 64), (9, 3, 40)])
+# odd stream counts and widths, several tiles of tokens, a mix wide enough to be split
+@pytest.mark.parametrize("tokens,n,dm", [(0, 4, 16), (1, 4, 64), (9, 3, 40), (37, 4, 300)])
 def test_hc_pre_post_head(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, n: int, dm: int
 ) -> None:
@@ -188,13 +189,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# name -> (seq_lens, query_lens, topk): CASES with top-3, then rows of hundreds of entries (top-k
+# far above and far below it) and rows whose scores all tie (zero queries)
+INDEXER_CASES = {
+    **{name: (*case, 3) for name, case in CASES.items()},
+    "long": ([1210, 37, 530], [2, 3, 1], 100),
+    "long-ties": ([1210, 530], [2, 1], 100),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEXER_CASES))
 def test_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None:
-    seq_lens, query_lens = CASES[name]
-    ratio, topk, heads, di = 4, 3, 5, 12
+    seq_lens, query_lens, topk = INDEXER_CASES[name]
+    ratio, heads, di = 4, 5, 12
     step = Step(backend, seq_lens, query_lens, ratio, di, torch.float32, gen)
     dev, t = backend.device.device(), sum(query_lens)
     q = randn((t, heads, di), torch.float32, dev, gen)
+    if name.endswith("ties"):  # every score of rows 0, 2, ... is 0: any choice of ids is right
+        q[::2] = 0
     weights = randn((t, heads), torch.float32, dev, gen)
     got = backend.attention.indexer_topk(
         q, weights, step.entries, step.meta, ratio=ratio, topk=topk, scale=0.3
@@ -208,21 +220,24 @@ def test_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None
         ids = [i for i in got[row].tolist() if i >= 0]
         assert len(ids) == len(set(ids)) == min(topk, n_vis), f"row {row} (position {pos}): ids {ids}"
         assert all(i < n_vis for i in ids), f"row {row} (position {pos}): {ids} past {n_vis} visible entries"
-        rest = [i for i in range(n_vis) if i not in ids]
-        if ids and rest:  # every pick scores at least as high as every entry left out (ties allowed)
-            assert min(float(scores[i]) for i in ids) >= max(float(scores[i]) for i in rest) - 1e-4, (
+        picked = torch.zeros(n_vis, dtype=torch.bool)
+        picked[ids] = True
+        if ids and not picked.all():  # every pick scores at least as high as every entry left out
+            assert float(scores[picked].min()) >= float(scores[~picked].max()) - 1e-4, (
                 f"row {row} (position {pos}): picked {ids}, scores {scores.tolist()}"
             )
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("with_topk", [False, True], ids=["hca", "csa"])
+@pytest.mark.parametrize("topk_width", [0, 4, 70], ids=["hca", "csa", "csa-long-list"])
 @pytest.mark.parametrize("own_tables", [False, True], ids=["shared-tables", "entry-tables"])
 def test_compressed_attention(
-    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, with_topk: bool, own_tables: bool
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, topk_width: int, own_tables: bool
 ) -> None:
-    """entry-tables: the entries in a pool of their own, paged by compressed_block_tables."""
+    """entry-tables: the entries in a pool of their own, paged by compressed_block_tables.
+    csa-long-list: top-k lists longer than a tile of keys, an id repeated far apart in its list."""
     seq_lens, query_lens = CASES[name]
+    with_topk = topk_width > 0
     ratio, heads, d, window, scale = (4, 3, 24, 6, 0.2) if with_topk else (8, 3, 24, 5, 0.2)
     step = Step(backend, seq_lens, query_lens, ratio, d, dtype, gen, own_entry_tables=own_tables)
     dev, t = backend.device.device(), sum(query_lens)
@@ -230,9 +245,10 @@ def test_compressed_attention(
     sinks = randn((heads,), torch.float32, dev, gen)
     topk = None
     if with_topk:  # random ids, some past the visible entries, some repeated, -1 padded
-        topk = torch.randint(-1, max(seq_lens) // ratio + 2, (t, 4), generator=gen, dtype=torch.int32)
+        shape = (t, topk_width)
+        topk = torch.randint(-1, max(seq_lens) // ratio + 2, shape, generator=gen, dtype=torch.int32)
         if t:
-            topk[0, 1] = topk[0, 0]
+            topk[0, 1] = topk[0, -1] = topk[0, 0]
         topk = topk.to(dev)
     mods = AttentionModifiers(window=window, sinks=sinks, topk_indices=topk)
     got = backend.attention.compressed_attention(

@@ -450,11 +450,27 @@ def mla_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
-        cols = min(COMBINE_COLS, block_dv)
-        _combine_kernel[(t * h, triton.cdiv(v_dim, cols))](
-            part, lse, sinks if sinks is not None else q, out,
-            h, max_splits, v_dim, out.stride(0), out.stride(1),
-            HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
-            num_warps=4,
-        )  # fmt: skip
+        combine_splits(part, lse, sinks, out, h, max_splits, v_dim)
     return out
+
+
+def combine_splits(
+    part: torch.Tensor,
+    lse: torch.Tensor,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    h: int,
+    max_splits: int,
+    v_dim: int,
+) -> None:
+    """Merge split-KV partials into out (T, H, >= v_dim): part (T*H*max_splits, next_pow2(v_dim))
+    normalised partial outputs and lse (T*H*max_splits,) their log2-sum-exps (-inf: empty), row
+    (t*H + h)*max_splits + split; sinks (H,) float32 join each head's denominator."""
+    block_dv = part.shape[1]
+    cols = min(COMBINE_COLS, block_dv)
+    _combine_kernel[(out.shape[0] * h, triton.cdiv(v_dim, cols))](
+        part, lse, sinks if sinks is not None else lse, out,
+        h, max_splits, v_dim, out.stride(0), out.stride(1),
+        HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
+        num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,759 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""DeepSeek-V4's ops: the mHC hyper-connection weights and mixes, the lightning indexer's top-k
+and attention over a sliding window plus compressed entries. Semantics: deepinfer.reference.v4.
+
+mHC (hc_pre, hc_head): one launch. The mix m = rms(flatten(streams)) @ fn^T reads fn
+((2+N)N x N*Dm float32: 1.5 MB for V4-Flash) once per tile of BLOCK_T tokens, which one program
+cannot pull fast (a decode step has one tile). So the K axis (N*Dm) is cut into SPLITS parts of
+SPLIT_K columns, one program each, grid (token tiles, SPLITS): every program writes its partial
+products and sum of squares to a workspace, then counts itself in on the tile's semaphore; the
+last to arrive sums the partials in split order (fixed: the bits do not depend on which program
+arrived last), finishes the rms, the sigmoids, the softmax and the Sinkhorn iterations in
+registers ((BLOCK_T, N, N) tiles) and collapses the streams. SPLITS depends on N*Dm only, so a
+row's bits never depend on the batch. The semaphores live in one persistent buffer that the
+last program resets, so no launch zeroes it (graph replays included).
+hc_post: one program per (token, Dm block), the N output streams of that block at once.
+
+Indexer (indexer_topk): two launches. Scores: program (query token, request, split) walks its
+share of the token's visible entries in tiles of BLOCK_N, S = q (Hi, Di) @ k^T (Di, BLOCK_N),
+score = scale * sum_h w_h relu(S_h), into a (T, Cmax) float32 buffer. Select: one program per
+query token; with no more visible entries than top-k it lists them all, else a radix select on
+the scores' order-preserving uint32 keys (four passes of 8-bit digits, tl.histogram), then one
+pass writes the ids above the threshold and the lowest-id ties at it.
+
+Compressed attention: one program per (query token, BLOCK_M heads, split) walks a virtual key
+list: the token's window rows [p - window + 1, p] of the token cache in tiles of BLOCK_N, then
+the compressed entries (the top-k ids listed for the token, or every visible entry), gathered
+through the entry block tables. A top-k id listed twice counts once (a pairwise check against
+the earlier list positions); ids < 0 or past the visible entries are masked. Online softmax in
+float32 (exp2), K = V. Splits as in kernels/attention.py (adaptive: each program cuts its own
+tile range; batch-invariant: a fixed number of tiles per split); the combine kernel there adds
+the sinks. Decode and prefill share the kernel (a prefill token is a program of its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.backend.types import AttentionMetadata
+from deepinfer_cuda.kernels import attention as attn_k
+from deepinfer_cuda.kernels.common import IS_INTERPRET, mma, next_pow2, num_sms, to_dtype
+
+LOG2E = 1.4426950408889634
+
+# --------------------------------------------------------------------------- mHC
+
+# K columns (of N*Dm) per step of the mix product; SPLIT_K is a multiple of it.
+HC_BLOCK_K = 64
+# At most this many K splits per token tile (V4-Flash: 16384 columns -> 16 splits of 1024).
+HC_MAX_SPLITS = 16
+# Tokens per tile: 16 (4 warps) for decode and batch-invariant mode (one tiling for every
+# batch); 32 (8 warps) from HC_WIDE_FROM tokens on, where fn is re-read once per tile (prefill of
+# 8192 tokens: 256 x 1.5 MB from L2). 64 spills registers on SM90 (ptxas).
+HC_BLOCK_T = 16
+HC_WIDE_BLOCK_T = 32
+HC_WIDE_FROM = 256
+# Elements of a (BLOCK_T, N, BLOCK_D) streams tile in the collapse.
+HC_COLLAPSE_ELEMENTS = 4096
+
+
+class _Semaphores:
+    """One int32 counter per token tile, per device, zero between launches (the last program of
+    a tile resets its own). 4096 tiles cover steps of 65536 tokens; a larger step gets a larger
+    buffer, and the smaller ones stay allocated: graphs captured with them keep using them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        bufs = self._buffers.setdefault(device, [])
+        if not bufs or bufs[-1].numel() < n:
+            bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        return bufs[-1]
+
+
+_SEMAPHORES = _Semaphores()
+
+
+@triton.jit
+def _dot_f32(a, b, acc):
+    """acc + a @ b for float32 operands to float32 accuracy: three TF32 products on the GPU
+    (tensor cores), IEEE in the interpreter."""
+    if IS_INTERPRET:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+
+
+@triton.jit
+def _summed(part_ptr, slot0, r, c, mask, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, MIXP: tl.constexpr):
+    """Column(s) c of rows r of a tile's mix, summed over its SPLITS partials in split order.
+    Volatile loads: other programs wrote them (no stale L1 lines). A loop, not unrolled: unrolled,
+    every split's load is issued up front and the registers spill."""
+    total = tl.load(part_ptr + (slot0 * BLOCK_T + r) * MIXP + c, mask=mask, other=0.0, volatile=True)
+    for s in range(1, SPLITS):
+        total += tl.load(
+            part_ptr + ((slot0 + s) * BLOCK_T + r) * MIXP + c, mask=mask, other=0.0, volatile=True
+        )
+    return total
+
+
+@triton.jit
+def _hc_kernel(
+    s_ptr, fn_ptr, base_ptr, scale_ptr, part_ptr, ssq_ptr, count_ptr, out_ptr, post_ptr, comb_ptr,
+    T, DM, norm_eps, hc_eps, iters,
+    N: tl.constexpr, MIX: tl.constexpr, HEAD: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
+    NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """streams (T, N*DM) contiguous; fn (MIX, N*DM) float32. HEAD: hc_head (pre only, MIX = N),
+    else hc_pre (MIX = (2+N)N: pre, post, comb)."""
+    tb = tl.program_id(0)
+    split = tl.program_id(1)
+    K = N * DM
+    r = tl.arange(0, BLOCK_T)
+    rows = tb * BLOCK_T + r
+    rmask = rows < T
+    s_rows = s_ptr + rows.to(tl.int64) * K  # (BLOCK_T,) row starts
+    cols = tl.arange(0, MIXP)
+
+    # this split's columns: partial mix products (BLOCK_T, MIXP) and sums of squares (BLOCK_T,)
+    acc = tl.zeros([BLOCK_T, MIXP], tl.float32)
+    ssq = tl.zeros([BLOCK_T], tl.float32)
+    k_end = tl.minimum(split * SPLIT_K + SPLIT_K, K)
+    for k0 in range(split * SPLIT_K, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < k_end
+        x = tl.load(s_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x = x.to(tl.float32)
+        ssq += tl.sum(x * x, axis=1)
+        w = tl.load(
+            fn_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < MIX) & kmask[:, None], other=0.0
+        )  # (BLOCK_K, MIXP): fn^T
+        acc = _dot_f32(x, w, acc)
+    slot = tb * SPLITS + split
+    tl.store(part_ptr + (slot * BLOCK_T + r)[:, None] * MIXP + cols[None, :], acc)
+    tl.store(ssq_ptr + slot * BLOCK_T + r, ssq)
+    tl.debug_barrier()  # every thread's partial is stored before anyone counts or reads it
+    if SPLITS > 1:
+        arrived = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
+        if arrived < SPLITS - 1:
+            return
+        tl.store(count_ptr + tb, 0)  # the tile's last program: ready for the next launch
+
+    # the tile's last program: the whole mix, in split order
+    slot0 = tb * SPLITS
+    ss = tl.load(ssq_ptr + slot0 * BLOCK_T + r, volatile=True)
+    for s in range(1, SPLITS):
+        ss += tl.load(ssq_ptr + (slot0 + s) * BLOCK_T + r, volatile=True)
+    rstd = 1.0 / tl.sqrt(ss / K + norm_eps)  # (BLOCK_T,) the unweighted rms of the flat row
+    n = tl.arange(0, NP)
+    nmask = n < N
+    pre_w = _summed(part_ptr, slot0, r[:, None], n[None, :], nmask[None, :], SPLITS, BLOCK_T, MIXP)
+    pre_b = tl.load(base_ptr + n, mask=nmask, other=0.0)
+    pre = tl.sigmoid(pre_w * rstd[:, None] * tl.load(scale_ptr) + pre_b[None, :]) + hc_eps
+    pre = tl.where(nmask[None, :], pre, 0.0)  # (BLOCK_T, NP)
+    if not HEAD:
+        post_w = _summed(part_ptr, slot0, r[:, None], N + n[None, :], nmask[None, :], SPLITS, BLOCK_T, MIXP)
+        post_b = tl.load(base_ptr + N + n, mask=nmask, other=0.0)
+        post = 2.0 * tl.sigmoid(post_w * rstd[:, None] * tl.load(scale_ptr + 1) + post_b[None, :])
+        omask = rmask[:, None] & nmask[None, :]
+        tl.store(post_ptr + rows[:, None].to(tl.int64) * N + n[None, :], post, mask=omask)
+        # comb (BLOCK_T, N, N): softmax over each row j, then Sinkhorn, columns first
+        i3 = n[None, :, None]
+        j3 = n[None, None, :]
+        valid = (i3 < N) & (j3 < N)
+        c3 = 2 * N + i3 * N + j3
+        mix = _summed(part_ptr, slot0, r[:, None, None], c3, valid, SPLITS, BLOCK_T, MIXP)
+        logits = mix * rstd[:, None, None] * tl.load(scale_ptr + 2) + tl.load(
+            base_ptr + c3, mask=valid, other=0.0
+        )
+        logits = tl.where(valid, logits, float("-inf"))
+        top = tl.max(logits, axis=2)
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows (i >= N): no finite entry
+        e = tl.exp(logits - top[:, :, None])
+        total = tl.sum(e, axis=2)
+        comb = tl.where(valid, e / tl.where(total > 0, total, 1.0)[:, :, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # padding stays 0: 0 / eps
+        for _ in range(iters - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        cmask = rmask[:, None, None] & valid
+        tl.store(comb_ptr + rows[:, None, None].to(tl.int64) * (N * N) + i3 * N + j3, comb, mask=cmask)
+
+    # collapse: out[t] = sum_n pre[t, n] * streams[t, n], BLOCK_D channels at a time
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, DM, BLOCK_D):
+        d = d0 + offs_d
+        dmask = d < DM
+        x = tl.load(
+            s_rows[:, None, None] + n[None, :, None] * DM + d[None, None, :],
+            mask=rmask[:, None, None] & nmask[None, :, None] & dmask[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        y = tl.sum(pre[:, :, None] * x, axis=1)  # (BLOCK_T, BLOCK_D)
+        tl.store(
+            out_ptr + rows[:, None].to(tl.int64) * DM + d[None, :],
+            to_dtype(y, out_ptr.dtype.element_ty),
+            mask=rmask[:, None] & dmask[None, :],
+        )
+
+
+def hc_splits(k: int) -> tuple[int, int]:
+    """(SPLITS, SPLIT_K) for a mix over k = N*Dm columns: at most HC_MAX_SPLITS parts of whole
+    HC_BLOCK_K steps. A function of k alone (batch invariance)."""
+    split_k = max(HC_BLOCK_K, triton.cdiv(triton.cdiv(k, HC_MAX_SPLITS), HC_BLOCK_K) * HC_BLOCK_K)
+    return triton.cdiv(k, split_k), split_k
+
+
+def _hc(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+    head: bool,
+    batch_invariant: bool,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    name = "hc_head" if head else "hc_pre"
+    if streams.dim() != 3:
+        raise ValueError(f"{name} takes streams (T, N, Dm), got {tuple(streams.shape)}")
+    t, n, dm = streams.shape
+    mix = n if head else (2 + n) * n
+    if fn.shape != (mix, n * dm) or base.shape != (mix,) or scale.numel() < (1 if head else 3):
+        raise ValueError(
+            f"{name}: fn {tuple(fn.shape)}, base {tuple(base.shape)}, scale {tuple(scale.shape)} do not fit "
+            f"{n} streams of width {dm} (fn must be ({mix}, {n * dm}))"
+        )
+    dev = streams.device
+    out = torch.empty((t, dm), dtype=streams.dtype, device=dev)
+    post = torch.empty((t, n), dtype=torch.float32, device=dev)
+    comb = torch.empty((t, n, n), dtype=torch.float32, device=dev)
+    if t == 0 or n == 0 or dm == 0:
+        return out.zero_(), post.zero_(), comb.zero_()
+    s = streams.contiguous()
+    bt = block_t or (HC_WIDE_BLOCK_T if t >= HC_WIDE_FROM and not batch_invariant else HC_BLOCK_T)
+    splits, split_k = hc_splits(n * dm)
+    tiles = triton.cdiv(t, bt)
+    np_, mixp = next_pow2(n, 1), next_pow2(mix)
+    part = torch.empty((tiles * splits * bt * mixp,), dtype=torch.float32, device=dev)
+    ssq = torch.empty((tiles * splits * bt,), dtype=torch.float32, device=dev)
+    count = _SEMAPHORES.get(dev, tiles)
+    block_d = max(16, min(next_pow2(dm), HC_COLLAPSE_ELEMENTS // (bt * np_)))
+    _hc_kernel[(tiles, splits)](
+        s, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), part, ssq, count,
+        out, post, comb, t, dm, norm_eps, hc_eps, iters,
+        N=n, MIX=mix, HEAD=head, SPLITS=splits, SPLIT_K=split_k, NP=np_, MIXP=mixp, BLOCK_T=bt,
+        BLOCK_K=HC_BLOCK_K, BLOCK_D=block_d, num_warps=4 if bt <= HC_BLOCK_T else 8,
+    )  # fmt: skip
+    return out, post, comb
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool = False,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams (T, N, Dm) -> (collapsed (T, Dm) in streams' dtype, post (T, N), comb (T, N, N))
+    float32; fn ((2+N)N, N*Dm), base ((2+N)N,), scale (3,) float32. One launch."""
+    return _hc(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, batch_invariant, block_t)
+
+
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    batch_invariant: bool = False,
+    block_t: int | None = None,
+) -> torch.Tensor:
+    """streams (T, N, Dm) -> (T, Dm): the final collapse, fn (N, N*Dm), base (N,), scale (1,).
+    One launch."""
+    return _hc(streams, fn, base, scale, norm_eps, hc_eps, 0, True, batch_invariant, block_t)[0]
+
+
+@triton.jit
+def _hc_post_kernel(
+    y_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, DM, stride_y,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """out[t, k, d] = post[t, k] * y[t, d] + sum_j comb[t, j, k] * streams[t, j, d], adding
+    stream j = 0, 1, ... in order as the reference does. streams / out (T, N, DM) contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DM
+    k = tl.arange(0, NP)
+    kmask = k < N
+    post = tl.load(post_ptr + t * N + k, mask=kmask, other=0.0)
+    y = tl.load(y_ptr + t * stride_y + d, mask=dmask, other=0.0).to(tl.float32)
+    acc = post[:, None] * y[None, :]  # (NP, BLOCK_D)
+    for j in tl.static_range(N):
+        c = tl.load(comb_ptr + t * N * N + j * N + k, mask=kmask, other=0.0)
+        s = tl.load(s_ptr + (t * N + j) * DM + d, mask=dmask, other=0.0).to(tl.float32)
+        acc += c[:, None] * s[None, :]
+    tl.store(
+        out_ptr + (t * N + k)[:, None] * DM + d[None, :],
+        to_dtype(acc, out_ptr.dtype.element_ty),
+        mask=kmask[:, None] & dmask[None, :],
+    )
+
+
+def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """y (T, Dm), streams (T, N, Dm), post (T, N), comb (T, N, N) -> (T, N, Dm) in streams' dtype."""
+    t, n, dm = streams.shape
+    if y.shape != (t, dm) or post.shape != (t, n) or comb.shape != (t, n, n):
+        raise ValueError(
+            f"hc_post: y {tuple(y.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} do not fit "
+            f"streams {tuple(streams.shape)}"
+        )
+    out = torch.empty((t, n, dm), dtype=streams.dtype, device=streams.device)
+    if out.numel() == 0:
+        return out
+    s = streams.contiguous()
+    y = y if y.stride(-1) == 1 else y.contiguous()
+    block_d = min(1024, next_pow2(dm))
+    _hc_post_kernel[(t, triton.cdiv(dm, block_d))](
+        y, s, post.float().contiguous(), comb.float().contiguous(), out, dm, y.stride(0),
+        N=n, NP=next_pow2(n, 1), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- lightning indexer
+
+# Entries per scoring tile; entries scanned per step of the select kernel.
+INDEXER_BLOCK_N = 64
+SELECT_BLOCK = 1024
+# Fewest tiles per split of a row's entries (adaptive splits, as attention's).
+INDEXER_MIN_SPLIT_TILES = 4
+# Bytes of (rows, entries) float32 scores one launch may hold: a step that needs more (long
+# prefill chunks over a long context: 8192 rows x 262144 entries would be 8 GiB) runs its
+# requests in groups under it (one request at least).
+SCORES_BUDGET_BYTES = 1 << 29
+
+
+@triton.jit(do_not_specialize=["page", "ratio", "max_splits", "row0"])
+def _indexer_scores_kernel(
+    q_ptr, w_ptr, k_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, score_ptr,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_st,
+    HI, DI, page, ratio, scale, max_splits, row0,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    pos = tl.load(seq_lens_ptr + b) - q_len + i
+    n_vis = (pos + 1) // ratio
+    n_tiles = tl.cdiv(n_vis, BLOCK_N)
+    per = tl.cdiv(n_tiles, max_splits)
+    tile0 = split * per
+    tile1 = tl.minimum(n_tiles, tile0 + per)
+    if tile0 >= tile1:
+        return
+    t = (q_start + i).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )  # (BLOCK_H, BLOCK_D)
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32) * scale
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in range(tile0, tile1):
+        e = tile * BLOCK_N + offs_n
+        valid = e < n_vis
+        blk = tl.load(bt_ptr + b * stride_bt + e // page, mask=valid, other=0)
+        krow = k_ptr + blk.to(tl.int64) * stride_kb + (e % page) * stride_kt
+        k = tl.load(krow[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < DI), other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)  # (BLOCK_H, BLOCK_N)
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+        tl.store(score_ptr + (t - row0) * stride_st + e, score, mask=valid)
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> uint32 in the same order (larger float, larger key): flip the sign bit of
+    non-negatives, every bit of negatives."""
+    u = x.to(tl.uint32, bitcast=True)
+    return tl.where((u >> 31) != 0, u ^ 0xFFFFFFFF, u | 0x80000000)
+
+
+@triton.jit(do_not_specialize=["ratio", "topk", "row0"])
+def _indexer_select_kernel(
+    score_ptr, seq_lens_ptr, qsl_ptr, out_ptr, stride_st, stride_ot, ratio, topk, row0,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row t's ids: every visible entry when they are at most topk, else the topk best (ties at the
+    threshold: the lowest ids). Writes all topk columns (-1 where unused). Scores of row t at
+    score row t - row0."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    pos = tl.load(seq_lens_ptr + b) - q_len + i
+    n_vis = (pos + 1) // ratio
+    t = (q_start + i).to(tl.int64)
+    row = score_ptr + (t - row0) * stride_st
+    out_row = out_ptr + t * stride_ot
+    offs = tl.arange(0, BLOCK)
+    if n_vis <= topk:
+        for j0 in range(0, topk, BLOCK):
+            j = j0 + offs
+            tl.store(out_row + j, tl.where(j < n_vis, j, -1), mask=j < topk)
+        return
+
+    # radix select: the key of the topk-th largest score, 8 bits a pass from the top
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.uint32)
+    rem = topk  # how many of the keys matching `prefix` are still to take
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, n_vis, BLOCK):
+            e = c0 + offs
+            m = e < n_vis
+            key = _order_key(tl.load(row + e, mask=m, other=0.0))
+            if p > 0:
+                m = m & ((key >> (shift + 8)) == prefix)
+            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+        at_least = tl.cumsum(hist, 0, reverse=True)  # keys whose digit is >= each bin
+        digit = tl.max(tl.where(at_least >= rem, bins, -1), axis=0)
+        rem -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)  # those above it: taken
+        prefix = (prefix << 8) | digit.to(tl.uint32)
+
+    # every key above the threshold, and the first `rem` equal to it
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, n_vis, BLOCK):
+        e = c0 + offs
+        m = e < n_vis
+        key = _order_key(tl.load(row + e, mask=m, other=0.0))
+        eq = m & (key == prefix)
+        take = (m & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
+        at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_row + at, e, mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_n: int = INDEXER_BLOCK_N,
+    select_block: int = SELECT_BLOCK,
+    scores_budget: int = SCORES_BUDGET_BYTES,
+) -> torch.Tensor:
+    """q (T, Hi, Di), weights (T, Hi) float32, keys (NBc, BS, >= Di) paged by meta.block_tables
+    -> (T, topk) int32 entry ids, -1 unused. The scores buffer and the grid come from the host
+    lengths (upper bounds in a replayed graph); each program reads its own from the device."""
+    t, hi, di = q.shape
+    if weights.shape != (t, hi):
+        raise ValueError(f"indexer_topk: weights {tuple(weights.shape)} must be ({t}, {hi})")
+    if keys.shape[-1] < di:
+        raise ValueError(f"indexer_topk: keys of width {keys.shape[-1]} are narrower than q's {di}")
+    if ratio < 1 or topk < 0:
+        raise ValueError(f"indexer_topk: ratio {ratio} must be >= 1 and topk {topk} >= 0")
+    if sum(meta.query_lens_host) != t:
+        raise ValueError(
+            f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
+        )
+    out = torch.empty((t, topk), dtype=torch.int32, device=q.device)
+    if t == 0 or topk == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    for b0, b1 in _score_groups(meta.seq_lens_host, meta.query_lens_host, ratio, scores_budget):
+        rows, row0 = sum(meta.query_lens_host[b0:b1]), sum(meta.query_lens_host[:b0])
+        cmax = max(meta.seq_lens_host[b0:b1]) // ratio
+        if rows == 0:
+            continue
+        if cmax == 0:
+            out[row0 : row0 + rows].fill_(-1)
+            continue
+        batch, max_q = b1 - b0, max(meta.query_lens_host[b0:b1])
+        tables, seq_lens, qsl = (
+            meta.block_tables[b0:b1],
+            meta.seq_lens[b0:b1],
+            meta.query_start_loc[b0 : b1 + 1],
+        )
+        scores = torch.empty((rows, cmax), dtype=torch.float32, device=q.device)
+        tiles = triton.cdiv(cmax, block_n)
+        want = max(1, 2 * num_sms(q.device) // (batch * max_q))
+        splits = max(1, min(want, tiles // INDEXER_MIN_SPLIT_TILES))
+        _indexer_scores_kernel[(max_q, batch, splits)](
+            q, weights, keys, tables, seq_lens, qsl, scores,
+            q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), tables.stride(0),
+            scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, row0,
+            BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+            num_warps=4,
+        )  # fmt: skip
+        _indexer_select_kernel[(max_q, batch)](
+            scores, seq_lens, qsl, out, scores.stride(0), out.stride(0), ratio, topk, row0,
+            BLOCK=select_block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _score_groups(
+    seq_lens: tuple[int, ...], query_lens: tuple[int, ...], ratio: int, budget: int
+) -> list[tuple[int, int]]:
+    """Consecutive request ranges [b0, b1) whose (rows, max entries) float32 scores fit `budget`
+    bytes, each holding one request at least."""
+    groups: list[tuple[int, int]] = []
+    b0, rows, cmax = 0, 0, 0
+    for b, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        if b > b0 and (rows + q) * max(cmax, n // ratio) * 4 > budget:
+            groups.append((b0, b))
+            b0, rows, cmax = b, 0, 0
+        rows, cmax = rows + q, max(cmax, n // ratio)
+    return [*groups, (b0, len(seq_lens))] if seq_lens else groups
+
+
+# --------------------------------------------------------------------------- compressed attention
+
+# Tiles per split in batch-invariant mode (1024 keys at BLOCK_N 64).
+INVARIANT_SPLIT_TILES = 16
+# Fewest tiles per split (adaptive mode): one decode row's keys (128 window + 512 top-k = 10
+# tiles) over a few programs.
+MIN_SPLIT_TILES = 2
+
+
+@triton.jit
+def _listed_before(row_ptr, ids, li, first, KT, BLOCK_N: tl.constexpr):
+    """(BLOCK_N,) bool: ids[x] (at list position li[x]) also sits at an earlier position of the row's
+    list row_ptr[0:KT]; `first` = li[0]."""
+    dup = tl.zeros([BLOCK_N], tl.int32)
+    for c0 in range(0, first + BLOCK_N, BLOCK_N):
+        pl = c0 + tl.arange(0, BLOCK_N)
+        prev = tl.load(row_ptr + pl, mask=pl < KT, other=-1)
+        same = (ids[:, None] == prev[None, :]) & (pl[None, :] < li[:, None])
+        dup = tl.maximum(dup, tl.max(same.to(tl.int32), axis=1))
+    return dup != 0
+
+
+@triton.jit(
+    do_not_specialize=[
+        "H", "page", "cpage", "window", "ratio", "KT", "min_split_tiles", "split_tiles", "max_splits",
+        "stride_tk",
+    ]
+)  # fmt: skip
+def _compressed_attention_kernel(
+    q_ptr, kv_ptr, ckv_ptr, bt_ptr, cbt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, topk_ptr,
+    out_ptr, part_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kvb, stride_kvt, stride_ckb, stride_ckt, stride_bt, stride_cbt,
+    stride_ot, stride_oh, stride_tk,
+    H, page, cpage, qk_scale, window, ratio, KT, min_split_tiles, split_tiles, max_splits, D,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    head_tiles = tl.cdiv(H, BLOCK_M)
+    i = tl.program_id(0) // head_tiles
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    pos = tl.load(seq_lens_ptr + b) - q_len + i  # the query's absolute position
+    t = (q_start + i).to(tl.int64)
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    else:
+        lo = tl.zeros_like(pos)
+    n_vis = (pos + 1) // ratio  # entries closed at or before the query
+    if HAS_TOPK:
+        n_list = KT
+    else:
+        n_list = n_vis
+    # the key list: window tiles [0, win_tiles), then entry tiles
+    win_tiles = tl.cdiv(pos + 1 - lo, BLOCK_N)
+    n_tiles = win_tiles + tl.cdiv(n_list, BLOCK_N)
+    if split_tiles > 0:  # fixed (batch-invariant): whole splits of split_tiles tiles
+        per = split_tiles
+    else:  # adaptive: the row's tiles in max_splits parts of >= min_split_tiles tiles
+        per = tl.maximum(min_split_tiles, tl.cdiv(n_tiles, max_splits))
+    tile0 = split * per
+    tile1 = tl.minimum(n_tiles, tile0 + per)
+    heads = (tl.program_id(0) % head_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    hmask = heads < H
+    row_g = (t * H + heads) * max_splits + split  # (BLOCK_M,) partial rows
+    if not DIRECT:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if tile0 >= tile1:  # an empty split: an empty partial
+            tl.store(lse_ptr + row_g, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=hmask)
+            return
+
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for tile in range(tile0, tile1):
+        if tile < win_tiles:  # token rows lo + ... of the token cache
+            j = lo + tile * BLOCK_N + offs_n
+            valid = j <= pos
+            tblk = tl.load(bt_ptr + b * stride_bt + j // page, mask=valid, other=0).to(tl.int64)
+            rows = kv_ptr + tblk * stride_kvb + (j % page) * stride_kvt
+        else:  # compressed entries: list positions li
+            first = (tile - win_tiles) * BLOCK_N
+            li = first + offs_n
+            if HAS_TOPK:
+                ids = tl.load(topk_ptr + t * stride_tk + li, mask=li < KT, other=-1)
+                valid = (ids >= 0) & (ids < n_vis)
+                valid = valid & ~_listed_before(topk_ptr + t * stride_tk, ids, li, first, KT, BLOCK_N)
+            else:
+                ids = li
+                valid = li < n_vis
+            ids = tl.where(valid, ids, 0)
+            cblk = tl.load(cbt_ptr + b * stride_cbt + ids // cpage, mask=valid, other=0).to(tl.int64)
+            rows = ckv_ptr + cblk * stride_ckb + (ids % cpage) * stride_ckt
+        k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = mma(p.to(k.dtype), k, acc * alpha[:, None], IEEE)  # V = K
+        m_i = m_new
+
+    omask = hmask[:, None] & dmask[None, :]
+    if DIRECT:
+        denom = l_i
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+            denom += tl.exp2(sink - tl.where(m_i == float("-inf"), 0.0, m_i))
+        o = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+        out_row = out_ptr + t * stride_ot + heads * stride_oh
+        tl.store(out_row[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row_g, lse, mask=hmask)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(part_ptr + row_g[:, None] * BLOCK_D + offs_d[None, :], o, mask=omask)
+
+
+def _compressed_config(h: int, dtype: torch.dtype) -> attn_k.AttentionConfig:
+    if dtype == torch.float32:
+        return attn_k.FP32_CONFIG
+    block_m = min(64, next_pow2(h))
+    return attn_k.AttentionConfig(block_m=block_m, block_n=64, num_warps=8 if block_m == 64 else 4)
+
+
+def compressed_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    ckv: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    ratio: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    compressed_block_tables: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+    config: attn_k.AttentionConfig | None = None,
+    split_tiles: int | None = None,
+) -> torch.Tensor:
+    """q (T, H, D) -> (T, H, D) in q's dtype: one softmax over each query's window rows of the
+    token cache kv (NB, BS, >= D) and its compressed entries in ckv (NBc, BSc, >= D) (all visible,
+    or those of topk_indices (T, Kt)), sinks (H,) float32 in the denominator. K = V.
+    split_tiles: tiles per split (None: batch-invariant mode INVARIANT_SPLIT_TILES, else adaptive).
+    The grid comes from the host lengths (upper bounds in a replayed graph)."""
+    t, h, d = q.shape
+    if kv.shape[-1] < d or ckv.shape[-1] < d:
+        raise ValueError(
+            f"compressed_attention: q has width {d}; the caches rows {kv.shape[-1]}, {ckv.shape[-1]}"
+        )
+    if kv.dtype != ckv.dtype:
+        raise ValueError(f"compressed_attention: token cache {kv.dtype} and entry cache {ckv.dtype} differ")
+    if ratio < 1 or (window is not None and window < 1):
+        raise ValueError(f"compressed_attention: ratio {ratio} and window {window} must be >= 1")
+    for b, (kv_len, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+        if n > kv_len:
+            raise ValueError(f"request {b}: query length {n} exceeds its KV length {kv_len}")
+    if sum(meta.query_lens_host) != t:
+        raise ValueError(
+            f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
+        )
+    if topk_indices is not None and topk_indices.shape[0] != t:
+        raise ValueError(f"topk_indices has {topk_indices.shape[0]} rows; the step has {t} query tokens")
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0 or d == 0:
+        return out.zero_()
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    topk = None
+    if topk_indices is not None:
+        topk = topk_indices if topk_indices.stride(-1) == 1 else topk_indices.contiguous()
+    cbt = meta.block_tables if compressed_block_tables is None else compressed_block_tables
+    batch, max_q, max_len = meta.num_requests, max(meta.query_lens_host), max(meta.seq_lens_host)
+
+    cfg = config or _compressed_config(h, q.dtype)
+    bn = cfg.block_n
+    list_len = topk.shape[1] if topk is not None else max_len // ratio
+    max_tiles = triton.cdiv(min(window or max_len, max_len), bn) + triton.cdiv(list_len, bn)
+    head_tiles = triton.cdiv(h, cfg.block_m)
+    if split_tiles is None and batch_invariant:
+        split_tiles = INVARIANT_SPLIT_TILES
+    if split_tiles:
+        max_splits = triton.cdiv(max_tiles, split_tiles)
+    else:
+        want = max(1, 2 * num_sms(q.device) // (batch * max_q * head_tiles))
+        max_splits = max(1, min(want, max_tiles // MIN_SPLIT_TILES))
+    direct = max_splits == 1 and not batch_invariant
+    block_d = next_pow2(d)
+    if direct:
+        part = lse = out  # unused
+    else:
+        part = torch.empty((t * h * max_splits, block_d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
+    _compressed_attention_kernel[(max_q * head_tiles, batch, max_splits)](
+        q, kv, ckv, meta.block_tables, cbt, meta.seq_lens, meta.query_start_loc,
+        sinks if sinks is not None else q, topk if topk is not None else q, out, part, lse,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), ckv.stride(0), ckv.stride(1),
+        meta.block_tables.stride(0), cbt.stride(0), out.stride(0), out.stride(1),
+        topk.stride(0) if topk is not None else 0,
+        h, kv.shape[1], ckv.shape[1], scale * LOG2E, window or 0, ratio,
+        topk.shape[1] if topk is not None else 0, MIN_SPLIT_TILES, split_tiles or 0, max_splits, d,
+        BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=bn, HAS_WINDOW=window is not None,
+        HAS_TOPK=topk is not None, HAS_SINKS=sinks is not None, DIRECT=direct,
+        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if not direct:
+        attn_k.combine_splits(part, lse, sinks, out, h, max_splits, d)
+    return out

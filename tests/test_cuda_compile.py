@@ -1,0 +1,108 @@
+"""The CUDA backend's DeepSeek-V4 kernels compile for SM90 (Hopper) at V4-Flash's shapes, with no
+GPU: Triton lowers them to PTX and ptxas assembles it (both ship in the Triton wheel). The
+interpreter (tests/test_cuda_interpret.py) runs the kernels' arithmetic on the CPU but accepts
+programs the compiler rejects (mismatched types across branches, layouts it cannot lower); this
+catches those. Runs without TRITON_INTERPRET (an interpreted kernel cannot be compiled)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is None or importlib.util.find_spec("deepinfer_cuda") is None,
+        reason="needs triton and the deepinfer-cuda package",
+    ),
+    pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="compiles: not under the interpreter"
+    ),
+]
+
+PTR = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32"}
+
+
+def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> None:
+    """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {a: types.get(a, "i32") for a in kernel.arg_names if a not in constexprs}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
+        if "ptxas" in str(exc) or "backend" in str(exc).lower():
+            pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
+        raise
+    assert compiled.asm.get("cubin"), "no cubin"
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
+@pytest.mark.parametrize("block_t", [16, 32])
+def test_hc_kernel(head: bool, block_t: int) -> None:
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    n, dm = 4, 4096
+    mix = n if head else (2 + n) * n
+    splits, split_k = v4_k.hc_splits(n * dm)
+    types = {f"{a}_ptr": PTR["f32"] for a in ("fn", "base", "scale", "part", "ssq", "post", "comb")}
+    types |= {
+        "s_ptr": PTR["bf16"],
+        "out_ptr": PTR["bf16"],
+        "count_ptr": PTR["i32"],
+        "norm_eps": "fp32",
+        "hc_eps": "fp32",
+    }
+    constexprs = dict(
+        N=n, MIX=mix, HEAD=head, SPLITS=splits, SPLIT_K=split_k, NP=n, MIXP=32 if mix > 16 else 16,
+        BLOCK_T=block_t, BLOCK_K=v4_k.HC_BLOCK_K, BLOCK_D=v4_k.HC_COLLAPSE_ELEMENTS // (block_t * n),
+    )  # fmt: skip
+    compile_sm90(v4_k._hc_kernel, types, constexprs, num_warps=4 if block_t == 16 else 8)
+
+
+def test_hc_post_kernel() -> None:
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    types = {"y_ptr": PTR["bf16"], "s_ptr": PTR["bf16"], "out_ptr": PTR["bf16"]}
+    types |= {"post_ptr": PTR["f32"], "comb_ptr": PTR["f32"]}
+    compile_sm90(v4_k._hc_post_kernel, types, dict(N=4, NP=4, BLOCK_D=1024))
+
+
+def test_indexer_kernels() -> None:
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
+    types = {
+        "q_ptr": PTR["bf16"],
+        "k_ptr": PTR["bf16"],
+        "w_ptr": PTR["f32"],
+        "score_ptr": PTR["f32"],
+        "scale": "fp32",
+    }
+    compile_sm90(
+        v4_k._indexer_scores_kernel, types | lengths, dict(BLOCK_H=64, BLOCK_D=128, BLOCK_N=64, IEEE=False)
+    )
+    types = {"score_ptr": PTR["f32"], "out_ptr": PTR["i32"]}
+    compile_sm90(v4_k._indexer_select_kernel, types | lengths, dict(BLOCK=v4_k.SELECT_BLOCK))
+
+
+@pytest.mark.parametrize("topk", [True, False], ids=["csa", "hca"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "splits"])
+def test_compressed_attention_kernel(topk: bool, direct: bool) -> None:
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    types = {a: PTR["bf16"] for a in ("q_ptr", "kv_ptr", "ckv_ptr", "out_ptr")}
+    types |= {a: PTR["i32"] for a in ("bt_ptr", "cbt_ptr", "seq_lens_ptr", "qsl_ptr", "topk_ptr")}
+    types |= {"sinks_ptr": PTR["f32"], "part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
+    cfg = v4_k._compressed_config(64, torch.bfloat16)
+    constexprs = dict(
+        BLOCK_D=512, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=True, HAS_TOPK=topk, HAS_SINKS=True,
+        DIRECT=direct, IEEE=False,
+    )  # fmt: skip
+    compile_sm90(v4_k._compressed_attention_kernel, types, constexprs, num_warps=cfg.num_warps)
