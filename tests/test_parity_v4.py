@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from models_util import parity_config
+from models_util import build_hf_v4, parity_config
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
@@ -43,31 +43,6 @@ MAX_MODEL_LEN = 160
 #   hca-csa-swa-routed: compressed layers first, every MoE routed by top-k, the indexer keeping up
 #     to 12 entries, three streams, a wider rotated part and four output groups
 CONFIGS = ["v4-swa-csa-hca-hash", "v4-hca-csa-swa-routed"]
-
-
-def build_hf_v4(fields: dict[str, Any], seed: int) -> Any:
-    """A random float32 DeepseekV4ForCausalLM with no parameter left at a neutral value (norms,
-    sinks, compressor position biases, mHC biases and scales, router bias, hash table)."""
-    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "dtype")}
-    cfg = transformers.DeepseekV4Config(**fields)
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV4ForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base", ".scale", "hc_scale")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith((".fn", "hc_fn")):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-            elif name.endswith("tid2eid"):
-                e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-                b.copy_(torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(cfg.vocab_size)]))
-    return model
 
 
 class Case:
