@@ -46,6 +46,36 @@ def test_flash_groups() -> None:
     assert (e128.name, e128.ratio, e128.num_caches) == ("entries/128", 128, hca)
 
 
+def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
+    """The MTP layer's caches are the last rows of the groups its kinds belong to: V4-Flash's
+    (sliding window only) one more cache in the ring. Through the engine, a CSA MTP layer's (ring:
+    window, compressor and indexer state; entries/4: entries and indexer keys) are allocated
+    with their groups' pools and kept apart, as runner.mtp_caches."""
+    config = flash_config()
+    assert config.v4 is not None
+    ratios = config.v4.compress_ratios
+    csa, hca = ratios.count(4), ratios.count(128)
+    ring, e4, e128 = cache_groups(config, BS, MAX_STEP_TOKENS, mtp_layers=1)
+    assert (ring.num_caches, ring.num_mtp_caches) == (43 + 5 * csa + 2 * hca + 1, 1)
+    assert (e4.num_caches, e4.num_mtp_caches, e128.num_mtp_caches) == (2 * csa, 0, 0)
+
+    types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    raw = tiny_v4_config(layer_types=[*types, types[1]])  # the MTP layer: CSA
+    root = write_random_v4_checkpoint(tmp_path / "v4", raw)
+    llm = LLM(
+        str(root), backend="reference", dtype="float32", block_size=4, max_model_len=64,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )  # fmt: skip
+    engine = llm.llm_engine
+    assert engine.kv_groups is not None
+    ring, e4, e8 = engine.kv_groups
+    # D 16: CSA state 4 caches, indexer state (4 x 8 wide) 2; entries and indexer keys 1 each
+    assert (ring.num_mtp_caches, e4.num_mtp_caches, e8.num_mtp_caches) == (1 + 4 + 2, 2, 0)
+    assert len(engine.runner.kv_caches) == engine.model.num_kv_layers
+    pools = [m.num_blocks for m in engine.block_manager.managers]  # type: ignore[union-attr]
+    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [pools[0]] * 7 + [pools[1]] * 2
+
+
 @pytest.mark.parametrize("window,chunk", [(128, 512), (6, 7), (3, 1)])
 def test_ring_covers_what_a_step_reads(window: int, chunk: int) -> None:
     """R = ring rows >= lookback + chunk: a step writing [start, end) (at most `chunk` tokens)

@@ -363,8 +363,10 @@ class AttentionOps(_Part):
         first Di values count) per compressed entry, paged like `compressed_attention`'s.
         score[t, w] = sum_h weights[t, h] * relu(q[t, h] . keys[w]) * scale over the entries
         visible to row t ((w+1)*ratio <= p+1). -> (T, topk) int32: the ids of the
-        min(topk, visible) best-scoring visible entries in any order, -1 in the other columns.
-        Scores computed in float32. Default: the reference, reading the keys through this
+        min(topk, visible) best-scoring visible entries in any order, -1 in the other columns;
+        among equal scores the lower ids (a row's picks depend on its own scores only, not on
+        the entries past it or the other rows: a verification step picks what plain decoding
+        picks). Scores computed in float32. Default: the reference, reading the keys through this
         backend's kv_cache.read_kv (any layout), one request at a time from the device lengths
         read on the host (NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "indexer_topk")

@@ -79,6 +79,11 @@ class SamplingInputs:
     offsets: torch.Tensor
 
 
+def ring_table(ring: list[int], columns: int) -> list[int]:
+    """A ring's blocks unrolled into a block table of `columns` columns: column i = ring[i % n]."""
+    return (ring * -(-columns // len(ring)))[:columns]
+
+
 @dataclass
 class PreparedStep:
     """A scheduled batch laid out on the device. `bucket` is the graph bucket size (the batch
@@ -166,12 +171,11 @@ class StepInputs:
         (column i = ring block i % n, one column per block of its KV length this step)."""
         if self.groups is None or not self.groups[0].ring_blocks:
             return [q.block_table for q in batch.seqs]
-        bs, n = self.block_size, self.groups[0].ring_blocks
-        tables = []
-        for seq, new in zip(batch.seqs, batch.num_new_tokens):
-            columns = -(-(seq.num_computed_tokens + new) // bs)
-            tables.append((seq.block_table * -(-columns // n))[:columns])
-        return tables
+        bs = self.block_size
+        return [
+            ring_table(seq.block_table, -(-(seq.num_computed_tokens + new) // bs))
+            for seq, new in zip(batch.seqs, batch.num_new_tokens)
+        ]
 
     # ------------------------------------------------------------------ building a step
 

@@ -132,6 +132,14 @@ class BlockManager:
         total = cdiv(tokens, bs) if self.group is None else self.group.blocks_for(tokens, bs)
         return total - len(seq.block_tables[self.table]) - num_prefix_blocks
 
+    def positions_covered(self, seq: Sequence) -> int | None:
+        """The positions p < this whose cache rows seq's blocks hold (KVCacheGroup.
+        positions_covered; None: a ring's, which wraps)."""
+        table = seq.block_tables[self.table] if self.table < len(seq.block_tables) else []
+        if self.group is None:
+            return len(table) * self.block_size
+        return self.group.positions_covered(len(table), self.block_size)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's fully computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
@@ -199,6 +207,11 @@ class GroupedBlockManager:
             taken = m.allocate(seq, num_new_tokens)
             assert taken
         return True
+
+    def positions_covered(self, seq: Sequence) -> int | None:
+        """The positions whose rows seq's blocks hold in every growing group (None: rings only)."""
+        covered = [c for m in self.managers if (c := m.positions_covered(seq)) is not None]
+        return min(covered, default=None)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         pass

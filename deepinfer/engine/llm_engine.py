@@ -190,13 +190,20 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         bs = config.block_size
         # A model with several cache groups (DeepSeek-V4's ring and entry caches) caps the tokens a
-        # request computes per step (its ring is sized for them; drafts fit under the cap).
+        # request computes per step (its ring is sized for them; drafts fit under the cap). Its
+        # MTP layer's caches are rows of the same groups: paged, freed and rolled back alike; the
+        # ring also holds the 1 + k positions of a verification step (rejected drafts are
+        # rewritten in place, never past a row a later step still reads).
         self.max_step_tokens: int | None = None
         self.kv_groups: list[KVCacheGroup] | None = None
         if hasattr(model, "kv_cache_groups"):
-            cap = max(model.max_step_tokens_per_request, 1 + self.num_speculative_tokens)
+            k = self.num_speculative_tokens
+            cap = max(model.max_step_tokens_per_request, 1 + k)
             self.max_step_tokens = min(cap, config.max_num_batched_tokens)
-            self.kv_groups = model.kv_cache_groups(bs, self.max_step_tokens)
+            mtp_layers = 1 if method == "mtp" else 0
+            self.kv_groups = model.kv_cache_groups(bs, max(self.max_step_tokens, 1 + k), mtp_layers)
+            if method is not None:  # its speculative steps run eagerly (no verification graphs yet)
+                use_graphs = False
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.runner = ModelRunner(
             model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,
@@ -227,13 +234,16 @@ class LLMEngine:
             self.runner.kv_caches = []
             for group, n in zip(self.kv_groups, pools):
                 spec = model.kv_cache_spec(n, bs)
-                self.runner.kv_caches += self.backend.kv_cache.allocate(spec, group.num_caches)
+                caches = self.backend.kv_cache.allocate(spec, group.num_caches)
+                own = group.num_caches - group.num_mtp_caches  # then the MTP head's
+                self.runner.kv_caches += caches[:own]
+                self.runner.mtp_caches += caches[own:]
                 mib = n * bs * spec.bytes_per_token * group.num_caches / 2**20
                 logger.info(
                     "KV cache group %s: %d caches, %d blocks, %.1f MiB (a row per %d tokens, ring %d blocks)",
                     group.name, group.num_caches, n, mib, group.ratio, group.ring_blocks,
                 )  # fmt: skip
-        if method == "mtp":  # the MTP head's own cache: same blocks and block tables
+        if method == "mtp" and self.kv_groups is None:  # the MTP head's cache: same blocks and tables
             self.runner.mtp_caches = self.backend.kv_cache.allocate(spec, 1)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
         if buckets:

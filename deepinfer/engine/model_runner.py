@@ -111,8 +111,9 @@ class PendingVerify(NamedTuple):
 
 class ForwardOutput(NamedTuple):
     """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
-    sampling request in batch order, then padding rows), and the final hidden states (T, Dm)
-    of an eager step (None for a graph replay: they stay inside the graph)."""
+    sampling request in batch order, then padding rows), and the final hidden states (T, Dm;
+    DeepSeek-V4: its (T, N, Dm) streams) of an eager step (None for a graph replay: they stay
+    inside the graph)."""
 
     step: PreparedStep
     logits: torch.Tensor
@@ -141,6 +142,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.block_size = block_size
+        self.kv_groups = kv_groups
         self.device = backend.device.device()
         self.vocab_size: int = model.config.vocab_size
         # most requests (rows) in a step: max_num_seqs, padded up to a graph bucket
@@ -375,7 +377,7 @@ class ModelRunner:
         """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
         fb.logits_indices)."""
         fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.sampled_ids))
-        hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm)
+        hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm), or V4's (T, N, Dm)
         logits: torch.Tensor = self.model.compute_logits(hidden[fb.logits_indices])
         return hidden, logits.float()
 

@@ -44,6 +44,12 @@ per request (mtp_chain) at positions computed on the device, each writing its ca
 below the request's limit: the positions its blocks cover, allocated by the host before the
 step (k - 1 rows past the verified ones; a chained run's blocks cover CHAIN_STEPS steps). A
 draft whose row could not be written is dropped.
+
+A model with several cache groups (DeepSeek-V4: a ring per request and compressed-entry caches)
+runs eager steps only; its MTP layer's caches are rows of those groups (KVCacheGroup.
+num_mtp_caches), paged by the request's tables: the ring's unrolled over the positions the head
+writes (mtp_batch), the entry groups' as group_block_tables; the limit is what the growing
+groups' blocks cover (positions_covered).
 """
 
 from __future__ import annotations
@@ -56,15 +62,14 @@ from typing import Any
 import torch
 
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
-from deepinfer.engine.inputs import SamplingInputs
-from deepinfer.engine.kv_cache import BlockManager
+from deepinfer.engine.inputs import SamplingInputs, ring_table
 from deepinfer.engine.model_runner import ModelRunner, PendingVerify, VerifyResult
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.drafter import BlockDrafter
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 
 def mtp_batch(
@@ -73,36 +78,48 @@ def mtp_batch(
     tokens: list[list[int]],
     block_size: int,
     device: torch.device,
+    limits: list[int] | None = None,
+    groups: list[KVCacheGroup] | None = None,
 ) -> ForwardBatch:
     """The MTP head's input: request b computes positions spans[b] = [start, end) with input
-    tokens tokens[b] (position p writes cache slot block_table[p // BS] * BS + p % BS); its last
-    position gets logits."""
+    tokens tokens[b] (position p writes cache slot table[p // BS] * BS + p % BS); its last
+    position gets logits. groups: the model's cache groups (None: one, seq.block_table): the
+    first one's tables page slot_mapping and attn.block_tables, a ring's unrolled over the
+    positions below max(end, limits[b]) (those mtp_chain writes next), the others' are
+    group_block_tables."""
+    bs = block_size
+    ring = groups is not None and groups[0].ring_blocks > 0
+    tables = [
+        ring_table(s.block_table, -(-max(e, limits[b] if limits else e) // bs)) if ring else s.block_table
+        for b, (s, (_, e)) in enumerate(zip(seqs, spans))
+    ]
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logits_indices: list[int] = []
-    for seq, (start, end), ids in zip(seqs, spans, tokens):
+    for table, (start, end), ids in zip(tables, spans, tokens):
         input_ids.extend(ids)
         positions.extend(range(start, end))
-        table = seq.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
         logits_indices.append(len(input_ids) - 1)
-    max_blocks = max(len(s.block_table) for s in seqs)
-    block_tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)  # (B, MB)
-    for b, seq in enumerate(seqs):
-        block_tables[b, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+
+    def padded(rows: list[list[int]]) -> torch.Tensor:
+        out = torch.zeros((len(rows), max([1, *map(len, rows)])), dtype=torch.int32)  # (B, MB)
+        for b, row in enumerate(rows):
+            out[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return out.to(device)
 
     def dev(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
+    num_groups = len(groups) if groups is not None else 1
     return ForwardBatch(
         input_ids=dev(input_ids),
         positions=dev(positions),
         slot_mapping=dev(slots),
-        attn=AttentionMetadata.build(
-            block_tables.to(device), [e for _, e in spans], [e - s for s, e in spans]
-        ),
+        attn=AttentionMetadata.build(padded(tables), [e for _, e in spans], [e - s for s, e in spans]),
         logits_indices=dev(logits_indices),
+        group_block_tables=tuple(padded([s.block_tables[g] for s in seqs]) for g in range(1, num_groups)),
     )
 
 
@@ -201,6 +218,7 @@ def mtp_chain(
     limit: torch.Tensor,
     max_seq_len: int,
     k: int,
+    group_tables: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device only (graph-safe): k greedy drafts per request from the MTP head, each with its
     confidence (the product of the head's probabilities of it and of the drafts before it).
@@ -210,8 +228,9 @@ def mtp_chain(
     (the model's hidden state there is not known yet; the next step's pass over verified rows
     rewrites those cache rows). Its cache row is written only below limit[b] (the positions
     allocated for it); a row at or past it writes nothing, sits at limit - 1 and drafts noise
-    that the caller drops. tables (B, MB) block tables; max_seq_len: a host upper bound of
-    limit (the attention's host lengths)."""
+    that the caller drops. tables (B, MB) block tables (a ring's unrolled over the positions
+    below limit), group_tables those of further cache groups (ForwardBatch.group_block_tables);
+    max_seq_len: a host upper bound of limit (the attention's host lengths)."""
     b, dev = h.shape[0], h.device
     rows = torch.arange(b, device=dev)
     starts = torch.arange(b + 1, dtype=torch.int32, device=dev)  # one query row per request
@@ -220,7 +239,7 @@ def mtp_chain(
     conf = torch.ones(b, dtype=torch.float32, device=dev)
     drafts, confs = [], []
     for i in range(k):
-        probs = torch.softmax(model.compute_logits(h), dim=-1)  # (B, V)
+        probs = torch.softmax(model.compute_mtp_logits(h), dim=-1)  # (B, V)
         p, token = probs.max(dim=-1)
         conf = conf * p
         drafts.append(token)
@@ -238,9 +257,10 @@ def mtp_chain(
             max_seq_len=max_seq_len,
         )  # fmt: skip
         step = ForwardBatch(
-            input_ids=token, positions=pos, slot_mapping=slots, attn=attn, logits_indices=rows
-        )
-        h = model.forward_mtp(step, h, caches)  # (B, Dm)
+            input_ids=token, positions=pos, slot_mapping=slots, attn=attn, logits_indices=rows,
+            group_block_tables=group_tables,
+        )  # fmt: skip
+        h = model.forward_mtp(step, h, caches)  # (B, ...) the head's hidden state
     return torch.stack(drafts, dim=1), torch.stack(confs, dim=1)
 
 
@@ -352,7 +372,6 @@ class SpeculativeDecoder:
         """drafter: the block drafter (None: the model's MTP head). step_token_budget: confidence
         scheduling's cap on a step's tokens (None: every confident draft is verified)."""
         self.runner, self.scheduler, self.sampler, self.outputs = runner, scheduler, sampler, outputs
-        assert isinstance(scheduler.block_manager, BlockManager), "drafts serve models of one cache group"
         self.block_manager = scheduler.block_manager
         self.k = num_speculative_tokens
         self.min_draft_confidence = min_draft_confidence
@@ -648,10 +667,13 @@ class SpeculativeDecoder:
         assert self.hidden is not None and runner.mtp_caches
         bs, device = runner.block_size, runner.device
         tokens = [s.token_ids[a + 1 : b + 1] for s, (a, b) in zip(seqs, spans)]
-        fb = mtp_batch(seqs, spans, tokens, bs, device)
+        limits = []  # the chain's rows stay below the positions the blocks cover
+        for seq, (_, e), n in zip(seqs, spans, num_drafts):
+            covered = self.block_manager.positions_covered(seq)
+            limits.append(e + n - 1 if covered is None else min(e + n - 1, covered))
+        fb = mtp_batch(seqs, spans, tokens, bs, device, limits, runner.kv_groups)
         rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(device)
-        out = model.forward_mtp(fb, self.hidden[rows], runner.mtp_caches)  # (T, Dm)
-        limits = [min(e + n - 1, len(s.block_table) * bs) for s, (_, e), n in zip(seqs, spans, num_drafts)]
+        out = model.forward_mtp(fb, self.hidden[rows], runner.mtp_caches)  # (T, ...)
         last = [e - 1 for _, e in spans]
 
         def dev(values: list[int]) -> torch.Tensor:
@@ -659,6 +681,6 @@ class SpeculativeDecoder:
 
         drafts, conf = mtp_chain(
             model, runner.mtp_caches, bs, out[fb.logits_indices], dev(last), fb.attn.block_tables,
-            dev(limits), max(limits), max(num_drafts),
+            dev(limits), max(limits), max(num_drafts), fb.group_block_tables,
         )  # fmt: skip
         return [list(zip(d[:n], c[:n])) for d, c, n in zip(drafts.tolist(), conf.tolist(), num_drafts)]

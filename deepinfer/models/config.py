@@ -574,6 +574,10 @@ class V4Config:
     compress_ratios: per layer 0 (sliding window only), csa_ratio (CSA: overlapping windows and a
     lightning indexer) or hca_ratio (HCA: every compressed entry visible). hash_layers: per layer,
     whether the MoE routes by the fixed token-id table (tid2eid) instead of the router's top-k.
+    mtp_compress_ratios / mtp_hash_layers: the same for each MTP layer (num_nextn_predict_layers),
+    from the entries past num_hidden_layers where the config lists them (DeepSeek's
+    compress_ratios lists one per MTP layer: 0 for V4-Flash's), else sliding window only and
+    routed by top-k.
     """
 
     head_dim: int
@@ -593,6 +597,8 @@ class V4Config:
     hc_eps: float
     swiglu_limit: float
     compress_rope: RopeConfig
+    mtp_compress_ratios: tuple[int, ...] = ()
+    mtp_hash_layers: tuple[bool, ...] = ()
 
 
 def _v4_rope_params(raw: dict[str, Any], f: _Fields) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -613,15 +619,20 @@ def _v4_rope_params(raw: dict[str, Any], f: _Fields) -> tuple[dict[str, Any], di
     return main, compress
 
 
-def _v4_types(f: _Fields, name: str, allowed: tuple[str, ...], n: int, default: list[str]) -> list[str]:
+def _v4_types(
+    f: _Fields, name: str, allowed: tuple[str, ...], n: int, default: list[str], extra: list[str]
+) -> list[str]:
+    """The n layers' types, then one per MTP layer (len(extra) of them): the config's entries past
+    the n-th where it lists them, else `extra`."""
     value = f.value(name)
     types = list(default if value is None else value)
     if not all(isinstance(t, str) for t in types) or len(types) < n:
         raise f.error(f"{name!r} must list one of {', '.join(allowed)} per layer ({n} layers), got {value!r}")
-    bad = sorted({t for t in types[:n] if t not in allowed})
+    types = types[:n] + types[n : n + len(extra)] + extra[len(types[n:]) :]
+    bad = sorted({t for t in types if t not in allowed})
     if bad:
         raise f.error(f"{name!r} holds {bad}; supported: {', '.join(allowed)}")
-    return types[:n]
+    return types
 
 
 def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
@@ -663,11 +674,13 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
     else:
         interleave = [V4_LAYER_TYPES[1] if i % 2 else V4_LAYER_TYPES[2] for i in range(max(n - 2, 0))]
         default = [V4_LAYER_TYPES[2]] * min(n, 2) + interleave
-    layer_types = _v4_types(f, "layer_types", V4_LAYER_TYPES, n, default)
+    nextn = f.get_int("num_nextn_predict_layers", minimum=0)
+    layer_types = _v4_types(f, "layer_types", V4_LAYER_TYPES, n, default, [V4_LAYER_TYPES[0]] * nextn)
     n_hash = raw.get("num_hash_layers")
     n_hash = 3 if n_hash is None else n_hash
     mlp_default = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-    mlp_types = _v4_types(f, "mlp_layer_types", V4_MLP_LAYER_TYPES, n, mlp_default)
+    mtp_mlp = ["hash_moe" if n + k < n_hash else "moe" for k in range(nextn)]
+    mlp_types = _v4_types(f, "mlp_layer_types", V4_MLP_LAYER_TYPES, n, mlp_default, mtp_mlp)
     ratio_of = {V4_LAYER_TYPES[0]: 0, V4_LAYER_TYPES[1]: csa, V4_LAYER_TYPES[2]: hca}
 
     main, compress = _v4_rope_params(raw, f)
@@ -691,10 +704,10 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
         o_groups=o_groups,
         o_lora_rank=f.get_int("o_lora_rank"),
         sliding_window=f.get_int("sliding_window"),
-        compress_ratios=tuple(ratio_of[t] for t in layer_types),
+        compress_ratios=tuple(ratio_of[t] for t in layer_types[:n]),
         csa_ratio=csa,
         hca_ratio=hca,
-        hash_layers=tuple(t == "hash_moe" for t in mlp_types),
+        hash_layers=tuple(t == "hash_moe" for t in mlp_types[:n]),
         index_n_heads=f.get_int("index_n_heads"),
         index_head_dim=index_head_dim,
         index_topk=f.get_int("index_topk"),
@@ -703,6 +716,8 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
         hc_eps=f.get_float("hc_eps", 1e-6, positive=True),
         swiglu_limit=f.get_float("swiglu_limit", 10.0, positive=True),
         compress_rope=_parse_rope({"rope_parameters": compress}, f),
+        mtp_compress_ratios=tuple(ratio_of[t] for t in layer_types[n:]),
+        mtp_hash_layers=tuple(t == "hash_moe" for t in mlp_types[n:]),
     )
     return ModelConfig(
         model_type="deepseek_v4",
@@ -731,7 +746,7 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
         bos_token_id=f.get_token_id("bos_token_id"),
         eos_token_id=_parse_eos(f.value("eos_token_id")),
-        num_nextn_predict_layers=f.get_int("num_nextn_predict_layers", minimum=0),
+        num_nextn_predict_layers=nextn,
         quantization=_parse_quantization(raw),
         torch_dtype=_DTYPES[dtype_name],
         v4=v4,

@@ -203,6 +203,11 @@ class DeepseekForCausalLM(nn.Module):
         h, residual = mtp.block(h, None, batch, kv_caches[depth], self.cos_sin)
         return mtp.shared_head_norm.add(h, residual)[0]
 
+    def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """hidden (S, Dm) rows of forward_mtp's output (normed by its shared_head.norm already)
+        -> logits (S, V) float32 through the shared output head."""
+        return self.compute_logits(hidden)
+
     # ------------------------------------------------------------------ loading
 
     def load_weights(self, reader: CheckpointReader) -> None:

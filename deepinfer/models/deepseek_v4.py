@@ -35,9 +35,23 @@ keeps no prefix). Decode steps replay graphs: the entries that close in a step w
 request computes q tokens are found on the device (NewEntries.build), so the forward reads no
 length on the host.
 
+Speculative decoding (V4MTPLayer, DeepSeek's MTPBlock): the MTP layer reads the last block's
+streams and the next token's embedding, and runs a block of its own layer type over caches of
+its own: more rows of the same groups (cache_groups(..., mtp_layers)), which the engine pages,
+frees and preempts with the model's. Rejected drafts need no undo: every per-token row (window,
+compressor and indexer state) sits at its position, and the entries closing at a position are
+pooled again from those rows whenever a step computes that position, so the step that computes
+a rejected draft's position again overwrites all it wrote (a verified step's entries equal plain
+decoding's); a row past the request's length is never read. The ring holds lookback + C >=
+lookback + 1 + k rows, so a verification step's 1 + k rows never replace a row that the step
+after its rollback reads (the last draft's replaces the one just outside the first query's
+window).
+
 Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
 published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
-layout without the prefix (embed.weight, layers.{i}...) loads too.
+layout without the prefix (embed.weight, layers.{i}...) loads too. The MTP layers (transformers
+saves none) load from DeepSeek's mtp.{k}.* (with or without the prefix) or from layers past
+num_hidden_layers.
 
 Weights load as the checkpoint stores them (see loader.CheckpointReader.linear). DeepSeek's
 published V4 checkpoints: the linears FP8 e4m3 with a UE8M0 scale per 128x128 block (`.scale`),
@@ -51,6 +65,7 @@ gemm.grouped_gemm_fp4 (or grouped_gemm_fp8).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -146,33 +161,44 @@ def _group_key(kind: str, ratio: int) -> int:
     return 0 if kind in RING_KINDS else ratio
 
 
-def cache_groups(config: ModelConfig, block_size: int, max_step_tokens: int) -> list[KVCacheGroup]:
+def cache_groups(
+    config: ModelConfig, block_size: int, max_step_tokens: int, mtp_layers: int = 0
+) -> list[KVCacheGroup]:
     """The ring, then one entry group per compression ratio (ascending). After a step writes
     positions [start, end), end - start <= max_step_tokens, the ring holds [end - R, end) with
-    R >= ring_lookback + max_step_tokens: every row the step read."""
+    R >= ring_lookback + max_step_tokens: every row the step read. mtp_layers: the first MTP
+    layers whose caches the groups also hold (the last num_mtp_caches of each group)."""
     v4 = config.v4
     assert v4 is not None
     counts: dict[int, int] = {}
-    for ratio in v4.compress_ratios:
+    mtp_counts: dict[int, int] = {}
+    ratios = v4.compress_ratios + v4.mtp_compress_ratios[:mtp_layers]
+    for i, ratio in enumerate(ratios):
         for kind, width in cache_kinds(config, ratio):
-            key = _group_key(kind, ratio)
-            counts[key] = counts.get(key, 0) + WideCache.count(width, v4.head_dim)
+            key, n = _group_key(kind, ratio), WideCache.count(width, v4.head_dim)
+            counts[key] = counts.get(key, 0) + n
+            if i >= len(v4.compress_ratios):
+                mtp_counts[key] = mtp_counts.get(key, 0) + n
     ring = -(-(ring_lookback(v4) + max_step_tokens) // block_size)
-    groups = [KVCacheGroup("ring", counts[0], ring_blocks=ring)]
-    groups += [KVCacheGroup(f"entries/{m}", counts[m], ratio=m) for m in sorted(counts) if m]
+    groups = [KVCacheGroup("ring", counts[0], ring_blocks=ring, num_mtp_caches=mtp_counts.get(0, 0))]
+    groups += [
+        KVCacheGroup(f"entries/{m}", counts[m], ratio=m, num_mtp_caches=mtp_counts.get(m, 0))
+        for m in sorted(counts)
+        if m
+    ]
     return groups
 
 
-def _cache_slices(config: ModelConfig) -> list[dict[str, tuple[int, int, int]]]:
-    """Per layer, kind -> (first, end, width): where its caches sit in the flat cache list, laid
-    out group by group (cache_groups' order), layer by layer within a group."""
+def _cache_slices(config: ModelConfig, ratios: Sequence[int]) -> list[dict[str, tuple[int, int, int]]]:
+    """Per layer of compression ratios[i], kind -> (first, end, width): where its caches sit in a
+    flat cache list laid out group by group (cache_groups' order), layer by layer within a group."""
     v4 = config.v4
     assert v4 is not None
-    kinds = [cache_kinds(config, r) for r in v4.compress_ratios]
+    kinds = [cache_kinds(config, r) for r in ratios]
     out: list[dict[str, tuple[int, int, int]]] = [{} for _ in kinds]
     at = 0
-    for key in sorted({_group_key(k, r) for r, ks in zip(v4.compress_ratios, kinds) for k, _ in ks}):
-        for i, (ratio, layer_kinds) in enumerate(zip(v4.compress_ratios, kinds)):
+    for key in sorted({_group_key(k, r) for r, ks in zip(ratios, kinds) for k, _ in ks}):
+        for i, (ratio, layer_kinds) in enumerate(zip(ratios, kinds)):
             for kind, width in layer_kinds:
                 if _group_key(kind, ratio) == key:
                     n = WideCache.count(width, v4.head_dim)
@@ -633,18 +659,19 @@ class HyperConnection(nn.Module):
 
 
 class V4Block(nn.Module):
-    """streams += mHC(attention(norm(collapse(streams)))); then the same around the MoE."""
+    """streams += mHC(attention(norm(collapse(streams)))); then the same around the MoE.
+    ratio: its compression ratio (0: sliding window only); hashed: its MoE routes by tid2eid."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, backend: Backend, config: ModelConfig, ratio: int, hashed: bool) -> None:
         super().__init__()
         v4 = config.v4
         assert v4 is not None
         self.backend = backend
-        self.ratio = v4.compress_ratios[layer_idx]
+        self.ratio = ratio
         self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.attn = V4Attention(backend, config, v4, self.ratio)
         self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
-        self.ffn = V4MoE(backend, config, v4, v4.hash_layers[layer_idx])
+        self.ffn = V4MoE(backend, config, v4, hashed)
         self.hc_attn = HyperConnection(backend, config, v4)
         self.hc_ffn = HyperConnection(backend, config, v4)
 
@@ -675,12 +702,94 @@ class V4Block(nn.Module):
         self.hc_ffn.load(reader, f"{prefix}.hc_ffn")
 
 
+class StreamHead(nn.Module):
+    """The streams' way out to the vocabulary: the mHC collapse of the N streams (its own fn,
+    base, scale), a norm, and the output matrix (the model's, shared by every head)."""
+
+    fn: torch.Tensor  # (N, N Dm) float32
+    base: torch.Tensor  # (N,) float32
+    scale: torch.Tensor  # (1,) float32
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config) -> None:
+        super().__init__()
+        self.backend, self.n, self.dm = backend, v4.hc_mult, config.hidden_size
+        self.norm_eps, self.hc_eps = config.rms_norm_eps, v4.hc_eps
+        self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        for name in ("fn", "base", "scale"):
+            self.register_buffer(name, torch.empty(0, device="meta"))
+
+    def forward(self, streams: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """streams (S, N, Dm), lm_head (V, Dm) -> logits (S, V) float32."""
+        x = self.backend.small.hc_head(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps)
+        return self.backend.gemm.linear(self.norm(x), lm_head).float()
+
+    def load(self, reader: CheckpointReader, norm: str, names: tuple[str, str, str]) -> None:
+        """norm: its norm weight's name; names: those of fn, base and scale."""
+        self.norm.weight = _load_f32(reader, norm, (self.dm,))
+        for attr, name, shape in zip(
+            ("fn", "base", "scale"), names, ((self.n, self.n * self.dm), (self.n,), (1,))
+        ):
+            setattr(self, attr, _load_f32(reader, name, shape))
+
+
+class V4MTPLayer(nn.Module):
+    """DeepSeek-V4's multi-token-prediction layer (mtp.{k}.* in DeepSeek's checkpoints; MTPBlock
+    in DeepSeek's inference/model.py; transformers' DeepseekV4 has none). From the main model's
+    last streams h_i (N, Dm) at position i (before its head) and token i+1:
+      streams = e_proj(enorm(embed(t_{i+1}))) (the same for each stream) + h_proj(hnorm(h_i))
+      -> a V4 block of its own layer type (compress_ratios[num_hidden_layers + k]) and caches
+      -> its own StreamHead (collapse, norm) over the shared output matrix: logits of token i+2.
+    The embedding and the output matrix are the main model's."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int, hashed: bool) -> None:
+        super().__init__()
+        dm, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = RMSNorm(backend, dm, eps)
+        self.hnorm = RMSNorm(backend, dm, eps)
+        self.e_proj = Linear(backend, dm, dm)
+        self.h_proj = Linear(backend, dm, dm)
+        self.block = V4Block(backend, config, ratio, hashed)
+        self.head = StreamHead(backend, config, v4)
+
+    def forward(
+        self,
+        embedded: torch.Tensor,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        caches: LayerCaches,
+        entries: NewEntries | None,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """embedded (T, Dm) of token i+1, hidden (T, N, Dm) at position i -> streams (T, N, Dm)."""
+        t, n, dm = hidden.shape
+        e = self.e_proj(self.enorm(embedded))  # (T, Dm)
+        h = self.h_proj(self.hnorm(hidden).reshape(t * n, dm)).view(t, n, dm)
+        out: torch.Tensor = self.block(e[:, None, :] + h, batch, caches, entries, table)
+        return out
+
+    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+        dm = (self.enorm.dim,)
+        self.enorm.weight = _load_f32(reader, f"{prefix}.enorm.weight", dm)
+        self.hnorm.weight = _load_f32(reader, f"{prefix}.hnorm.weight", dm)
+        self.e_proj.load(reader, f"{prefix}.e_proj", dtype)
+        self.h_proj.load(reader, f"{prefix}.h_proj", dtype)
+        self.block.load(reader, prefix, dtype, vocab_size)
+        names = (f"{prefix}.hc_head_fn", f"{prefix}.hc_head_base", f"{prefix}.hc_head_scale")
+        self.head.load(reader, f"{prefix}.norm.weight", names)
+        for copy in ("embed.weight", "head.weight"):  # copies of the shared ones, where stored
+            if reader.has(f"{prefix}.{copy}"):
+                reader.skip(f"{prefix}.{copy}")
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """The DeepSeek-V4 decoder over its paged caches (LayerCaches per layer, flattened into the
     engine's cache list: num_kv_layers caches of D-wide rows, kv_cache_groups' caches in order).
 
-    forward(batch, kv_caches) -> final hidden states (T, Dm); compute_logits(rows) -> (S, V) float32.
-    The MTP layer is not loaded (num_mtp_layers is 0), so speculative decoding is refused.
+    forward(batch, kv_caches) -> the last block's streams (T, N, Dm), the hidden state the MTP
+    layer reads; compute_logits(rows) -> (S, V) float32 through the model's StreamHead. The MTP
+    layers, when the checkpoint has them, run through forward_mtp (-> streams) and
+    compute_mtp_logits, over their own caches: the last num_mtp_caches of each cache group
+    (kv_cache_groups(..., mtp_layers)), paged by the same block tables.
     """
 
     supports_graphs = True  # decode steps find their closing entries on the device
@@ -694,20 +803,26 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
         self.config, self.v4, self.backend, self.dtype = config, v4, backend, dtype
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
-        self.layers = nn.ModuleList(V4Block(backend, config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            V4Block(backend, config, ratio, hashed)
+            for ratio, hashed in zip(v4.compress_ratios, v4.hash_layers)
+        )
+        self.head = StreamHead(backend, config, v4)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
-        for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):
-            self.register_buffer(name, torch.empty(0, device="meta"))
-        self.mtp = nn.ModuleList()
+        self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         device = backend.device.device()
         # (P, R) [cos | sin] tables: plain rope for sliding-only layers, the compressed branches'
         # own (compress_rope_theta, YaRN when configured) for CSA / HCA layers
         for name, rope in (("main_rope", config.rope), ("compress_rope", v4.compress_rope)):
             table = cos_sin_cache(rope, v4.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
-        self._slices = _cache_slices(config)
+        self._slices = _cache_slices(config, v4.compress_ratios)
         self._ratios = sorted(set(v4.compress_ratios) - {0})  # the entry groups, in order
+        # the MTP caches of the first L MTP layers (cache_groups(..., L)): their count -> slices
+        self._mtp_slices: dict[int, list[dict[str, tuple[int, int, int]]]] = {}
+        for n in range(1, len(v4.mtp_compress_ratios) + 1):
+            slices = _cache_slices(config, v4.mtp_compress_ratios[:n])
+            self._mtp_slices[sum(b - a for s in slices for a, b, _ in s.values())] = slices
 
     # ------------------------------------------------------------------ engine interface
 
@@ -715,87 +830,153 @@ class DeepseekV4ForCausalLM(nn.Module):
     def num_kv_layers(self) -> int:
         return sum(end - first for slices in self._slices for first, end, _ in slices.values())
 
-    def kv_cache_groups(self, block_size: int, max_step_tokens: int) -> list[KVCacheGroup]:
+    def kv_cache_groups(
+        self, block_size: int, max_step_tokens: int, mtp_layers: int = 0
+    ) -> list[KVCacheGroup]:
         """The ring and the entry groups (cache_groups) for requests that compute at most
-        max_step_tokens tokens per step."""
-        return cache_groups(self.config, block_size, max_step_tokens)
+        max_step_tokens tokens per step, with the caches of the first mtp_layers MTP layers."""
+        return cache_groups(self.config, block_size, max_step_tokens, mtp_layers)
 
     @property
     def num_mtp_layers(self) -> int:
-        return 0
+        """MTP layers loaded (0 when the checkpoint has none, e.g. transformers' saves)."""
+        return len(self.mtp)
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         """Every cache holds D-wide rows (wider rows span several caches, see WideCache)."""
         return KVCacheSpec(num_blocks, block_size, self.v4.head_dim, 0, self.dtype)
 
-    def _split_caches(
-        self, kv_caches: Sequence[PagedKVCache], entry_tables: dict[int, torch.Tensor]
+    @staticmethod
+    def _layer_caches(
+        kv_caches: Sequence[PagedKVCache],
+        slices: list[dict[str, tuple[int, int, int]]],
+        ratios: Sequence[int],
+        entry_tables: dict[int, torch.Tensor],
     ) -> list[LayerCaches]:
-        if len(kv_caches) != self.num_kv_layers:
-            raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
         out = []
-        for ratio, slices in zip(self.v4.compress_ratios, self._slices):
-            wide = {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in slices.items()}
+        for ratio, layer in zip(ratios, slices):
+            wide = {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
             window = wide.pop("window").caches[0]
             out.append(LayerCaches(window, **wide, entry_tables=entry_tables.get(ratio)))
         return out
 
-    def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
-        """(T, Dm) final hidden states of every token in the batch."""
-        c, v4 = self.config, self.v4
-        if batch.attn.max_seq_len > c.max_position_embeddings:
+    def _check_length(self, batch: ForwardBatch) -> None:
+        if batch.attn.max_seq_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
-                f"({c.max_position_embeddings})"
+                f"({self.config.max_position_embeddings})"
             )
-        # the entry groups' tables (cache_groups' order), or the one table of every cache
+
+    def _entries(
+        self, batch: ForwardBatch, ratios: Sequence[int], block_size: int
+    ) -> tuple[dict[int, torch.Tensor], dict[int, NewEntries | None]]:
+        """Per compression ratio among `ratios`: its entry group's block tables (cache_groups'
+        order; given one table only, that one), and the entries that close in this step."""
         tables = batch.attn.block_tables
         entry_tables = dict(zip(self._ratios, batch.group_block_tables or [tables] * len(self._ratios)))
-        caches = self._split_caches(kv_caches, entry_tables)
-        block_size = caches[0].window.spec.block_size
-        entries: dict[int, NewEntries | None] = {}
-        for r, entry_table in entry_tables.items():
-            entries[r] = NewEntries.build(batch, r, r == v4.csa_ratio, block_size, entry_table)
+        entries = {
+            r: NewEntries.build(batch, r, r == self.v4.csa_ratio, block_size, entry_tables[r])
+            for r in sorted(set(ratios) - {0})
+        }
+        return entry_tables, entries
+
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
+        """(T, N, Dm) the last block's streams of every token in the batch."""
+        v4 = self.v4
+        self._check_length(batch)
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        entry_tables, entries = self._entries(batch, v4.compress_ratios, kv_caches[0].spec.block_size)
+        caches = self._layer_caches(kv_caches, self._slices, v4.compress_ratios, entry_tables)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()  # (T, N, Dm)
         for block, layer_caches in zip(self.layers, caches):
             ratio = cast(V4Block, block).ratio
             table = self.compress_rope if ratio else self.main_rope
             streams = block(streams, batch, layer_caches, entries.get(ratio), table)
-        head = self.backend.small.hc_head(
-            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, v4.hc_eps
-        )
-        out: torch.Tensor = self.norm(head)
-        return out
+        return streams
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, Dm) -> logits (S, V) float32."""
-        return self.backend.gemm.linear(hidden, self.lm_head).float()
+        """hidden (S, N, Dm) rows of forward's output -> logits (S, V) float32."""
+        out: torch.Tensor = self.head(hidden, self.lm_head)
+        return out
+
+    def forward_mtp(
+        self,
+        batch: ForwardBatch,
+        hidden: torch.Tensor,
+        kv_caches: Sequence[PagedKVCache],
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """MTP layer `depth`: batch.input_ids hold token i+1 for each row, batch.positions
+        position i, and hidden (T, N, Dm) the streams at position i (forward's output, or this
+        method's for a chained draft). Returns its streams (T, N, Dm); compute_mtp_logits of them
+        predicts token i+2. kv_caches: the MTP caches of cache_groups(..., mtp_layers > depth),
+        or, given one block table only (no group_block_tables), any such list."""
+        if depth >= self.num_mtp_layers:
+            raise ValueError(
+                f"MTP depth {depth} requested but the checkpoint has {self.num_mtp_layers} MTP layers"
+            )
+        slices = self._mtp_slices.get(len(kv_caches))
+        if slices is None or depth >= len(slices):
+            raise ValueError(f"{len(kv_caches)} MTP caches do not hold MTP layer {depth}'s")
+        self._check_length(batch)
+        mtp = cast(V4MTPLayer, self.mtp[depth])
+        ratio = mtp.block.ratio
+        entry_tables, entries = self._entries(batch, (ratio,), kv_caches[0].spec.block_size)
+        ratios = self.v4.mtp_compress_ratios[: len(slices)]
+        caches = self._layer_caches(kv_caches, slices, ratios, entry_tables)[depth]
+        table = self.compress_rope if ratio else self.main_rope
+        embedded = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
+        out: torch.Tensor = mtp(embedded, hidden, batch, caches, entries.get(ratio), table)
+        return out
+
+    def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """hidden (S, N, Dm) rows of forward_mtp(depth)'s output -> logits (S, V) float32."""
+        out: torch.Tensor = cast(V4MTPLayer, self.mtp[depth]).head(hidden, self.lm_head)
+        return out
 
     # ------------------------------------------------------------------ loading
 
     def load_weights(self, reader: CheckpointReader) -> None:
-        """Read every tensor from `reader` (see deepinfer.models.loader). The MTP layer's tensors
-        (mtp.*, or layers past num_hidden_layers) are skipped."""
-        c, dtype = self.config, self.dtype
+        """Read every tensor from `reader` (see deepinfer.models.loader), the MTP layers' where
+        the checkpoint has them: mtp.{k}.* (DeepSeek's names, with or without the `model.`
+        prefix) or layers.{num_hidden_layers + k}.*."""
+        c, v4, dtype = self.config, self.v4, self.dtype
         root = "model." if reader.has("model.embed_tokens.weight") else ""
         shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = reader.get("model.embed_tokens.weight" if root else "embed.weight", shape, dtype)
         for i, layer in enumerate(self.layers):
             cast(V4Block, layer).load(reader, f"{root}layers.{i}", dtype, c.vocab_size)
-        self.norm.weight = _load_f32(reader, f"{root}norm.weight", (c.hidden_size,))
-        n = self.v4.hc_mult
         head = f"{root}hc_head." if root else "hc_head_"
         names = ("hc_fn", "hc_base", "hc_scale") if root else ("fn", "base", "scale")
-        self.hc_head_fn = _load_f32(reader, head + names[0], (n, n * c.hidden_size))
-        self.hc_head_base = _load_f32(reader, head + names[1], (n,))
-        self.hc_head_scale = _load_f32(reader, head + names[2], (1,))
+        self.head.load(reader, f"{root}norm.weight", (head + names[0], head + names[1], head + names[2]))
         if c.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = reader.get("head.weight", shape, dtype)
-        mtp_layers = [f"{root}layers.{c.num_hidden_layers + k}." for k in range(c.num_nextn_predict_layers)]
-        mtp_prefixes = ("mtp.", f"{root}mtp.", *mtp_layers)
+        for k in range(c.num_nextn_predict_layers):
+            found = [
+                p
+                for p in (f"{root}mtp.{k}", f"mtp.{k}", f"{root}layers.{c.num_hidden_layers + k}")
+                if reader.has(f"{p}.enorm.weight")
+            ]
+            if not found:  # MTP layers are optional: transformers drops them when it saves a model
+                break
+            ratio = v4.mtp_compress_ratios[k]
+            if ratio and ratio not in v4.compress_ratios:
+                raise NotImplementedError(
+                    f"{found[0]}: an MTP layer of compression ratio {ratio}, which no layer of the "
+                    f"model has ({sorted(set(v4.compress_ratios))}), is not supported"
+                )
+            mtp = V4MTPLayer(self.backend, c, v4, ratio, v4.mtp_hash_layers[k])
+            mtp.load(reader, found[0], dtype, c.vocab_size)
+            self.mtp.append(mtp)
+        # the tensors of MTP layers not loaded (past num_nextn_predict_layers) are left unused
+        pattern = re.compile(rf"^(?:{re.escape(root)})?mtp\.(\d+)\.|^{re.escape(root)}layers\.(\d+)\.")
         for name in list(reader.location):
-            if name.startswith(mtp_prefixes):
-                reader.skip(name)
+            match = pattern.match(name)
+            if match is not None:
+                k = int(match[1]) if match[1] is not None else int(match[2]) - c.num_hidden_layers
+                if k >= len(self.mtp):
+                    reader.skip(name)

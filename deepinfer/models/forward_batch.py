@@ -22,18 +22,29 @@ class KVCacheGroup:
     ring_blocks  0: the table grows with the sequence (row r in block r // BS of the table);
                  n > 0: every request holds a ring of n blocks whatever its length, token row p in
                  block (p // BS) % n of the ring, so only the last n * BS positions are kept
+    num_mtp_caches  of the num_caches, the last ones that belong to the MTP head (speculative
+                 decoding): paged, freed and rolled back with the model's, kept apart by the engine
     """
 
     name: str
     num_caches: int
     ratio: int = 1
     ring_blocks: int = 0
+    num_mtp_caches: int = 0
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         """Blocks a request holds once num_tokens tokens are in the cache."""
         if self.ring_blocks:
             return self.ring_blocks
         return -(-(num_tokens // self.ratio) // block_size)
+
+    def positions_covered(self, num_blocks: int, block_size: int) -> int | None:
+        """With num_blocks blocks, the positions p < this whose rows (entry (p + 1) // ratio - 1,
+        the entry closing at p) have a block; None for a ring (it wraps: its writes must stay
+        within the positions it was sized for)."""
+        if self.ring_blocks:
+            return None
+        return (num_blocks * block_size + 1) * self.ratio - 1
 
 
 @dataclass(frozen=True)

@@ -315,13 +315,15 @@ class _RecordingReader:
     seeded) and records it under its name. Norm weights near 1, sinks / biases / mixing
     parameters O(0.5), matrices N(0, 1/fan_in)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, mtp_layers: int = 0) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.tensors: dict[str, torch.Tensor] = {}
         self.location: dict[str, str] = {}
+        # transformers' names, and the MTP layers under DeepSeek's (transformers saves none)
+        self.present = {"model.embed_tokens.weight", *(f"mtp.{k}.enorm.weight" for k in range(mtp_layers))}
 
     def has(self, name: str) -> bool:
-        return name == "model.embed_tokens.weight"  # transformers' names
+        return name in self.present
 
     def skip(self, name: str) -> None:
         pass
@@ -349,18 +351,21 @@ class _RecordingReader:
 
 
 def write_random_v4_checkpoint(
-    root: Path, config: dict[str, Any] | None = None, seed: int = 0, quantized: bool = False
+    root: Path, config: dict[str, Any] | None = None, seed: int = 0, quantized: bool = False, mtp: bool = True
 ) -> Path:
-    """A random DeepSeek-V4 checkpoint (float32, the names transformers' save_pretrained writes)
-    in directory `root`: config.json + model.safetensors. The tensors are exactly those the
-    loader reads (it asks a recording reader for each). quantized: in DeepSeek's published
-    format instead (quantize_v4_state_dict: FP8 linears, MXFP4 routed experts)."""
+    """A random DeepSeek-V4 checkpoint (float32, the names transformers' save_pretrained writes,
+    and with `mtp` the config's MTP layers as DeepSeek publishes them: mtp.{k}.*) in directory
+    `root`: config.json + model.safetensors. The tensors are exactly those the loader reads (it
+    asks a recording reader for each); the main model's do not depend on `mtp`. quantized: in
+    DeepSeek's published format instead (quantize_v4_state_dict: FP8 linears, MXFP4 routed
+    experts)."""
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
     from deepinfer.reference.backend import create_reference_backend
 
     config = dict(config or tiny_v4_config())
-    reader = _RecordingReader(seed)
-    model = DeepseekV4ForCausalLM(ModelConfig.from_dict(config), create_reference_backend(), torch.float32)
+    parsed = ModelConfig.from_dict(config)
+    reader = _RecordingReader(seed, parsed.num_nextn_predict_layers if mtp else 0)
+    model = DeepseekV4ForCausalLM(parsed, create_reference_backend(), torch.float32)
     model.load_weights(reader)  # type: ignore[arg-type]
     state = reader.tensors
     if quantized:
@@ -369,4 +374,34 @@ def write_random_v4_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
     (root / "config.json").write_text(json.dumps(config, indent=2))
+    return root
+
+
+def write_mirrored_v4_mtp_checkpoint(root: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random one-layer DeepSeek-V4 checkpoint (tiny_v4_config(**overrides): its first layer
+    type and MoE routing) whose MTP layer mostly drafts what the model then samples (speculative
+    tests that need accepted drafts): a copy of layer 0 that reads only the next token's
+    embedding (e_proj = I, h_proj = 0, enorm 1, embeddings of unit RMS), with the model's head
+    (collapse and norm). At position p on token p + 1 it computes what the model computes at
+    position p + 1, except that its window lacks token 0 and its compressed entries pool windows
+    one token later."""
+    from safetensors.torch import load_file
+
+    cfg = tiny_v4_config(**{"num_hidden_layers": 1, "num_nextn_predict_layers": 1, **overrides})
+    for key in ("layer_types", "mlp_layer_types"):  # the MTP layer: layer 0's kind
+        cfg[key] = cfg[key][:1] * 2
+    write_random_v4_checkpoint(root, cfg, seed, mtp=True)
+    state = load_file(str(root / "model.safetensors"))
+    embed = state["model.embed_tokens.weight"]
+    state["model.embed_tokens.weight"] = embed / embed.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    for name in [n for n in state if n.startswith("model.layers.0.")]:
+        state[name.replace("model.layers.0.", "mtp.0.")] = state[name].clone()
+    dm = cfg["hidden_size"]
+    state["mtp.0.enorm.weight"] = torch.ones(dm)
+    state["mtp.0.e_proj.weight"] = torch.eye(dm)
+    state["mtp.0.h_proj.weight"] = torch.zeros(dm, dm)
+    state["mtp.0.norm.weight"] = state["model.norm.weight"].clone()
+    for part in ("fn", "base", "scale"):
+        state[f"mtp.0.hc_head_{part}"] = state[f"model.hc_head.hc_{part}"].clone()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
     return root

@@ -139,8 +139,11 @@ def indexer_topk(
         visible = _compressed_visible(positions, num_entries, ratio)
         scores = scores.masked_fill(~visible, float("-inf"))
         k_eff = min(topk, num_entries)
-        top = scores.topk(k_eff, dim=-1)
-        ids = torch.where(torch.isfinite(top.values), top.indices, -1)
+        # ties (entries no head scores above zero, often) go to the lower entry id: a row's picks
+        # then depend on its own scores alone, not on how many entries the step holds
+        top = scores.sort(dim=-1, descending=True, stable=True)
+        values, indices = top.values[:, :k_eff], top.indices[:, :k_eff]
+        ids = torch.where(torch.isfinite(values), indices, -1)
         out[rows, :k_eff] = ids.to(torch.int32)
     return out
 

@@ -229,6 +229,26 @@ def test_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_indexer_topk_ties_go_to_lower_ids(backend: Backend, gen: torch.Generator, name: str) -> None:
+    """Every score ties (zero queries): each row picks the lowest visible ids, whatever entries
+    and rows the step holds besides (a verification step picks what a decode step picks)."""
+    seq_lens, query_lens = CASES[name]
+    ratio, topk, heads, di = 4, 3, 5, 12
+    step = Step(backend, seq_lens, query_lens, ratio, di, torch.float32, gen)
+    dev, t = backend.device.device(), sum(query_lens)
+    q = torch.zeros((t, heads, di), dtype=torch.float32, device=dev)
+    weights = randn((t, heads), torch.float32, dev, gen)
+    got = backend.attention.indexer_topk(
+        q, weights, step.entries, step.meta, ratio=ratio, topk=topk, scale=0.3
+    ).tolist()
+    for row, _, pos in step.queries():
+        n = min(topk, step.visible_entries(pos))
+        assert sorted(i for i in got[row] if i >= 0) == list(range(n)), (
+            f"row {row} (position {pos}): {got[row]}"
+        )
+
+
+@pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("topk_width", [0, 4, 70], ids=["hca", "csa", "csa-long-list"])
 @pytest.mark.parametrize("own_tables", [False, True], ids=["shared-tables", "entry-tables"])
 def test_compressed_attention(

@@ -61,6 +61,8 @@ FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 # Batch-invariant mode: one fixed configuration (per dtype) and split size for every batch.
 INVARIANT_SPLIT = 1024
 INVARIANT_CONFIG = WIDE_CONFIG
+
+
 def _invariant_config(rows: int, device: torch.device) -> AttentionConfig:
     """Batch-invariant tiles: a row's bits depend on BLOCK_N and the split size (the order of its
     sums), not on how many query rows share a tile, where the MMA gives each row the same bits in
