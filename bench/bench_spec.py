@@ -102,29 +102,42 @@ def configurations(
 
 
 def timed(
-    llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int
-) -> tuple[float, list[list[int]], int, float]:
-    """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs) of a
-    generate call: the median wall time of `repeats` calls after a warm-up call (the accepted
-    drafts and graph share of the last)."""
+    llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int, beside: LLM | None = None
+) -> tuple[float, list[list[int]], int, float, float]:
+    """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs,
+    `beside`'s output tok/s) of a generate call: the median wall time of `repeats` calls after
+    a warm-up call (the accepted drafts and graph share of the last). With `beside` (plain
+    decoding), its calls alternate with llm's, so that drift on the machine reaches both
+    medians alike (0.0 without)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(batch, params, use_tqdm=False)
+
+    def call(engine_llm: LLM) -> tuple[float, Any]:
+        start = time.perf_counter()
+        out = engine_llm.generate(batch, params, use_tqdm=False)
+        engine_llm.llm_engine.backend.device.synchronize()
+        return time.perf_counter() - start, out
+
+    for warm in (llm, beside):
+        if warm is not None:
+            warm.generate(batch, params, use_tqdm=False)
     engine = llm.llm_engine
     spec = engine.speculative
-    walls = []
+    walls, beside_walls = [], []
     for _ in range(repeats):
+        if beside is not None:
+            beside_walls.append(call(beside)[0])
         accepted = engine.num_accepted_tokens
         steps = (spec.num_steps, spec.num_graph_steps) if spec else (0, 0)
-        start = time.perf_counter()
-        out = llm.generate(batch, params, use_tqdm=False)
-        engine.backend.device.synchronize()
-        walls.append(time.perf_counter() - start)
+        wall, out = call(llm)
+        walls.append(wall)
     tokens = [list(r.outputs[0].token_ids) for r in out]
-    wall = sorted(walls)[len(walls) // 2]
+    total = len(prompts) * new_tokens
+    median = sorted(walls)[len(walls) // 2]
+    beside_tok_s = total / sorted(beside_walls)[len(beside_walls) // 2] if beside_walls else 0.0
     ran, graphs = (spec.num_steps - steps[0], spec.num_graph_steps - steps[1]) if spec else (0, 0)
     share = graphs / ran if ran else 0.0
-    return len(prompts) * new_tokens / wall, tokens, engine.num_accepted_tokens - accepted, share
+    return total / median, tokens, engine.num_accepted_tokens - accepted, share, beside_tok_s
 
 
 def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
@@ -290,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         print(json.dumps(profiles[-1]), flush=True)
     base = {}
     for b in args.batches:
-        tok_s, tokens, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
+        tok_s, tokens, _, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
         base[b] = (tok_s, tokens)
         print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
 
@@ -317,10 +330,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             continue
         llm = LLM(str(args.model), **common, speculative_config=spec)
         for b in args.batches:
-            # plain decoding timed again right before: the two figures of a row are neighbours in
-            # time (a baseline timed once, first, drifted by up to 1.5x on a shared CPU)
-            plain_tok_s, _, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
-            tok_s, tokens, accepted, graph_share = timed(llm, prompts[b], args.new_tokens, args.repeats)
+            # plain decoding timed in alternation with it: the two figures of a row are medians of
+            # interleaved calls (a baseline timed once, first, drifted by up to 1.5x on a shared
+            # CPU; timed just before, still up to 2x between rows on an H200)
+            tok_s, tokens, accepted, graph_share, plain_tok_s = timed(
+                llm, prompts[b], args.new_tokens, args.repeats, beside=plain
+            )
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
             # near-tie differently from a one-row decode step, so differences are counted, not hidden.
             differ = sum(t != u for t, u in zip(tokens, base[b][1], strict=True))
