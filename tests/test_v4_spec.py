@@ -303,9 +303,8 @@ def test_mtp_logits_match_transformers_decoder_layer(kind: str, mlp: str, tmp_pa
     def layers(blocks: Any, streams: torch.Tensor, embedded: torch.Tensor, tokens: torch.Tensor) -> Any:
         pos = torch.arange(tokens.shape[1])[None]
         cache = DynamicCache(config=hf.config)
-        mask = create_sliding_window_causal_mask(
-            config=hf.config, inputs_embeds=embedded, attention_mask=None, cache=cache, position_ids=pos
-        )
+        # the cache positionally: transformers 5.24 names it `cache`, 5.17 `past_key_values`
+        mask = create_sliding_window_causal_mask(hf.config, embedded, None, cache, position_ids=pos)
         rope = {
             name: m.rotary_emb(embedded, position_ids=pos, layer_type=name) for name in ("main", "compress")
         }
