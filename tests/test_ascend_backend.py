@@ -21,9 +21,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests.npu_sim` 
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import BackendRegistry
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
-from deepinfer.testing.helpers import make_paged_batch, mxfp4_weight, oracle, randn
+from deepinfer.reference import v4 as ref_v4
+from deepinfer.testing.helpers import (
+    make_paged_batch,
+    mxfp4_weight,
+    oracle,
+    randn,
+    random_block_tables,
+    slots_of,
+)
 from deepinfer.testing.tolerances import assert_close
 from tests.npu_sim import install, uninstall
 from tests.npu_sim import torch_npu_sim as tnpu
@@ -148,6 +157,56 @@ def test_deepseek_shapes_take_the_fused_paged_mla_path(
     assert kw["actual_seq_qlen"] == [9, 10, 27] and kw["actual_seq_kvlen"] == seq
     expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, 576**-0.5, 512)
     assert_close(out, expected, torch.bfloat16)
+
+
+def test_v4_indexer_takes_the_lightning_indexer(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """V4's shapes (bf16, D 128, block size 16): one npu_lightning_indexer call, a batch entry per
+    query row with its visible entries as key length; the same picks as the reference."""
+    calls: list[dict[str, Any]] = []
+    real = tnpu.npu_lightning_indexer
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tnpu, "npu_lightning_indexer", spy)
+    gen = torch.Generator().manual_seed(3)
+    ratio, heads, topk, bs = 4, 8, 6, 16
+    seq, ql = [150, 9, 40, 3], [5, 9, 1, 1]
+    entries = [n // ratio for n in seq]
+    table, nb = random_block_tables(entries, bs, gen)
+    keys = backend.kv_cache.allocate(KVCacheSpec(nb, bs, 128, 0, torch.bfloat16), 1)[0]
+    for b, n in enumerate(entries):
+        if n:
+            rows = randn((n, 128), torch.bfloat16, "cpu", gen)
+            backend.kv_cache.write_kv(keys, rows, slots_of(table[b], torch.arange(n), bs))
+    meta = AttentionMetadata.build(table, seq, ql)
+    q = randn((sum(ql), heads, 128), torch.bfloat16, "cpu", gen)
+    q[::3] = 0  # rows whose scores all tie: the lowest visible ids
+    weights = randn((sum(ql), heads), torch.float32, "cpu", gen)
+    got = backend.attention.indexer_topk(q, weights, keys, meta, ratio=ratio, topk=topk, scale=0.1)
+    (kw,) = calls
+    assert kw["layout_query"] == "TND" and kw["layout_key"] == "PA_BSND" and kw["sparse_count"] == topk
+    assert kw["actual_seq_lengths_query"].tolist() == list(range(1, sum(ql) + 1))
+    pos = [n - k + i for n, k in zip(seq, ql) for i in range(k)]
+    assert kw["actual_seq_lengths_key"].tolist() == [(p + 1) // ratio for p in pos]
+    want = ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, 0.1, backend.kv_cache.read_kv)
+    assert [sorted(r) for r in got.tolist()] == [sorted(r) for r in want.tolist()]
+
+
+def test_v4_indexer_other_shapes_run_the_reference(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 or D != 128 is outside the op's limits: the contract's reference definition."""
+    monkeypatch.setattr(tnpu, "npu_lightning_indexer", None)  # a call would fail
+    gen = torch.Generator().manual_seed(4)
+    table, nb = random_block_tables([3], 4, gen)
+    keys = backend.kv_cache.allocate(KVCacheSpec(nb, 4, 12, 0, torch.float32), 1)[0]
+    backend.kv_cache.write_kv(
+        keys, randn((3, 12), torch.float32, "cpu", gen), slots_of(table[0], torch.arange(3), 4)
+    )
+    meta = AttentionMetadata.build(table, [13], [2])
+    q, w = randn((2, 5, 12), torch.float32, "cpu", gen), randn((2, 5), torch.float32, "cpu", gen)
+    got = backend.attention.indexer_topk(q, w, keys, meta, ratio=4, topk=2, scale=0.3)
+    assert got.shape == (2, 2)
 
 
 def test_float32_attention_is_refused(backend: Backend) -> None:

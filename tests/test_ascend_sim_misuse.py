@@ -233,3 +233,52 @@ def test_host_sync_inside_graph_capture() -> None:
     g = npu.NPUGraph()
     with pytest.raises(SimError, match="host sync"), npu.graph(g):
         (x > 1).nonzero()
+
+
+def li_call(**over: Any) -> dict[str, Any]:
+    """A valid paged lightning-indexer call: 3 query rows of one request, 20 keys."""
+    g = torch.Generator().manual_seed(0)
+    bf = torch.bfloat16
+    kw: dict[str, Any] = dict(
+        query=torch.randn(3, 4, 128, generator=g).to(bf),
+        key=torch.randn(NB, BS, 1, 128, generator=g).to(bf),
+        weights=torch.randn(3, 4, generator=g),
+        actual_seq_lengths_query=torch.tensor([3], dtype=torch.int32),
+        actual_seq_lengths_key=torch.tensor([20], dtype=torch.int32),
+        block_table=torch.tensor([[2, 0]], dtype=torch.int32),
+        layout_query="TND",
+        layout_key="PA_BSND",
+        sparse_count=8,
+        sparse_mode=3,
+    )
+    kw.update(over)
+    return kw
+
+
+def test_lightning_indexer_valid_call_and_causal_padding() -> None:
+    ids, _ = tnpu.npu_lightning_indexer(**li_call())
+    assert ids.shape == (3, 1, 8) and ids.dtype == torch.int32
+    assert int(ids.max()) < 20 and int(ids[0].min()) >= 0  # row 0 sees keys 0..17
+
+
+@pytest.mark.parametrize(
+    "over,rule",
+    [
+        ({"query": torch.zeros(3, 4, 64, dtype=torch.bfloat16)}, "must both be 128"),
+        ({"query": torch.zeros(3, 4, 128)}, "query: bfloat16/float16"),
+        ({"query": torch.zeros(3, 65, 128, dtype=torch.bfloat16)}, "N1 <= 64"),
+        ({"key": torch.zeros(NB * 4, 4, 1, 128, dtype=torch.bfloat16)}, "multiple of 16"),
+        ({"actual_seq_lengths_query": torch.tensor([2], dtype=torch.int32)}, "CUMULATIVE"),
+        ({"actual_seq_lengths_key": [20]}, "int32 tensor"),
+        ({"sparse_count": 2049}, "sparse_count"),
+        ({"block_table": torch.tensor([[2]], dtype=torch.int32)}, "second dim"),
+    ],
+)
+def test_lightning_indexer_misuse(over: dict[str, Any], rule: str) -> None:
+    with pytest.raises(SimError, match=rule):
+        tnpu.npu_lightning_indexer(**li_call(**over))
+
+
+def test_clipped_swiglu_rejects_empty_tensors() -> None:
+    with pytest.raises(SimError, match="empty"):
+        tnpu.npu_clipped_swiglu(torch.zeros(0, 8), limit=1.0)

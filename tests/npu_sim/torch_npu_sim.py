@@ -879,6 +879,145 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (torch.nn.functional.silu(a) * b).to(x.dtype)
 
 
+def npu_clipped_swiglu(
+    x: torch.Tensor,
+    *,
+    group_index: torch.Tensor | None = None,
+    dim: int = -1,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    bias: float = 1.0,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """aclnnClippedSwiglu: A, B = halves of x along dim (interleaved: even / odd columns);
+    A = min(A, limit), B = clamp(B, -limit, limit); y = A * sigmoid(alpha * A) * (B + bias)."""
+    op = "npu_clipped_swiglu"
+    with unrecorded():
+        check(group_index is None, op, "group_index (MoE groups) is not modelled")
+        check(x.dtype in _FLOATS, op, "x: float16/bfloat16/float32")
+        check(x.is_contiguous(), op, "x must be contiguous")
+        check(x.numel() > 0, op, "empty tensors are not supported")
+        check(x.shape[dim] % 2 == 0, op, "the split dim must be even")
+    xf = x.float()
+    if interleaved:
+        a, b = xf.movedim(dim, -1)[..., 0::2], xf.movedim(dim, -1)[..., 1::2]
+        a, b = a.movedim(-1, dim), b.movedim(-1, dim)
+    else:
+        a, b = xf.chunk(2, dim=dim)
+    a = a.clamp(max=limit)
+    b = b.clamp(-limit, limit)
+    return (a * torch.sigmoid(alpha * a) * (b + bias)).to(x.dtype)
+
+
+# =========================================================================== lightning indexer
+
+_LI_SPARSE_COUNTS = (3072, 4096, 5120, 6144, 7168, 8192)
+_LI_DEFAULT_TOKENS = 2**63 - 1
+
+
+def npu_lightning_indexer(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    actual_seq_lengths_query: torch.Tensor | None = None,
+    actual_seq_lengths_key: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    layout_query: str = "BSND",
+    layout_key: str = "BSND",
+    sparse_count: int = 2048,
+    sparse_mode: int = 3,
+    pre_tokens: int = _LI_DEFAULT_TOKENS,
+    next_tokens: int = _LI_DEFAULT_TOKENS,
+    return_value: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: score[j] = sum_h weights[h] * relu(query[h] . key[j]) over the keys the mask
+    lets through, -> the ids of the sparse_count best (descending), -1 past the visible keys.
+    Modelled: layout_query "TND", layout_key "PA_BSND" (the paged form the backend calls).
+    query (T1, N1, 128), key (block_count, block_size, 1, 128) -> (T1, 1, sparse_count) int32.
+    Ties: the doc is silent; the simulation keeps the lower key id first (stable sort)."""
+    op = "npu_lightning_indexer"
+    with unrecorded():
+        check(
+            layout_query == "TND" and layout_key == "PA_BSND", op, "only TND query / PA_BSND key are modelled"
+        )
+        check(query.dtype in _HALF, op, "query: bfloat16/float16", str(query.dtype))
+        check(key.dtype == query.dtype, op, "query and key must have the same dtype")
+        check(
+            weights.dtype == torch.float32 or weights.dtype == query.dtype,
+            op,
+            "weights: float32, or the dtype of query and key",
+        )
+        for name, t in (("query", query), ("key", key), ("weights", weights)):
+            check(t.is_contiguous(), op, f"{name}: non-contiguous tensors are not supported")
+        check(query.dim() == 3, op, "TND query is (T1, N1, D)", str(tuple(query.shape)))
+        t1, n1, d = query.shape
+        check(n1 <= 64, op, "query N1 <= 64", str(n1))
+        check(key.dim() == 4 and key.shape[2] == 1, op, "PA_BSND key is (block_count, block_size, N2 = 1, D)")
+        check(d == 128 and key.shape[3] == 128, op, "D of query and key must both be 128")
+        bs = key.shape[1]
+        check(bs % 16 == 0 and 0 < bs <= 1024, op, "block_size a multiple of 16, at most 1024", str(bs))
+        check(tuple(weights.shape) == (t1, n1), op, "TND weights are (T, N1)", str(tuple(weights.shape)))
+        check(
+            1 <= sparse_count <= 2048 or sparse_count in _LI_SPARSE_COUNTS,
+            op,
+            "sparse_count in [1, 2048] or 3072..8192 by 1024",
+        )
+        check(sparse_mode in (0, 3), op, "sparse_mode 0 (no mask) or 3 (right-down causal)")
+        check(
+            pre_tokens == next_tokens == _LI_DEFAULT_TOKENS, op, "pre_tokens / next_tokens: only the default"
+        )
+        check(not return_value, op, "return_value is training-only and not for PA_BSND")
+        for name, lens in (
+            ("actual_seq_lengths_query", actual_seq_lengths_query),
+            ("actual_seq_lengths_key", actual_seq_lengths_key),
+        ):
+            check(isinstance(lens, torch.Tensor), op, f"{name}: required (TND / PA_BSND), an int32 tensor")
+            assert isinstance(lens, torch.Tensor)
+            check(lens.dtype == torch.int32 and lens.dim() == 1, op, f"{name}: 1-D int32 tensor")
+        assert actual_seq_lengths_query is not None and actual_seq_lengths_key is not None
+        cq = actual_seq_lengths_query.tolist()
+        kv = actual_seq_lengths_key.tolist()
+        check(len(cq) == len(kv), op, "both length tensors have B entries")
+        check(
+            all(b >= a for a, b in zip([0, *cq], cq)) and (not cq or cq[-1] == t1),
+            op,
+            "TND actual_seq_lengths_query is CUMULATIVE (non-decreasing, ending at T1)",
+            str(cq),
+        )
+        check(all(n >= 0 for n in kv), op, "actual_seq_lengths_key >= 0 (per request for PA_BSND)")
+        check(isinstance(block_table, torch.Tensor), op, "PA_BSND needs block_table")
+        assert block_table is not None
+        check(block_table.dtype == torch.int32 and block_table.dim() == 2, op, "block_table: 2-D int32")
+        check(block_table.shape[0] == len(kv), op, "block_table's first dim = B")
+        need = max([-(-n // bs) for n in kv], default=0)
+        check(block_table.shape[1] >= need, op, "block_table's second dim >= the most blocks a request uses")
+    out = torch.full((t1, 1, sparse_count), -1, dtype=torch.int32, device=query.device)
+    flat_key = key.view(-1, d)
+    start = 0
+    for b, (end, n_kv) in enumerate(zip(cq, kv)):
+        rows, start = list(range(start, end)), end
+        if not rows or n_kv == 0:
+            continue
+        pos = torch.arange(n_kv)
+        with unrecorded():
+            blocks = block_table[b, : -(-n_kv // bs)].long()
+            check(int(blocks.min()) >= 0 and int(blocks.max()) < key.shape[0], op, "block ids inside key")
+        k = flat_key.index_select(0, blocks[pos // bs] * bs + pos % bs).float()  # (S2, D)
+        q = query[rows[0] : end].float()  # (S1, N1, D)
+        w = weights[rows[0] : end].float()
+        scores = (torch.relu(torch.einsum("snd,kd->snk", q, k)) * w[..., None]).sum(dim=1)  # (S1, S2)
+        if sparse_mode == 3:  # query i sees key j iff j <= i + S2 - S1
+            s1 = len(rows)
+            seen = pos[None, :] <= torch.arange(s1)[:, None] + n_kv - s1
+            scores = scores.masked_fill(~seen, float("-inf"))
+        top = scores.sort(dim=-1, descending=True, stable=True)
+        n = min(sparse_count, n_kv)
+        ids = torch.where(torch.isfinite(top.values[:, :n]), top.indices[:, :n], -1)
+        out[rows[0] : end, 0, :n] = ids.to(torch.int32)
+    return out, query.new_empty(0)
+
+
 # =========================================================================== norms, rope
 
 

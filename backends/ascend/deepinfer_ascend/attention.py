@@ -28,6 +28,17 @@ Sinks on the 512 + 64 rope-split path rely on FIA returning the LSE there: the v
 restriction, the v1 doc's MLA example says that mode has no softmax_lse (a known risk, see
 docs/ascend.md; no DeepSeek model combines that layout with sinks). Any call with a dtype other
 than bf16/fp16 raises NotImplementedError.
+
+DeepSeek-V4:
+indexer_topk          npu_lightning_indexer, TND query (T, Hi, 128) with one batch entry per
+                      query row, key = the entry cache as it is ((NB, BS, 1, 128) is PA_BSND),
+                      actual_seq_lengths_key = the entries visible to each row, block_table =
+                      its request's row, weights * scale, sparse_mode 3, sparse_count = top-k.
+                      Shapes outside the op's limits (float32, D != 128, block size not a
+                      multiple of 16, > 64 heads) run the contract's reference definition.
+compressed_attention  the contract's reference definition: torch_npu has no op taking two key
+                      sets (window rows and compressed entries) in one softmax with sinks;
+                      vllm-ascend's custom op npu_sparse_attn_sharedkv does (docs/ascend.md).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ MLA_LATENT, MLA_ROPE = 512, 64
 MAX_MLA_HEADS = 128
 MAX_GQA_RATIO = 64  # num_query_heads / num_key_value_heads outside the 512-wide MLA case
 DTYPES = (torch.bfloat16, torch.float16)
+LI_DIM, LI_MAX_HEADS = 128, 64  # npu_lightning_indexer: D of query and key 128, query N <= 64
 
 # (graph recorder hook) fn(op, kwargs, refresh) -> out; None outside graph capture.
 Issuer = Callable[[Any, dict[str, Any], Callable[[], dict[str, Any]] | None], Any]
@@ -90,6 +102,66 @@ class AscendAttention(AttentionOps):
         modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         return self._attend(q, cache, meta, scale, v_dim, modifiers)
+
+    def indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+    ) -> torch.Tensor:
+        if not self._indexer_fits(q, weights, keys, topk):
+            return super().indexer_topk(q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
+        if self.issuer is not None:
+            raise NotImplementedError("ascend: indexer_topk is not captured in NPU graphs yet")
+        t = q.shape[0]
+        if t == 0:
+            return torch.full((0, topk), -1, dtype=torch.int32, device=q.device)
+        # Each query row is a batch entry of its own (S1 = 1, so sparse_mode 3 lets all of its
+        # S2 keys through), with S2 = the entries visible to it, (p + 1) // ratio: the op's
+        # right-down causal mask counts keys one per query position, entries come one per ratio.
+        rows = torch.arange(t, device=q.device)
+        qsl = meta.query_start_loc.long()
+        req = torch.searchsorted(qsl[1:], rows, right=True)  # (T,) request of each row
+        pos = meta.seq_lens.long()[req] - (qsl[req + 1] - rows)  # (T,) absolute position
+        latent, _ = kv_cache.parts(keys)  # (NB, BS, 1, 128): the PA_BSND key layout as it is
+        ids, _ = self._tnpu.npu_lightning_indexer(
+            q.contiguous(),
+            latent,
+            (weights.float() * scale).contiguous(),  # relu(.) * scale * w = relu(.) * (w * scale)
+            actual_seq_lengths_query=(rows + 1).to(torch.int32),  # cumulative: one row each
+            actual_seq_lengths_key=((pos + 1) // ratio).to(torch.int32),  # per row
+            block_table=meta.block_tables.index_select(0, req).to(torch.int32).contiguous(),
+            layout_query="TND",
+            layout_key="PA_BSND",
+            sparse_count=topk,
+            sparse_mode=3,
+        )  # (T, 1, topk) int32, -1 past the visible entries
+        out: torch.Tensor = ids.view(t, topk)
+        return out
+
+    @staticmethod
+    def _indexer_fits(q: torch.Tensor, weights: torch.Tensor, keys: PagedKVCache, topk: int) -> bool:
+        """npu_lightning_indexer's documented limits: bf16/fp16 query and key of one dtype, D 128
+        for both, query heads <= 64, paged block size a multiple of 16 <= 1024, top-k <= 2048
+        (or 3072..8192 by 1024); weights float32."""
+        spec = keys.spec
+        return (
+            q.dtype in DTYPES
+            and spec.dtype == q.dtype
+            and weights.dtype == torch.float32
+            and q.dim() == 3
+            and q.shape[1] <= LI_MAX_HEADS
+            and q.shape[2] == LI_DIM == spec.latent_dim
+            and spec.rope_dim == 0
+            and spec.block_size % 16 == 0
+            and spec.block_size <= 1024
+            and (1 <= topk <= 2048 or topk in (3072, 4096, 5120, 6144, 7168, 8192))
+        )
 
     # ------------------------------------------------------------------ dispatch
 

@@ -1,5 +1,17 @@
 """Builds the ascend Backend: torch_npu imported here (lazily, from the factory), never at
-registration. Capabilities depend on the SoC: FP8 from the Ascend 950 (SoC 260) on."""
+registration. Capabilities depend on the SoC: FP8 from the Ascend 950 (SoC 260) on.
+
+DeepSeek-V4's ops (docs/ascend.md, "DeepSeek-V4 ops"):
+  small.clamped_silu_and_mul    npu_clipped_swiglu (alpha 1, bias 0, halves)
+  attention.indexer_topk        npu_lightning_indexer for bf16/fp16, D 128, block size % 16 == 0,
+                                <= 64 heads; the reference definition for other shapes
+  attention.compressed_attention  reference definition (no torch_npu op: two key sets + sinks in
+                                one softmax; vllm-ascend's custom npu_sparse_attn_sharedkv is not
+                                torch_npu)
+  small.hc_pre / hc_post        reference definition (no torch_npu op; custom npu_hc_pre /
+                                npu_hc_post exist outside torch_npu)
+  small.hc_head, gated_pool     reference definition (no torch_npu op)
+"""
 
 from __future__ import annotations
 

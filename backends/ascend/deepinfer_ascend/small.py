@@ -5,6 +5,11 @@ add_rms_norm    npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x1 + x2)
 rope            npu_rotary_mul(x (T, H, R) "TND", r1 = cos (T, 1, R), r2 = sin (T, 1, R),
                 rotary_mode "half" | "interleave"); R < 896 and even
 silu_and_mul    npu_swiglu(x, dim=-1)
+clamped_silu_and_mul  npu_clipped_swiglu(x, dim=-1, alpha=1.0, limit, bias=0.0, interleaved=False):
+                min(A, limit) * sigmoid(1.0 * min(A, limit)) * (clamp(B, -limit, limit) + 0.0),
+                DeepSeek-V4's clamped SwiGLU exactly (the defaults are GPT-OSS's: pass all four)
+DeepSeek-V4's gated_pool and hc_pre / hc_post / hc_head keep the contract's reference
+definitions (torch_npu has no such op; see docs/ascend.md).
 Token bitmask and sampling keep the contract's torch implementations (aten ops on the NPU).
 """
 
@@ -69,4 +74,14 @@ class AscendSmall(SmallOps):
         if x.numel() == 0:
             return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
         y: torch.Tensor = self._tnpu.npu_swiglu(x, dim=-1)
+        return y
+
+    def clamped_silu_and_mul(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        if x.shape[-1] % 2:
+            raise ValueError(f"clamped_silu_and_mul needs an even last dim, got {x.shape[-1]}")
+        if x.numel() == 0:  # the op takes no empty tensor
+            return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+        y: torch.Tensor = self._tnpu.npu_clipped_swiglu(
+            x.contiguous(), dim=-1, alpha=1.0, limit=float(limit), bias=0.0, interleaved=False
+        )
         return y
