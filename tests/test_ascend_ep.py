@@ -1,9 +1,10 @@
-"""Expert-parallel dispatch / combine (deepinfer_ascend.ep), all_to_all path, on two ranks.
+"""Expert-parallel dispatch / combine (deepinfer_ascend.ep), both paths, on two ranks.
 
 Two processes over gloo, each with the torch_npu simulation: tokens are dispatched to the rank
 owning their experts, run through the backend's experts there, combined back, and compared with
 the reference MoE on the full weights. The fused MC2 path (npu_moe_distribute_dispatch_v2 /
-combine_v2) is not simulated and stays un-run.
+combine_v2, simulated in tests/npu_sim/mc2.py) runs through collectives.expert_exchange and
+dispatch_combine on a simulated A3.
 """
 
 from __future__ import annotations
