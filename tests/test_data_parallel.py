@@ -456,7 +456,7 @@ class _LocalExchange(ReferenceCollectives):
 
     calls = 0
 
-    def expert_exchange(self, num_experts: int, x: torch.Tensor) -> Any:
+    def expert_exchange(self, num_experts: int, x: torch.Tensor, top_k: int) -> Any:
         def exchange(
             x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local: range, experts: Any
         ) -> Any:

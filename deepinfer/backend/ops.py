@@ -647,11 +647,14 @@ class CollectiveOps(_Part):
         )
         return out, work.wait
 
-    def expert_exchange(self, num_experts: int, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """A fused expert-parallel dispatch + combine (e.g. DeepEP) for MoE layers of num_experts
-        routed experts spread evenly over the default group's ranks, with activations like x;
-        None (the default): the layer exchanges with all_to_all_single(_async)
-        (deepinfer.parallel.expert_parallel.dispatch_combine defines the meaning). It is called as
+    def expert_exchange(
+        self, num_experts: int, x: torch.Tensor, top_k: int
+    ) -> Callable[..., torch.Tensor] | None:
+        """A fused expert-parallel dispatch + combine (e.g. DeepEP, Ascend MC2) for MoE layers of
+        num_experts routed experts spread evenly over the default group's ranks, top_k experts per
+        token, with activations like x; None (the default): the layer exchanges with
+        all_to_all_single(_async) (deepinfer.parallel.expert_parallel.dispatch_combine defines the
+        meaning). It is called as
         exchange(x (T, Dm), weights (T, K) float32, ids (T, K) global expert ids, local: range of
         this rank's experts, experts(rows (R, Dm), local ids (R,)) -> unweighted outputs (R, Dm))
         -> (T, Dm) = sum_k weights * expert_k(x). A collective: every rank must get the same

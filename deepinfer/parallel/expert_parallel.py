@@ -98,7 +98,7 @@ def dispatch_combine(
     world_size = len(bounds) - 1
     local = range(bounds[rank], bounds[rank + 1])
     even = all(bounds[r + 1] - bounds[r] == len(local) for r in range(world_size))
-    fused = collectives.expert_exchange(bounds[-1], x) if micro_batches == 1 and even else None
+    fused = collectives.expert_exchange(bounds[-1], x, k) if micro_batches == 1 and even else None
     if fused is not None:
         return _fused_exchange(fused, collectives, x, weights, ids, bounds, rank, experts, meanwhile)
     flat = ids.reshape(-1).long()  # (T*K,)
@@ -150,7 +150,7 @@ def dispatch_combine(
     for _, wait in combined:
         wait()
     if log is not None:
-        shape = (x.shape[1], x.dtype, combined[0][0].dtype, bounds, rank, x.device, micro_batches)
+        shape = (x.shape[1], k, x.dtype, combined[0][0].dtype, bounds, rank, x.device, micro_batches)
         log.finished(partial(_empty_exchange, collectives, *shape))
     if failure is not None:
         raise failure
@@ -188,7 +188,7 @@ def _fused_exchange(
         log.started()
     y = fused(x, weights, ids, range(bounds[rank], bounds[rank + 1]), guarded)
     if log is not None:
-        shape = (x.shape[1], x.dtype, x.dtype, bounds, rank, x.device, 1)
+        shape = (x.shape[1], ids.shape[1], x.dtype, x.dtype, bounds, rank, x.device, 1)
         log.finished(partial(_empty_exchange, collectives, *shape))
     if meanwhile is not None and not failures:
         meanwhile()
@@ -296,6 +296,7 @@ def _empty_fixed_exchange(
 def _empty_exchange(
     collectives: CollectiveOps,
     hidden: int,
+    k: int,
     dtype: torch.dtype,
     out_dtype: torch.dtype,
     bounds: Sequence[int],
@@ -304,9 +305,10 @@ def _empty_exchange(
     micro_batches: int,
 ) -> None:
     """One exchange with no tokens of this rank, whose experts return zeros: what a rank whose
-    forward failed still owes the others (deepinfer.parallel.exchanges)."""
+    forward failed still owes the others (deepinfer.parallel.exchanges). It keeps the layer's K:
+    the backend's choice of exchange may depend on it."""
     x = torch.empty((0, hidden), dtype=dtype, device=device)
-    ids = torch.empty((0, 1), dtype=torch.int64, device=device)
+    ids = torch.empty((0, k), dtype=torch.int64, device=device)
 
     def zeros(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         return torch.zeros((rows.shape[0], hidden), dtype=out_dtype, device=device)

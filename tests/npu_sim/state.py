@@ -44,7 +44,9 @@ def installed() -> bool:
 
 def install(soc_version: int | None = None, device_count: int = 1) -> ModuleType:
     """Install the fake torch_npu / torch.npu (idempotent); returns the torch_npu module."""
-    from . import runtime, torch_npu_sim
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    from . import mc2, runtime, torch_npu_sim
 
     STATE.soc_version = soc_version if soc_version is not None else int(os.environ.get(SOC_ENV, DEFAULT_SOC))
     STATE.device_count = device_count
@@ -53,12 +55,17 @@ def install(soc_version: int | None = None, device_count: int = 1) -> ModuleType
         _saved["torch.npu"] = getattr(torch, "npu", None)
         sys.modules["torch_npu"] = torch_npu_sim
         torch.npu = runtime  # type: ignore[attr-defined]
+        # gloo plays HCCL: the MC2 ops name their group by get_hccl_comm_name (tests/npu_sim/mc2.py)
+        ProcessGroupGloo.get_hccl_comm_name = mc2.get_hccl_comm_name  # type: ignore[attr-defined]
     return torch_npu_sim
 
 
 def uninstall() -> None:
     if not installed():
         return
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    del ProcessGroupGloo.get_hccl_comm_name  # type: ignore[attr-defined]
     prev = _saved.pop("torch_npu", None)
     if prev is None:
         sys.modules.pop("torch_npu", None)

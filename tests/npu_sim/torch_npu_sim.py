@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import runtime as npu  # torch_npu.npu is torch.npu
+from .mc2 import npu_moe_distribute_combine_v2, npu_moe_distribute_dispatch_v2  # noqa: F401
 from .runtime import unrecorded
 from .state import STATE, check, fail
 

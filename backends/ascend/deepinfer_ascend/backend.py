@@ -15,6 +15,9 @@ DeepSeek-V4's ops (docs/ascend.md, "DeepSeek-V4 ops"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from deepinfer.backend.ops import Backend, CollectiveOps
@@ -22,17 +25,33 @@ from deepinfer.backend.types import BackendOptions, Capabilities
 from deepinfer_ascend import npu
 from deepinfer_ascend.attention import DTYPES, AscendAttention
 from deepinfer_ascend.device import AscendDevice, AscendKVCache
+from deepinfer_ascend.ep import mc2_exchange
 from deepinfer_ascend.gemm import AscendGemm
 from deepinfer_ascend.moe import AscendMoe
 from deepinfer_ascend.small import AscendSmall
 
 
 class AscendCollectives(CollectiveOps):
-    """torch.distributed over HCCL (process groups created with backend "hccl")."""
+    """torch.distributed over HCCL (process groups created with backend "hccl"); the MoE exchange
+    through MC2 where the SoC's documented limits allow it (deepinfer_ascend.ep)."""
+
+    def __init__(self, options: BackendOptions, tnpu: Any, soc: int) -> None:
+        super().__init__(options)
+        self._tnpu = tnpu
+        self._soc = soc
+        self._mc2: dict[tuple[int, int, torch.dtype, int], Callable[..., torch.Tensor] | None] = {}
 
     @property
     def dist_backend(self) -> str:
         return "hccl"
+
+    def expert_exchange(
+        self, num_experts: int, x: torch.Tensor, top_k: int
+    ) -> Callable[..., torch.Tensor] | None:
+        key = (num_experts, x.shape[1], x.dtype, top_k)  # the same answer on every rank
+        if key not in self._mc2:
+            self._mc2[key] = mc2_exchange(self._tnpu, self._soc, num_experts, x, top_k)
+        return self._mc2[key]
 
 
 def capabilities(soc: int) -> Capabilities:
@@ -68,6 +87,6 @@ def create_ascend_backend(options: BackendOptions | None = None) -> Backend:
         attention=attention,
         gemm=gemm,
         moe=AscendMoe(options, tnpu, gemm),
-        collectives=AscendCollectives(options),
+        collectives=AscendCollectives(options, tnpu, soc),
         small=AscendSmall(options, tnpu),
     )

@@ -520,7 +520,9 @@ class CudaCollectives(CollectiveOps):
     def dist_backend(self) -> str:
         return self._dist_backend
 
-    def expert_exchange(self, num_experts: int, x: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    def expert_exchange(
+        self, num_experts: int, x: torch.Tensor, top_k: int
+    ) -> Callable[..., torch.Tensor] | None:
         """DeepEP's normal kernels when they apply (deepinfer_cuda.deepep), else None."""
         from deepinfer_cuda.deepep import deepep_exchange
 
