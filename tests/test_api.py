@@ -133,11 +133,11 @@ def test_error_in_a_step_drops_the_call_and_the_engine_recovers(
     real = runner.forward
     calls = {"n": 0}
 
-    def flaky(batch):  # type: ignore[no-untyped-def]
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device fault")
-        return real(batch)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, "forward", flaky)
     with pytest.raises(RuntimeError, match="device fault"):

@@ -159,8 +159,14 @@ def estimate_weight_bytes(
         else:
             linears += 3 * d * c.intermediate_size
     params += c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
-    tables = 2 if c.v4 is not None else 1  # V4: the main and the compressed branches' rope
-    rotary = tables * c.max_position_embeddings * c.qk_rope_head_dim * 4  # float32 cos/sin tables
+    # float32 cos/sin tables: V4's main and compressed branches' (max_position_embeddings rows);
+    # V2/V3's one, with the rows past it that speculative padding drafts read
+    if c.v4 is not None:
+        rotary = 2 * c.max_position_embeddings * c.qk_rope_head_dim * 4
+    else:
+        from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
+
+        rotary = (c.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS) * c.qk_rope_head_dim * 4
     return int(params * act + linears * linear + experts * expert + float32 * 4 + rotary)
 
 
