@@ -1,15 +1,18 @@
-"""Tile configurations of the batch-invariant linear (the cuda backend's fixed-tile matmul),
-timed at the DeepSeek-V2-Lite shapes a decode step and a prefill run through it.
+"""Tile configurations of the batch-invariant linear (the cuda backend's chunked-K Triton
+matmul), timed at the DeepSeek-V2-Lite shapes a decode step and a prefill run through it.
 
     python bench/bench_invariant_tiles.py --out DIR        # an NVIDIA GPU; seconds
+    python bench/bench_invariant_tiles.py --bits --out DIR # rows' bits across the tiles
 
-In batch-invariant mode every linear (and MLA's per-head absorbed products, batched_matmul) uses
-ONE tile configuration for every M: a row's bits never depend on the batch. Which one is a
-speed choice only. For each candidate this times each weight shape of one V2-Lite layer (and the
-LM head) at M = 1, 32, 256 and 4096 as a CUDA graph of 20 back-to-back calls (as the engine
-replays them: no launch overhead in the figure), and sums them into the time of one decode
-step's invariant GEMMs (27 layers' worth, the head once). Writes DIR/invariant_tiles.json and
-prints a table, then the best candidate at --pick-m as `BEST BM,BN,BK,WARPS,STAGES` (the value of
+In batch-invariant mode every linear (and MLA's per-head absorbed products, batched_matmul)
+reduces K in fixed 512-chunks of 128-steps: a row's bits depend on that order, not on the tile,
+where the MMA gives every row the same bits in any tile (--bits checks it; on SM90 the backend
+then picks the tile by M). For each candidate (tile x split mode) this times each weight shape
+of one V2-Lite layer (and the LM head) at M = 1, 32, 256 and 4096 as a CUDA graph of 20
+back-to-back calls (as the engine replays them: no launch overhead in the figure), and sums them
+into the time of one decode step's invariant GEMMs (27 layers' worth, the head once), with
+cuBLAS (the default mode) beside them. Writes DIR/invariant_tiles.json, prints a table, the best
+candidate per M, then the best at --pick-m as `BEST BM,BN,BK,WARPS,STAGES` (a value of
 DEEPINFER_CUDA_INVARIANT_TILE); the copy bandwidth measured in the same run gives the floor
 (weight bytes / copy rate).
 """
