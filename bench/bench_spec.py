@@ -17,7 +17,8 @@ the host reads step N while step N + 1 runs; larger batches step eagerly. graph_
 of a row's speculative steps that replayed graphs.
 
 Output tokens per second = B * new tokens / wall time of the generate call (prefill included;
-the median of --repeats calls), after a warm-up call of the same batch; each row's plain figure
+the median of at least --repeats calls, more until they add up to --min-seconds, each after a
+full garbage collection), after a warm-up call of the same batch; each row's plain figure
 is timed on the plain engine (kept alive beside the speculative one) just before that row's
 speculative call.
 mean_accepted = tokens emitted per request per step (1 + accepted drafts): output tokens /
@@ -34,6 +35,7 @@ Writes OUT/spec.json (rows {"device", "drafter", "k", "scheduled", "batch", "pla
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -101,18 +103,28 @@ def configurations(
     return runs, skipped
 
 
+MAX_CALLS = 25  # timed calls per engine and figure at most (min_seconds asks for more)
+
+
 def timed(
-    llm: LLM, prompts: list[list[int]], new_tokens: int, repeats: int, beside: LLM | None = None
+    llm: LLM,
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    beside: LLM | None = None,
+    min_seconds: float = 0.0,
 ) -> tuple[float, list[list[int]], int, float, float]:
     """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs,
-    `beside`'s output tok/s) of a generate call: the median wall time of `repeats` calls after
-    a warm-up call (the accepted drafts and graph share of the last). With `beside` (plain
-    decoding), its calls alternate with llm's, so that drift on the machine reaches both
-    medians alike (0.0 without)."""
+    `beside`'s output tok/s) of a generate call: the median wall time of at least `repeats` calls
+    after a warm-up call, more (up to MAX_CALLS) until each engine's calls add up to min_seconds
+    (the accepted drafts and graph share are those of the last call). With `beside` (plain
+    decoding), its calls alternate with llm's, so that drift on the machine reaches both medians
+    alike (0.0 without). A full collection runs before each call, outside the timing."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
 
     def call(engine_llm: LLM) -> tuple[float, Any]:
+        gc.collect()
         start = time.perf_counter()
         out = engine_llm.generate(batch, params, use_tqdm=False)
         engine_llm.llm_engine.backend.device.synchronize()
@@ -123,8 +135,11 @@ def timed(
             warm.generate(batch, params, use_tqdm=False)
     engine = llm.llm_engine
     spec = engine.speculative
-    walls, beside_walls = [], []
-    for _ in range(repeats):
+    walls: list[float] = []
+    beside_walls: list[float] = []
+    while len(walls) < MAX_CALLS and (
+        len(walls) < repeats or min(sum(walls), sum(beside_walls) if beside else min_seconds) < min_seconds
+    ):
         if beside is not None:
             beside_walls.append(call(beside)[0])
         accepted = engine.num_accepted_tokens
@@ -266,7 +281,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
     ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3, help="timed calls per figure (their median)")
+    ap.add_argument("--repeats", type=int, default=3, help="least timed calls per figure (their median)")
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=1.0,
+        help=f"more calls (up to {MAX_CALLS}) until each engine's timed calls of a figure add up to this",
+    )
     ap.add_argument("--profile", action="store_true", help="GPU: one profiled call per engine at batch 1")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
@@ -303,7 +324,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         print(json.dumps(profiles[-1]), flush=True)
     base = {}
     for b in args.batches:
-        tok_s, tokens, _, _, _ = timed(plain, prompts[b], args.new_tokens, args.repeats)
+        tok_s, tokens, _, _, _ = timed(
+            plain, prompts[b], args.new_tokens, args.repeats, None, args.min_seconds
+        )
         base[b] = (tok_s, tokens)
         print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
 
@@ -334,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             # interleaved calls (a baseline timed once, first, drifted by up to 1.5x on a shared
             # CPU; timed just before, still up to 2x between rows on an H200)
             tok_s, tokens, accepted, graph_share, plain_tok_s = timed(
-                llm, prompts[b], args.new_tokens, args.repeats, beside=plain
+                llm, prompts[b], args.new_tokens, args.repeats, plain, args.min_seconds
             )
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
             # near-tie differently from a one-row decode step, so differences are counted, not hidden.
