@@ -189,8 +189,64 @@ def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path)
     prof.export_chrome_trace(str(path))
     res = analyse_trace(json.loads(path.read_text()), steps["n"])
     path.unlink()
-    res.pop("top_kernels", None)
-    return {"steps": steps["n"], "wall_per_step_ms": wall * 1e3 / steps["n"], **res}
+    res["top_kernels"] = res.get("top_kernels", [])[:12]
+    return {
+        "steps": steps["n"],
+        "wall_per_step_ms": wall * 1e3 / steps["n"],
+        **res,
+        "host_split": host_split(llm, batch, params),
+    }
+
+
+# The engine's parts whose host time host_split measures: (owner attribute path, method name).
+HOST_PARTS = [
+    ("runner.inputs", "prepare"),
+    ("runner", "forward"),
+    ("runner", "verify_launch"),
+    ("runner", "verify_read"),
+    ("speculative", "_append_verified"),
+    ("speculative", "_propose"),
+    ("", "_process_in_flight"),
+    ("", "_launch_draw"),
+]
+
+
+def host_split(llm: LLM, batch: list[dict[str, Any]], params: SamplingParams) -> dict[str, float]:
+    """One generate call (no profiler) with perf_counter around the engine's parts: milliseconds
+    per engine step in each (verify_read and _process_in_flight include the wait for the device;
+    a part called inside another counts in both), and the wall time per step."""
+    engine = llm.llm_engine
+    spent: dict[str, float] = {}
+    patched: list[tuple[Any, str]] = []
+    for path, name in [*HOST_PARTS, ("", "step")]:
+        owner: Any = engine
+        for attr in filter(None, path.split(".")):
+            owner = getattr(owner, attr, None)
+        if owner is None or not hasattr(owner, name):
+            continue
+        real = getattr(owner, name)
+
+        def timed_part(*a: Any, _real: Any = real, _key: str = f"{path}.{name}".strip("."), **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                spent[_key] = spent.get(_key, 0.0) + time.perf_counter() - t
+                if _key == "step":
+                    spent["steps"] = spent.get("steps", 0.0) + 1
+
+        setattr(owner, name, timed_part)
+        patched.append((owner, name))
+    try:
+        start = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        engine.backend.device.synchronize()
+        wall = time.perf_counter() - start
+    finally:
+        for owner, name in patched:
+            delattr(owner, name)
+    n = max(spent.pop("steps", 1.0), 1.0)
+    return {"wall": wall * 1e3 / n, **{k: v * 1e3 / n for k, v in sorted(spent.items())}}
 
 
 def svg_plot(rows: list[dict[str, Any]], title: str) -> str:
