@@ -128,6 +128,46 @@ def test_accepted_drafts(mirrored: Path, k: int, args: str) -> None:
         assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("args", ["whole", "chunked"])
+def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MTP head's pass over a prefill chunk longer than the ring takes in place goes through
+    step scratch as the model's forward does: every draft (tokens and confidences) equals that of
+    an engine whose ring is long enough for every step to be written in place."""
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    def drafts(llm: LLM) -> tuple[list[Any], int]:
+        decoder = llm.llm_engine.speculative
+        assert decoder is not None
+        seen: list[Any] = []
+        real = decoder.propose
+
+        def spy(*a: Any) -> Any:
+            out = real(*a)
+            seen.append(out)
+            return out
+
+        decoder.propose = spy  # type: ignore[method-assign]
+        run(llm, GREEDY)
+        ring = llm.llm_engine.runner.inputs.ring
+        assert ring is not None
+        return seen, ring.step_tokens
+
+    k = 3
+    with_scratch, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    assert step_tokens < max(map(len, PROMPTS)) // 2
+    real_groups = DeepseekV4ForCausalLM.kv_cache_groups
+    monkeypatch.setattr(
+        DeepseekV4ForCausalLM, "kv_cache_groups",
+        lambda self, bs, backtrack=0, mtp=0: real_groups(self, bs, backtrack + 96, mtp),
+    )  # fmt: skip
+    in_place, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    assert step_tokens >= 96  # every step in place
+    assert len(with_scratch) >= 5
+    for a, b in zip(with_scratch, in_place, strict=True):
+        assert [[t for t, _ in d] for d in a] == [[t for t, _ in d] for d in b]
+        assert [c for d in a for _, c in d] == pytest.approx([c for d in b for _, c in d], rel=1e-4)
+
+
 def test_rejections_at_the_ring_edge(tmp_path: Path) -> None:
     """Window 9, k = 3, 4-token steps: a ring of 12 rows = window + k, the fewest that hold a
     verification step's 1 + k rows beside its first query's window. The row of a step's last

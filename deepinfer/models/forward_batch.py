@@ -22,6 +22,9 @@ class KVCacheGroup:
     ring_blocks  0: the table grows with the sequence (row r in block r // BS of the table);
                  n > 0: every request holds a ring of n blocks whatever its length, token row p in
                  block (p // BS) % n of the ring, so only the last n * BS positions are kept
+    ring_lookback  a ring's: the positions before a step's first token that the step reads. A
+                 request computing at most ring_step_tokens tokens writes them into its ring in
+                 place; a longer step writes them to step-scratch blocks (deepinfer.engine.ring)
     num_mtp_caches  of the num_caches, the last ones that belong to the MTP head (speculative
                  decoding): paged, freed and rolled back with the model's, kept apart by the engine
     """
@@ -31,6 +34,13 @@ class KVCacheGroup:
     ratio: int = 1
     ring_blocks: int = 0
     num_mtp_caches: int = 0
+    ring_lookback: int = 0
+
+    def ring_step_tokens(self, block_size: int) -> int:
+        """A ring's: the most tokens a request computes in one step in place, R - lookback (R =
+        ring_blocks * BS rows): its rows then replace only positions older than its first
+        token's lookback."""
+        return self.ring_blocks * block_size - self.ring_lookback
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         """Blocks a request holds once num_tokens tokens are in the cache."""
