@@ -3,9 +3,11 @@ outputs are plain decoding's, greedy and seeded, for k = 1, 2, 3 drafts, on tiny
 with sliding-window, CSA and HCA layers and a hash-routed one, prompts several windows long and
 generations crossing several compression boundaries, with chunked prefill and preemption; drafts
 rejected right at the ring's edge (a ring of window + k rows, the tightest the engine builds);
-the compressed entries of a step that crosses a compression boundary with rejected drafts equal
-plain decoding's; the MTP layer's logits equal DeepSeek's MTPBlock composed of transformers'
-V4 decoder layer (transformers has no V4 MTP module of its own).
+the MTP head's drafts after prefill chunks written through step scratch equal those of a ring
+long enough to take every step in place; the compressed entries of a step that crosses a
+compression boundary with rejected drafts equal plain decoding's; the MTP layer's logits equal
+DeepSeek's MTPBlock composed of transformers' V4 decoder layer (transformers has no V4 MTP
+module of its own).
 
 Drafts of a random MTP layer are almost never right; `mirrored` checkpoints have an MTP layer
 that mostly drafts what the model samples (write_mirrored_v4_mtp_checkpoint), of a compressed
@@ -41,7 +43,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
 ENGINE_ARGS = {
     "whole": {},
-    "chunked": {"max_num_batched_tokens": 7},  # prefill in chunks of 7, a ring of 16 rows
+    "chunked": {"max_num_batched_tokens": 7},  # prefill chunks of 7 through step scratch, a ring of 12 rows
     # blocks of 2 tokens, entry pools short of what the four requests need at once
     "preempting": {
         "block_size": 2,

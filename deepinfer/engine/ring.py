@@ -19,8 +19,8 @@ c1 = (e - 1) // BS:
            [e - R, e), exactly what writing every row in place, in order, would have left.
 The copies are row copies (read_kv / write_kv) of the group's caches, model and MTP layers
 alike, queued on the device with the step: the next step may hand out the same scratch blocks.
-Scratch per step: a request computing k tokens spans at most k // BS + 2 columns, so a step of
-T tokens needs at most T // BS + 2 blocks per long request (scratch_blocks): V4-Flash with
+Scratch per step: a request computing q tokens spans at most q // BS + 2 columns, so a step of
+T tokens needs at most T // BS blocks plus 2 per long request (scratch_blocks): V4-Flash with
 T = 8192, BS = 64 and 256 request slots, 128 + 512 blocks for all requests, where rings of
 127 + 512 rows took 10 blocks per request slot (2,560) and rings of 127 + 1 take 2 (512).
 """
@@ -40,8 +40,8 @@ from deepinfer.models.forward_batch import KVCacheGroup
 def scratch_blocks(
     max_num_batched_tokens: int, max_num_seqs: int, block_size: int, step_tokens: int = 0
 ) -> int:
-    """Step-scratch blocks that the longest steps need: T // BS + 2 per long request (the
-    columns of a request computing k tokens: at most k // BS + 2), a long request computing
+    """Step-scratch blocks that the longest steps need: T // BS plus 2 per long request (the
+    columns of a request computing q tokens: at most q // BS + 2), a long request computing
     more than step_tokens tokens (KVCacheGroup.ring_step_tokens)."""
     t = max_num_batched_tokens
     return t // block_size + 2 * min(max_num_seqs, t // (step_tokens + 1))

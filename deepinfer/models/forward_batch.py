@@ -68,7 +68,8 @@ class ForwardBatch:
     logits_indices  (S,) int64   rows of the final hidden states that need logits
     group_block_tables  per cache group after the first (a model with several KVCacheGroups),
                     (B, MBg) int32 block tables of that group; slot_mapping and attn.block_tables
-                    are the first group's (a ring's: column i is ring block i % n). Empty: every
+                    are the first group's (a ring's: column i is ring block i % n, or a
+                    step-scratch block for the columns of a long step's positions). Empty: every
                     cache is paged by attn.block_tables.
     fixed_exchange  the step is padded to a graph bucket, and with expert parallelism every rank
                     runs a step of that bucket: MoE layers exchange fixed-size buffers
