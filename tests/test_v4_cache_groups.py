@@ -72,6 +72,7 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     root = write_random_v4_checkpoint(tmp_path / "v4", raw)
     llm = LLM(
         str(root), backend="reference", dtype="float32", block_size=4, max_model_len=64,
+        max_num_batched_tokens=64, max_num_seqs=16,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     )  # fmt: skip
     engine = llm.llm_engine
@@ -81,7 +82,13 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     assert (ring.num_mtp_caches, e4.num_mtp_caches, e8.num_mtp_caches) == (1 + 4 + 2, 2, 0)
     assert len(engine.runner.kv_caches) == engine.model.num_kv_layers
     pools = [m.num_blocks for m in engine.block_manager.managers]  # type: ignore[union-attr]
-    # the ring's caches hold its step scratch after the pool's blocks
+    # ring: 7 + 1 + 2 rows -> 3 blocks, 5 tokens a step in place; the step scratch for T tokens a
+    # step: T // 4 blocks plus 2 per request of more than 5 tokens; the ring's caches hold it after
+    # the pool's blocks
+    c = engine.config
+    assert (ring.ring_blocks, ring.ring_step_tokens(4)) == (3, 5)
+    t, seqs = c.max_num_batched_tokens, c.max_num_seqs
+    assert (t, seqs) == (64, 16) and engine.ring_scratch_blocks == t // 4 + 2 * min(seqs, t // 6) == 36
     ring_blocks = pools[0] + engine.ring_scratch_blocks
     assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [ring_blocks] * 7 + [pools[1]] * 2
 

@@ -202,9 +202,10 @@ class LLMEngine:
         if hasattr(model, "kv_cache_groups"):
             mtp_layers = 1 if method == "mtp" else 0
             self.kv_groups = model.kv_cache_groups(bs, self.num_speculative_tokens, mtp_layers)
-            if self.kv_groups[0].ring_blocks:
+            ring = self.kv_groups[0]
+            if ring.ring_blocks:  # its long requests compute more than ring_step_tokens each
                 self.ring_scratch_blocks = scratch_blocks(
-                    config.max_num_batched_tokens, config.max_num_seqs, bs
+                    config.max_num_batched_tokens, config.max_num_seqs, bs, ring.ring_step_tokens(bs)
                 )
             if method is not None:  # its speculative steps run eagerly (no verification graphs yet)
                 use_graphs = False
