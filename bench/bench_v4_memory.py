@@ -6,14 +6,15 @@ Two measurements:
 1. engine: a random DeepSeek-V4 model of reduced size (SMALL_CONFIG: one sliding-window, one CSA
    and one HCA layer with V4-Flash's window 128, ratios 4 / 128 and index_topk 512, but D = 64
    and small projections) on the reference backend: one request, a 9,000-token prompt prefilled
-   in 512-token chunks and 1,001 greedy decode steps (10,000 tokens in the cache), through
-   LLMEngine.step. After each step the
-   blocks the request holds in each cache group are read from the block manager; the first step
-   at or past each 1k tokens is recorded.
+   in 2,048-token chunks (16 times its ring: through step scratch, deepinfer.engine.ring) and
+   1,001 greedy decode steps (10,000 tokens in the cache), through LLMEngine.step. After each
+   step the blocks the request holds in each cache group are read from the block manager; the
+   first step at or past each 1k tokens is recorded.
 2. flash: the same request's blocks at V4-Flash's size (model/deepseek-v4-flash/config.json: 43
    layers, D = 512, bfloat16), by driving the scheduler and block manager with the groups that
-   config gives (no forward: the block counts depend only on the lengths), and what the previous
-   layout (every cache paged by one table, one row per token) held at the same lengths.
+   config gives (no forward: the block counts depend only on the lengths; 8,192-token steps,
+   the prompt in two chunks), and what the previous layout (every cache paged by one table, one
+   row per token) held at the same lengths.
 
 Bytes held = blocks x block_size x row bytes x caches in the group. Bytes per token per cache type
 (per layer) come from the row widths: a ring row per token for the window and state caches (held
@@ -37,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.engine.kv_cache import GroupedBlockManager, cdiv, group_pool_blocks  # noqa: E402
+from deepinfer.engine.ring import scratch_blocks  # noqa: E402
 from deepinfer.engine.scheduler import Scheduler  # noqa: E402
 from deepinfer.engine.sequence import Sequence  # noqa: E402
 from deepinfer.models.config import ModelConfig  # noqa: E402
 from deepinfer.models.deepseek_v4 import (  # noqa: E402
-    MAX_STEP_TOKENS,
     WideCache,
     cache_groups,
     cache_kinds,
@@ -57,6 +58,7 @@ BLOCK_SIZE = 64
 TOTAL, PROMPT = 10_000, 9_000
 DECODE = TOTAL - PROMPT + 1
 MARKS = [1_000 * k for k in range(1, 11)]
+STEP_TOKENS, ENGINE_STEP_TOKENS = 8192, 2048  # max_num_batched_tokens: V4-Flash's, the engine's
 SMALL_CONFIG = tiny_v4_config(
     vocab_size=256, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, head_dim=64,
     q_lora_rank=32, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=16, index_n_heads=4,
@@ -119,7 +121,8 @@ def run_engine(log: list[str]) -> dict[str, Any]:
         root = write_random_v4_checkpoint(Path(tmp) / "v4", SMALL_CONFIG)
         llm = LLM(
             str(root), backend="reference", dtype="float32", block_size=BLOCK_SIZE, max_model_len=10_240,
-            max_num_seqs=1, max_num_batched_tokens=8192, num_gpu_blocks_override=cdiv(10_240, BLOCK_SIZE),
+            max_num_seqs=1, max_num_batched_tokens=ENGINE_STEP_TOKENS,
+            num_gpu_blocks_override=cdiv(10_240, BLOCK_SIZE),
         )  # fmt: skip
     engine = llm.llm_engine
     groups = engine.kv_groups
@@ -152,6 +155,8 @@ def run_engine(log: list[str]) -> dict[str, Any]:
         "steps": steps,
         "seconds": round(seconds, 1),
         "all_blocks_free_after": bm.num_free_blocks == bm.num_blocks,
+        "max_num_batched_tokens": ENGINE_STEP_TOKENS,
+        "scratch_blocks": engine.ring_scratch_blocks,
         "groups": [vars(g) for g in groups],
         "ring_rows": ring_rows,
         "rows": record.rows,
@@ -163,11 +168,11 @@ def run_flash(log: list[str]) -> dict[str, Any]:
     """Measurement 2: V4-Flash's groups, driven through the scheduler and block manager."""
     config = ModelConfig.from_dict(json.loads(FLASH.read_text()))
     assert config.v4 is not None
-    groups = cache_groups(config, BLOCK_SIZE, MAX_STEP_TOKENS)
+    groups = cache_groups(config, BLOCK_SIZE)  # no speculative decoding: k = 0
     row = row_bytes(config, 2)  # bfloat16
     num_caches = sum(g.num_caches for g in groups)
     bm = GroupedBlockManager(groups, group_pool_blocks(groups, cdiv(TOTAL + 1, BLOCK_SIZE), 1), BLOCK_SIZE)
-    sched = Scheduler(bm, 1, 8192, MAX_STEP_TOKENS)
+    sched = Scheduler(bm, 1, STEP_TOKENS)
     seq = Sequence("0", None, [3] * PROMPT, SamplingParams(max_tokens=DECODE), max_total_tokens=TOTAL + 1)
     sched.add(seq)
     record = Recorder("flash", groups, row, log)
@@ -182,8 +187,13 @@ def run_flash(log: list[str]) -> dict[str, Any]:
     return {
         "model": "model/deepseek-v4-flash/config.json, bfloat16 caches",
         "block_size": BLOCK_SIZE,
-        "max_step_tokens": MAX_STEP_TOKENS,
+        "max_num_batched_tokens": STEP_TOKENS,
         "ring_lookback": ring_lookback(config.v4),
+        "ring_step_tokens": groups[0].ring_step_tokens(BLOCK_SIZE),
+        # the step scratch of an engine with 256 request slots, shared by all requests
+        "scratch_blocks_256_slots": scratch_blocks(
+            STEP_TOKENS, 256, BLOCK_SIZE, groups[0].ring_step_tokens(BLOCK_SIZE)
+        ),
         "groups": [vars(g) for g in groups],
         "ring_rows": ring_rows,
         "rows": record.rows,

@@ -102,11 +102,35 @@ def test_whole_prefill(case: Case) -> None:
 
 def test_chunked_prefill_across_the_ring(case: Case) -> None:
     """A 7-token step budget: prompts prefilled in chunks that cut compression windows anywhere,
-    through a ring of 16 or 24 rows (window and compressor state) that the longest request
-    (158 tokens) wraps 6 to 10 times."""
+    through a ring of 8 or 16 rows (window and compressor state) that the longest request
+    (158 tokens) wraps 10 to 20 times; chunks longer than the ring takes in place (1 token)
+    through step scratch."""
     llm = case.llm(max_num_batched_tokens=7, max_num_seqs=4, num_gpu_blocks_override=40)
     assert ring_rows(llm) * 6 <= max(PROMPT_LENS) + NEW_TOKENS
     assert greedy(llm, case.prompts) == case.expected
+    assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("budget,preempts", [(40, True), (256, False)])
+def test_chunks_several_times_the_ring(case: Case, budget: int, preempts: bool) -> None:
+    """Step budgets of 40 and 256 tokens, prompt chunks up to 2.5 to 19 times the ring's 8 or 16
+    rows: every chunk's rows go to step scratch and its last ring rows back; with 40 tokens a
+    step and 40 blocks of 4 tokens, requests are preempted and recomputed in such chunks too."""
+    llm = case.llm(max_num_batched_tokens=budget, max_num_seqs=4, num_gpu_blocks_override=40)
+    engine = llm.llm_engine
+    ring = engine.runner.inputs.ring
+    assert ring is not None and engine.ring_scratch_blocks > 0
+    longest: list[int] = [0]
+    real = ring.tables
+
+    def spy(rings: Any, spans: Any, columns: Any = None) -> Any:
+        longest[0] = max([longest[0], *(e - s for s, e in spans)])
+        return real(rings, spans, columns)
+
+    ring.tables = spy  # type: ignore[method-assign]
+    assert greedy(llm, case.prompts[::-1]) == case.expected[::-1]
+    assert longest[0] >= min(budget, max(PROMPT_LENS)) >= 2 * ring_rows(llm)
+    assert (engine.scheduler.num_preemptions > 0) == preempts
     assert all_blocks_free(llm)
 
 

@@ -1,6 +1,8 @@
 """DeepSeek-V4's cache groups: a ring of a fixed number of blocks per request for the per-token
-caches (sliding window, compressor state), entry caches growing at 1/m rows per token, all blocks
-returned at finish and preemption; pool sizing across groups; decode steps replayed from graphs
+caches (sliding window, compressor state): ceil((lookback + 1 + max backtrack) / BS), whatever
+the length and the step sizes; entry caches growing at 1/m rows per token, all blocks returned at
+finish and preemption; pool sizing across groups (the ring's step scratch included); decode
+steps replayed from graphs
 through the ring and entry tables (reference backend, and the cuda backend's kernels under the
 Triton interpreter: tests/test_cuda_interpret.py)."""
 
@@ -15,10 +17,11 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.kv_cache import GroupedBlockManager, cdiv, fit_blocks, group_pool_blocks
+from deepinfer.engine.ring import scratch_blocks
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.config import ModelConfig
-from deepinfer.models.deepseek_v4 import MAX_STEP_TOKENS, cache_groups, ring_lookback
+from deepinfer.models.deepseek_v4 import cache_groups, ring_lookback
 from deepinfer.models.forward_batch import KVCacheGroup
 from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
 
@@ -30,18 +33,23 @@ def flash_config() -> ModelConfig:
     return ModelConfig.from_dict(json.loads(FLASH.read_text()))
 
 
-def test_flash_groups() -> None:
+@pytest.mark.parametrize("k,blocks", [(0, 2), (1, 3), (64, 3), (65, 4)])
+def test_flash_groups(k: int, blocks: int) -> None:
     """V4-Flash (43 layers, D 512, window 128, CSA 4 with a 128-wide indexer, HCA 128): the ring
     holds the window (1 cache per layer), the compressor state (4 caches per CSA layer, 2 per
-    HCA layer) and the indexer's state (1 per CSA layer), for 127 + 512 positions: 10 blocks of
-    64. Entries: the CSA entries and indexer keys at 1/4, the HCA entries at 1/128."""
+    HCA layer) and the indexer's state (1 per CSA layer), for 127 + 1 + k positions (k drafts
+    per verification step): 2 blocks of 64 without drafts, 3 with 1 to 64, 4 with 65. A step
+    of up to R - 127 tokens per request writes the ring in place. Entries: the CSA entries and
+    indexer keys at 1/4, the HCA entries at 1/128."""
     config = flash_config()
     assert config.v4 is not None
     ratios = config.v4.compress_ratios
     csa, hca = ratios.count(4), ratios.count(128)
     assert ring_lookback(config.v4) == 127
-    ring, e4, e128 = cache_groups(config, BS, MAX_STEP_TOKENS)
-    assert (ring.name, ring.ring_blocks, ring.num_caches) == ("ring", 10, 43 + 5 * csa + 2 * hca)
+    ring, e4, e128 = cache_groups(config, BS, k)
+    assert blocks == cdiv(127 + 1 + k, BS)
+    assert (ring.name, ring.ring_blocks, ring.num_caches) == ("ring", blocks, 43 + 5 * csa + 2 * hca)
+    assert (ring.ring_lookback, ring.ring_step_tokens(BS)) == (127, blocks * BS - 127)
     assert (e4.name, e4.ratio, e4.num_caches, e4.ring_blocks) == ("entries/4", 4, 2 * csa, 0)
     assert (e128.name, e128.ratio, e128.num_caches) == ("entries/128", 128, hca)
 
@@ -55,7 +63,7 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     assert config.v4 is not None
     ratios = config.v4.compress_ratios
     csa, hca = ratios.count(4), ratios.count(128)
-    ring, e4, e128 = cache_groups(config, BS, MAX_STEP_TOKENS, mtp_layers=1)
+    ring, e4, e128 = cache_groups(config, BS, mtp_layers=1)
     assert (ring.num_caches, ring.num_mtp_caches) == (43 + 5 * csa + 2 * hca + 1, 1)
     assert (e4.num_caches, e4.num_mtp_caches, e128.num_mtp_caches) == (2 * csa, 0, 0)
 
@@ -64,6 +72,7 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     root = write_random_v4_checkpoint(tmp_path / "v4", raw)
     llm = LLM(
         str(root), backend="reference", dtype="float32", block_size=4, max_model_len=64,
+        max_num_batched_tokens=64, max_num_seqs=16,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     )  # fmt: skip
     engine = llm.llm_engine
@@ -73,19 +82,30 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     assert (ring.num_mtp_caches, e4.num_mtp_caches, e8.num_mtp_caches) == (1 + 4 + 2, 2, 0)
     assert len(engine.runner.kv_caches) == engine.model.num_kv_layers
     pools = [m.num_blocks for m in engine.block_manager.managers]  # type: ignore[union-attr]
-    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [pools[0]] * 7 + [pools[1]] * 2
+    # ring: 7 + 1 + 2 rows -> 3 blocks, 5 tokens a step in place; the step scratch for T tokens a
+    # step: T // 4 blocks plus 2 per request of more than 5 tokens; the ring's caches hold it after
+    # the pool's blocks
+    c = engine.config
+    assert (ring.ring_blocks, ring.ring_step_tokens(4)) == (3, 5)
+    t, seqs = c.max_num_batched_tokens, c.max_num_seqs
+    assert (t, seqs) == (64, 16) and engine.ring_scratch_blocks == t // 4 + 2 * min(seqs, t // 6) == 36
+    ring_blocks = pools[0] + engine.ring_scratch_blocks
+    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [ring_blocks] * 7 + [pools[1]] * 2
 
 
-@pytest.mark.parametrize("window,chunk", [(128, 512), (6, 7), (3, 1)])
-def test_ring_covers_what_a_step_reads(window: int, chunk: int) -> None:
-    """R = ring rows >= lookback + chunk: a step writing [start, end) (at most `chunk` tokens)
-    overwrites only positions older than end - R, none of which it reads (its first query's
-    window, and the state rows pooled by the first entry closing in the step)."""
+@pytest.mark.parametrize("window,k", [(128, 0), (128, 5), (6, 0), (6, 3), (3, 0), (3, 2)])
+def test_ring_covers_what_a_step_reads(window: int, k: int) -> None:
+    """R = ring rows >= lookback + 1 + k: a step writing [start, end) in place (at most R -
+    lookback tokens, 1 + k at least) overwrites only positions older than end - R, none of
+    which it reads (its first query's window, and the state rows pooled by the first entry
+    closing in the step)."""
     raw = tiny_v4_config(sliding_window=window)
     config = ModelConfig.from_dict(raw)
     assert config.v4 is not None
-    ring = cache_groups(config, 4, chunk)[0]
+    ring = cache_groups(config, 4, k)[0]
     rows = ring.ring_blocks * 4
+    chunk = ring.ring_step_tokens(4)
+    assert chunk >= 1 + k and rows == cdiv(ring_lookback(config.v4) + 1 + k, 4) * 4
     m_csa, m_hca = config.v4.csa_ratio, config.v4.hca_ratio
     for start in range(0, 40):
         end = start + chunk
@@ -108,21 +128,32 @@ def drive(bm: GroupedBlockManager, seq: Sequence, sched: Scheduler, total: int) 
     return seen
 
 
-def test_ring_constant_entries_grow_to_10k_tokens() -> None:
-    """One V4-Flash-shaped request to 10,000 tokens (a 9,000-token prompt in 512-token chunks,
-    then 1,000 decode steps): its ring stays at 10 blocks from its first step on, its entry
-    groups hold cdiv(L // m, 64) blocks; finishing returns every block."""
-    groups = cache_groups(flash_config(), BS, MAX_STEP_TOKENS)
+@pytest.mark.parametrize("k", [0, 3])
+def test_ring_constant_entries_grow_to_10k_tokens(k: int) -> None:
+    """One V4-Flash-shaped request to 10,000 tokens (a 9,000-token prompt in chunks of the step's
+    8,192-token budget, then 1,000 decode steps), k drafts per verification step: its ring
+    stays at ceil((127 + 1 + k) / 64) blocks from its first step on (no cap on its tokens per
+    step: the long chunks go through step scratch), its entry groups hold cdiv(L // m, 64)
+    blocks; finishing returns every block."""
+    groups = cache_groups(flash_config(), BS, k)
+    blocks = cdiv(127 + 1 + k, BS)
     pools = group_pool_blocks(groups, cdiv(10_000, BS), max_num_seqs=1)
     bm = GroupedBlockManager(groups, pools, BS)
-    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=8192, max_tokens_per_request=MAX_STEP_TOKENS)
+    sched = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=8192)
     seq = Sequence("0", None, [3] * 9000, SamplingParams(max_tokens=1000), max_total_tokens=10_000)
     seen = drive(bm, seq, sched, 10_000)
-    assert seen[0][0] == MAX_STEP_TOKENS  # prefill chunks capped per request
+    assert seen[0][0] == 8192  # the whole budget in one step
     for tokens, ring, e4, e128 in seen:
-        assert ring == 10
+        assert ring == blocks
         assert e4 == cdiv(tokens // 4, BS) and e128 == cdiv(tokens // 128, BS)
-    assert seen[-1] == (10_000, 10, 40, 2)
+    assert seen[-1] == (10_000, blocks, 40, 2)
+    assert pools[0] == blocks  # one ring; the step scratch is the engine's, for all requests
+    # the engine's step scratch, for all requests: T // BS + 2 per long request (more than
+    # R - 127 tokens) of the step
+    assert scratch_blocks(8192, 1, BS, groups[0].ring_step_tokens(BS)) == 8192 // BS + 2
+    assert (
+        scratch_blocks(8192, 256, BS, 1) == 128 + 512 and scratch_blocks(8192, 256, BS, 65) == 128 + 2 * 124
+    )
     sched.finish(seq)
     assert bm.num_free_blocks == bm.num_blocks and all(not t for t in seq.block_tables)
 
@@ -174,14 +205,17 @@ def test_pool_sizing() -> None:
     assert fit_blocks(pool_bytes(0) - 1, pool_bytes, 10**6) == 0
 
 
-def test_engine_request_ring_is_constant(tmp_path: Path) -> None:
-    """Through the engine (tiny random V4, blocks of 4, window 6, ratios 4 and 8, 7-token steps):
-    a 300-token request keeps its ring (4 blocks: 7 + 7 rows rounded up) at every step while its
-    entry blocks grow at 1/4 and 1/8 of its tokens; every block is free at the end."""
+@pytest.mark.parametrize("budget", [7, 64])
+def test_engine_request_ring_is_constant(tmp_path: Path, budget: int) -> None:
+    """Through the engine (tiny random V4, blocks of 4, window 6, ratios 4 and 8: a look-back of
+    7 rows; steps of 7 or 64 tokens, up to 8 times the ring): a 300-token request keeps its ring
+    (2 blocks: 7 + 1 rows) at every step while its entry blocks grow at 1/4 and 1/8 of its
+    tokens; the ring's caches hold 2 rings and the step scratch, nothing that grows with a
+    request; every block is free at the end."""
     root = write_random_v4_checkpoint(tmp_path / "v4", tiny_v4_config(max_position_embeddings=512))
     llm = LLM(
         str(root), backend="reference", dtype="float32", block_size=4, max_model_len=320,
-        max_num_batched_tokens=7, max_num_seqs=2,
+        max_num_batched_tokens=budget, max_num_seqs=2,
     )  # fmt: skip
     engine = llm.llm_engine
     seq = engine.make_sequence(
@@ -194,10 +228,12 @@ def test_engine_request_ring_is_constant(tmp_path: Path) -> None:
         engine.step()
         if not seq.is_finished:
             seen.append((seq.num_computed_tokens, *(len(t) for t in seq.block_tables)))
-    assert len(seen) > 40 and seen[-1][0] >= 290
+    assert len(seen) > 280 // budget and seen[-1][0] >= 290
     for tokens, ring, e4, e8 in seen:
-        assert ring == 4
+        assert ring == 2
         assert e4 == cdiv(tokens // 4, 4) and e8 == cdiv(tokens // 8, 4)
+    assert engine.ring_scratch_blocks == scratch_blocks(budget, 2, 4, 1) == budget // 4 + 4
+    assert engine.runner.kv_caches[0].spec.num_blocks == 2 * 2 + engine.ring_scratch_blocks
     assert len(seq.output_token_ids) == 20
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -3,9 +3,11 @@ outputs are plain decoding's, greedy and seeded, for k = 1, 2, 3 drafts, on tiny
 with sliding-window, CSA and HCA layers and a hash-routed one, prompts several windows long and
 generations crossing several compression boundaries, with chunked prefill and preemption; drafts
 rejected right at the ring's edge (a ring of window + k rows, the tightest the engine builds);
-the compressed entries of a step that crosses a compression boundary with rejected drafts equal
-plain decoding's; the MTP layer's logits equal DeepSeek's MTPBlock composed of transformers'
-V4 decoder layer (transformers has no V4 MTP module of its own).
+the MTP head's drafts after prefill chunks written through step scratch equal those of a ring
+long enough to take every step in place; the compressed entries of a step that crosses a
+compression boundary with rejected drafts equal plain decoding's; the MTP layer's logits equal
+DeepSeek's MTPBlock composed of transformers' V4 decoder layer (transformers has no V4 MTP
+module of its own).
 
 Drafts of a random MTP layer are almost never right; `mirrored` checkpoints have an MTP layer
 that mostly drafts what the model samples (write_mirrored_v4_mtp_checkpoint), of a compressed
@@ -41,7 +43,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SEEDED = [SamplingParams(temperature=0.8, top_k=40, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
 ENGINE_ARGS = {
     "whole": {},
-    "chunked": {"max_num_batched_tokens": 7},  # prefill in chunks of 7, a ring of 16 rows
+    "chunked": {"max_num_batched_tokens": 7},  # prefill chunks of 7 through step scratch, a ring of 12 rows
     # blocks of 2 tokens, entry pools short of what the four requests need at once
     "preempting": {
         "block_size": 2,
@@ -126,6 +128,46 @@ def test_accepted_drafts(mirrored: Path, k: int, args: str) -> None:
     assert all_blocks_free(spec)
     if args == "preempting":
         assert engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("args", ["whole", "chunked"])
+def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MTP head's pass over a prefill chunk longer than the ring takes in place goes through
+    step scratch as the model's forward does: every draft (tokens and confidences) equals that of
+    an engine whose ring is long enough for every step to be written in place."""
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    def drafts(llm: LLM) -> tuple[list[Any], int]:
+        decoder = llm.llm_engine.speculative
+        assert decoder is not None
+        seen: list[Any] = []
+        real = decoder.propose
+
+        def spy(*a: Any) -> Any:
+            out = real(*a)
+            seen.append(out)
+            return out
+
+        decoder.propose = spy  # type: ignore[method-assign]
+        run(llm, GREEDY)
+        ring = llm.llm_engine.runner.inputs.ring
+        assert ring is not None
+        return seen, ring.step_tokens
+
+    k = 3
+    with_scratch, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    assert step_tokens < max(map(len, PROMPTS)) // 2
+    real_groups = DeepseekV4ForCausalLM.kv_cache_groups
+    monkeypatch.setattr(
+        DeepseekV4ForCausalLM, "kv_cache_groups",
+        lambda self, bs, backtrack=0, mtp=0: real_groups(self, bs, backtrack + 96, mtp),
+    )  # fmt: skip
+    in_place, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    assert step_tokens >= 96  # every step in place
+    assert len(with_scratch) >= 5
+    for a, b in zip(with_scratch, in_place, strict=True):
+        assert [[t for t, _ in d] for d in a] == [[t for t, _ in d] for d in b]
+        assert [c for d in a for _, c in d] == pytest.approx([c for d in b for _, c in d], rel=1e-4)
 
 
 def test_rejections_at_the_ring_edge(tmp_path: Path) -> None:

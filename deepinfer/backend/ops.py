@@ -223,8 +223,10 @@ class KVCacheOps(_Part):
         ref_memory.write_kv(cache, kv, slot_mapping)
 
     def read_kv(self, cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-        """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype. The conformance suite
-        checks a layout through it; the engine does not call it."""
+        """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype: write_kv of them stores
+        the same rows. The conformance suite checks a layout through it; DeepSeek-V4 reads its
+        state rows with it, and the engine copies ring rows to and from step scratch with it
+        (deepinfer.engine.ring)."""
         return ref_memory.read_kv(cache, slots)
 
     def write_mla_kv(

@@ -15,8 +15,10 @@ that token in `sampled_ids`; the runner resolves them on the device before the e
 
 A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
 and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
-i % n (one column per block of the sequence: position p at column p // BS, as for any table), and
-each further group's own tables in group_block_tables (in a graph step, each as wide as
+i % n (one column per block of the sequence: position p at column p // BS, as for any table; a
+request computing more tokens than its ring takes in place gets step-scratch blocks for the
+columns of its new positions, deepinfer.engine.ring, and the step the copies around its forward),
+and each further group's own tables in group_block_tables (in a graph step, each as wide as
 max_model_len needs).
 
 Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns, MBg those of
@@ -35,6 +37,7 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata
+from deepinfer.engine.ring import RingCopies, RingScratch
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
@@ -87,13 +90,15 @@ def ring_table(ring: list[int], columns: int) -> list[int]:
 @dataclass
 class PreparedStep:
     """A scheduled batch laid out on the device. `bucket` is the graph bucket size (the batch
-    padded to Bp decode rows) or None for an eager step. sampling_seqs[i] owns logits row i."""
+    padded to Bp decode rows) or None for an eager step. sampling_seqs[i] owns logits row i.
+    ring_copies: the ring group's copies around the forward (step scratch), if any."""
 
     batch: ScheduledBatch
     forward: ForwardBatch
     sampling: SamplingInputs
     sampling_seqs: list[Sequence]
     bucket: int | None
+    ring_copies: RingCopies | None = None
 
     @property
     def num_rows(self) -> int:
@@ -125,6 +130,10 @@ class StepInputs:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.groups = groups  # None: one group, seq.block_table
+        # a ring group's step scratch: none until the engine sizes the pools (set_ring_scratch)
+        self.ring: RingScratch | None = None
+        if groups and groups[0].ring_blocks:
+            self.ring = RingScratch(groups[0], block_size, 0, 0)
         rows = max(max_num_tokens, max_num_seqs)
         # block-table columns of each further group in a graph step
         self.group_mbs = tuple(g.blocks_for(max_model_len, block_size) for g in (groups or [])[1:])
@@ -166,16 +175,18 @@ class StepInputs:
             self._bucket_views[key] = views
         return views
 
-    def _first_group_tables(self, batch: ScheduledBatch) -> list[list[int]]:
+    def _first_group_tables(self, batch: ScheduledBatch) -> tuple[list[list[int]], RingCopies | None]:
         """Each request's table of the first cache group; a ring's unrolled over the sequence
-        (column i = ring block i % n, one column per block of its KV length this step)."""
-        if self.groups is None or not self.groups[0].ring_blocks:
-            return [q.block_table for q in batch.seqs]
-        bs = self.block_size
-        return [
-            ring_table(seq.block_table, -(-(seq.num_computed_tokens + new) // bs))
-            for seq, new in zip(batch.seqs, batch.num_new_tokens)
+        (column i = ring block i % n, one column per block of its KV length this step), with
+        step-scratch columns and copies for a request computing more than the ring takes."""
+        if self.ring is None:
+            return [q.block_table for q in batch.seqs], None
+        spans = [
+            (q.num_computed_tokens, q.num_computed_tokens + n)
+            for q, n in zip(batch.seqs, batch.num_new_tokens)
         ]
+        tables, copies = self.ring.tables([q.block_table for q in batch.seqs], spans)
+        return tables, copies or None
 
     # ------------------------------------------------------------------ building a step
 
@@ -214,7 +225,8 @@ class StepInputs:
         s = len(rows) if bucket is None else t if width is not None else bucket
         if width is not None:
             rows = list(range(len(row_seqs)))
-        tables = self._first_group_tables(batch)
+        tables, copies = self._first_group_tables(batch)
+        assert bucket is None or copies is None, "graph steps stay within the ring"
         mb = self.max_blocks if bucket is not None else max((len(tb) for tb in tables), default=1)
         mb = max(mb, 1)
         group_mbs: tuple[int, ...] = ()
@@ -274,7 +286,7 @@ class StepInputs:
             seeds=views["seeds"],
             offsets=views["offsets"],
         )
-        return PreparedStep(batch, forward, sampling, sampling_seqs, bucket)
+        return PreparedStep(batch, forward, sampling, sampling_seqs, bucket, copies)
 
     def _fill_tokens(
         self,

@@ -46,6 +46,7 @@ from deepinfer.engine.kv_cache import (
 )
 from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH, ModelRunner, graph_buckets
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
+from deepinfer.engine.ring import scratch_blocks
 from deepinfer.engine.sampler import PromptLogprobs, Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
@@ -189,19 +190,23 @@ class LLMEngine:
             )
         self.async_scheduling = config.async_scheduling
         bs = config.block_size
-        # A model with several cache groups (DeepSeek-V4's ring and entry caches) caps the tokens a
-        # request computes per step (its ring is sized for them; drafts fit under the cap). Its
-        # MTP layer's caches are rows of the same groups: paged, freed and rolled back alike; the
-        # ring also holds the 1 + k positions of a verification step (rejected drafts are
-        # rewritten in place, never past a row a later step still reads).
-        self.max_step_tokens: int | None = None
+        # A model with several cache groups (DeepSeek-V4's ring and entry caches): its ring holds
+        # what a step reads before its first token plus the 1 + k positions of a verification
+        # step (rejected drafts are rewritten in place, never past a row a later step still
+        # reads); a request computing more tokens in a step (a prefill chunk, a recompute) runs
+        # over step-scratch blocks (deepinfer.engine.ring), a pool sized from the step's token
+        # budget, so no cap on a request's tokens per step. Its MTP layer's caches are rows of
+        # the same groups: paged, freed and rolled back alike.
         self.kv_groups: list[KVCacheGroup] | None = None
+        self.ring_scratch_blocks = 0
         if hasattr(model, "kv_cache_groups"):
-            k = self.num_speculative_tokens
-            cap = max(model.max_step_tokens_per_request, 1 + k)
-            self.max_step_tokens = min(cap, config.max_num_batched_tokens)
             mtp_layers = 1 if method == "mtp" else 0
-            self.kv_groups = model.kv_cache_groups(bs, max(self.max_step_tokens, 1 + k), mtp_layers)
+            self.kv_groups = model.kv_cache_groups(bs, self.num_speculative_tokens, mtp_layers)
+            ring = self.kv_groups[0]
+            if ring.ring_blocks:  # its long requests compute more than ring_step_tokens each
+                self.ring_scratch_blocks = scratch_blocks(
+                    config.max_num_batched_tokens, config.max_num_seqs, bs, ring.ring_step_tokens(bs)
+                )
             if method is not None:  # its speculative steps run eagerly (no verification graphs yet)
                 use_graphs = False
         self.sampler = Sampler(self.backend, self.eos_token_ids)
@@ -232,8 +237,9 @@ class LLMEngine:
             pools = group_pool_blocks(self.kv_groups, num_blocks, config.max_num_seqs)
             self.block_manager = GroupedBlockManager(self.kv_groups, pools, bs)
             self.runner.kv_caches = []
-            for group, n in zip(self.kv_groups, pools):
-                spec = model.kv_cache_spec(n, bs)
+            for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
+                scratch = self.ring_scratch_blocks if i == 0 else 0  # after the ring pool's blocks
+                spec = model.kv_cache_spec(n + scratch, bs)
                 caches = self.backend.kv_cache.allocate(spec, group.num_caches)
                 own = group.num_caches - group.num_mtp_caches  # then the MTP head's
                 self.runner.kv_caches += caches[:own]
@@ -243,6 +249,14 @@ class LLMEngine:
                     "KV cache group %s: %d caches, %d blocks, %.1f MiB (a row per %d tokens, ring %d blocks)",
                     group.name, group.num_caches, n, mib, group.ratio, group.ring_blocks,
                 )  # fmt: skip
+                if scratch:
+                    logger.info(
+                        "KV cache group %s/scratch: %d caches, %d blocks, %.1f MiB (steps longer than "
+                        "%d tokens per request)",
+                        group.name, group.num_caches, scratch, mib * scratch / n,
+                        group.ring_step_tokens(bs),
+                    )  # fmt: skip
+                    self.runner.set_ring_scratch(n, scratch)
         if method == "mtp" and self.kv_groups is None:  # the MTP head's cache: same blocks and tables
             self.runner.mtp_caches = self.backend.kv_cache.allocate(spec, 1)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
@@ -273,9 +287,7 @@ class LLMEngine:
                 if self.runner.verify_graphs else "",
                 time.perf_counter() - start, self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
             )  # fmt: skip
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.max_step_tokens
-        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.speculative: SpeculativeDecoder | None = None
         if self.num_speculative_tokens:
@@ -353,13 +365,15 @@ class LLMEngine:
 
     def _kv_pool_bytes(self, num_blocks: int) -> int:
         """Device bytes of a KV cache of num_blocks blocks of tokens: every cache (the MTP head's
-        included); with several cache groups, each group's pool (group_pool_blocks)."""
+        included); with several cache groups, each group's pool (group_pool_blocks) and a ring
+        group's step scratch."""
         bs = self.config.block_size
         per_cache: int = self.model.kv_cache_spec(1, bs).bytes_per_token * bs  # a block of one cache
         if self.kv_groups is None:
             layers: int = self.model.num_kv_layers + (1 if self.config.speculative_method == "mtp" else 0)
             return num_blocks * per_cache * layers
         pools = group_pool_blocks(self.kv_groups, num_blocks, self.config.max_num_seqs)
+        pools[0] += self.ring_scratch_blocks
         return sum(n * per_cache * g.num_caches for g, n in zip(self.kv_groups, pools))
 
     def _num_kv_blocks(self, graph_reserve: int) -> int:
@@ -388,12 +402,16 @@ class LLMEngine:
         pool_blocks = num_blocks
         if self.kv_groups is not None:
             pool_blocks = sum(group_pool_blocks(self.kv_groups, num_blocks, c.max_num_seqs))
+            pool_blocks += self.ring_scratch_blocks
         bytes_per_block = cdiv(self._kv_pool_bytes(num_blocks), max(pool_blocks, 1))
         check_kv_pool_fits(pool_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
         if num_blocks * bs < self.max_model_len:
             fixed = ""
             if self.kv_groups is not None:
-                fixed = f" beside {self._kv_pool_bytes(0)} bytes of per-request-slot caches (max_num_seqs)"
+                fixed = (
+                    f" beside {self._kv_pool_bytes(0)} bytes of per-request-slot caches (max_num_seqs) "
+                    "and step scratch"
+                )
             raise ValueError(
                 f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}, "
                 f"{self._kv_pool_bytes(1) - self._kv_pool_bytes(0)} bytes each{fixed}), fewer than "

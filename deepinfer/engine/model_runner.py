@@ -23,6 +23,10 @@ block drafter's one pass, or the MTP head over the verified rows and chained on 
 writing its cache: deepinfer.engine.speculative.accept_and_draft). The host reads the result
 with one copy per step.
 
+A ring cache group (DeepSeek-V4's window and compressor state) keeps a fixed number of rows per
+request; an eager step in which a request computes more tokens than its ring takes runs over
+step-scratch blocks, copied from and back to the ring around the forward (deepinfer.engine.ring).
+
 Prompt log-probabilities need the logits of every prompt position a step computes, not only of
 the sampled rows: steps that compute some run eagerly, and prompt_logprobs() takes the LM head
 over those rows of the step's final hidden states (in chunks), chunk by chunk of a prefill.
@@ -40,6 +44,7 @@ import torch
 from deepinfer.backend.ops import Backend, GraphRunner
 from deepinfer.backend.types import AttentionMetadata, Event, PagedKVCache
 from deepinfer.engine.inputs import PreparedStep, SamplingInputs, StepInputs
+from deepinfer.engine.ring import RingScratch
 from deepinfer.engine.sampler import (
     LOGPROB_CHUNK_ELEMENTS,
     LogprobTensors,
@@ -164,6 +169,21 @@ class ModelRunner:
         self.verify_graphs: dict[tuple[int, int], GraphRunner] = {}
         self.verify_draws: dict[tuple[int, int, bool], GraphRunner] = {}
         self._verify_buffers: dict[str, torch.Tensor] = {}
+
+    def set_ring_scratch(self, first_block: int, num_blocks: int) -> None:
+        """The ring group's step-scratch blocks: ids [first_block, first_block + num_blocks) of its
+        caches, past the blocks the block manager hands out."""
+        assert self.kv_groups is not None and self.kv_groups[0].ring_blocks
+        self.inputs.ring = RingScratch(self.kv_groups[0], self.block_size, first_block, num_blocks)
+
+    def ring_caches(self, mtp: bool = False) -> list[PagedKVCache]:
+        """The ring group's caches: the model's (kv_caches' first ones), or the MTP layers'."""
+        if self.kv_groups is None or not self.kv_groups[0].ring_blocks:
+            return []
+        ring = self.kv_groups[0]
+        if mtp:
+            return self.mtp_caches[: ring.num_mtp_caches]
+        return self.kv_caches[: ring.num_caches - ring.num_mtp_caches]
 
     # ------------------------------------------------------------------ graphs
 
@@ -393,7 +413,12 @@ class ModelRunner:
             bucket = self.bucket_for(batch)
         step = self.inputs.prepare(batch, bucket)
         if bucket is None:
+            copies = step.ring_copies
+            if copies is not None:  # step scratch: ring -> scratch, the forward, scratch -> ring
+                copies.before(self.backend, self.ring_caches())
             hidden, logits = self._logits(step.forward)
+            if copies is not None:
+                copies.after(self.backend, self.ring_caches())
             return ForwardOutput(step, logits, hidden)
         assert self.logits is not None and len(batch) <= bucket
         self._replay(bucket)

@@ -2,9 +2,8 @@
 
 Each step has a token budget (max_num_batched_tokens) and a request limit (max_num_seqs).
 Running requests go first, decodes before prompts still being prefilled; a prompt longer than
-what is left of the budget (or than max_tokens_per_request, where the model caps a request's
-tokens per step: DeepSeek-V4's ring caches) is prefilled in chunks over several steps (chunked
-prefill). Waiting
+what is left of the budget (or than max_tokens_per_request, where one is set) is prefilled in
+chunks over several steps (chunked prefill). Waiting
 requests are admitted in arrival order while budget, request slots and KV blocks last, reusing
 their cached prefix blocks (prefix caching) except blocks at prompt positions whose
 log-probabilities are still to be computed (prompt_logprobs). When a running request needs a KV

@@ -48,8 +48,10 @@ draft whose row could not be written is dropped.
 A model with several cache groups (DeepSeek-V4: a ring per request and compressed-entry caches)
 runs eager steps only; its MTP layer's caches are rows of those groups (KVCacheGroup.
 num_mtp_caches), paged by the request's tables: the ring's unrolled over the positions the head
-writes (mtp_batch), the entry groups' as group_block_tables; the limit is what the growing
-groups' blocks cover (positions_covered).
+writes (mtp_batch; the head's pass over a span longer than the ring takes in place goes through
+step scratch as the model's forward does, deepinfer.engine.ring, and its chain through the ring
+alone), the entry groups' as group_block_tables; the limit is what the growing groups' blocks
+cover (positions_covered).
 """
 
 from __future__ import annotations
@@ -80,19 +82,17 @@ def mtp_batch(
     device: torch.device,
     limits: list[int] | None = None,
     groups: list[KVCacheGroup] | None = None,
+    tables: list[list[int]] | None = None,
 ) -> ForwardBatch:
     """The MTP head's input: request b computes positions spans[b] = [start, end) with input
     tokens tokens[b] (position p writes cache slot table[p // BS] * BS + p % BS); its last
     position gets logits. groups: the model's cache groups (None: one, seq.block_table): the
-    first one's tables page slot_mapping and attn.block_tables, a ring's unrolled over the
-    positions below max(end, limits[b]) (those mtp_chain writes next), the others' are
-    group_block_tables."""
+    first one's tables page slot_mapping and attn.block_tables (`tables` when given, else a
+    ring's unrolled over the positions below max(end, limits[b]): those mtp_chain writes next),
+    the others' are group_block_tables."""
+    if tables is None:
+        tables = ring_tables(seqs, spans, block_size, limits, groups)
     bs = block_size
-    ring = groups is not None and groups[0].ring_blocks > 0
-    tables = [
-        ring_table(s.block_table, -(-max(e, limits[b] if limits else e) // bs)) if ring else s.block_table
-        for b, (s, (_, e)) in enumerate(zip(seqs, spans))
-    ]
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -104,10 +104,7 @@ def mtp_batch(
         logits_indices.append(len(input_ids) - 1)
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
-        out = torch.zeros((len(rows), max([1, *map(len, rows)])), dtype=torch.int32)  # (B, MB)
-        for b, row in enumerate(rows):
-            out[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        return out.to(device)
+        return padded_tables(rows, device)
 
     def dev(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
@@ -121,6 +118,31 @@ def mtp_batch(
         logits_indices=dev(logits_indices),
         group_block_tables=tuple(padded([s.block_tables[g] for s in seqs]) for g in range(1, num_groups)),
     )
+
+
+def ring_tables(
+    seqs: list[Sequence],
+    spans: list[tuple[int, int]],
+    block_size: int,
+    limits: list[int] | None = None,
+    groups: list[KVCacheGroup] | None = None,
+) -> list[list[int]]:
+    """Each request's table of the first cache group (seq.block_table; a ring's unrolled over
+    the positions below max(end, limits[b]))."""
+    if groups is None or not groups[0].ring_blocks:
+        return [s.block_table for s in seqs]
+    return [
+        ring_table(s.block_table, -(-max(e, limits[b] if limits else e) // block_size))
+        for b, (s, (_, e)) in enumerate(zip(seqs, spans))
+    ]
+
+
+def padded_tables(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(B, MB) int32 block tables on `device`, short rows padded with block 0."""
+    out = torch.zeros((len(rows), max([1, *map(len, rows)])), dtype=torch.int32)
+    for b, row in enumerate(rows):
+        out[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return out.to(device)
 
 
 # draft(fb, sampled (B, q), hidden (B q, Dm), accepted (B,), limit (B,), K) -> (drafts (B, K),
@@ -671,16 +693,28 @@ class SpeculativeDecoder:
         for seq, (_, e), n in zip(seqs, spans, num_drafts):
             covered = self.block_manager.positions_covered(seq)
             limits.append(e + n - 1 if covered is None else min(e + n - 1, covered))
-        fb = mtp_batch(seqs, spans, tokens, bs, device, limits, runner.kv_groups)
+        # a span longer than the ring takes in place: the head's rows through step scratch
+        tables, copies = None, None
+        ring = runner.inputs.ring
+        if ring is not None:
+            columns = [-(-max(e, lim) // bs) for (_, e), lim in zip(spans, limits)]
+            tables, copies = ring.tables([s.block_table for s in seqs], spans, columns)
+        fb = mtp_batch(seqs, spans, tokens, bs, device, limits, runner.kv_groups, tables)
         rows = torch.cat([torch.arange(r, r + b - a) for r, (a, b) in zip(hidden_rows, spans)]).to(device)
+        chain_tables = fb.attn.block_tables
+        if copies:
+            copies.before(runner.backend, runner.ring_caches(mtp=True))
         out = model.forward_mtp(fb, self.hidden[rows], runner.mtp_caches)  # (T, ...)
+        if copies:
+            copies.after(runner.backend, runner.ring_caches(mtp=True))
+            chain_tables = padded_tables(ring_tables(seqs, spans, bs, limits, runner.kv_groups), device)
         last = [e - 1 for _, e in spans]
 
         def dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         drafts, conf = mtp_chain(
-            model, runner.mtp_caches, bs, out[fb.logits_indices], dev(last), fb.attn.block_tables,
-            dev(limits), max(limits), max(num_drafts), fb.group_block_tables,
+            model, runner.mtp_caches, bs, out[fb.logits_indices], dev(last), chain_tables, dev(limits),
+            max(limits), max(num_drafts), fb.group_block_tables,
         )  # fmt: skip
         return [list(zip(d[:n], c[:n])) for d, c, n in zip(drafts.tolist(), conf.tolist(), num_drafts)]

@@ -21,12 +21,22 @@ Caches (paged by the engine, rows of D values; a wider row spans several caches,
              preemption all read them back), so no state lives outside the paged caches.
   index keys / index state: the indexer's compressed keys and its compressor's projections.
 They form KVCacheGroups (cache_groups): the per-token caches (window, state, index state) are
-read at most `ring_lookback` positions before a step's first token, so each request keeps them in
-a RING of R = lookback + C rows (C: the most tokens a request computes in one step, capped at
-MAX_STEP_TOKENS): its window and state memory stay constant however long it grows. The entry
-caches grow by one row per m tokens, one group per ratio (1/4 and 1/128: HCA entries do not
-take CSA-sized blocks). The attention ops see the ring through a block table whose column i is
-ring block i % (R / BS): key position j is read at block j // BS, row j % BS as in any paged
+read at most L = `ring_lookback` positions before a step's first token, so each request keeps
+them in a RING of R = L + 1 + k rows rounded up to whole blocks (k: the most drafts a
+verification step carries, 0 without speculative decoding; position p at row p mod R): its
+window and state memory stay constant however long it grows. A step in which a request computes
+at most R - L tokens (decode, verification and draft steps: those graphs replay) writes them in
+the ring in place, replacing only positions older than its first token's lookback. A longer step
+of a request (a prefill chunk, a recompute after preemption) writes its rows to step-scratch
+blocks, a pool shared by the step's requests, whose first column is copied from the ring before
+the forward and whose last R positions are copied back after it (deepinfer.engine.ring): the
+ring then holds what writing every row in place would have left, and a request's tokens per
+step are bounded by the step's budget only. A ring of L + C rows (C the longest step) would
+cost V4-Flash 640 rows per request (C = 512) where 128 + k suffice; the scratch costs the step's
+tokens once for all requests. The entry caches grow by one row per m tokens, one group per ratio
+(1/4 and 1/128: HCA entries do not take CSA-sized blocks). The attention ops see the ring
+through a block table whose column i is ring block i % (R / BS) (a scratch block for the columns
+of a long step's positions): key position j is read at block j // BS, row j % BS as in any paged
 cache, and nothing older than R positions is ever read. Given one block table only (an empty
 ForwardBatch.group_block_tables, as tests and tools drive it), every cache is paged by it, one
 row per token position (entry w at row w).
@@ -42,10 +52,9 @@ frees and preempts with the model's. Rejected drafts need no undo: every per-tok
 compressor and indexer state) sits at its position, and the entries closing at a position are
 pooled again from those rows whenever a step computes that position, so the step that computes
 a rejected draft's position again overwrites all it wrote (a verified step's entries equal plain
-decoding's); a row past the request's length is never read. The ring holds lookback + C >=
-lookback + 1 + k rows, so a verification step's 1 + k rows never replace a row that the step
-after its rollback reads (the last draft's replaces the one just outside the first query's
-window).
+decoding's); a row past the request's length is never read. The ring holds L + 1 + k rows
+or more, so a verification step's 1 + k rows never replace a row that the step after its
+rollback reads (the last draft's replaces the one just outside the first query's window).
 
 Tensor names are those transformers' save_pretrained writes for DeepseekV4ForCausalLM (DeepSeek's
 published names under a `model.` prefix: model.layers.{i}.attn.wq_a.weight, ...); DeepSeek's own
@@ -123,9 +132,6 @@ def stored_in_fp8(prefix: str) -> bool:
 
 # The per-token caches: a step reads them at most ring_lookback positions before its first token.
 RING_KINDS = ("window", "state", "index_state")
-# Most tokens one request computes in one step (a longer prompt is prefilled in chunks): the ring
-# holds ring_lookback + this many positions.
-MAX_STEP_TOKENS = 512
 
 
 def cache_kinds(config: ModelConfig, ratio: int) -> list[tuple[str, int]]:
@@ -162,12 +168,15 @@ def _group_key(kind: str, ratio: int) -> int:
 
 
 def cache_groups(
-    config: ModelConfig, block_size: int, max_step_tokens: int, mtp_layers: int = 0
+    config: ModelConfig, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
 ) -> list[KVCacheGroup]:
-    """The ring, then one entry group per compression ratio (ascending). After a step writes
-    positions [start, end), end - start <= max_step_tokens, the ring holds [end - R, end) with
-    R >= ring_lookback + max_step_tokens: every row the step read. mtp_layers: the first MTP
-    layers whose caches the groups also hold (the last num_mtp_caches of each group)."""
+    """The ring, then one entry group per compression ratio (ascending). The ring holds
+    R = ceil((L + 1 + max_backtrack) / BS) blocks (L = ring_lookback): a step of up to
+    R - L tokens per request (a verification step's 1 + max_backtrack) writes it in place and
+    reads only rows it holds; longer steps go through step scratch (deepinfer.engine.ring).
+    max_backtrack: the most drafts a verification step carries (rolled back when rejected).
+    mtp_layers: the first MTP layers whose caches the groups also hold (the last
+    num_mtp_caches of each group)."""
     v4 = config.v4
     assert v4 is not None
     counts: dict[int, int] = {}
@@ -179,8 +188,13 @@ def cache_groups(
             counts[key] = counts.get(key, 0) + n
             if i >= len(v4.compress_ratios):
                 mtp_counts[key] = mtp_counts.get(key, 0) + n
-    ring = -(-(ring_lookback(v4) + max_step_tokens) // block_size)
-    groups = [KVCacheGroup("ring", counts[0], ring_blocks=ring, num_mtp_caches=mtp_counts.get(0, 0))]
+    lookback = ring_lookback(v4)
+    ring = -(-(lookback + 1 + max_backtrack) // block_size)
+    groups = [
+        KVCacheGroup(
+            "ring", counts[0], ring_blocks=ring, num_mtp_caches=mtp_counts.get(0, 0), ring_lookback=lookback
+        )
+    ]
     groups += [
         KVCacheGroup(f"entries/{m}", counts[m], ratio=m, num_mtp_caches=mtp_counts.get(m, 0))
         for m in sorted(counts)
@@ -794,7 +808,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     supports_graphs = True  # decode steps find their closing entries on the device
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
-    max_step_tokens_per_request = MAX_STEP_TOKENS  # the ring is sized for it
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
         super().__init__()
@@ -831,11 +844,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         return sum(end - first for slices in self._slices for first, end, _ in slices.values())
 
     def kv_cache_groups(
-        self, block_size: int, max_step_tokens: int, mtp_layers: int = 0
+        self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
     ) -> list[KVCacheGroup]:
-        """The ring and the entry groups (cache_groups) for requests that compute at most
-        max_step_tokens tokens per step, with the caches of the first mtp_layers MTP layers."""
-        return cache_groups(self.config, block_size, max_step_tokens, mtp_layers)
+        """The ring and the entry groups (cache_groups) for verification steps of at most
+        max_backtrack drafts, with the caches of the first mtp_layers MTP layers."""
+        return cache_groups(self.config, block_size, max_backtrack, mtp_layers)
 
     @property
     def num_mtp_layers(self) -> int:

@@ -22,6 +22,9 @@ class KVCacheGroup:
     ring_blocks  0: the table grows with the sequence (row r in block r // BS of the table);
                  n > 0: every request holds a ring of n blocks whatever its length, token row p in
                  block (p // BS) % n of the ring, so only the last n * BS positions are kept
+    ring_lookback  a ring's: the positions before a step's first token that the step reads. A
+                 request computing at most ring_step_tokens tokens writes them into its ring in
+                 place; a longer step writes them to step-scratch blocks (deepinfer.engine.ring)
     num_mtp_caches  of the num_caches, the last ones that belong to the MTP head (speculative
                  decoding): paged, freed and rolled back with the model's, kept apart by the engine
     """
@@ -31,6 +34,13 @@ class KVCacheGroup:
     ratio: int = 1
     ring_blocks: int = 0
     num_mtp_caches: int = 0
+    ring_lookback: int = 0
+
+    def ring_step_tokens(self, block_size: int) -> int:
+        """A ring's: the most tokens a request computes in one step in place, R - lookback (R =
+        ring_blocks * BS rows): its rows then replace only positions older than its first
+        token's lookback."""
+        return self.ring_blocks * block_size - self.ring_lookback
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         """Blocks a request holds once num_tokens tokens are in the cache."""
@@ -58,7 +68,8 @@ class ForwardBatch:
     logits_indices  (S,) int64   rows of the final hidden states that need logits
     group_block_tables  per cache group after the first (a model with several KVCacheGroups),
                     (B, MBg) int32 block tables of that group; slot_mapping and attn.block_tables
-                    are the first group's (a ring's: column i is ring block i % n). Empty: every
+                    are the first group's (a ring's: column i is ring block i % n, or a
+                    step-scratch block for the columns of a long step's positions). Empty: every
                     cache is paged by attn.block_tables.
     fixed_exchange  the step is padded to a graph bucket, and with expert parallelism every rank
                     runs a step of that bucket: MoE layers exchange fixed-size buffers
