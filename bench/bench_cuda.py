@@ -1,4 +1,5 @@
-"""CUDA backend benchmarks on one GPU: MLA decode, FP8 block-scaled GEMM, fused MoE, DeepSeek-V4's ops.
+"""CUDA backend benchmarks on one GPU: MLA decode, FP8 block-scaled GEMM, fused MoE, DeepSeek-V4's ops,
+MLA's query preparation.
 
 Every ratio is measured side by side in this one run:
   * MLA decode: effective bandwidth (latent KV + block tables + q bytes read, over time) against
@@ -9,12 +10,16 @@ Every ratio is measured side by side in this one run:
   * DeepSeek-V4 (V4-Flash shapes): the Triton mHC ops (hc_pre, hc_post, hc_head), lightning
     indexer and compressed attention (CSA with top-k, HCA) against the torch compositions they
     replace (the reference's mHC ops; batched torch gathers for decode attention and the indexer),
-    both replayed from CUDA graphs, with the relative difference of their outputs.
+    both replayed from CUDA graphs, with the relative difference of their outputs;
+  * MLA's query (attention.mla_query: rope + per-head W_UK product + concat) in one launch against
+    the contract's composition on this backend (Triton rope, cuBLAS bmm, torch.cat), a step's
+    worth of layers per CUDA graph.
 Timing: triton.testing.do_bench, median; inputs rotate through sets larger than L2 where one
 set would fit in it; random data everywhere.
 
     python bench/bench_cuda.py --out bench/results/DIR      # writes bench_cuda.json and .md
     python bench/bench_cuda.py --only v4 --out bench/results/DIR   # one section
+    python bench/bench_cuda.py --only mla_query                     # the query kernel only
     TRITON_INTERPRET=1 python bench/bench_cuda.py --smoke   # tiny shapes on the CPU: checks the code
 """
 
@@ -36,7 +41,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.backend.ops import Backend
+from deepinfer.backend.ops import AttentionOps, Backend
 from deepinfer.backend.registry import BackendRegistry
 from deepinfer.backend.types import AttentionMetadata, BackendOptions, RouterConfig
 from deepinfer.reference import gemm as ref_gemm
@@ -673,6 +678,38 @@ def bench_v4(be: Backend, dev: torch.device, timer: Timer, smoke: bool) -> list[
     return rec.rows
 
 
+def bench_mla_query(be: Backend, dev: torch.device, timer: Timer, smoke: bool) -> list[dict[str, Any]]:
+    """MLA's query preparation, N 128, C 512, R 64, bf16, interleaved rope: 16 heads (V2-Lite, 27
+    layers) and 128 (V3; 27 layers here too), T tokens. Each timed call runs every layer's op on
+    that layer's own W_UK (27 x 2 MiB or 27 x 16 MiB: not one L2-resident weight); `ms` is per layer."""
+    gen = torch.Generator().manual_seed(4)
+    rec = V4Recorder(timer, smoke)
+    n, c, r, layers = (128, 512, 64, 27) if not smoke else (16, 32, 8, 2)
+    table = torch.randn((8192, r), generator=gen).to(dev)
+    for h in [16, 128] if not smoke else [2]:
+        w = (torch.randn((layers, h, c, n), generator=gen) * n**-0.5).to(dev, torch.bfloat16)
+
+        for t in [1, 32, 128, 4096] if not smoke else [1, 5]:
+            q = torch.randn((t, h, n + r), generator=gen).to(dev, torch.bfloat16)
+            positions = torch.randint(0, 8192, (t,), generator=gen).to(dev)
+
+            def fused(q: torch.Tensor = q, p: torch.Tensor = positions) -> None:
+                for i in range(layers):
+                    be.attention.mla_query(q[..., :n], q[..., n:], w[i], p, table, True)
+
+            def composed(q: torch.Tensor = q, p: torch.Tensor = positions) -> None:
+                for i in range(layers):
+                    AttentionOps.mla_query(be.attention, q[..., :n], q[..., n:], w[i], p, table, True)
+
+            args = (q[..., :n], q[..., n:], w[0], positions, table, True)
+            diff = rel(be.attention.mla_query(*args), AttentionOps.mla_query(be.attention, *args))
+            rec("mla_query", {"heads": h, "tokens": t}, fused, composed, diff)
+    for row in rec.rows:
+        row["ms"] /= layers
+        row["torch_ms"] /= layers
+    return rec.rows
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -758,6 +795,20 @@ def markdown(res: dict[str, Any]) -> str:
             shape = ", ".join(f"{k} {r[k]}" for k in ("tokens", "batch", "kv_len") if k in r)
             times = f"{r['ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} | {r['speedup']:.1f}x"
             out.append(f"| {r['op']} | {shape} | {times} | {r['rel_diff']:.1e} |")
+    if res.get("mla_query"):
+        out += [
+            "",
+            "## MLA query preparation (N 128, C 512, R 64, bf16), one launch vs the composition",
+            "",
+            "Per layer, CUDA graphs of 27 layers (each its own W_UK). composition: Triton rope, cuBLAS",
+            "bmm (with its copy of the transposed q_nope), torch.cat. `diff`: relative L2 difference.",
+            "",
+            "| heads | tokens | kernel us | composition us | speedup | diff |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in res["mla_query"]:
+            times = f"{r['ms'] * 1e3:.1f} | {r['torch_ms'] * 1e3:.1f} | {r['speedup']:.1f}x"
+            out.append(f"| {r['heads']} | {r['tokens']} | {times} | {r['rel_diff']:.1e} |")
     return "\n".join(out) + "\n"
 
 
@@ -767,7 +818,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, host timer (TRITON_INTERPRET=1 on a CPU)"
     )
-    p.add_argument("--only", default="decode,fp8,moe,v4", help="comma-separated sections")
+    p.add_argument("--only", default="decode,fp8,moe,v4,mla_query", help="comma-separated sections")
     args = p.parse_args(argv)
     registry = BackendRegistry.discover()
     be = registry.create("cuda", BackendOptions())
@@ -789,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         "fp8": [],
         "moe": [],
         "v4": [],
+        "mla_query": [],
     }
     only = set(args.only.split(","))
     res["copy"] = bench_copy(dev, timer, args.smoke)
@@ -801,6 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
         ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
         ("v4", lambda: bench_v4(be, dev, timer, args.smoke)),
+        ("mla_query", lambda: bench_mla_query(be, dev, timer, args.smoke)),
     ):
         if name in only:
             t0 = time.time()

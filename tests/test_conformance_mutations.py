@@ -156,6 +156,13 @@ class AttentionWindowOffByOne(ReferenceAttention):
         return super().prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
 
 
+class MlaQueryRopeLayoutFixed(ReferenceAttention):
+    """MLA's query with the rope layout of one checkpoint family, whatever `interleaved` says."""
+
+    def mla_query(self, q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved):  # type: ignore[no-untyped-def]
+        return super().mla_query(q_nope, q_pe, w_uk, positions, cos_sin_cache, False)
+
+
 class CompressedAttentionIgnoresTopk(ReferenceAttention):
     """DeepSeek-V4 CSA: every visible compressed entry attended, the indexer's choice dropped."""
 
@@ -247,6 +254,10 @@ MUTANT_LIST = [
         "(test_decode or test_prefill) and float32 and window_1",
         ("test_decode", "test_prefill"), "elements outside atol",
         ("worst at request ", ", head ", "window=1,"),
+    ),
+    Mutant(
+        "mla-query-rope-layout", "attention", MlaQueryRopeLayoutFixed, "test_mla_query and float32",
+        ("test_mla_query",), "mla_query (torch.float32; T, H, N, C, R = (", ("worst at token ", ", column "),
     ),
     # DeepSeek-V4's ops
     Mutant(

@@ -1,7 +1,7 @@
 """The contract's defaults go through the backend's own ops (each part knows its Backend): a port
 that speeds up grouped_gemm speeds up the default experts, one that fuses rms_norm gets it in
-add_rms_norm and write_mla_kv. Also: how a Backend is assembled (parts bound, types checked, the
-KV ops that moved off DeviceOps refused loudly)."""
+add_rms_norm and write_mla_kv, one that fuses rope gets it in mla_query too. Also: how a Backend
+is assembled (parts bound, types checked, the KV ops that moved off DeviceOps refused loudly)."""
 
 from __future__ import annotations
 
@@ -110,6 +110,26 @@ def test_norm_and_kv_defaults_go_through_the_backends_small_ops() -> None:
         torch.tensor([0, 5, -1]),
     )  # fmt: skip
     assert (calls["rms_norm"], calls["rope"], calls["write_kv"]) == (1, 1, 1)
+
+
+def test_mla_query_default_goes_through_batched_linear_and_rope() -> None:
+    """[q_nope @ w_uk^T per head | rope(q_pe)] from this backend's batched_linear and rope, on
+    strided slices of one projection output (cos 1, sin 0: rope is the identity here)."""
+    calls: Counter[str] = Counter()
+    opts = BackendOptions()
+    backend = dataclasses.replace(
+        create_reference_backend(opts),
+        gemm=counting(calls, ReferenceGemm, "batched_linear")(opts),
+        small=counting(calls, SmallOps, "rope")(opts),
+    )
+    q = torch.randn(5, 3, 8 + 4)
+    w_uk = torch.randn(3, 6, 8)
+    table = torch.cat([torch.ones(16, 2), torch.zeros(16, 2)], dim=-1)
+    positions = torch.tensor([3, 0, 9, 1, 2])
+    out = backend.attention.mla_query(q[..., :8], q[..., 8:], w_uk, positions, table, True)
+    assert (calls["batched_linear"], calls["rope"]) == (1, 1)
+    torch.testing.assert_close(out[..., :6], torch.einsum("thn,hcn->thc", q[..., :8], w_uk))
+    torch.testing.assert_close(out[..., 6:], q[..., 8:])
 
 
 def test_batched_linear_batch_invariant_default_uses_linear() -> None:

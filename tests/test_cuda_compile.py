@@ -1,4 +1,5 @@
-"""The CUDA backend's DeepSeek-V4 kernels compile for SM90 (Hopper) at V4-Flash's shapes, with no
+"""The CUDA backend's DeepSeek-V4 kernels (and MLA's query kernel, with the rope kernel whose helper
+it shares) compile for SM90 (Hopper) at V4-Flash's (V2/V3's) shapes, with no
 GPU: Triton lowers them to PTX and ptxas assembles it (both ship in the Triton wheel). The
 interpreter (tests/test_cuda_interpret.py) runs the kernels' arithmetic on the CPU but accepts
 programs the compiler rejects (mismatched types across branches, layouts it cannot lower); this
@@ -23,7 +24,7 @@ pytestmark = [
     ),
 ]
 
-PTR = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32"}
+PTR = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "i64": "*i64"}
 
 
 def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> None:
@@ -106,3 +107,24 @@ def test_compressed_attention_kernel(topk: bool, direct: bool) -> None:
         DIRECT=direct, IEEE=False,
     )  # fmt: skip
     compile_sm90(v4_k._compressed_attention_kernel, types, constexprs, num_warps=cfg.num_warps)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("tile", ["decode", "prefill"])
+def test_mla_query_kernel(dtype: str, tile: str) -> None:
+    from deepinfer_cuda.kernels import mla as mla_k
+
+    cfg = mla_k.DECODE_TILE if tile == "decode" else mla_k.PREFILL_TILE
+    types = {a: PTR[dtype] for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr")}
+    types |= {"pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
+    tiles = dict(BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_N=128, BLOCK_R=32)
+    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", **tiles)
+    compile_sm90(mla_k._mla_query_kernel, types, constexprs, num_warps=cfg.num_warps)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_kernel(interleaved: bool) -> None:
+    from deepinfer_cuda.kernels import small as small_k
+
+    types = {"x_ptr": PTR["bf16"], "y_ptr": PTR["bf16"], "pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
+    compile_sm90(small_k._rope_kernel, types, dict(INTERLEAVED=interleaved, BLOCK_H=16, BLOCK_R=32))

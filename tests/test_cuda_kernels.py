@@ -36,6 +36,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda import backend as cuda_backend
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import mla as mla_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
     from deepinfer_cuda.kernels import v4 as v4_k
@@ -582,6 +583,109 @@ def test_invariant_matmul_rows_equal_across_tile_choices(gen: torch.Generator) -
     for m in (1, 40, 300):
         assert_bitwise_equal(gemm_k.matmul(x[:m], w), full[:m], what=f"the first {m} rows alone")
     torch.testing.assert_close(full.double(), x.double() @ w.double().T, rtol=3e-2, atol=3e-2)
+
+
+# --------------------------------------------------------------------------- MLA query
+
+
+def _mla_query_inputs(
+    gen: torch.Generator, t: int, h: int, n: int, c: int, r: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q_nope, q_pe column slices of one (T, H, N + R + 3) buffer, w_uk (H, C, N), unsorted
+    positions as a strided view (a column of a (T, 2) table), the (P, R) rope table."""
+    q = torch.randn((t, h, n + r + 3), generator=gen).to(dtype).to(DEV)
+    w_uk = (torch.randn((h, c, n), generator=gen) * n**-0.5).to(dtype).to(DEV)
+    positions = torch.randint(0, 900, (t, 2), generator=gen).to(DEV)[:, 1]
+    inv = 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    ang = torch.arange(900, dtype=torch.float64)[:, None] * inv[None, :]
+    table = torch.cat([ang.cos(), ang.sin()], dim=-1).float().to(DEV)
+    return q[..., :n], q[..., n + 1 : n + 1 + r], w_uk, positions, table
+
+
+def _per_head(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """(T, H, N) x (H, C, N) -> (T, H, C) through torch.bmm, as the contract's default computes it."""
+    return torch.bmm(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 7, 64, 65, 130])
+def test_mla_query_matches_the_composition(gen: torch.Generator, dtype: torch.dtype, t: int) -> None:
+    """One launch = the composition it replaces (small.rope, bmm, cat) within a rounding of the
+    output dtype (the product: float32 sums in another order), and the float64 product within
+    the dtype's budget. T = 1..64 take the decode tile, 65 and 130 the prefill tile (a partial
+    second and third block)."""
+    h, n, c, r = 3, 128, 160, 64
+    q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, t, h, n, c, r, dtype)
+    for interleaved in (True, False):
+        out = mla_k.mla_query(q_nope, q_pe, w_uk, positions, table, interleaved)
+        rope = small_k.rope(q_pe, positions, table, interleaved)
+        composed = torch.cat([_per_head(q_nope, w_uk), rope], -1)
+        one = torch.finfo(dtype).eps + 64 * torch.finfo(torch.float32).eps
+        torch.testing.assert_close(out.double(), composed.double(), rtol=one, atol=one)
+        rope64 = ref_small.rope(q_pe.cpu().double(), positions.cpu(), table.cpu().double(), interleaved)
+        expected = torch.cat([_per_head(q_nope.double(), w_uk.double()).cpu(), rope64], -1)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=tol, atol=tol)
+
+
+def test_mla_query_rows_equal_alone_in_invariant_mode(gen: torch.Generator) -> None:
+    """Batch-invariant mode: one tile for every T, so a row's bits at T = 1 are its bits among
+    200 rows (where the default mode takes the prefill tile)."""
+    assert mla_k.query_tile(1, True) == mla_k.query_tile(200, True)
+    assert mla_k.query_tile(200, False) != mla_k.query_tile(200, True)
+    q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, 200, 2, 128, 96, 16, torch.bfloat16)
+    full = mla_k.mla_query(q_nope, q_pe, w_uk, positions, table, True, batch_invariant=True)
+    for i in (0, 63, 64, 199):
+        alone = mla_k.mla_query(
+            q_nope[i : i + 1], q_pe[i : i + 1], w_uk, positions[i : i + 1], table, True, batch_invariant=True
+        )
+        assert_bitwise_equal(alone, full[i : i + 1], what=f"mla_query row {i} alone")
+
+
+def test_mla_query_odd_sizes_and_bad_inputs(gen: torch.Generator) -> None:
+    """N and C that fill no tile, N > 128 (two K steps), R = 0, T = 0; shapes that disagree raise."""
+    for t, h, n, c, r in ((5, 3, 7, 33, 6), (4, 2, 200, 20, 4), (3, 2, 24, 40, 0), (0, 2, 24, 40, 8)):
+        q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, t, h, n, c, r, torch.float32)
+        out = mla_k.mla_query(q_nope, q_pe, w_uk, positions, table, False)
+        assert out.shape == (t, h, c + r)
+        latent = _per_head(q_nope.double(), w_uk.double())
+        torch.testing.assert_close(out[..., :c].double(), latent, rtol=1e-5, atol=1e-5)
+        if r:
+            rope = ref_small.rope(q_pe.cpu().double(), positions.cpu(), table.cpu().double(), False)
+            torch.testing.assert_close(out[..., c:].cpu().double(), rope, rtol=1e-5, atol=1e-5)
+    q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, 4, 2, 16, 32, 8, torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        mla_k.mla_query(q_nope, q_pe, w_uk[:, :, :8], positions, table, False)
+    with pytest.raises(ValueError, match="positions"):
+        mla_k.mla_query(q_nope, q_pe, w_uk, positions[:3], table, False)
+    with pytest.raises(ValueError, match="one dtype"):
+        mla_k.mla_query(q_nope, q_pe, w_uk.double(), positions, table, False)
+
+
+def test_mla_query_fused_and_unfused(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's mla_query is the one kernel launch; DEEPINFER_CUDA_UNFUSED=1 (or dtypes the
+    kernel does not take) keeps the contract's composition; both agree within a rounding."""
+    launches: list[int] = []
+    kernel = mla_k.mla_query
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append(1)
+        out: torch.Tensor = kernel(*args, **kwargs)
+        return out
+
+    monkeypatch.setattr(mla_k, "mla_query", counted)
+    fused = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    unfused = cuda_backend.create_cuda_backend(BackendOptions())
+    q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, 9, 4, 32, 48, 8, torch.bfloat16)
+    args = (q_nope, q_pe, w_uk, positions, table, True)
+    y1 = fused.attention.mla_query(*args)
+    assert len(launches) == 1
+    y2 = unfused.attention.mla_query(*args)
+    assert len(launches) == 1, "DEEPINFER_CUDA_UNFUSED=1 must keep the composition"
+    torch.testing.assert_close(y1.double(), y2.double(), rtol=2**-7, atol=2**-7)
+    y3 = fused.attention.mla_query(q_nope, q_pe.double(), w_uk, positions, table, True)
+    assert len(launches) == 1 and y3.dtype == torch.bfloat16  # mixed dtypes: the composition
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4

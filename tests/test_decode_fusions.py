@@ -56,7 +56,7 @@ MODEL_OPS = {
     "small": ("rms_norm", "add_rms_norm", "rope", "silu_and_mul"),
     "moe": ("route", "fused_moe"),
     "kv_cache": ("write_mla_kv",),
-    "attention": ("decode", "prefill"),
+    "attention": ("mla_query", "decode", "prefill"),
 }
 
 

@@ -5,8 +5,8 @@ A backend is a `Backend` made of seven narrow parts. In each part, methods marke
 works on day one and is accelerated op by op. Two kinds of defaults:
   - leaf ops (rms_norm, rope, route, quantize_fp8, ...) default to the reference implementation
     (deepinfer.reference: plain PyTorch, any torch device), which also defines what they mean;
-  - composite ops (experts, fused_moe, grouped_gemm, linear_fp8, write_mla_kv, add_rms_norm,
-    decode, ...) default to a composition of THIS BACKEND's own ops, reached through the part's
+  - composite ops (experts, fused_moe, grouped_gemm, linear_fp8, write_mla_kv, mla_query,
+    add_rms_norm, decode, ...) default to a composition of THIS BACKEND's own ops, reached through the part's
     `backend`: speed up grouped_gemm and the default experts get faster too.
 docs/porting.md has the table of every default: what it calls and when to override it.
 
@@ -316,6 +316,29 @@ class AttentionOps(_Part):
         """Ragged causal attention over a cached prefix (chunked prefill; any query lengths,
         decode rows and empty requests included). q: (T, H, D), possibly a strided view with
         stride(-1) == 1 -> (T, H, v_dim) in q's dtype."""
+
+    def mla_query(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+    ) -> torch.Tensor:
+        """MLA's absorbed query, the q that decode / prefill take: q_nope (T, H, N) and q_pe
+        (T, H, R), possibly strided views with stride(-1) == 1 (slices of one projection output),
+        w_uk (H, C, N) = W_UK^T per head (as gemm.batched_linear takes weights), positions (T,)
+        int64, cos_sin_cache (P, R) as small.rope takes it -> (T, H, C + R) in q_nope's dtype,
+        q_full[t, h] = [q_nope[t, h] @ w_uk[h]^T | rope(q_pe)[t, h]], each part as
+        gemm.batched_linear and small.rope define it. One op so that a backend can prepare the
+        query in one launch per layer (rope, the per-head product and the concat are three or four
+        at decode sizes). Default: this backend's gemm.batched_linear and small.rope, then
+        torch.cat (batch-invariant where those are)."""
+        q_latent = self.backend.gemm.batched_linear(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        if q_pe.shape[-1]:
+            q_pe = self.backend.small.rope(q_pe, positions, cos_sin_cache, interleaved)
+        return torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
 
     def compressed_attention(
         self,

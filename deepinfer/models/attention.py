@@ -68,7 +68,7 @@ class MLAttention(nn.Module):
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). Writes this step's latent rows to `cache` before attending."""
-        small, t = self.backend.small, x.shape[0]
+        t = x.shape[0]
         q_a = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         if self.qkv_a_proj is not None:  # (T, Nq + C + R) -> views (T, Nq), (T, C + R)
             q, kv = self.qkv_a_proj(x).split([q_a.out_features, self.kv_a_proj_with_mqa.out_features], -1)
@@ -78,7 +78,6 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # rows may be strided
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
-        q_pe = small.rope(q_pe, batch.positions, cos_sin, self.interleaved)
 
         # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: kv (T, C + R) -> the cache.
         self.backend.kv_cache.write_mla_kv(
@@ -86,10 +85,11 @@ class MLAttention(nn.Module):
             self.interleaved, batch.slot_mapping,
         )  # fmt: skip
 
+        # [q_nope @ W_UK^T per head | rope(q_pe)] (T, H, C + R): the query against [latent | k_pe]
+        q_full = self.backend.attention.mla_query(
+            q_nope, q_pe, self.w_uk, batch.positions, cos_sin, self.interleaved
+        )
         gemm = self.backend.gemm
-        # Per-head products through the backend (batch-invariant when it is): (H, T, .) views.
-        q_latent = gemm.batched_linear(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (T, H, C)
-        q_full = torch.cat([q_latent, q_pe], dim=-1)  # (T, H, C + R)
         attend = (
             self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill
         )

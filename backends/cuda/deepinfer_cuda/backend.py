@@ -6,15 +6,16 @@ tensors (no streams or graphs there); that is how CI checks the kernels.
 
 Fused decode paths (fewer launches per step): the MoE router in one kernel, the expert sort and
 the grouped GEMM's tile table in one (computed once per layer, shared by both expert GEMMs),
-MLA's cache write (norm + rope + store) in one, the sampling noise in one; DeepSeek-V4's mHC
-weights (Sinkhorn included), mixes and head collapse in one each, its lightning indexer (scores,
-then top-k) and compressed attention (window rows + compressed entries + sinks) in Triton.
+MLA's cache write (norm + rope + store) in one, MLA's query (rope + per-head product + concat)
+in one, the sampling noise in one; DeepSeek-V4's mHC weights (Sinkhorn included), mixes and head
+collapse in one each, its lightning indexer (scores, then top-k) and compressed attention (window
+rows + compressed entries + sinks) in Triton.
 DEEPINFER_CUDA_UNFUSED=1, read when the backend is created, switches those back to the composed
 paths they replace (routing in torch as the reference computes it, the torch sort and a torch
-tile table per GEMM, write_mla_kv and exponential_noise as the contract's defaults, which run
-through this backend's own rms_norm / rope / write_kv and the reference hash; the V4 ops as the
-contract's reference defaults) so that a benchmark can measure what the fusion buys. Results
-agree within each op's contract either way.
+tile table per GEMM, write_mla_kv, mla_query and exponential_noise as the contract's defaults,
+which run through this backend's own rms_norm / rope / write_kv / batched_linear and the
+reference hash; the V4 ops as the contract's reference defaults) so that a benchmark can measure
+what the fusion buys. Results agree within each op's contract either way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from deepinfer.backend.types import (
 from deepinfer_cuda import vendor
 from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels import gemm as gemm_k
+from deepinfer_cuda.kernels import mla as mla_k
 from deepinfer_cuda.kernels import moe as moe_k
 from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
@@ -203,8 +205,9 @@ def _cache_tensor(cache: PagedKVCache) -> torch.Tensor:
 
 
 class CudaAttention(AttentionOps):
-    """The Triton attention kernel (kernels/attention.py); DeepSeek-V4's compressed attention and
-    lightning indexer in kernels/v4.py (unfused: the contract's reference defaults)."""
+    """The Triton attention kernel (kernels/attention.py); MLA's query preparation in one launch
+    (kernels/mla.py); DeepSeek-V4's compressed attention and lightning indexer in kernels/v4.py
+    (unfused: the contract's defaults)."""
 
     def __init__(self, options: BackendOptions, fused: bool = True) -> None:
         super().__init__(options)
@@ -258,6 +261,23 @@ class CudaAttention(AttentionOps):
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
         )  # fmt: skip
+
+    def mla_query(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+    ) -> torch.Tensor:
+        """One Triton launch for every T (kernels/mla.py; batch-invariant mode: one tile for every
+        T). Unfused, or dtypes the kernel does not take: the contract's composition."""
+        if not self.fused or not mla_k.supported(q_nope, q_pe, w_uk):
+            return super().mla_query(q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved)
+        return mla_k.mla_query(
+            q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant
+        )
 
     def compressed_attention(
         self,

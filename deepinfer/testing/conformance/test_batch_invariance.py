@@ -47,6 +47,28 @@ def test_batched_linear(invariant_backend: Backend, dtype: torch.dtype, gen: tor
         assert_bitwise_equal(alone, full[:, i : i + 1], what=f"batched_linear row {i}")
 
 
+def test_mla_query(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """80 rows (past the decode sizes, where a backend may pick other tiles) and each alone."""
+    dev = invariant_backend.device.device()
+    t, h, n, c, r = 80, 4, 96, 80, 16
+    q = randn((t, h, n + r), dtype, dev, gen)
+    q_nope, q_pe = q[..., :n], q[..., n:]
+    w_uk = randn((h, c, n), dtype, dev, gen, n**-0.5)
+    positions = torch.randint(0, 500, (t,), generator=gen)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    ang = torch.arange(500, dtype=torch.float64)[:, None] * inv[None, :]
+    table = torch.cat([ang.cos(), ang.sin()], dim=-1).float()
+    full = invariant_backend.attention.mla_query(q_nope, q_pe, w_uk, positions.to(dev), table.to(dev), True)
+    latent = ref_gemm.batched_linear(oracle(q_nope).transpose(0, 1), oracle(w_uk)).transpose(0, 1)
+    rotated = ref_small.rope(oracle(q_pe), positions, table.double(), True)
+    assert_close(full, torch.cat([latent, rotated], dim=-1), dtype, what="mla_query")
+    for i in [*ROWS, 79]:
+        alone = invariant_backend.attention.mla_query(
+            q_nope[i : i + 1], q_pe[i : i + 1], w_uk, positions[i : i + 1].to(dev), table.to(dev), True
+        )
+        assert_bitwise_equal(alone, full[i : i + 1], what=f"mla_query row {i}")
+
+
 def test_rms_norm(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
     dev = invariant_backend.device.device()
     x = randn((33, 257), dtype, dev, gen)

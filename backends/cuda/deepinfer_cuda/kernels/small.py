@@ -67,6 +67,27 @@ def rms_norm(
 
 
 @triton.jit
+def rope_rows(x_ptrs, y_ptrs, mask, cos, sin, HALF, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rotary embedding of a block of M rows (a helper of the kernels, inlined): x_ptrs, y_ptrs
+    (M, 1) pointers to each row's first rotary element, mask (M, 1) the rows to do; cos, sin
+    float32 (M or 1, BLOCK_R): the row's cos / sin of f_i for i < HALF. Pairs (2i, 2i+1)
+    (INTERLEAVED) or (i, i + HALF) rotate by f_i in float32; y is stored in its own dtype."""
+    i = tl.arange(0, BLOCK_R)[None, :]
+    if INTERLEAVED:
+        c1 = 2 * i
+        c2 = 2 * i + 1
+    else:
+        c1 = i
+        c2 = i + HALF
+    m = mask & (i < HALF)
+    x1 = tl.load(x_ptrs + c1, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptrs + c2, mask=m, other=0.0).to(tl.float32)
+    ty = y_ptrs.dtype.element_ty
+    tl.store(y_ptrs + c1, (x1 * cos - x2 * sin).to(ty), mask=m)
+    tl.store(y_ptrs + c2, (x2 * cos + x1 * sin).to(ty), mask=m)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, y_ptr, pos_ptr, cs_ptr, H, HALF, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs,
     INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -78,19 +99,10 @@ def _rope_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
-    if INTERLEAVED:
-        c1 = 2 * i
-        c2 = 2 * i + 1
-    else:
-        c1 = i
-        c2 = i + HALF
-    mask = (hs[:, None] < H) & (i[None, :] < HALF)
-    xb = x_ptr + t * stride_xt + hs[:, None] * stride_xh
-    x1 = tl.load(xb + c1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + c2[None, :], mask=mask, other=0.0).to(tl.float32)
-    yb = y_ptr + t * stride_yt + hs[:, None] * stride_yh
-    tl.store(yb + c1[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(yb + c2[None, :], (x2 * cos[None, :] + x1 * sin[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
+    rope_rows(
+        x_ptr + t * stride_xt + hs[:, None] * stride_xh, y_ptr + t * stride_yt + hs[:, None] * stride_yh,
+        hs[:, None] < H, cos[None, :], sin[None, :], HALF, INTERLEAVED, BLOCK_R,
+    )  # fmt: skip
 
 
 def rope(

@@ -1,0 +1,143 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
+# (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
+"""MLA's absorbed query in one launch: [q_nope @ W_UK^T per head | rope(q_pe)] (AttentionOps.mla_query).
+
+Symbols: T tokens, H heads, N nope width (the product's K), C latent width, R rope width.
+It replaces the rope kernel, the bmm (and the copy of its transposed operand) and the concat.
+Each program owns BLOCK_T rows of one head and reduces N for them in BLOCK_N steps, in order,
+with a float32 accumulator from zero: a row's bits depend on the tile (BLOCK_T, BLOCK_C,
+BLOCK_N, warps), never on which rows share it, so one fixed tile makes it batch-invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_cuda.kernels.common import mma, next_pow2, to_dtype
+from deepinfer_cuda.kernels.small import CAST_DTYPES, rope_rows
+
+
+@dataclass(frozen=True)
+class QueryTile:
+    block_t: int  # rows per program (tl.dot needs >= 16: decode rows are padded, masked)
+    block_c: int  # latent columns per program
+    num_warps: int = 4
+
+
+# Decode sizes: 16-row tiles and 64 columns, so that T = 1 still spreads W_UK's reads (H x C x N,
+# 2 MiB for V2-Lite's 16 heads) over H x 9 programs; larger batches: 64 x 128 tiles reuse each
+# weight tile for more rows. Batch-invariant mode: the decode tile for every T.
+DECODE_TILE = QueryTile(block_t=16, block_c=64)
+PREFILL_TILE = QueryTile(block_t=64, block_c=128)
+DECODE_MAX_T = 64
+
+
+def query_tile(t: int, batch_invariant: bool) -> QueryTile:
+    """The tile for T rows (batch-invariant: one tile for every T)."""
+    return DECODE_TILE if batch_invariant or t <= DECODE_MAX_T else PREFILL_TILE
+
+
+@triton.jit
+def _mla_query_kernel(
+    qn_ptr, qp_ptr, w_ptr, pos_ptr, cs_ptr, out_ptr, T, N, C, HALF,
+    stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_wh, stride_wc, stride_wn,
+    stride_pos, stride_cs, stride_ot, stride_oh,
+    INTERLEAVED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Rows [t0, t0 + BLOCK_T) of head h (grid axes 0, 1). Axis 2: program c < cdiv(C, BLOCK_C)
+    writes out[rows, h, c-th BLOCK_C columns] = q_nope[rows, h] @ w[h, cols]^T; the one after
+    them writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position."""
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    pid_c = tl.program_id(2)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    out_rows = out_ptr + rows64[:, None] * stride_ot + h * stride_oh  # (BLOCK_T, 1)
+    if pid_c * BLOCK_C < C:
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        rk = tl.arange(0, BLOCK_N)
+        a_rows = qn_ptr + rows64[:, None] * stride_qnt + h * stride_qnh  # (BLOCK_T, 1)
+        b_cols = w_ptr + h * stride_wh + cols[None, :].to(tl.int64) * stride_wc  # (1, BLOCK_C): W^T tiles
+        acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        for k0 in range(0, N, BLOCK_N):
+            kmask = rk < N - k0
+            a = tl.load(a_rows + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(
+                b_cols + (k0 + rk)[:, None] * stride_wn, mask=(cols[None, :] < C) & kmask[:, None], other=0.0
+            )
+            acc = mma(a, b, acc, IEEE)
+        omask = rmask[:, None] & (cols[None, :] < C)
+        tl.store(out_rows + cols[None, :], to_dtype(acc, out_ptr.dtype.element_ty), mask=omask)
+    else:
+        i = tl.arange(0, BLOCK_R)
+        pos = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.int64)
+        cs = cs_ptr + pos[:, None] * stride_cs + i[None, :]
+        cmask = rmask[:, None] & (i[None, :] < HALF)
+        cos = tl.load(cs, mask=cmask, other=0.0).to(tl.float32)
+        sin = tl.load(cs + HALF, mask=cmask, other=0.0).to(tl.float32)
+        q_rows = qp_ptr + rows64[:, None] * stride_qpt + h * stride_qph
+        rope_rows(q_rows, out_rows + C, rmask[:, None], cos, sin, HALF, INTERLEAVED, BLOCK_R)
+
+
+def supported(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> bool:
+    """Whether the kernel takes these dtypes: one float dtype it rounds like torch, for all three."""
+    return q_nope.dtype in CAST_DTYPES and q_pe.dtype == q_nope.dtype and w_uk.dtype == q_nope.dtype
+
+
+def mla_query(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool,
+    batch_invariant: bool = False,
+    tile: QueryTile | None = None,
+) -> torch.Tensor:
+    """q_nope (T, H, N), q_pe (T, H, R) (strided views are fine), w_uk (H, C, N), positions (T,),
+    cos_sin_cache (P, R) rows [cos | sin] -> (T, H, C + R) in q_nope's dtype, one launch, no host
+    sync. `tile` (tests) overrides query_tile's choice."""
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or w_uk.dim() != 3:
+        raise ValueError(
+            f"mla_query: q_nope (T, H, N), q_pe (T, H, R), w_uk (H, C, N), got {tuple(q_nope.shape)}, "
+            f"{tuple(q_pe.shape)}, {tuple(w_uk.shape)}"
+        )
+    t, h, n = q_nope.shape
+    r = q_pe.shape[2]
+    c = w_uk.shape[1]
+    if q_pe.shape[:2] != (t, h) or w_uk.shape[0] != h or w_uk.shape[2] != n:
+        raise ValueError(
+            f"mla_query: q_pe {tuple(q_pe.shape)} and w_uk {tuple(w_uk.shape)} do not match q_nope "
+            f"{tuple(q_nope.shape)}: expected ({t}, {h}, R) and ({h}, C, {n})"
+        )
+    if r % 2 or (r and cos_sin_cache.shape[-1] != r):
+        raise ValueError(f"mla_query: an even rope width R = {r} equal to the cos_sin_cache width "
+                         f"{cos_sin_cache.shape[-1]}")  # fmt: skip
+    if positions.shape != (t,):
+        raise ValueError(f"mla_query: positions must be ({t},), got {tuple(positions.shape)}")
+    if not supported(q_nope, q_pe, w_uk):
+        raise ValueError(f"mla_query: one dtype of {CAST_DTYPES} for q_nope, q_pe and w_uk, got "
+                         f"{q_nope.dtype}, {q_pe.dtype}, {w_uk.dtype}")  # fmt: skip
+    out = torch.empty((t, h, c + r), dtype=q_nope.dtype, device=q_nope.device)
+    if t == 0 or h == 0 or c + r == 0:
+        return out
+    qn = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
+    qp = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    cfg = tile or query_tile(t, batch_invariant)
+    grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r else 0))
+    _mla_query_kernel[grid](
+        qn, qp, w_uk, positions, cs, out, t, n, c, r // 2,
+        qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), *w_uk.stride(),
+        positions.stride(0), cs.stride(0), out.stride(0), out.stride(1),
+        INTERLEAVED=interleaved, IEEE=q_nope.dtype == torch.float32, BLOCK_T=cfg.block_t,
+        BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1),
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return out
