@@ -23,6 +23,7 @@ from deepinfer.backend import (
     KVCacheOps,
     KVCacheSpec,
     MoeOps,
+    RouterConfig,
     SmallOps,
 )
 from deepinfer.backend.fp8 import quantize_weight
@@ -68,6 +69,22 @@ def test_experts_go_through_the_backends_grouped_gemm_and_silu() -> None:
     ids = torch.tensor([[0, 2], [1, 2], [0, 1]], dtype=torch.int32)
     backend.moe.fused_moe(torch.randn(3, 16), torch.rand(3, 2), ids, w13, w2)
     assert calls["grouped_gemm"] == 2 and calls["silu_and_mul"] == 1
+
+
+def test_select_experts_is_the_backends_router_logits_then_route() -> None:
+    """The default whole router: this backend's router_logits, then its route, on those logits."""
+    calls: Counter[str] = Counter()
+    opts = BackendOptions()
+    backend = dataclasses.replace(
+        create_reference_backend(opts), moe=counting(calls, MoeOps, "router_logits", "route")(opts)
+    )
+    x, gate = torch.randn(5, 16, dtype=torch.bfloat16), torch.randn(12, 16)
+    config = RouterConfig("sigmoid", top_k=3, num_groups=4, topk_groups=2, group_score="top2_sum")
+    bias = torch.randn(12)
+    weights, ids = backend.moe.select_experts(x, gate, config, bias)
+    assert (calls["router_logits"], calls["route"]) == (1, 1)
+    want_w, want_ids = backend.moe.route(backend.moe.router_logits(x, gate), config, bias)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
 
 
 def test_fp8_defaults_go_through_quantize_and_fp8_gemm() -> None:

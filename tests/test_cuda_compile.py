@@ -128,3 +128,30 @@ def test_rope_kernel(interleaved: bool) -> None:
 
     types = {"x_ptr": PTR["bf16"], "y_ptr": PTR["bf16"], "pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
     compile_sm90(small_k._rope_kernel, types, dict(INTERLEAVED=interleaved, BLOCK_H=16, BLOCK_R=32))
+
+
+@pytest.mark.parametrize("router", ["v3", "v4_hash"])
+def test_router_kernels(router: str) -> None:
+    """route, router_logits and select_experts (both in one launch, its ticket atomics) for
+    DeepSeek-V3's router (256 experts in 8 groups, bias, a shared expert) and V4's hash layers."""
+    from deepinfer_cuda.kernels import moe as moe_k
+
+    from deepinfer.backend.types import RouterConfig
+
+    if router == "v3":
+        config = RouterConfig(
+            "sigmoid", top_k=8, num_groups=8, topk_groups=4, group_score="top2_sum", renormalize=True,
+            routed_scaling_factor=2.5, shared_experts=1,
+        )  # fmt: skip
+        bias, hash_ids = torch.zeros(256), None
+    else:
+        config = RouterConfig("sqrtsoftplus", top_k=6, renormalize=True, routed_scaling_factor=1.5)
+        bias, hash_ids = None, torch.zeros((1, 6), dtype=torch.int64)
+    route = moe_k._route_args(1, 256, config, bias, hash_ids)
+    types = {a: PTR["f32"] for a in ("logits_ptr", "bias_ptr", "w_ptr", "gate_ptr")}
+    types |= {"ids_ptr": PTR["i32"], "tickets_ptr": PTR["i32"], "hash_ptr": "*i64", "scaling": "fp32"}
+    types |= {"x_ptr": PTR["bf16"], "out_ptr": PTR["f32"]}
+    gemv = dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512)
+    compile_sm90(moe_k._route_kernel, types, route)
+    compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv)
+    compile_sm90(moe_k._select_experts_kernel, types, route | gemv)

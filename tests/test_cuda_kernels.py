@@ -61,6 +61,7 @@ from deepinfer.reference import gemm as ref_gemm  # noqa: E402
 from deepinfer.reference import moe as ref_moe  # noqa: E402
 from deepinfer.reference import small as ref_small  # noqa: E402
 from deepinfer.reference import v4 as ref_v4  # noqa: E402
+from deepinfer.testing.helpers import router_margin  # noqa: E402
 from deepinfer.testing.tolerances import assert_bitwise_equal  # noqa: E402
 
 
@@ -485,6 +486,119 @@ def test_route_ties_go_to_the_lowest_id() -> None:
     ):
         _, ids = moe_k.route(logits.to(DEV), config)
         assert ids.cpu().tolist() == [[0, 1, 2, 3], [20, 0, 1, 2]], config
+
+
+# name: (config, experts, correction bias, hash routing)
+ONE_LAUNCH_ROUTERS = {
+    "E64-groups-bias": (
+        RouterConfig(
+            "sigmoid", top_k=6, num_groups=8, topk_groups=3, group_score="top2_sum", renormalize=True,
+            routed_scaling_factor=2.5,
+        ), 64, True, False,
+    ),
+    "E64-softmax-shared2": (RouterConfig("softmax", top_k=6, shared_experts=2), 64, False, False),
+    "E256-8groups-bias-shared1": (
+        RouterConfig(
+            "sigmoid", top_k=8, num_groups=8, topk_groups=4, group_score="top2_sum", renormalize=True,
+            routed_scaling_factor=2.5, shared_experts=1,
+        ), 256, True, False,
+    ),
+    "E40-sqrtsoftplus-hash": (
+        RouterConfig("sqrtsoftplus", top_k=4, renormalize=True, routed_scaling_factor=1.5), 40, False, True
+    ),
+}  # fmt: skip
+
+
+def _router_inputs(
+    gen: torch.Generator, name: str, t: int, d: int
+) -> tuple[RouterConfig, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(config, x (T, D) bf16, a strided view, gate (E, D) float32, bias or None, hash ids or None)."""
+    config, e, with_bias, hashed = ONE_LAUNCH_ROUTERS[name]
+    x = torch.randn((t, d + 8), generator=gen).to(torch.bfloat16).to(DEV)[:, 3 : 3 + d]
+    gate = torch.randn((e, d), generator=gen) * d**-0.5
+    bias = torch.randn(e, generator=gen) * 0.2 if with_bias else None
+    hash_ids = (
+        torch.stack([torch.randperm(e, generator=gen)[: config.top_k] for _ in range(t)]) if hashed else None
+    )
+    dev = [None if v is None else v.to(DEV) for v in (gate, bias, hash_ids)]
+    return config, x, dev[0], dev[1], dev[2]  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "name,t",
+    [("E64-groups-bias", 1), ("E64-groups-bias", 20), ("E64-softmax-shared2", 7),
+     ("E256-8groups-bias-shared1", 1), ("E256-8groups-bias-shared1", 6), ("E40-sqrtsoftplus-hash", 1),
+     ("E40-sqrtsoftplus-hash", 13)],
+)  # fmt: skip
+def test_router_select_experts_one_launch_is_router_logits_plus_route(
+    gen: torch.Generator, name: str, t: int
+) -> None:
+    """select_experts' one launch (each row routed by its last logits program) gives the bits of
+    router_logits + route, on a strided bf16 x with D past one BLOCK_D step (600); called twice
+    in a row, the same bits again (every row's ticket is back at zero)."""
+    assert t <= moe_k.ROUTER_GEMV_MAX_TOKENS
+    config, x, gate, bias, hash_ids = _router_inputs(gen, name, t, 600)
+    want = moe_k.route(moe_k.router_logits(x, gate), config, bias, hash_ids)
+    for call in ("first", "second"):
+        got = moe_k.select_experts(x, gate, config, bias, hash_ids)
+        for g, w, what in zip(got, want, ("weights", "ids")):
+            assert_bitwise_equal(g.cpu(), w.cpu(), what=f"{what}, {call} call")
+        assert not moe_k._TICKETS.get(x.device, t).any(), "tickets not reset"
+    empty = moe_k.select_experts(x[:0], gate, config, bias, None if hash_ids is None else hash_ids[:0])
+    assert empty[0].shape == empty[1].shape == (0, config.top_k + config.shared_experts)
+
+
+def test_router_select_experts_in_a_graph_and_the_backend_paths(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replayed three times with new inputs (a CUDA graph on a GPU, plain calls in the
+    interpreter): each replay equals router_logits + route (the tickets reset inside the graph).
+    The backend: one launch up to ROUTER_GEMV_MAX_TOKENS, fused, outside batch-invariant mode;
+    else router_logits + route; the same pairs either way (as the float64 logits route them)."""
+    config, x, gate, bias, _ = _router_inputs(gen, "E256-8groups-bias-shared1", 3, 96)
+    static = x.clone()
+    graph = None
+    if GPU and not INTERPRET:
+        moe_k.select_experts(static, gate, config, bias)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe_k.select_experts(static, gate, config, bias)
+    for _ in range(3):
+        static.copy_(torch.randn(static.shape, generator=gen).to(static.dtype))
+        if graph is not None:
+            graph.replay()
+        else:
+            out = moe_k.select_experts(static, gate, config, bias)
+        want = moe_k.route(moe_k.router_logits(static, gate), config, bias)
+        assert_bitwise_equal(out[0].cpu(), want[0].cpu(), what="replayed weights")
+        assert_bitwise_equal(out[1].cpu(), want[1].cpu(), what="replayed ids")
+
+    config, _, gate, bias, _ = _router_inputs(gen, "E64-groups-bias", 0, 96)
+    assert bias is not None
+    calls: list[int] = []
+    one_launch = moe_k.select_experts
+    monkeypatch.setattr(moe_k, "ROUTER_GEMV_MAX_TOKENS", 4)  # interpreter-sized
+    monkeypatch.setattr(moe_k, "select_experts", lambda x, *a: calls.append(x.shape[0]) or one_launch(x, *a))
+    plain = cuda_backend.create_cuda_backend(BackendOptions())
+    invariant = cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True))
+    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    unfused = cuda_backend.create_cuda_backend(BackendOptions())
+    limit = moe_k.ROUTER_GEMV_MAX_TOKENS
+    rows = torch.randn((limit + 1, 96), generator=gen).to(torch.bfloat16)
+    for backend, t, launches in [
+        (plain, limit, [limit]), (plain, limit + 1, []), (invariant, 2, []), (unfused, 2, []),
+    ]:  # fmt: skip
+        calls.clear()
+        w, i = backend.moe.select_experts(rows[:t].to(DEV), gate, config, bias)
+        assert calls == launches, (backend.options, t)
+        logits = rows[:t].double() @ gate.cpu().double().T
+        rw, ri = ref_moe.route(logits, config, bias.cpu().double())  # float32 scores
+        clear = router_margin(logits, config, bias.cpu().double()) > 1e-4  # no near-ties
+        assert int(clear.sum()) >= 0.8 * t
+        order, ref_order = i.cpu().long().argsort(1), ri.argsort(1)
+        assert torch.equal(i.cpu().long().gather(1, order)[clear], ri.gather(1, ref_order)[clear])
+        got_w, ref_w = w.cpu().double().gather(1, order)[clear], rw.gather(1, ref_order)[clear]
+        torch.testing.assert_close(got_w, ref_w.double(), rtol=1e-5, atol=1e-6)
 
 
 def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:

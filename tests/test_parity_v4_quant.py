@@ -186,7 +186,7 @@ def test_weights_stay_fp8_and_mxfp4(case: Case) -> None:
         assert ffn.w13.dtype == torch.uint8 and ffn.w13.shape[-1] == ffn.hidden // 2  # packed MXFP4
         assert ffn.w13_scale is not None and ffn.w13_scale.dtype == torch.uint8
         assert ffn.w2.dtype == torch.uint8 and ffn.w2_scale is not None
-        assert ffn.gate.weight.dtype == torch.float32 and ffn.gate.weight_scale_inv is None  # router
+        assert ffn.gate_weight.dtype == torch.float32  # the router
         if attn.compressor is not None:
             assert attn.compressor.wkv.weight.dtype == torch.float32
 
@@ -354,7 +354,8 @@ def test_random_weights_in_the_published_format(tmp_path: Path) -> None:
     attn, ffn = model.layers[1].attn, model.layers[1].ffn
     assert attn.wq_a.weight.dtype == attn.wo_a.weight.dtype == torch.float8_e4m3fn
     assert ffn.w13.dtype == ffn.w2.dtype == torch.uint8 and ffn.w13_scale.dtype == torch.uint8
-    assert attn.compressor.wkv.weight.dtype == ffn.gate.weight.dtype == torch.bfloat16
+    assert attn.compressor.wkv.weight.dtype == torch.bfloat16
+    assert ffn.gate_weight.dtype == torch.float32  # the router computes in float32
     assert ffn.shared_gate_up.weight.dtype == torch.float8_e4m3fn
 
 

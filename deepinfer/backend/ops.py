@@ -547,6 +547,20 @@ class MoeOps(_Part):
         order of the K + S pairs within a row is free. Default: the reference (torch ops)."""
         return ref_moe.route(logits, config, correction_bias, hash_ids)
 
+    def select_experts(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        config: RouterConfig,
+        correction_bias: torch.Tensor | None = None,
+        hash_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole router: x (T, Dm) float, gate_weight (E, Dm) float32 -> (weights (T, K + S)
+        float32, ids (T, K + S) int32) = route(router_logits(x, gate_weight), config,
+        correction_bias, hash_ids): the same outputs and tie rules as that composition. Default:
+        this part's router_logits, then its route."""
+        return self.route(self.router_logits(x, gate_weight), config, correction_bias, hash_ids)
+
     def permute(
         self, x: torch.Tensor, ids: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -541,7 +541,9 @@ class V4Attention(nn.Module):
 class V4MoE(nn.Module):
     """Routed experts (K of E, sqrtsoftplus scores renormalised and scaled; selection by the
     router's top-k with its correction bias, or by the fixed tid2eid table in hash layers) plus
-    one shared expert, every SwiGLU clamped at swiglu_limit."""
+    one shared expert, every SwiGLU clamped at swiglu_limit. The router's scores are float32
+    products of x and the float32 gate (moe.select_experts), as V2 / V3's; transformers' V4 takes
+    them in the model dtype, which in bfloat16 rounds the logits before routing."""
 
     def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, hashed: bool) -> None:
         super().__init__()
@@ -554,10 +556,9 @@ class V4MoE(nn.Module):
             renormalize=True,
             routed_scaling_factor=c.routed_scaling_factor,
         )
-        self.gate = Linear(backend, c.hidden_size, c.n_routed_experts)
         self.shared_gate_up = Linear(backend, c.hidden_size, 2 * c.moe_intermediate_size)
         self.shared_down = Linear(backend, c.moe_intermediate_size, c.hidden_size)
-        for name in ("w13", "w2", "bias", "tid2eid"):
+        for name in ("gate_weight", "w13", "w2", "bias", "tid2eid"):
             self.register_buffer(name, torch.empty(0, device="meta"))
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
@@ -565,16 +566,17 @@ class V4MoE(nn.Module):
         #   FP8: e4m3, each half of w13 padded to whole 128-row blocks (layers.fuse_gate_up), block
         #   scales (E, 2I'/128, Dm/128), (E, Dm/128, I'/128) float32;
         #   MXFP4: packed uint8 (E, 2I, Dm/2), (E, Dm, I/2), UE8M0 bytes (E, 2I, Dm/32), (E, Dm, I/32).
-        # bias (E,) float32, tid2eid (V, K) int64
+        # gate_weight (E, Dm) float32 (routing is computed in float32), bias (E,) float32,
+        # tid2eid (V, K) int64
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x (T, Dm), input_ids (T,) -> (T, Dm)."""
         moe, small = self.backend.moe, self.backend.small
-        logits = self.gate(x)  # (T, E)
         if self.hashed:
-            weights, ids = moe.route(logits, self.router, hash_ids=self.tid2eid[input_ids])
+            hash_ids = self.tid2eid[input_ids]
+            weights, ids = moe.select_experts(x, self.gate_weight, self.router, hash_ids=hash_ids)
         else:
-            weights, ids = moe.route(logits, self.router, correction_bias=self.bias)
+            weights, ids = moe.select_experts(x, self.gate_weight, self.router, correction_bias=self.bias)
         x_sorted, src_to_dst, counts = moe.permute(x, ids, self.num_experts)
         h = small.clamped_silu_and_mul(self._experts(x_sorted, self.w13, self.w13_scale, counts), self.limit)
         routed = moe.unpermute(self._experts(h, self.w2, self.w2_scale, counts), src_to_dst, weights)
@@ -595,7 +597,7 @@ class V4MoE(nn.Module):
 
     def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts
-        self.gate.load(reader, f"{prefix}.gate", dtype)
+        self.gate_weight = _load_f32(reader, f"{prefix}.gate.weight", (e, dm))
         if self.hashed:
             self.tid2eid = reader.get_ids(f"{prefix}.gate.tid2eid", (vocab_size, self.router.top_k), e)
         else:

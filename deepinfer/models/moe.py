@@ -2,7 +2,7 @@
 
 Symbols: T tokens, E routed experts, K experts per token, I moe_intermediate_size, Dm hidden.
 
-Routers (DeepSeek's MoEGate), all through backend.moe.route:
+Routers (DeepSeek's MoEGate), all through backend.moe.select_experts (router_logits + route):
   V2 greedy               softmax scores, plain top-K.
   V2 group_limited_greedy softmax, keep the topk_group groups with the best MAX score, then top-K.
   V3 noaux_tc             sigmoid; e_score_correction_bias is added for SELECTION only; groups
@@ -112,9 +112,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). fixed_exchange (expert parallelism): every rank runs this layer
         with the same T (a graph step: ForwardBatch.fixed_exchange)."""
-        logits = self.backend.moe.router_logits(x, self.gate_weight)  # (T, E) float32
         # (T, K), or (T, K + S) with the shared experts fused
-        weights, ids = self.backend.moe.route(logits, self.router, self.e_score_correction_bias)
+        weights, ids = self.backend.moe.select_experts(
+            x, self.gate_weight, self.router, self.e_score_correction_bias
+        )
         if self.ep is None:
             y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
             return y if self.shared_experts is None else y + self.shared_experts(x)

@@ -16,9 +16,10 @@ import torch
 
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import BackendRegistry
-from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
+from deepinfer.reference import moe as ref_moe
 from deepinfer.testing.tolerances import Locator
 
 
@@ -55,6 +56,34 @@ def oracle(t: torch.Tensor) -> torch.Tensor:
     """The float64 CPU copy of a float tensor (other dtypes: a CPU copy) for the reference."""
     t = t.detach().cpu()
     return t.double() if t.is_floating_point() and t.dtype.itemsize > 1 else t.clone()
+
+
+def router_margin(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    """(T,) how far each token's expert choice is from changing: the smallest gap, in float64
+    selection scores (scores + bias), at the group cut (topk_groups) and at the expert cut (top_k);
+    inf where every expert is chosen."""
+    sel = ref_moe.scores_of(logits.double(), config.scoring)
+    if bias is not None:
+        sel = sel + bias.double()
+    gaps = []
+    if config.num_groups > 1:
+        groups = sel.view(sel.shape[0], config.num_groups, sel.shape[1] // config.num_groups)
+        if config.group_score == "top2_sum":
+            group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        else:
+            group_scores = groups.amax(-1)
+        g = group_scores.sort(dim=-1, descending=True).values
+        if config.topk_groups < config.num_groups:
+            gaps.append(g[:, config.topk_groups - 1] - g[:, config.topk_groups])
+        keep = group_scores.topk(config.topk_groups, dim=-1).indices
+        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        sel = groups.masked_fill(mask[..., None], float("-inf")).view_as(sel)
+    s = sel.sort(dim=-1, descending=True).values
+    if config.top_k < s.shape[1]:
+        gaps.append(s[:, config.top_k - 1] - s[:, config.top_k])
+    else:  # every expert is chosen
+        gaps.append(torch.full_like(s[:, 0], float("inf")))
+    return torch.stack(gaps).amin(0).cpu()
 
 
 def quantized_weight(

@@ -411,10 +411,10 @@ class CudaGemm(GemmOps):
 
 
 class CudaMoe(MoeOps):
-    """Fused: the router's scores at decode sizes and the router in one Triton kernel each; the
-    stable expert sort, src_to_dst, counts and the grouped GEMM's tile table in another
-    (kernels/moe.py); expert MLPs by the Triton grouped
-    GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
+    """Fused: the router's scores at decode sizes and the router in one Triton kernel each, both
+    in one launch at decode sizes (select_experts); the stable expert sort, src_to_dst, counts
+    and the grouped GEMM's tile table in another (kernels/moe.py); expert MLPs by the Triton
+    grouped GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
     torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
 
     def __init__(self, options: BackendOptions, fused: bool = True) -> None:
@@ -424,8 +424,7 @@ class CudaMoe(MoeOps):
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Decode sizes (outside batch-invariant mode): one Triton launch on x as it is; else the
         contract's x.float() and a float32 linear."""
-        small = x.dim() == 2 and x.shape[0] <= moe_k.ROUTER_GEMV_MAX_TOKENS and weight.dtype == torch.float32
-        if self.fused and small and not self.batch_invariant:
+        if self._router_gemv(x, weight):
             return moe_k.router_logits(x, weight)
         return super().router_logits(x, weight)
 
@@ -439,6 +438,25 @@ class CudaMoe(MoeOps):
         if not self.fused:  # the contract's default: the reference router in torch ops
             return super().route(logits, config, correction_bias, hash_ids)
         return moe_k.route(logits, config, correction_bias, hash_ids)
+
+    def select_experts(
+        self,
+        x: torch.Tensor,
+        gate_weight: torch.Tensor,
+        config: RouterConfig,
+        correction_bias: torch.Tensor | None = None,
+        hash_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where router_logits takes its one-launch path, scores and routing in ONE launch (the
+        same bits as router_logits + route); else those two."""
+        if self._router_gemv(x, gate_weight):
+            return moe_k.select_experts(x, gate_weight, config, correction_bias, hash_ids)
+        return super().select_experts(x, gate_weight, config, correction_bias, hash_ids)
+
+    def _router_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Decode sizes, fused mode, outside batch-invariant mode: the router's one-launch kernels."""
+        small = x.dim() == 2 and x.shape[0] <= moe_k.ROUTER_GEMV_MAX_TOKENS and weight.dtype == torch.float32
+        return self.fused and small and not self.batch_invariant
 
     def _align(self, ids: torch.Tensor, num_experts: int, block_m: int | None) -> moe_k.Alignment:
         if self.fused:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionMetadata, AttentionModifiers
+from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, RouterConfig
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import moe as ref_moe
@@ -129,6 +129,23 @@ def test_fused_moe(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Ge
     for i in ROWS:
         alone = invariant_backend.moe.fused_moe(x[i : i + 1], weights[i : i + 1], ids[i : i + 1], w13, w2)
         assert_bitwise_equal(alone, full[i : i + 1], what=f"fused_moe row {i}")
+
+
+def test_select_experts(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """The whole router over 70 tokens (past any decode-sized path) and a row alone: same bits."""
+    dev = invariant_backend.device.device()
+    config = RouterConfig(
+        "sigmoid", top_k=4, num_groups=4, topk_groups=2, group_score="top2_sum", renormalize=True,
+        routed_scaling_factor=2.5, shared_experts=1,
+    )  # fmt: skip
+    x = randn((70, 96), dtype, dev, gen)
+    gate = randn((32, 96), torch.float32, dev, gen, 96**-0.5)
+    bias = randn((32,), torch.float32, dev, gen, 0.1)
+    full = invariant_backend.moe.select_experts(x, gate, config, bias)
+    for i in ROWS:
+        alone = invariant_backend.moe.select_experts(x[i : i + 1], gate, config, bias)
+        for a, f, what in zip(alone, full, ("weights", "ids"), strict=True):
+            assert_bitwise_equal(a, f[i : i + 1], what=f"select_experts {what} row {i}")
 
 
 def test_decode_long(invariant_backend: Backend, dtype: torch.dtype, gen: torch.Generator) -> None:

@@ -37,8 +37,8 @@ from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.loader import load_model
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 from deepinfer.models.runner_util import PagedRunner
-from deepinfer.reference import moe as ref_moe
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.helpers import router_margin
 from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, tolerance
 
@@ -84,32 +84,6 @@ def _run(
     return out, fed
 
 
-def _selection_margin(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
-    """(T,) how far each token's expert choice is from changing: the smallest gap, in selection
-    scores, at the group cut (topk_groups) and at the expert cut (top_k)."""
-    sel = ref_moe.scores_of(logits.double(), config.scoring)
-    if bias is not None:
-        sel = sel + bias.double()
-    gaps = []
-    if config.num_groups > 1:
-        groups = sel.view(sel.shape[0], config.num_groups, -1)
-        if config.group_score == "top2_sum":
-            group_scores = groups.topk(2, dim=-1).values.sum(-1)
-        else:
-            group_scores = groups.amax(-1)
-        g = group_scores.sort(dim=-1, descending=True).values
-        gaps.append(g[:, config.topk_groups - 1] - g[:, config.topk_groups])
-        keep = group_scores.topk(config.topk_groups, dim=-1).indices
-        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
-        sel = groups.masked_fill(mask[..., None], float("-inf")).view_as(sel)
-    s = sel.sort(dim=-1, descending=True).values
-    if config.top_k < s.shape[1]:
-        gaps.append(s[:, config.top_k - 1] - s[:, config.top_k])
-    else:  # every expert is chosen
-        gaps.append(torch.full_like(s[:, 0], float("inf")))
-    return torch.stack(gaps).amin(0).cpu()
-
-
 def _check(backend: Backend, dtype: torch.dtype, root: Path, fp8: bool) -> None:
     reference = create_reference_backend()
     margins: list[torch.Tensor] = []  # one (rows,) tensor per step: the oracle's router margins
@@ -121,7 +95,7 @@ def _check(backend: Backend, dtype: torch.dtype, root: Path, fp8: bool) -> None:
         correction_bias: torch.Tensor | None = None,
         hash_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        margins.append(_selection_margin(logits, config, correction_bias))
+        margins.append(router_margin(logits, config, correction_bias))
         return route(logits, config, correction_bias, hash_ids)
 
     reference.moe.route = recording_route  # type: ignore[method-assign]

@@ -10,7 +10,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.reference import moe as ref_moe
-from deepinfer.testing.helpers import oracle, quantized_weight, randn
+from deepinfer.testing.helpers import oracle, quantized_weight, randn, router_margin
 from deepinfer.testing.tolerances import assert_close, index_locator
 
 V3 = RouterConfig(
@@ -183,6 +183,68 @@ def test_route_hash_with_shared_experts(backend: Backend, gen: torch.Generator) 
     rw, ri = by_expert(ref_w, ref_ids)
     assert torch.equal(i, ri), "hash routing must select exactly the given experts plus the shared ones"
     assert_close(w, rw, torch.float32, what="hash-routed weights")
+
+
+SELECT_ROUTERS = {  # name: (config, experts, with correction bias, hash routing)
+    "softmax_greedy": (RouterConfig("softmax", top_k=6), 64, False, False),  # V2-Lite
+    "softmax_group_max_shared2": (dataclasses.replace(V2, shared_experts=2), 32, False, False),
+    "sigmoid_groups_bias": (V3, 64, True, False),
+    "deepseek_v3_shared1": (dataclasses.replace(V3_FULL, shared_experts=1), 256, True, False),
+    "sqrtsoftplus_bias": (V4, 40, True, False),  # V4-Flash's router
+    "sqrtsoftplus_hash": (V4, 40, False, True),  # V4-Flash's hash layers
+    "sigmoid_hash_shared2": (
+        RouterConfig("sigmoid", top_k=3, renormalize=True, routed_scaling_factor=1.5, shared_experts=2),
+        20,
+        False,
+        True,
+    ),
+}
+# Selection scores closer than this (float64 oracle) may order either way at float32 precision.
+ROUTER_TIE = 1e-4
+
+
+SELECT_CASES = [
+    *((name, t) for name in SELECT_ROUTERS for t in (0, 1, 5)),
+    # 64 tokens: the most a backend's decode-sized path may take (the cuda backend's); 200: past it
+    ("softmax_group_max_shared2", 64),
+    ("sqrtsoftplus_hash", 64),
+    ("sigmoid_hash_shared2", 200),
+    *(pytest.param("deepseek_v3_shared1", t, marks=pytest.mark.heavy) for t in (64, 200)),
+]
+
+
+@pytest.mark.parametrize("name,tokens", SELECT_CASES)
+def test_select_experts(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, tokens: int
+) -> None:
+    """The whole router from x (T, Dm) and the float32 gate: route(x @ gate^T) in float64, the
+    same pairs as the composition router_logits + route. Rows whose choice is within ROUTER_TIE
+    of changing are left out of the comparison (and must be few)."""
+    config, experts, with_bias, hashed = SELECT_ROUTERS[name]
+    dm, s = 136, config.shared_experts
+    dev = backend.device.device()
+    x = randn((tokens, dm), dtype, dev, gen)
+    gate = randn((experts, dm), torch.float32, dev, gen, 2.0 * dm**-0.5)
+    bias = randn((experts,), torch.float32, dev, gen, 0.5) if with_bias else None
+    hash_ids = random_ids(tokens, config.top_k, experts, gen) if hashed else None
+    weights, ids = backend.moe.select_experts(
+        x, gate, config, bias, None if hash_ids is None else hash_ids.to(dev)
+    )
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    assert weights.shape == ids.shape == (tokens, config.top_k + s)
+    logits = oracle(x) @ oracle(gate).T
+    ref_w, ref_ids = ref_moe.route(logits, config, to_ref(bias), hash_ids)
+    w, i = by_expert(weights, ids)
+    rw, ri = by_expert(ref_w, ref_ids)
+    if s:
+        assert torch.equal(i[:, -s:], torch.arange(experts, experts + s).expand(tokens, s)), "shared ids"
+        assert torch.equal(w[:, -s:], torch.ones((tokens, s), dtype=torch.float64)), "shared weights"
+    clear = torch.ones(tokens, dtype=torch.bool)
+    if not hashed:
+        clear = router_margin(logits, config, to_ref(bias)) > ROUTER_TIE
+    assert int(clear.sum()) >= int(0.8 * tokens), f"only {int(clear.sum())}/{tokens} rows clear of ties"
+    assert torch.equal(i[clear], ri[clear]), "selected experts differ from the reference"
+    assert_close(w[clear], rw[clear], torch.float32, what="router weights")
 
 
 def random_ids(tokens: int, top_k: int, experts: int, gen: torch.Generator) -> torch.Tensor:

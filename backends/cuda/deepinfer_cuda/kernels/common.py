@@ -44,6 +44,23 @@ def tma_supported(device: torch.device) -> bool:
     return INTERPRET
 
 
+class Semaphores:
+    """int32 counters per device that the kernels' programs count themselves in on (tl.atomic_add),
+    zero between launches: the program that arrives last resets its counter, so no launch zeroes
+    them (graph replays included). A buffer holds at least 4096; a launch that needs more gets a
+    larger one, and the smaller ones stay allocated: graphs captured with them keep using them.
+    Launches that share a buffer must not run at the same time (one stream)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        bufs = self._buffers.setdefault(device, [])
+        if not bufs or bufs[-1].numel() < n:
+            bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+        return bufs[-1]
+
+
 @triton.jit
 def mma(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ b with float32 accumulation (IEEE: full float32 products for float32 inputs)."""

@@ -4,11 +4,15 @@
 the grouped GEMM's tile table in another (the torch compositions they replace are kept as the
 oracle in tests/test_cuda_kernels.py and as the DEEPINFER_CUDA_UNFUSED=1 path).
 
-Router: one program per token row. Scores (softmax / sigmoid / sqrtsoftplus) in float32, the
-correction bias for selection only, group-limited selection, then top-k by iterated argmax
+Router (route): one program per token row. Scores (softmax / sigmoid / sqrtsoftplus) in float32,
+the correction bias for selection only, group-limited selection, then top-k by iterated argmax
 (ties to the lowest expert id; ids in descending selection score, as torch.topk returns them).
 The row is held as a (groups, experts per group) tile padded to powers of two with -inf, so
 E = 256 (DeepSeek-V3) is an 8 x 32 tile and E = 384 ungrouped a 1 x 512 one.
+Scores and router in one launch (select_experts, decode sizes): router_logits' programs, one per
+(token, 4 experts), write the logits; the last of a row's programs to finish (a ticket counter
+per row, reset by that program) routes the row with the same code (_route_row): the same bits as
+router_logits + route, one launch instead of two.
 
 Alignment: one program does a counting sort of the T*K token copies by expert over blocks of
 rows: a histogram pass, then per block each copy goes to its expert's next free sorted row plus
@@ -26,7 +30,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import RouterConfig
-from deepinfer_cuda.kernels.common import log1p, next_pow2
+from deepinfer_cuda.kernels.common import Semaphores, log1p, next_pow2
 from deepinfer_cuda.kernels.gemm import TileTable
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -43,15 +47,17 @@ ALIGN_MAX_ROWS = 1024
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, hash_ptr, w_ptr, ids_ptr, E, stride_l, stride_h, scaling,
+def _route_row(
+    logits_row, bias_ptr, hash_row, w_row, ids_row, E, scaling,
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     TOP2_SUM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    VOLATILE: tl.constexpr,
 ):  # fmt: skip
-    """One token: logits (E,) -> weights (K + S,) float32 and ids (K + S,) int32, the S shared
-    experts (ids E .. E + S - 1, weight 1) after the K routed ones."""
-    t = tl.program_id(0).to(tl.int64)
+    """One token: logits (E,) at logits_row -> weights (K + S,) float32 at w_row and ids (K + S,)
+    int32 at ids_row, the S shared experts (ids E .. E + S - 1, weight 1) after the K routed
+    ones; hash_row: the token's K given experts (HASH). VOLATILE: the logits were written by
+    other programs of this launch (no stale L1 lines)."""
     size = E // GROUPS
     gi = tl.arange(0, BLOCK_G)
     g = gi[:, None]
@@ -59,7 +65,7 @@ def _route_kernel(
     e = g * size + j  # (BLOCK_G, BLOCK_S) expert id
     valid = (g < GROUPS) & (j < size)
     neg = float("-inf")
-    x = tl.load(logits_ptr + t * stride_l + e, mask=valid, other=neg).to(tl.float32)
+    x = tl.load(logits_row + e, mask=valid, other=neg, volatile=VOLATILE).to(tl.float32)
     if SCORING == 0:  # softmax over the E experts (padding: exp(-inf) = 0)
         p = tl.exp(x - tl.max(tl.max(x, 1), 0))
         s = p / tl.sum(tl.sum(p, 1), 0)
@@ -73,7 +79,7 @@ def _route_kernel(
     ids = tl.zeros([BLOCK_K], tl.int32)
     if HASH:  # the experts are given; weights are the scores there
         for k in range(TOP_K):
-            pick = tl.load(hash_ptr + t * stride_h + k).to(tl.int32)
+            pick = tl.load(hash_row + k).to(tl.int32)
             w = tl.where(ks == k, tl.sum(tl.sum(tl.where(e == pick, s, 0.0), 1), 0), w)
             ids = tl.where(ks == k, pick, ids)
     else:
@@ -111,19 +117,34 @@ def _route_kernel(
     w = tl.where(shared, 1.0, w * scaling)
     ids = tl.where(shared, E + ks - TOP_K, ids)
     kmask = ks < TOP_K + SHARED
-    tl.store(w_ptr + t * (TOP_K + SHARED) + ks, w, mask=kmask)
-    tl.store(ids_ptr + t * (TOP_K + SHARED) + ks, ids, mask=kmask)
+    tl.store(w_row + ks, w, mask=kmask)
+    tl.store(ids_row + ks, ids, mask=kmask)
 
 
-def route(
-    logits: torch.Tensor,
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, hash_ptr, w_ptr, ids_ptr, E, stride_l, stride_h, scaling,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    TOP2_SUM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program per token row of logits (T, E)."""
+    t = tl.program_id(0).to(tl.int64)
+    _route_row(
+        logits_ptr + t * stride_l, bias_ptr, hash_ptr + t * stride_h, w_ptr + t * (TOP_K + SHARED),
+        ids_ptr + t * (TOP_K + SHARED), E, scaling, SCORING, HAS_BIAS, HASH, RENORMALIZE, TOP_K, SHARED,
+        GROUPS, TOPK_GROUPS, TOP2_SUM, BLOCK_G, BLOCK_S, BLOCK_K, False,
+    )  # fmt: skip
+
+
+def _route_args(
+    t: int,
+    e: int,
     config: RouterConfig,
-    correction_bias: torch.Tensor | None = None,
-    hash_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (T, E) -> (weights (T, K + S) float32, ids (T, K + S) int32) in one launch, S =
-    config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig)."""
-    t, e = logits.shape
+    correction_bias: torch.Tensor | None,
+    hash_ids: torch.Tensor | None,
+) -> dict[str, int | bool]:
+    """Checks the router's arguments for T tokens and E experts -> _route_row's constexprs."""
     k, shared = config.top_k, config.shared_experts
     if config.scoring not in SCORING:
         raise ValueError(f"unknown router scoring {config.scoring!r}; expected one of {sorted(SCORING)}")
@@ -138,8 +159,27 @@ def route(
         raise ValueError(f"route: correction_bias must be ({e},), got {tuple(correction_bias.shape)}")
     if shared < 0:
         raise ValueError(f"route: shared_experts must be >= 0, got {shared}")
-    weights = torch.empty((t, k + shared), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, k + shared), dtype=torch.int32, device=logits.device)
+    return dict(
+        SCORING=SCORING[config.scoring], HAS_BIAS=correction_bias is not None, HASH=hash_ids is not None,
+        RENORMALIZE=config.renormalize, TOP_K=k, SHARED=shared, GROUPS=groups,
+        TOPK_GROUPS=config.topk_groups, TOP2_SUM=config.group_score == "top2_sum",
+        BLOCK_G=next_pow2(groups, 2), BLOCK_S=next_pow2(e // groups), BLOCK_K=next_pow2(k + shared, 2),
+    )  # fmt: skip
+
+
+def route(
+    logits: torch.Tensor,
+    config: RouterConfig,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (T, E) -> (weights (T, K + S) float32, ids (T, K + S) int32) in one launch, S =
+    config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig)."""
+    t, e = logits.shape
+    consts = _route_args(t, e, config, correction_bias, hash_ids)
+    n = config.top_k + config.shared_experts
+    weights = torch.empty((t, n), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((t, n), dtype=torch.int32, device=logits.device)
     if t == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
@@ -148,28 +188,26 @@ def route(
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, hashed if hashed is not None else ids, weights, ids,
         e, logits.stride(0), hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
-        SCORING=SCORING[config.scoring], HAS_BIAS=bias is not None, HASH=hashed is not None,
-        RENORMALIZE=config.renormalize, TOP_K=k, SHARED=shared, GROUPS=groups,
-        TOPK_GROUPS=config.topk_groups, TOP2_SUM=config.group_score == "top2_sum",
-        BLOCK_G=next_pow2(groups, 2), BLOCK_S=next_pow2(e // groups), BLOCK_K=next_pow2(k + shared, 2),
-        num_warps=4,
+        **consts, num_warps=4,
     )  # fmt: skip
     return weights, ids
 
 
 # Up to this many tokens the router's scores come from router_logits' kernel (one launch reading
-# x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches).
+# x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches), and
+# select_experts is one launch (scores and routing).
 ROUTER_GEMV_MAX_TOKENS = 64
+ROUTER_BLOCK_E = 4
 
 
 @triton.jit
-def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr
+def _logits_block(
+    x_ptr, w_ptr, out_ptr, t, pe, E, D, stride_x, stride_w, stride_o,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """One token, BLOCK_E experts: out[t, e] = sum_d float32(x[t, d]) * w[e, d], float32 products
-    summed per lane over BLOCK_D steps, then across the lanes."""
-    t = tl.program_id(0).to(tl.int64)
-    re = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    """Token t, experts [pe * BLOCK_E, (pe + 1) * BLOCK_E): out[t, e] = sum_d float32(x[t, d]) *
+    w[e, d], float32 products summed per lane over BLOCK_D steps, then across the lanes."""
+    re = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     rd = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -181,26 +219,109 @@ def _router_logits_kernel(
     tl.store(out_ptr + t * stride_o + re, tl.sum(acc, 1), mask=re < E)
 
 
+@triton.jit
+def _router_logits_kernel(
+    x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    """One program per (token, BLOCK_E experts)."""
+    t = tl.program_id(0).to(tl.int64)
+    _logits_block(
+        x_ptr, w_ptr, out_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, stride_o, BLOCK_E, BLOCK_D
+    )
+
+
+@triton.jit
+def _select_experts_kernel(
+    x_ptr, gate_ptr, logits_ptr, tickets_ptr, bias_ptr, hash_ptr, w_ptr, ids_ptr,
+    E, D, stride_x, stride_w, stride_h, scaling,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+    TOP2_SUM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """_router_logits_kernel's programs, each then counting itself in on its token's ticket; the
+    token's last program (whichever it is: the row's logits are whole by then) resets the ticket
+    and routes the row as _route_kernel does."""
+    t = tl.program_id(0).to(tl.int64)
+    _logits_block(
+        x_ptr, gate_ptr, logits_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, E, BLOCK_E, BLOCK_D
+    )
+    tl.debug_barrier()  # every thread's logits are stored before the program counts itself in
+    arrived = tl.atomic_add(tickets_ptr + t, 1, sem="acq_rel")
+    if arrived < tl.num_programs(1) - 1:
+        return
+    tl.store(tickets_ptr + t, 0)  # the row's last program: ready for the next launch
+    _route_row(
+        logits_ptr + t * E, bias_ptr, hash_ptr + t * stride_h, w_ptr + t * (TOP_K + SHARED),
+        ids_ptr + t * (TOP_K + SHARED), E, scaling, SCORING, HAS_BIAS, HASH, RENORMALIZE, TOP_K, SHARED,
+        GROUPS, TOPK_GROUPS, TOP2_SUM, BLOCK_G, BLOCK_S, BLOCK_K, True,
+    )  # fmt: skip
+
+
+def _check_gate(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
+    e, d = weight.shape[0], x.shape[-1]
+    if x.dim() != 2 or weight.shape != (e, d) or weight.dtype != torch.float32:
+        raise ValueError(
+            f"{what}: x must be (T, D) and weight (E, D) float32, got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (T, D) float, weight (E, D) float32 -> (T, E) float32 in one launch (decode sizes: each
-    program reads BLOCK_E = 4 experts' rows, so even one token spreads over E / 4 programs)."""
+    program reads ROUTER_BLOCK_E = 4 experts' rows, so even one token spreads over E / 4 programs)."""
+    _check_gate(x, weight, "router_logits")
     t, d = x.shape
     e = weight.shape[0]
-    if weight.shape != (e, d) or weight.dtype != torch.float32:
-        raise ValueError(
-            f"router_logits: weight must be ({e}, {d}) float32, got {tuple(weight.shape)} {weight.dtype}"
-        )
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
     if t == 0 or e == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    block_e = 4
-    _router_logits_kernel[(t, triton.cdiv(e, block_e))](
+    _router_logits_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
         x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=block_e, BLOCK_D=min(512, next_pow2(d)), num_warps=4,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(512, next_pow2(d)), num_warps=4,
     )  # fmt: skip
     return out
+
+
+# One int32 ticket per token row of select_experts (zero between launches).
+_TICKETS = Semaphores()
+
+
+def select_experts(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: RouterConfig,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """route(router_logits(x, weight), config, correction_bias, hash_ids) in ONE launch, the same
+    bits: grid (T, E / ROUTER_BLOCK_E) of router_logits' programs writing the logits to a (T, E)
+    scratch; the last program of each token row to finish (a per-row ticket, taken acq_rel)
+    routes that row. Rows route in parallel, so T only adds programs. x (T, D) float, weight
+    (E, D) float32 -> (weights (T, K + S) float32, ids (T, K + S) int32)."""
+    _check_gate(x, weight, "select_experts")
+    t, d = x.shape
+    e = weight.shape[0]
+    consts = _route_args(t, e, config, correction_bias, hash_ids)
+    n = config.top_k + config.shared_experts
+    weights = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    ids = torch.empty((t, n), dtype=torch.int32, device=x.device)
+    if t == 0:
+        return weights, ids
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    bias = correction_bias.contiguous() if correction_bias is not None else None
+    hashed = hash_ids if hash_ids is None or hash_ids.stride(-1) == 1 else hash_ids.contiguous()
+    _select_experts_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
+        x, weight, logits, _TICKETS.get(x.device, t), bias if bias is not None else logits,
+        hashed if hashed is not None else ids, weights, ids, e, d, x.stride(0), weight.stride(0),
+        hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(512, next_pow2(d)), **consts, num_warps=4,
+    )  # fmt: skip
+    return weights, ids
 
 
 # --------------------------------------------------------------------------- alignment

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer_cuda.kernels import attention as attn_k
-from deepinfer_cuda.kernels.common import IS_INTERPRET, mma, next_pow2, num_sms, to_dtype
+from deepinfer_cuda.kernels.common import IS_INTERPRET, Semaphores, mma, next_pow2, num_sms, to_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -60,22 +60,8 @@ HC_WIDE_FROM = 256
 HC_COLLAPSE_ELEMENTS = 4096
 
 
-class _Semaphores:
-    """One int32 counter per token tile, per device, zero between launches (the last program of
-    a tile resets its own). 4096 tiles cover steps of 65536 tokens; a larger step gets a larger
-    buffer, and the smaller ones stay allocated: graphs captured with them keep using them."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, list[torch.Tensor]] = {}
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        bufs = self._buffers.setdefault(device, [])
-        if not bufs or bufs[-1].numel() < n:
-            bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-        return bufs[-1]
-
-
-_SEMAPHORES = _Semaphores()
+# one counter per token tile of hc_pre / hc_head (4096 cover steps of 65536 tokens)
+_SEMAPHORES = Semaphores()
 
 
 @triton.jit
