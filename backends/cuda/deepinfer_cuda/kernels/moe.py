@@ -406,9 +406,10 @@ DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 # streams its expert's rows itself, so an expert that several tokens pick is read several times
 # (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
 # decode kernels win by launches at small T and lose by reads at large T. Two-launch GEMV kernels
-# (no tl.dot pipelining) lost to the grouped path from T = 1 (bench/results/
-# 2026-12-01_H200_session3/call2/moe); 32 copies (V2-Lite and V3 at T = 4) until
-# bench/bench_moe_decode.py measures these kernels' crossing point.
+# (tl.sum products, weight loads not pipelined) lost to the retuned grouped path at every T, by
+# 2% at one V2-Lite token and 42% at eight (bench/results/2026-12-01_H200_session3/call2/moe);
+# these kernels stream weights through tl.dot's pipelined loads as the grouped GEMM does. 32
+# copies (V2-Lite T = 4, V3 T = 3) until bench/bench_moe_decode.py measures their crossing point.
 DECODE_MAX_COPIES = 32
 
 
