@@ -15,6 +15,7 @@ upper-bound host lengths).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from typing import Any
@@ -763,6 +764,7 @@ def test_router_select_experts_in_a_graph_and_the_backend_paths(
 def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """DEEPINFER_CUDA_UNFUSED=1 at creation: the composed paths, with the same results (the MoE
     layer bit for bit: same sort, same tile table, same kernels)."""
+    monkeypatch.setenv(cuda_backend.MOE_DECODE_ENV, "0")  # the grouped path at every size
     fused = cuda_backend.create_cuda_backend(BackendOptions())
     monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
@@ -1135,3 +1137,131 @@ def test_compressed_attention_is_batch_invariant(gen: torch.Generator) -> None:
     both = run(slice(0, 9), slice(0, 4), [1, 90, 203, 40], [1, 1, 1, 6])
     alone = run(slice(1, 2), slice(1, 2), [90], [1])
     assert_bitwise_equal(alone, both[1:2], what="request 1 alone vs batched")
+
+
+def _decode_moe_case(gen: torch.Generator, tokens: int, fp8: bool) -> tuple[list[Any], torch.Tensor]:
+    """fused_moe inputs (x, weights, ids, w13, w2, w13_scale, w2_scale) on DEV and the float64
+    oracle. Odd sizes (Dm = 200, I = 136: partial K steps and column tiles; FP8 Dm = 256 with
+    I = 136), an expert picked by several tokens, expert 5 by every token (a shared expert)."""
+    from deepinfer.backend import fp8 as fp8_fmt
+
+    e, h, inter = 6, 256 if fp8 else 200, 136
+    x = torch.randn((tokens, h), generator=gen)
+    w13 = torch.randn((e, 2 * inter, h), generator=gen) * h**-0.5
+    w2 = torch.randn((e, h, inter), generator=gen) * inter**-0.5
+    ids = torch.tensor([[0, 3, 5], [3, 1, 5], [2, 4, 5], [3, 0, 5]])[:tokens]
+    weights = torch.rand((tokens, 3), generator=gen)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    w13_real, w2_real = w13, w2
+    if fp8:
+        q13 = [fp8_fmt.quantize_weight(w) for w in w13]
+        q2 = [fp8_fmt.quantize_weight(w) for w in w2]
+        w13, w2 = torch.stack([q for q, _ in q13]), torch.stack([q for q, _ in q2])
+        scales = (torch.stack([s for _, s in q13]), torch.stack([s for _, s in q2]))
+        w13_real = fp8_fmt.dequantize_weight(w13, scales[0])
+        w2_real = fp8_fmt.dequantize_weight(w2, scales[1])
+
+    def quantised(v: torch.Tensor) -> torch.Tensor:  # FP8: activations pass through e4m3 too
+        if not fp8:
+            return v.double()
+        return fp8_fmt.dequantize_act(*ref_gemm.quantize_fp8(v.float()[None]))[0].double()
+
+    expected = torch.zeros((tokens, h), dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(3):
+            ex = int(ids[t, k])
+            gate_up = quantised(x[t]) @ w13_real[ex].double().T
+            act = quantised(torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:])
+            expected[t] += weights[t, k].double() * (act @ w2_real[ex].double().T)
+    args = [v.to(DEV) if v is not None else None for v in (x, weights, ids, w13, w2, *scales)]
+    return args, expected
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_decode_moe_against_float64_and_the_grouped_path(
+    gen: torch.Generator, tokens: int, fp8: bool
+) -> None:
+    """The decode-sized MoE (up with silu_and_mul, down with the combine: no sort) against a
+    float64 oracle and the grouped path; tilings with partial tiles, the combine fused (the last
+    program of a token's copies on a column tile sums them) or launched after."""
+    args, expected = _decode_moe_case(gen, tokens, fp8)
+    grouped_backend = cuda_backend.create_cuda_backend(BackendOptions())
+    grouped_backend.moe.decode = False
+    grouped = grouped_backend.moe.fused_moe(*args)
+    tol = 2e-2 if fp8 else 2e-3  # FP8: an activation near an e4m3 rounding edge may round apart
+    configs = [
+        moe_k.DecodeConfig(),
+        moe_k.DecodeConfig(up_n=64, up_k=64, down_n=16, down_k=32, fused_combine=False),
+        moe_k.DecodeConfig(up_n=16, up_k=256, down_n=128, down_k=64, fused_combine=True),
+    ]
+    outs = [moe_k.decode_moe(*args, config=cfg) for cfg in configs]
+    for cfg, y in zip(configs, outs):
+        what = f"decode_moe {cfg}"
+        assert y.dtype == args[0].dtype and y.shape == args[0].shape
+        torch.testing.assert_close(
+            y.cpu().double(), expected, rtol=tol, atol=tol, msg=functools.partial("{}: {}".format, what)
+        )
+        torch.testing.assert_close(
+            y.cpu(), grouped.cpu(), rtol=1e-5, atol=1e-5, msg=functools.partial("{}: {}".format, what)
+        )
+    # each copy is computed alone: a token's row does not depend on the others in the batch
+    x, weights, ids = args[:3]
+    alone = moe_k.decode_moe(x[-1:], weights[-1:], ids[-1:], *args[3:])
+    assert_bitwise_equal(alone.cpu(), outs[0][-1:].cpu(), what="decode_moe, last row alone")
+
+
+def test_decode_moe_in_bfloat16_and_edge_sizes(gen: torch.Generator) -> None:
+    """bfloat16 rounds where the grouped path rounds (gate / up, the activation, each expert's
+    output): equal to it within one bfloat16 step; no tokens, and top-1 routing."""
+    args, expected = _decode_moe_case(gen, 3, False)
+    args = [v.to(torch.bfloat16) if v is not None and v.is_floating_point() else v for v in args]
+    grouped_backend = cuda_backend.create_cuda_backend(BackendOptions())
+    grouped_backend.moe.decode = False
+    y = moe_k.decode_moe(*args)
+    grouped = grouped_backend.moe.fused_moe(*args)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(y.cpu().float(), grouped.cpu().float(), rtol=8e-3, atol=8e-3)
+    x, weights, ids, *w = args
+    assert moe_k.decode_moe(x[:0], weights[:0], ids[:0], *w).shape == (0, x.shape[1])
+    top1 = moe_k.decode_moe(x, weights[:, :1], ids[:, :1], *w)
+    torch.testing.assert_close(
+        top1.cpu().float(), grouped_backend.moe.fused_moe(x, weights[:, :1], ids[:, :1], *w).cpu().float(),
+        rtol=8e-3, atol=8e-3,
+    )  # fmt: skip
+
+
+def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fused_moe: decode kernels up to DECODE_MAX_COPIES copies, the grouped path above, with
+    DEEPINFER_CUDA_MOE_DECODE=0, and in batch-invariant mode; the tiles' env variable."""
+    args, _ = _decode_moe_case(gen, 4, False)
+    calls: list[int] = []
+    real = moe_k.decode_moe
+
+    def counted(*a: Any, **kw: Any) -> torch.Tensor:
+        calls.append(1)
+        y: torch.Tensor = real(*a, **kw)
+        return y
+
+    monkeypatch.setattr(moe_k, "decode_moe", counted)
+    backend = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
+    y = backend.moe.fused_moe(*args)
+    assert calls == [1]
+    assert_bitwise_equal(y.cpu(), real(*args).cpu(), what="fused_moe through the decode path")
+    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 11)
+    backend.moe.fused_moe(*args)
+    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
+    cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True)).moe.fused_moe(*args)
+    monkeypatch.setenv(cuda_backend.MOE_DECODE_ENV, "0")
+    cuda_backend.create_cuda_backend(BackendOptions()).moe.fused_moe(*args)
+    assert calls == [1]
+
+    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,256,8,3,16,512,4,4,0,48")
+    assert moe_k._decode_setting() == (moe_k.DecodeConfig(64, 256, 8, 3, 16, 512, 4, 4, False), 48)
+    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,256")
+    with pytest.raises(ValueError, match="UP_N,UP_K"):
+        moe_k._decode_setting()

@@ -69,6 +69,14 @@ def fused_from_env() -> bool:
     return os.environ.get(UNFUSED_ENV, "0") in ("", "0")
 
 
+MOE_DECODE_ENV = "DEEPINFER_CUDA_MOE_DECODE"
+
+
+def moe_decode_from_env() -> bool:
+    """False when DEEPINFER_CUDA_MOE_DECODE=0: decode-sized MoE layers take the grouped path too."""
+    return os.environ.get(MOE_DECODE_ENV, "1") != "0"
+
+
 # --------------------------------------------------------------------------- device / memory
 
 
@@ -417,9 +425,10 @@ class CudaMoe(MoeOps):
     grouped GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
     torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+    def __init__(self, options: BackendOptions, fused: bool = True, decode: bool = True) -> None:
         super().__init__(options)
         self.fused = fused
+        self.decode = fused and decode  # kernels/moe.decode_moe for a few tokens
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Decode sizes (outside batch-invariant mode): one Triton launch on x as it is; else the
@@ -500,11 +509,19 @@ class CudaMoe(MoeOps):
     ) -> torch.Tensor:
         """Like the default composition, but the first GEMM reads token rows straight from x
         through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
-        counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine."""
+        counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine.
+        Up to moe_k.DECODE_MAX_COPIES token copies, outside batch-invariant mode (the two paths
+        round alike but reduce in different tiles, so a row's bits would change with T at the
+        limit): kernels/moe.decode_moe, two launches (up with silu_and_mul, down with the
+        combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
+        if self.decode and not self.batch_invariant and ids.numel() <= moe_k.DECODE_MAX_COPIES:
+            if (w13_scale is None) != (w2_scale is None):
+                raise ValueError("FP8 experts need both w13_scale and w2_scale")
+            return moe_k.decode_moe(x, weights, ids, w13, w2, w13_scale, w2_scale)
         cfg = self._config(ids.numel(), w13_scale)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
@@ -697,7 +714,7 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         kv_cache=CudaKVCache(options, fused),
         attention=CudaAttention(options, fused),
         gemm=CudaGemm(options, fused),
-        moe=CudaMoe(options, fused),
+        moe=CudaMoe(options, fused, moe_decode_from_env()),
         collectives=CudaCollectives(options, device),
         small=CudaSmall(options, fused),
     )

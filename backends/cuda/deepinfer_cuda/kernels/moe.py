@@ -23,6 +23,7 @@ on T, K and E only: no host sync, graph-safe.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import RouterConfig
-from deepinfer_cuda.kernels.common import Semaphores, log1p, next_pow2
+from deepinfer_cuda.kernels.common import INTERPRET, Semaphores, log1p, mma, next_pow2, to_e4m3
 from deepinfer_cuda.kernels.gemm import TileTable
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -489,3 +490,267 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Al
         BLOCK_T=SPARE_TILES_BLOCK, num_warps=4,
     )  # fmt: skip
     return Alignment(order, token, src_to_dst, counts, tiles)
+
+
+# --------------------------------------------------------------------------- decode-sized MoE
+#
+# A few tokens (decode): no sort and no tile table. C = T * K copies (K includes the shared
+# experts fused as ids E .. E + S - 1); copy c = t * K + k reads x[t] and expert ids[c].
+#   up   grid (C, I / UP_N):  act[c, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, I + n])
+#   down grid (C, Dm / DOWN_N): y[c, n] = act[c] . w2[e, n]; the last of a token's K programs
+#        on a column tile (a counter per (token, tile)) writes out[t, n] = sum_k w[t, k] y[t*K+k, n]
+#        in k order, so the sum never depends on which program finished last.
+# Both are the grouped GEMM's tl.dot tiles with BLOCK_M 16 and one valid row (memory-bound: the
+# other rows cost no bytes), reducing K in BLOCK_K steps in order, rounding what the grouped
+# path rounds (GEMM outputs and the activation to x's dtype), so they agree with it within that
+# rounding. Each copy is computed alone with tiles fixed by the configuration, never by T.
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the two decode kernels; FP8 steps K by 128 (one scale per step) whatever the
+    *_k fields say. fused_combine=False: a third launch does the weighted combine."""
+
+    up_n: int = 32
+    up_k: int = 128
+    up_warps: int = 4
+    up_stages: int = 4
+    down_n: int = 32
+    down_k: int = 128
+    down_warps: int = 4
+    down_stages: int = 4
+    fused_combine: bool = True
+
+
+DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
+# The most token copies (T * K, shared experts included) sent to the decode kernels. Each copy
+# streams its expert's rows itself, so an expert that several tokens pick is read several times
+# (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
+# decode kernels win by launches at small T and lose by reads at large T. Two-launch GEMV kernels
+# (tl.sum products, weight loads not pipelined) lost to the retuned grouped path at every T, by
+# 2% at one V2-Lite token and 42% at eight (bench/results/2026-12-01_H200_session3/call2/moe);
+# these kernels stream weights through tl.dot's pipelined loads as the grouped GEMM does. 32
+# copies (V2-Lite T = 4, V3 T = 3) until bench/bench_moe_decode.py measures their crossing point.
+DECODE_MAX_COPIES = 32
+
+
+def _decode_setting() -> tuple[DecodeConfig, int]:
+    """The decode tiles and copy limit: DEEPINFER_CUDA_MOE_DECODE_TILES="UP_N,UP_K,UP_WARPS,
+    UP_STAGES,DOWN_N,DOWN_K,DOWN_WARPS,DOWN_STAGES,FUSED_COMBINE,MAX_COPIES" replaces both
+    (bench/bench_moe_decode.py prints the best)."""
+    value = os.environ.get(DECODE_TILES_ENV)
+    if not value:
+        # the Triton interpreter (CPU CI) pays per program, not per byte: 128-column tiles keep
+        # the engine tests' decode steps near the grouped path's time there
+        return DecodeConfig(up_n=128, down_n=128) if INTERPRET else DecodeConfig(), DECODE_MAX_COPIES
+    try:
+        up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages, fused, max_copies = (
+            int(v) for v in value.split(",")
+        )
+    except ValueError:
+        raise ValueError(
+            f"{DECODE_TILES_ENV}={value!r}: expected UP_N,UP_K,UP_WARPS,UP_STAGES,"
+            "DOWN_N,DOWN_K,DOWN_WARPS,DOWN_STAGES,FUSED_COMBINE,MAX_COPIES (integers)"
+        ) from None
+    tiles = (up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages)
+    return DecodeConfig(*tiles, fused_combine=bool(fused)), max_copies
+
+
+DECODE_CONFIG, DECODE_MAX_COPIES = _decode_setting()
+
+
+@triton.jit
+def _row_operand(row_ptr, k0, K, rm, rk, FP8: tl.constexpr):
+    """The (BLOCK_M, BLOCK_K) A operand of one K step: row 0 = row[k0 : k0 + BLOCK_K], the other
+    rows zero, and its scale. FP8: the 128 values quantised to e4m3 as gemm.quantize_fp8 does
+    (amax / 448 by IEEE division), so no separate quantisation launch; else scale 1."""
+    k_ok = rk < K - k0
+    if FP8:
+        v = tl.load(row_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
+        return to_e4m3(tl.where(rm[:, None] == 0, q[None, :], 0.0)), scale
+    else:  # one 2-D load straight into the dot (pipelined like the weights)
+        a = tl.load(
+            row_ptr + rm[:, None] * 0 + (k0 + rk)[None, :], mask=(rm[:, None] == 0) & k_ok[None, :], other=0.0
+        )
+        return a, 1.0
+
+
+@triton.jit
+def _decode_up_kernel(
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, count_ptr, I, H, K_IDS, NUM_COUNTS,
+    stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
+    FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Copy c, columns n of one tile: act[c, n] = silu(gate) * up, gate and up rounded to act's
+    dtype first (what the grouped GEMM stores before silu_and_mul). Programs (c, 0) also zero
+    ZERO_BLOCK of the down kernel's counters each (the launch before it, on the same stream)."""
+    c = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    if ZERO_BLOCK > 0:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if pid_n == 0:
+            z = c * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+            tl.store(count_ptr + z, tl.zeros([ZERO_BLOCK], tl.int32), mask=z < NUM_COUNTS)
+    t = c // K_IDS
+    e = tl.load(ids_ptr + c).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < I
+    # (BLOCK_K, BLOCK_N) tiles of w13[e]^T: gate rows n, up rows I + n, contiguous along K
+    gate_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    up_ptrs = gate_ptrs + I * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a, a_s = _row_operand(x_ptr + t * stride_x, k0, H, rm, rk, FP8)
+        w_mask = n_ok[None, :] & (rk[:, None] < H - k0)
+        g = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        if FP8:  # as the grouped kernel: each step's product times the row scale, then the weight's
+            s_ptrs = ws_ptr + e * stride_wse + k0 // BLOCK_K
+            g_s = tl.load(s_ptrs + (rn // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+            u_s = tl.load(s_ptrs + ((rn + I) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+            gate += mma(a, g, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * g_s[None, :]
+            up += mma(a, u, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * u_s[None, :]
+        else:
+            gate = mma(a, g, gate, IEEE)
+            up = mma(a, u, up, IEEE)
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up  # small.silu_and_mul's float32 formula
+    ptrs = act_ptr + c * stride_act + rm[:, None] * 0 + rn[None, :]
+    tl.store(ptrs, act.to(dtype), mask=(rm[:, None] == 0) & n_ok[None, :])
+
+
+@triton.jit
+def _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, n_ok, K_IDS, stride_y, stride_out, VOLATILE: tl.constexpr):
+    """out[t, n] = sum over k, in order, of w[t, k] * y[t*K + k, n] in float32 (small.weighted_combine's
+    arithmetic). VOLATILE: y was written by other programs of this launch (no stale L1 lines)."""
+    acc = tl.zeros(rn.shape, tl.float32)
+    for k in range(0, K_IDS):
+        c = t * K_IDS + k
+        y = tl.load(y_ptr + c * stride_y + rn, mask=n_ok, other=0.0, volatile=VOLATILE)
+        acc += tl.load(wt_ptr + c).to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + t * stride_out + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _decode_down_kernel(
+    a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS,
+    stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
+    FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Copy c, output columns n of one tile: y[c, n] = act[c] . w2[e, n] in out's dtype; COMBINE:
+    then the token's last program on this tile writes out[t, n] (counter (t, tile), zeroed by the
+    up kernel)."""
+    c = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + c).to(tl.int64)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < H
+    w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a, a_s = _row_operand(a_ptr + c * stride_a, k0, I, rm, rk, FP8)
+        b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I - k0), other=0.0)
+        if FP8:
+            s_ptrs = ws_ptr + e * stride_wse + (rn // BLOCK_K) * stride_wsn + k0 // BLOCK_K
+            b_s = tl.load(s_ptrs, mask=n_ok, other=0.0)
+            acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * b_s[None, :]
+        else:
+            acc = mma(a, b, acc, IEEE)
+        w_ptrs += BLOCK_K
+    ptrs = y_ptr + c * stride_y + rm[:, None] * 0 + rn[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] == 0) & n_ok[None, :])
+    if COMBINE:
+        tl.debug_barrier()  # every thread's y is stored before the program counts itself in
+        t = c // K_IDS
+        arrived = tl.atomic_add(count_ptr + t * tl.num_programs(1) + pid_n, 1, sem="acq_rel")
+        if arrived < K_IDS - 1:
+            return
+        _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, n_ok, K_IDS, stride_y, stride_out, VOLATILE=True)
+
+
+@triton.jit
+def _decode_combine_kernel(y_ptr, wt_ptr, out_ptr, H, K_IDS, stride_y, stride_out, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, rn < H, K_IDS, stride_y, stride_out, VOLATILE=False)
+
+
+DECODE_BLOCK_M = 16  # tl.dot's smallest M; one row of it is a token copy
+
+
+def decode_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """fused_moe for a few tokens in two launches (three without the fused combine), no sort:
+    x (T, Dm), weights / ids (T, K) -> (T, Dm) in x's dtype. w13 (E, 2I, Dm), w2 (E, Dm, I);
+    FP8: e4m3 weights with w13_scale (E, 2I/128, Dm/128) and w2_scale (E, Dm/128, I/128), x and
+    the activations quantised per token and 128 channels inside the kernels."""
+    cfg = config or DECODE_CONFIG
+    t, k = ids.shape
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    if w2.shape != (e, h, inter):
+        raise ValueError(f"decode_moe: w2 must be {(e, h, inter)}, got {tuple(w2.shape)}")
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return out
+    if k == 0 or inter == 0:
+        return out.zero_()
+    fp8 = w13_scale is not None
+    up_k, down_k = (128, 128) if fp8 else (cfg.up_k, cfg.down_k)
+    copies = t * k
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = ids.reshape(-1).contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    s13 = w13_scale.float().contiguous() if w13_scale is not None else x
+    s2 = w2_scale.float().contiguous() if w2_scale is not None else x
+    act = torch.empty((copies, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((copies, h), dtype=x.dtype, device=x.device)
+    down_tiles = triton.cdiv(h, cfg.down_n)
+    counts = torch.empty((t * down_tiles if cfg.fused_combine else 1,), dtype=torch.int32, device=x.device)
+    zero_block = next_pow2(triton.cdiv(t * down_tiles, copies), 1) if cfg.fused_combine else 0
+    ieee = x.dtype == torch.float32
+    _decode_up_kernel[(copies, triton.cdiv(inter, cfg.up_n))](
+        x, w13, s13, ids, act, counts, inter, h, k, counts.numel(),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
+        act.stride(0),
+        FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+    )  # fmt: skip
+    w = weights.reshape(-1).float().contiguous()
+    _decode_down_kernel[(copies, down_tiles)](
+        act, w2, s2, ids, w, y, out, counts, h, inter, k,
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        y.stride(0), out.stride(0),
+        FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine,
+        BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.down_n, BLOCK_K=down_k,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+    )  # fmt: skip
+    if not cfg.fused_combine:
+        block = min(1024, next_pow2(h))
+        _decode_combine_kernel[(t, triton.cdiv(h, block))](
+            y, w, out, h, k, y.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        )
+    return out
