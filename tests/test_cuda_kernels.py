@@ -1235,8 +1235,9 @@ def test_decode_moe_in_bfloat16_and_edge_sizes(gen: torch.Generator) -> None:
 def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """fused_moe: decode kernels up to DECODE_MAX_COPIES copies, the grouped path above, with
-    DEEPINFER_CUDA_MOE_DECODE=0, and in batch-invariant mode; the tiles' env variable."""
+    """fused_moe: decode kernels up to DECODE_MAX_COPIES copies of unquantised experts, the
+    grouped path above, for FP8 experts, with DEEPINFER_CUDA_MOE_DECODE=0, and in batch-invariant
+    mode; the tiles' env variable."""
     args, _ = _decode_moe_case(gen, 4, False)
     calls: list[int] = []
     real = moe_k.decode_moe
@@ -1254,6 +1255,9 @@ def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(
     assert_bitwise_equal(y.cpu(), real(*args).cpu(), what="fused_moe through the decode path")
     monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 11)
     backend.moe.fused_moe(*args)
+    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
+    fp8_args, _ = _decode_moe_case(gen, 4, True)
+    backend.moe.fused_moe(*fp8_args)  # FP8 experts: the grouped path (the decode kernels measured slower)
     monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
     cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True)).moe.fused_moe(*args)
     monkeypatch.setenv(cuda_backend.MOE_DECODE_ENV, "0")

@@ -512,16 +512,15 @@ class CudaMoe(MoeOps):
         counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine.
         Up to moe_k.DECODE_MAX_COPIES token copies, outside batch-invariant mode (the two paths
         round alike but reduce in different tiles, so a row's bits would change with T at the
-        limit): kernels/moe.decode_moe, two launches (up with silu_and_mul, down with the
-        combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
+        limit), for unquantised experts: kernels/moe.decode_moe, two launches (up with
+        silu_and_mul, down with the combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
-        if self.decode and not self.batch_invariant and ids.numel() <= moe_k.DECODE_MAX_COPIES:
-            if (w13_scale is None) != (w2_scale is None):
-                raise ValueError("FP8 experts need both w13_scale and w2_scale")
-            return moe_k.decode_moe(x, weights, ids, w13, w2, w13_scale, w2_scale)
+        small = ids.numel() <= moe_k.DECODE_MAX_COPIES
+        if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
+            return moe_k.decode_moe(x, weights, ids, w13, w2)  # bf16 / float32 experts (FP8: slower)
         cfg = self._config(ids.numel(), w13_scale)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)

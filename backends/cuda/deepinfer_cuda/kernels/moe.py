@@ -511,14 +511,14 @@ class DecodeConfig:
     """Tiles of the two decode kernels; FP8 steps K by 128 (one scale per step) whatever the
     *_k fields say. fused_combine=False: a third launch does the weighted combine."""
 
-    up_n: int = 32
+    up_n: int = 64
     up_k: int = 128
     up_warps: int = 4
-    up_stages: int = 4
-    down_n: int = 32
+    up_stages: int = 3
+    down_n: int = 64
     down_k: int = 128
     down_warps: int = 4
-    down_stages: int = 4
+    down_stages: int = 3
     fused_combine: bool = True
 
 
@@ -526,11 +526,12 @@ DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 # The most token copies (T * K, shared experts included) sent to the decode kernels. Each copy
 # streams its expert's rows itself, so an expert that several tokens pick is read several times
 # (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
-# decode kernels win by launches at small T and lose by reads at large T. Two-launch GEMV kernels
-# (tl.sum products, weight loads not pipelined) lost to the retuned grouped path at every T, by
-# 2% at one V2-Lite token and 42% at eight (bench/results/2026-12-01_H200_session3/call2/moe);
-# these kernels stream weights through tl.dot's pipelined loads as the grouped GEMM does. 32
-# copies (V2-Lite T = 4, V3 T = 3) until bench/bench_moe_decode.py measures their crossing point.
+# decode kernels win by launches at small T and lose by reads at large T. On an H200, in CUDA
+# graphs, the whole layer against the grouped path (bench/bench_moe_decode.py, the tiles above;
+# bench/results/2026-12-01_H200_session4/moe): V2-Lite bf16 (8 copies per token) 1.23x at T = 1,
+# 1.13x at 2, 1.07x at 4, 0.93x at 8; V3 bf16 (9 per token) 1.04x at 1 to 4, 0.98x at 8. FP8
+# experts were slower at every T (0.94x at one V3 token, 0.72x at 16): they keep the grouped path
+# (fused_moe).
 DECODE_MAX_COPIES = 32
 
 
