@@ -65,8 +65,9 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       the warm-up shows that the time budget would not hold it;
   (c) ablations at batch 1, 32 and 256, one change each: enforce_eager=True (a fresh LLMEngine on
       the same model and backend), async_scheduling=False, DEEPINFER_CUDA_UNFUSED=1 (the backend's
-      fused kernels) and DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
-      shared experts in the routed grouped GEMM) (each a fresh backend and the model rebuilt on
+      fused kernels), DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
+      shared experts in the routed grouped GEMM) and DEEPINFER_CUDA_MOE_DECODE=0 (the cuda
+      backend's decode-sized MoE kernels) (each a fresh backend and the model rebuilt on
       it: the rebuild shares transformers' tensors, so it takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
       at that length beside them, as it is for (b).
@@ -105,6 +106,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.time()
 CUDA_UNFUSED = "DEEPINFER_CUDA_UNFUSED"  # read by the cuda backend when it is created
+MOE_DECODE = "DEEPINFER_CUDA_MOE_DECODE"  # 0: the cuda backend's decode-sized MoE kernels off
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 
 
@@ -1010,10 +1012,11 @@ class Bench:
         llm = model = backend = None
         free_memory(self.device)
 
-    def unfused(self, var: str, key: str) -> None:
-        """(c) `var`=1, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED: the
-        backend's fused kernels; DEEPINFER_MODEL_UNFUSED: the model's fusions): a fresh backend +
-        model, its rows under `key`_tok_s."""
+    def unfused(self, var: str, key: str, value: str = "1") -> None:
+        """(c) `var`=`value`, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED=1:
+        the backend's fused kernels; DEEPINFER_MODEL_UNFUSED=1: the model's fusions;
+        DEEPINFER_CUDA_MOE_DECODE=0: the decode-sized MoE kernels): a fresh backend + model, its
+        rows under `key`_tok_s."""
         a = self.args
         n = a.ablation_output_len
         rows = self.extra.setdefault("ablations", {"output_len": n, "rows": {}})["rows"]
@@ -1023,7 +1026,7 @@ class Bench:
             )
             log(self.notes[-1])
         old = os.environ.get(var)
-        os.environ[var] = "1"
+        os.environ[var] = value
         try:
             backend, model = self.rebuilt(batch_invariant=False)
             llm, init_s = self.make_llm(model, backend, max(a.ablation_batches))
@@ -1260,7 +1263,8 @@ class Bench:
                 "Each column switches one thing off: CUDA graphs (enforce_eager=True, a fresh engine on the "
                 "same model), async scheduling (async_scheduling=False), the backend's fused kernels "
                 "(DEEPINFER_CUDA_UNFUSED=1), the model's fusions (DEEPINFER_MODEL_UNFUSED=1: MLA's q + kv_a "
-                "GEMM, shared experts in the routed grouped GEMM); the last three each on a fresh backend "
+                "GEMM, shared experts in the routed grouped GEMM), the decode-sized MoE kernels "
+                "(DEEPINFER_CUDA_MOE_DECODE=0); the last four each on a fresh backend "
                 "with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
                 + (
@@ -1271,8 +1275,8 @@ class Bench:
                 + ".",
                 "",
                 "| batch | default tok/s | enforce_eager | async_scheduling=False "
-                "| DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 |",
-                "| --- | --- | --- | --- | --- | --- |",
+                "| DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 | DEEPINFER_CUDA_MOE_DECODE=0 |",
+                "| --- | --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1287,7 +1291,8 @@ class Bench:
                 out.append(
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_async_scheduling_tok_s')} "
-                    f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} |"
+                    f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
+                    f"| {cell('no_decode_moe_tok_s')} |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1514,6 +1519,9 @@ def main(argv: list[str] | None = None) -> int:
         with bench.section("model_unfused"):
             if not bench.over_budget("model unfused"):
                 bench.unfused(MODEL_UNFUSED, "model_unfused")
+        with bench.section("no_decode_moe"):
+            if not bench.over_budget("no decode moe") and backend_reads_env(args.backend, MOE_DECODE):
+                bench.unfused(MOE_DECODE, "no_decode_moe", "0")
         with bench.section("batch_invariant"):  # last: the slowest
             if not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()
