@@ -257,7 +257,7 @@ def bench_decode(
                     batch_invariant=c is None,
                 )
 
-            name = "batch_invariant (position chunks)" if c is None else str(c)
+            name = "batch_invariant (split 1024)" if c is None else str(c)
             try:
                 ms = timer(run_cfg)
             except Exception as exc:

@@ -1,10 +1,10 @@
 """The CUDA backend's kernels that the interpreter cannot vouch for compile for SM90 (Hopper) with
 no GPU, at the shapes models use: DeepSeek-V4's (V4-Flash's shapes), MLA's query kernel with the
-rope kernel whose helper it shares, the router kernels and batch-invariant MLA attention. Triton
-lowers them to PTX and ptxas assembles it (both ship in the Triton wheel). The interpreter
-(tests/test_cuda_interpret.py) runs the kernels' arithmetic on the CPU but accepts programs the
-compiler rejects (mismatched types across branches, layouts it cannot lower); this catches those.
-Runs without TRITON_INTERPRET (an interpreted kernel cannot be compiled)."""
+rope kernel whose helper it shares, and the router kernels. Triton lowers them to PTX and ptxas
+assembles it (both ship in the Triton wheel). The interpreter (tests/test_cuda_interpret.py) runs
+the kernels' arithmetic on the CPU but accepts programs the compiler rejects (mismatched types
+across branches, layouts it cannot lower); this catches those. Runs without TRITON_INTERPRET (an
+interpreted kernel cannot be compiled)."""
 
 from __future__ import annotations
 
@@ -156,37 +156,3 @@ def test_router_kernels(router: str) -> None:
     compile_sm90(moe_k._route_kernel, types, route)
     compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv)
     compile_sm90(moe_k._select_experts_kernel, types, route | gemv)
-
-
-@pytest.mark.parametrize("walk", [True, False], ids=["walk", "split"])
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_mla_invariant_kernels(walk: bool, block_m: int) -> None:
-    """Batch-invariant MLA attention at DeepSeek's widths (512 latent + 64 rope), with TMA tiles,
-    window and sinks; and the split path's fold kernel."""
-    from deepinfer_cuda.kernels import attention as attn_k
-
-    cfg = attn_k.INVARIANT_CONFIG if block_m == 64 else attn_k.AttentionConfig(16, 64, 4)
-    types = {a: PTR["bf16"] for a in ("q_ptr", "kv_ptr", "out_ptr")}
-    types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
-    types |= {"sinks_ptr": PTR["f32"], "part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "allow_ptr": "*i8"}
-    types |= {"qk_scale": "fp32", "k_desc": f"tensordesc<bf16[{cfg.block_n}, 512]>"}
-    types |= {"kr_desc": f"tensordesc<bf16[{cfg.block_n}, 64]>"}
-    constexprs = dict(
-        BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, HAS_WINDOW=True, HAS_SINKS=True, HAS_ALLOW=False, WALK=walk,
-        MAX_CHUNKS=attn_k.INVARIANT_MAX_CHUNKS, MIN_CHUNK_TILES=attn_k.INVARIANT_MIN_CHUNK_TILES, IEEE=False,
-        TMA=True,
-    )  # fmt: skip
-    compile_sm90(attn_k._mla_invariant_kernel, types, constexprs, num_warps=cfg.num_warps)
-    if not walk:
-        types = {
-            "part_ptr": PTR["f32"],
-            "lse_ptr": PTR["f32"],
-            "sinks_ptr": PTR["f32"],
-            "out_ptr": PTR["bf16"],
-        }
-        constexprs = dict(
-            HAS_SINKS=True, MAX_CHUNKS=attn_k.INVARIANT_MAX_CHUNKS, BLOCK_DV=512, BLOCK_R=attn_k.FOLD_ROWS,
-            BLOCK_C=attn_k.COMBINE_COLS,
-        )  # fmt: skip
-        compile_sm90(attn_k._fold_chunks_kernel, types, constexprs)

@@ -49,17 +49,6 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
 
-    @triton.jit  # type: ignore[untyped-decorator]
-    def _row_chunks_probe(pos_ptr, lo_ptr, base_ptr, size_ptr, N, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        i = tl.arange(0, BLOCK)
-        pos = tl.load(pos_ptr + i, mask=i < N, other=0)
-        lo = tl.load(lo_ptr + i, mask=i < N, other=0)
-        base, size = attn_k._row_chunks(
-            pos, lo, BLOCK_N, attn_k.INVARIANT_MAX_CHUNKS, attn_k.INVARIANT_MIN_CHUNK_TILES
-        )
-        tl.store(base_ptr + i, base, mask=i < N)
-        tl.store(size_ptr + i, size, mask=i < N)
-
 
 from deepinfer.backend.types import (  # noqa: E402
     AttentionMetadata,
@@ -107,10 +96,8 @@ def oracle_attention(
     v_dim: int,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
-    topk: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 softmax attention written out per row: the oracle for the kernel. topk (T, Kt):
-    the positions each query token may see (-1 unused; every row must list a visible one)."""
+    """Float64 softmax attention written out per row: the oracle for the kernel."""
     out = torch.zeros((q.shape[0], q.shape[1], v_dim), dtype=torch.float64)
     t = 0
     for k, n, qn in zip(rows, seq_lens, query_lens):
@@ -119,12 +106,6 @@ def oracle_attention(
             p = n - qn + i
             lo = 0 if window is None else max(0, p - window + 1)
             s = q[t].double() @ k[lo : p + 1].T * scale  # (H, visible)
-            if topk is not None:
-                listed = torch.zeros(p + 1 - lo, dtype=torch.bool)
-                ids = topk[t].long()
-                ids = ids[(ids >= lo) & (ids <= p)] - lo
-                listed[ids] = True
-                s = s.masked_fill(~listed, float("-inf"))
             e = torch.exp(s - s.amax(-1, keepdim=True))
             den = e.sum(-1, keepdim=True)
             if sinks is not None:
@@ -201,162 +182,22 @@ def test_prefill_with_splits_and_topk(gen: torch.Generator) -> None:
 
 
 def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
-    """A short request gets the same bits alone (the split path: chunks over programs) and next
-    to a long one (split path too: its rows in more chunks)."""
+    """A short request gets the same bits alone (1 split) and next to a long one (many splits)."""
     seq = [20, 200]
     d, dv, h = 40, 32, 2
     pool, meta, _ = paged(seq, [1, 1], d, 16, gen)
     q = torch.randn((2, h, d), generator=gen).to(DEV)
 
-    def run(q: torch.Tensor, meta: AttentionMetadata, split: bool) -> torch.Tensor:
+    def run(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out: torch.Tensor = attn_k.mla_attention(
-            q, pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, config=small_config(),
-            batch_invariant=True, invariant_split=split,
+            q, pool.to(DEV), meta, scale=0.2, v_dim=dv, latent_dim=dv, config=small_config(), split_size=32,
+            batch_invariant=True,
         )  # fmt: skip
         return out
 
-    both = run(q, meta, True)
-    alone = run(q[:1], AttentionMetadata.build(meta.block_tables[:1], [20], [1]), True)
+    both = run(q, meta)
+    alone = run(q[:1], AttentionMetadata.build(meta.block_tables[:1], [20], [1]))
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
-    assert_bitwise_equal(run(q, meta, False), both, what="walk vs split path")
-
-
-def test_invariant_chunk_sizes() -> None:
-    """S(p) in the kernel: one-tile chunks up to MAX_CHUNKS tiles, then powers of two, at most
-    MAX_CHUNKS chunks; with a window, counted from the window's first tile."""
-    bn, mc, min_tiles = 16, attn_k.INVARIANT_MAX_CHUNKS, attn_k.INVARIANT_MIN_CHUNK_TILES
-    pos = torch.arange(0, 20000, 7, dtype=torch.int32)
-    lo = torch.where(pos % 2 == 0, 0, torch.clamp(pos - 999, min=0)).to(torch.int32)  # odd: window 1000
-    base, size = torch.empty_like(pos, device=DEV), torch.empty_like(pos, device=DEV)
-    n = len(pos)
-    _row_chunks_probe[(1,)](
-        pos.to(DEV), lo.to(DEV), base, size, n, BLOCK_N=bn, BLOCK=triton.next_power_of_2(n)
-    )
-    for p, w, b, sz in zip(pos.tolist(), lo.tolist(), base.cpu().tolist(), size.cpu().tolist()):
-        assert b == w // bn * bn, (p, w)
-        tiles = -(-(p + 1 - b) // bn)
-        want = 1
-        while want * mc < tiles:
-            want *= 2
-        assert sz == bn * max(min_tiles, want), (p, w)
-        assert -(-(p + 1 - b) // sz) <= mc
-    assert set(size.cpu()[lo == 0][pos[lo == 0] < bn * mc].tolist()) == {bn * min_tiles}
-    band = (lo == 0) & (pos + 1 > 4 * bn * mc) & (pos + 1 <= 8 * bn * mc)
-    assert set(size.cpu()[band].tolist()) == {8 * bn}
-
-
-@pytest.mark.parametrize(
-    "window, sinks, topk", [(None, False, False), (None, True, False), (90, True, False), (None, False, True)]
-)
-def test_invariant_split_and_walk_paths_agree_bit_for_bit(
-    gen: torch.Generator, window: int | None, sinks: bool, topk: bool
-) -> None:
-    """Batch-invariant mode's two paths give the same bits for each row, and the float64 oracle's
-    values: ragged prefill rows (tiles of 16 rows hold several tokens of different positions,
-    hence different chunk sizes), lengths past 16 tiles of 16 keys (the chunks grow to 32 and
-    64 keys), and each row of the longest request again as a decode step of its own."""
-    seq, ql = [1, 50, 270, 700], [1, 7, 20, 9]
-    lat, rope, bs, h = 32, 8, 32, 3
-    pool, meta, rows = paged(seq, ql, lat + rope, bs, gen)
-    q = torch.randn((sum(ql), h, lat + rope), generator=gen)
-    sk = torch.randn(h, generator=gen) if sinks else None
-    ids = None
-    if topk:  # a random third of each row's keys, and always its own position
-        ids = torch.full((sum(ql), 320), -1, dtype=torch.int32)
-        t = 0
-        for n, qn in zip(seq, ql):
-            for i in range(qn):
-                p = n - qn + i
-                pick = torch.randperm(p + 1, generator=gen)[: min(319, (p + 1) // 3)]
-                ids[t, : len(pick) + 1] = torch.cat([pick, torch.tensor([p])]).to(torch.int32)
-                t += 1
-
-    def run(q: torch.Tensor, meta: AttentionMetadata, split: bool, ids: torch.Tensor | None) -> torch.Tensor:
-        out: torch.Tensor = attn_k.mla_attention(
-            q.to(DEV), pool.to(DEV), meta, scale=0.15, v_dim=lat, latent_dim=lat, window=window,
-            sinks=None if sk is None else sk.to(DEV), topk_indices=None if ids is None else ids.to(DEV),
-            batch_invariant=True, config=small_config(), invariant_split=split,
-        )  # fmt: skip
-        return out
-
-    walk, split = run(q, meta, False, ids), run(q, meta, True, ids)
-    assert_bitwise_equal(split, walk, what="split vs walk path")
-    expected = oracle_attention(q, rows, seq, ql, 0.15, lat, window, sk, ids)
-    torch.testing.assert_close(walk.cpu().double(), expected, rtol=2e-3, atol=2e-3)
-    b, first = len(seq) - 1, sum(ql[:-1])
-    for i in range(ql[b]):  # the longest request's rows, each a decode step at its own position
-        p = seq[b] - ql[b] + i
-        one = AttentionMetadata.build(meta.block_tables[b : b + 1], [p + 1], [1])
-        row = slice(first + i, first + i + 1)
-        step = run(q[row], one, True, None if ids is None else ids[row])
-        assert_bitwise_equal(step, walk[row], what=f"position {p} as a decode step")
-
-
-@pytest.mark.skipif(INTERPRET, reason="minutes in the interpreter; the small-width test runs the same paths")
-@pytest.mark.parametrize("window, sinks", [(None, False), (128, True)])
-def test_invariant_prefill_rows_equal_their_decode_steps_at_model_shapes(
-    gen: torch.Generator, window: int | None, sinks: bool
-) -> None:
-    """bfloat16 at MLA's widths (512 latent + 64 rope, 16 heads) with the tiles mla_attention
-    picks: a chunked prefill (walk path; 64-row tiles) and the same positions as one decode batch
-    (split path; on SM90 16-row tiles) give each row the same bits. Lengths past 16 tiles of 64
-    keys, so the chunks grow. On the GPU this is the check that the two kernels' arithmetic,
-    FMA contraction included, is the same."""
-    seq, ql = [1, 200, 1100], [1, 30, 40]
-    lat, rope, bs, h = 512, 64, 64, 16
-    pool, meta, rows = paged(seq, ql, lat + rope, bs, gen)
-    pool = pool.to(torch.bfloat16)
-    rows = [r.to(torch.bfloat16) for r in rows]
-    q = torch.randn((sum(ql), h, lat + rope), generator=gen).to(torch.bfloat16)
-    sk = torch.randn(h, generator=gen).to(DEV) if sinks else None
-    kw: dict[str, Any] = dict(scale=(lat + rope) ** -0.5, v_dim=lat, latent_dim=lat, window=window, sinks=sk)
-    prefill = attn_k.mla_attention(
-        q.to(DEV), pool.to(DEV), meta, batch_invariant=True, invariant_split=False, **kw
-    )  # fmt: skip
-    expected = oracle_attention(
-        q.float(), rows, seq, ql, kw["scale"], lat, window, None if sk is None else sk.cpu()
-    )  # fmt: skip
-    torch.testing.assert_close(prefill.cpu().double(), expected, rtol=2e-2, atol=2e-2)
-    owner = [b for b, n in enumerate(ql) for _ in range(n)]  # each query token's request
-    positions = [seq[b] - ql[b] + i for b, n in enumerate(ql) for i in range(n)]
-    steps = AttentionMetadata.build(meta.block_tables[owner], [p + 1 for p in positions], [1] * len(owner))
-    decode = attn_k.mla_attention(
-        q.to(DEV), pool.to(DEV), steps, batch_invariant=True, invariant_split=True, **kw
-    )
-    assert_bitwise_equal(decode, prefill, what="decode steps vs chunked prefill")
-
-
-def test_invariant_split_path_in_a_graph_with_upper_bound_host_lengths(gen: torch.Generator) -> None:
-    """A replayed decode graph: host lengths are the capture's upper bound, the device lengths are
-    shorter; the split path's grid does not depend on them and each row gives its own bits."""
-    seq = [1, 17, 64, 150]
-    lat, rope, bs, h = 32, 16, 32, 4
-    pool, meta, rows = paged(seq, [1] * len(seq), lat + rope, bs, gen)
-    upper = 640
-    table = torch.zeros((len(seq), upper // bs), dtype=torch.int32)
-    table[:, : meta.block_tables.shape[1]] = meta.block_tables.cpu()
-    bound = dataclasses.replace(
-        meta, block_tables=table.to(DEV), seq_lens_host=(upper,) * len(seq), max_seq_len=upper
-    )
-    q = torch.randn((len(seq), h, lat + rope), generator=gen)
-    kw: dict[str, Any] = dict(
-        scale=0.2,
-        v_dim=lat,
-        latent_dim=lat,
-        batch_invariant=True,
-        config=small_config(),
-        invariant_split=True,
-    )
-    out = attn_k.mla_attention(q.to(DEV), pool.to(DEV), bound, **kw)
-    expected = oracle_attention(q, rows, seq, [1] * len(seq), 0.2, lat)
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
-    for b in (1, 3):
-        alone = AttentionMetadata.build(meta.block_tables[b : b + 1], [seq[b]], [1])
-        assert_bitwise_equal(
-            attn_k.mla_attention(q[b : b + 1].to(DEV), pool.to(DEV), alone, **kw),
-            out[b : b + 1],
-            what=f"row {b}",
-        )
 
 
 @pytest.mark.parametrize("window", [None, 50])

@@ -296,10 +296,8 @@ class AttentionOps(_Part):
         modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         """One query token per request. q: (B, H, D) -> (B, H, v_dim) in q's dtype.
-        Requires meta.is_decode_only (ValueError otherwise). Batch-invariant backends cut a row's
-        keys where its own position alone says (a fixed split size, or chunk sizes that grow with
-        the position), never by the batch, and decode a position to the bits prefill gives it.
-        Default: the check, then `prefill`; override for a dedicated kernel."""
+        Requires meta.is_decode_only (ValueError otherwise). Batch-invariant backends use a FIXED
+        split size over KV. Default: the check, then `prefill`; override for a dedicated kernel."""
         if not meta.is_decode_only:
             raise ValueError("decode attention needs exactly one query token per request")
         return self.prefill(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)

@@ -22,8 +22,7 @@ class BackendOptions:
 
     device_index: which device of the backend's kind (rank-local index under torch.distributed).
     batch_invariant: every op returns, for one row, the same bits whatever else shares the batch
-        (fixed reduction order; split sizes that depend on the row alone). Only honoured by
-        backends whose capabilities say so.
+        (fixed reduction order and split sizes). Only honoured by backends whose capabilities say so.
     """
 
     device_index: int = 0

@@ -10,30 +10,18 @@ one K tile loaded from the paged cache feeds every row of the program:
     S = Q_lat @ K_lat^T + Q_rope @ K_rope^T        (BLOCK_M, BLOCK_N), float32
     O += softmax_online(S) @ K[:, :Dv]             V is a prefix of K: the loaded tile is reused
 
-Split-KV (default mode): each split writes a normalised partial output and its log-sum-exp, and
-a combine kernel merges them in split order. The launch fixes the number of splits (grid axis 2,
-from the host lengths, which may be upper bounds in a replayed graph); where the KV axis is cut:
+Split-KV: each split writes a normalised partial output and its log-sum-exp, and a combine
+kernel merges them in split order. The launch fixes the number of splits (grid axis 2, from the
+host lengths, which may be upper bounds in a replayed graph); where the KV axis is cut depends on
+the mode:
   * adaptive (the default): a program cuts ITS OWN key range, read from the device lengths, into
     that many parts of whole BLOCK_N tiles (at least min_split_tiles each). A graph captured with
     max_model_len as the host length still spreads a short row over several programs; splits
     past the end of the range store an empty partial (log-sum-exp -inf) and exit.
-  * fixed: ABSOLUTE positions s * split_size (an explicit split_size).
-KV tiles are aligned to BLOCK_N multiples of absolute position, so fully-masked tiles (another
-row's range) leave a row's accumulators unchanged.
-
-Batch-invariant mode (_mla_invariant_kernel): a row's bits are a function of its own position p
-and keys only. Its keys [lo, p] (lo: the window's start) are reduced in chunks of S(p) keys at
-boundaries base + k * S(p), base = lo rounded down to BLOCK_N, S(p) = BLOCK_N * max(MIN_CHUNK_TILES,
-next_pow2(ceil(tiles / MAX_CHUNKS))) for the row's tiles = ceil((p + 1 - base) / BLOCK_N): at most
-MAX_CHUNKS chunks, short rows get one-tile chunks. Each chunk is an online softmax from empty
-over its tiles in order (_attend_tile), normalised to a partial (_partial); the partials are
-combined by one left fold in chunk order (_fold), the sinks last as a partial (sink, 0). Two
-paths with the same arithmetic, picked by the launch's host shapes:
-  * split (decode-sized launches, CUDA graphs): grid axis 2 = chunk index, MAX_CHUNKS programs
-    per tile of rows (chunks past a row's range are empty partials), then _fold_chunks_kernel
-    folds them in order: a workspace of T * H * MAX_CHUNKS partials.
-  * walk (larger launches): one program per tile of rows walks all chunks and folds in
-    registers at each row's chunk boundaries; no workspace.
+  * fixed: ABSOLUTE positions s * split_size (batch-invariant mode, or an explicit split_size).
+    A row's bits then depend only on its own length, which is what batch-invariant mode needs.
+KV tiles are aligned to BLOCK_N multiples of absolute position in both, so fully-masked tiles
+(another row's range) leave a row's accumulators unchanged.
 
 Masks: causal (key j <= the row's position), sliding window (position - j < window), top-k (a
 (T, L) byte mask built from the index lists, i.e. top-k is applied by masking: the kernel still
@@ -70,18 +58,13 @@ WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
 # (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
 FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
-# Batch-invariant mode: one fixed BLOCK_N (per dtype) for every batch; a row's keys in at most
-# INVARIANT_MAX_CHUNKS chunks of at least INVARIANT_MIN_CHUNK_TILES tiles (module docstring).
+# Batch-invariant mode: one fixed configuration (per dtype) and split size for every batch.
+INVARIANT_SPLIT = 1024
 INVARIANT_CONFIG = WIDE_CONFIG
-INVARIANT_MAX_CHUNKS = 16
-INVARIANT_MIN_CHUNK_TILES = 1
-# The split path's workspace bound: T * H * INVARIANT_MAX_CHUNKS partial rows (fp32, next_pow2(Dv)
-# wide: 256 MiB at Dv = 512). Larger launches, or ones with 2 * SMs tiles of rows, take the walk.
-INVARIANT_SPLIT_MAX_PARTIALS = 1 << 17
 
 
 def _invariant_config(rows: int, device: torch.device) -> AttentionConfig:
-    """Batch-invariant tiles: a row's bits depend on BLOCK_N and its chunks (the order of its
+    """Batch-invariant tiles: a row's bits depend on BLOCK_N and the split size (the order of its
     sums), not on how many query rows share a tile, where the MMA gives each row the same bits in
     any tile height: checked on SM90 for the GEMMs (bench/bench_invariant_tiles.py --bits) and by
     the conformance suite's batch-invariance cases. There, decode-sized launches (fewer than 64
@@ -102,8 +85,6 @@ FEW_TILES_MIN_SPLIT_TILES = 2
 COMBINE_SPLITS = 16
 # Output columns per combine program: the row's columns are merged by several programs.
 COMBINE_COLS = 128
-# (token, head) rows per program of the batch-invariant fold kernel.
-FOLD_ROWS = 4
 
 
 @triton.jit
@@ -114,15 +95,10 @@ def _attend_tile(
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, k_desc, kr_desc, TMA: tl.constexpr,
-    ORDERED_SUM: tl.constexpr,
 ):  # fmt: skip
     """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc).
     TMA: the tile lies inside one page and below the KV length (every row written), so it is two
-    bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks.
-    ORDERED_SUM (batch-invariant mode): the row sums of p in column order, whatever the tile's
-    height and layout (tl.sum's order follows the layout: on an H200, 16- and 64-row tiles gave 43
-    of 581,632 outputs different bits), as a float32 FMA product with a ones matrix, whose terms
-    each thread adds in k order."""
+    bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks."""
     offs_dl = tl.arange(0, BLOCK_DL)
     offs_dr = tl.arange(0, BLOCK_DR)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -161,12 +137,7 @@ def _attend_tile(
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
-    if ORDERED_SUM:
-        sums = mma(p, tl.full([BLOCK_N, 16], 1.0, tl.float32), tl.zeros([p.shape[0], 16], tl.float32), True)
-        first = tl.arange(0, 16)[None, :] == 0
-        l_i = l_i * alpha + tl.sum(tl.where(first, sums, 0.0), axis=1)  # one nonzero term: exact
-    else:
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
     if V_IS_LAT:
         v = k
     else:
@@ -263,14 +234,14 @@ def _mla_attention_kernel(
                 n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
                 kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
                 page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True, False,
+                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True,
             )  # fmt: skip
     for n0 in range(tail, end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
             page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, False,
+            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False,
         )  # fmt: skip
 
     dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
@@ -288,216 +259,6 @@ def _mla_attention_kernel(
         tl.store(lse_ptr + row_g, lse, mask=row_valid)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(part_ptr + row_g[:, None] * BLOCK_DV + offs_dv[None, :], o, mask=dv_mask)
-
-
-# --------------------------------------------------------------------------- batch-invariant chunks
-
-
-@triton.jit
-def _row_chunks(pos, lo_r, BLOCK_N: tl.constexpr, MAX_CHUNKS: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr):
-    """Per row (vectors): (base, size), its chunk k covering keys [base + k*size, base + (k+1)*size).
-    base = lo_r rounded down to BLOCK_N; size = BLOCK_N * max(MIN_CHUNK_TILES, next_pow2(ceil(tiles
-    / MAX_CHUNKS))) for the row's tiles = ceil((pos + 1 - base) / BLOCK_N): <= MAX_CHUNKS chunks."""
-    base = (lo_r // BLOCK_N) * BLOCK_N
-    n_tiles = tl.maximum((pos + 1 - base + BLOCK_N - 1) // BLOCK_N, 1)
-    x = (n_tiles + MAX_CHUNKS - 1) // MAX_CHUNKS - 1  # next power of two >= x + 1, by bit smearing
-    x = x | (x >> 1)
-    x = x | (x >> 2)
-    x = x | (x >> 4)
-    x = x | (x >> 8)
-    x = x | (x >> 16)
-    return base, tl.maximum(x + 1, MIN_CHUNK_TILES) * BLOCK_N
-
-
-@triton.jit
-def _partial(m_i, l_i, acc):
-    """A chunk's online-softmax state (m (R,), l (R,), acc (R, C)) -> its normalised partial: the
-    log2-sum-exp (R,) (-inf: no key) and the output acc / l (R, C)."""
-    full = l_i > 0.0
-    lse = tl.where(full, m_i + tl.log2(tl.where(full, l_i, 1.0)), float("-inf"))
-    return lse, acc / tl.where(full, l_i, 1.0)[:, None]
-
-
-@triton.jit
-def _fold(lse_a, o_a, lse_b, o_b):
-    """Partial a then partial b -> their union (lse (R,), o (R, C)). The only combining arithmetic of
-    batch-invariant mode: the walk and the split paths fold with it in the same order, so they give
-    the same bits. An empty side (lse -inf) leaves the other exactly as it is (its o is never read:
-    it may be garbage); the products are an explicit fma so that no compiler contracts them
-    differently in the two kernels."""
-    m = tl.maximum(lse_a, lse_b)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    wa = tl.exp2(lse_a - m)
-    wb = tl.exp2(lse_b - m)
-    den = wa + wb
-    o = tl.fma(o_a, wa[:, None], o_b * wb[:, None]) / den[:, None]
-    lse = m + tl.log2(den)
-    empty_a = lse_a == float("-inf")
-    empty_b = lse_b == float("-inf")
-    o = tl.where(empty_b[:, None], o_a, tl.where(empty_a[:, None], o_b, o))
-    return tl.where(empty_b, lse_a, tl.where(empty_a, lse_b, lse)), o
-
-
-@triton.jit
-def _chunk_boundary(n0, base, size, m_i, l_i, acc, lse_run, o_run):
-    """Walk path, before tile n0: rows whose chunk ends at key n0 fold it into the running
-    (lse_run, o_run) and restart from empty, as the split path's next chunk program does."""
-    ends = (n0 > base) & ((n0 - base) % size == 0)
-    if tl.max(ends.to(tl.int32), axis=0) > 0:
-        lse_c, o_c = _partial(m_i, l_i, acc)
-        lse_f, o_f = _fold(lse_run, o_run, lse_c, o_c)
-        lse_run = tl.where(ends, lse_f, lse_run)
-        o_run = tl.where(ends[:, None], o_f, o_run)
-        m_i = tl.where(ends, float("-inf"), m_i)
-        l_i = tl.where(ends, 0.0, l_i)
-        acc = tl.where(ends[:, None], 0.0, acc)
-    return m_i, l_i, acc, lse_run, o_run
-
-
-@triton.jit(do_not_specialize=["H", "page_size", "window", "stride_allow"])
-def _mla_invariant_kernel(
-    q_ptr, kv_ptr, k_desc, kr_desc, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
-    out_ptr, part_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kvb, stride_kvt, stride_bt, stride_ot, stride_oh, stride_allow,
-    H, page_size, qk_scale, window, D_LAT, D_ROPE, DV,
-    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
-    WALK: tl.constexpr, MAX_CHUNKS: tl.constexpr, MIN_CHUNK_TILES: tl.constexpr,
-    IEEE: tl.constexpr, TMA: tl.constexpr,
-):  # fmt: skip
-    """Program (tile of rows, request, chunk): WALK: every chunk of the rows (grid axis 2 is 1),
-    folded in registers, the output written; else chunk `chunk` of each row, its partial written
-    to row (t*H + h) * MAX_CHUNKS + chunk of part / lse (-inf: no key of the row in the chunk)."""
-    pid_tile = tl.program_id(0)
-    b = tl.program_id(1)
-    chunk = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q_start
-    kv_len = tl.load(seq_lens_ptr + b)
-    if pid_tile * BLOCK_M >= q_len * H:
-        return
-
-    rows = pid_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) token-major (token, head) pairs
-    row_valid = rows < q_len * H
-    tok = rows // H
-    head = rows % H
-    pos = kv_len - q_len + tok  # absolute position of each row's query token
-    t_glob = (q_start + tok).to(tl.int64)
-    if HAS_WINDOW:
-        lo_r = tl.maximum(pos - window + 1, 0)
-    else:
-        lo_r = tl.zeros_like(pos)
-    base, size = _row_chunks(pos, lo_r, BLOCK_N, MAX_CHUNKS, MIN_CHUNK_TILES)
-    row_g = (t_glob * H + head) * MAX_CHUNKS + chunk  # (BLOCK_M,) partial rows (split path)
-    if WALK:  # the rows' whole ranges
-        start = tl.min(tl.where(row_valid, base, kv_len), axis=0)
-        end = tl.max(tl.where(row_valid, pos + 1, 0), axis=0)
-    else:  # chunk `chunk` of each row: its keys [c_lo, c_hi), an empty range past the row's end
-        c_lo = base + chunk * size
-        c_hi = tl.minimum(c_lo + size, pos + 1)
-        live = row_valid & (c_lo < c_hi)
-        start = tl.min(tl.where(live, c_lo, kv_len), axis=0)
-        end = tl.max(tl.where(live, c_hi, 0), axis=0)
-        if start >= end:  # no row has a key in this chunk: empty partials
-            tl.store(lse_ptr + row_g, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-            return
-        lo_r = tl.maximum(lo_r, c_lo)  # a row sees its own chunk's keys only
-        pos = c_hi - 1
-
-    offs_dl = tl.arange(0, BLOCK_DL)
-    q_row = q_ptr + t_glob * stride_qt + head * stride_qh  # (BLOCK_M,) pointers
-    q_lat = tl.load(
-        q_row[:, None] + offs_dl[None, :], mask=row_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
-    )
-    offs_dr = tl.arange(0, BLOCK_DR)
-    if HAS_ROPE:
-        q_rope = tl.load(
-            q_row[:, None] + D_LAT + offs_dr[None, :],
-            mask=row_valid[:, None] & (offs_dr[None, :] < D_ROPE),
-            other=0.0,
-        )
-    else:
-        q_rope = q_lat
-    offs_dv = tl.arange(0, BLOCK_DV)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lse_run = tl.full([BLOCK_M], float("-inf"), tl.float32)  # walk: the fold of finished chunks
-    o_run = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    tail = start
-    if TMA:  # whole tiles below the KV length by TMA, then at most one partial tile with masks
-        tail = tl.maximum(start, tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N))
-        for n0 in range(start, tail, BLOCK_N):
-            if WALK:
-                m_i, l_i, acc, lse_run, o_run = _chunk_boundary(n0, base, size, m_i, l_i, acc, lse_run, o_run)
-            m_i, l_i, acc = _attend_tile(
-                n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
-                kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
-                page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True, True,
-            )  # fmt: skip
-    for n0 in range(tail, end, BLOCK_N):
-        if WALK:
-            m_i, l_i, acc, lse_run, o_run = _chunk_boundary(n0, base, size, m_i, l_i, acc, lse_run, o_run)
-        m_i, l_i, acc = _attend_tile(
-            n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
-            kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
-            page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, True,
-        )  # fmt: skip
-
-    lse, o = _partial(m_i, l_i, acc)
-    dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
-    if WALK:
-        lse, o = _fold(lse_run, o_run, lse, o)
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
-            lse, o = _fold(lse, o, sink, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32))
-        o = tl.where((lse == float("-inf"))[:, None], 0.0, o)  # a row that sees no key: zeros
-        out_row = out_ptr + t_glob * stride_ot + head * stride_oh
-        tl.store(out_row[:, None] + offs_dv[None, :], o.to(out_ptr.dtype.element_ty), mask=dv_mask)
-    else:
-        tl.store(lse_ptr + row_g, lse, mask=row_valid)
-        tl.store(part_ptr + row_g[:, None] * BLOCK_DV + offs_dv[None, :], o, mask=dv_mask)
-
-
-@triton.jit(do_not_specialize=["R", "H"])
-def _fold_chunks_kernel(
-    part_ptr, lse_ptr, sinks_ptr, out_ptr,
-    R, H, DV, stride_ot, stride_oh,
-    HAS_SINKS: tl.constexpr, MAX_CHUNKS: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
-    """The split path's combine. Program (rows, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of
-    BLOCK_R (token, head) rows, their MAX_CHUNKS partials folded in chunk order, then the sinks;
-    empty partials (lse -inf) are never read."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,) t*H + h
-    rmask = rows < R
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    lse_run = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    o_run = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-    for k in range(MAX_CHUNKS):
-        g = rows * MAX_CHUNKS + k
-        lse = tl.load(lse_ptr + g, mask=rmask, other=float("-inf"))
-        o = tl.load(
-            part_ptr + g[:, None] * BLOCK_DV + cols[None, :],
-            mask=(lse > float("-inf"))[:, None] & (cols[None, :] < BLOCK_DV),
-            other=0.0,
-        )  # (BLOCK_R, BLOCK_C)
-        lse_run, o_run = _fold(lse_run, o_run, lse, o)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + rows % H, mask=rmask, other=0.0) * 1.4426950408889634
-        lse_run, o_run = _fold(lse_run, o_run, sink, tl.zeros([BLOCK_R, BLOCK_C], tl.float32))
-    o_run = tl.where((lse_run == float("-inf"))[:, None], 0.0, o_run)
-    out = out_ptr + (rows // H) * stride_ot + (rows % H) * stride_oh
-    tl.store(
-        out[:, None] + cols[None, :],
-        o_run.to(out_ptr.dtype.element_ty),
-        mask=rmask[:, None] & (cols[None, :] < DV),
-    )
 
 
 @triton.jit(do_not_specialize=["H", "max_splits"])
@@ -614,16 +375,13 @@ def mla_attention(
     batch_invariant: bool = False,
     config: AttentionConfig | None = None,
     split_size: int | None = None,
-    invariant_split: bool | None = None,
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
 
-    split_size (default mode only): tokens per KV split at absolute positions (a multiple of the
-    config's block_n); None: the number of splits is picked here and each program cuts its own
-    range (adaptive splits, module docstring). Batch-invariant mode cuts each row's keys in its
-    own chunks; invariant_split picks its path (True: chunks over programs and a fold kernel,
-    False: one program walks them; None: by the launch's host shapes, _use_invariant_split).
-    The launch grid comes from the host lengths in `meta` (max query and KV length): a CUDA graph
+    split_size: tokens per KV split at absolute positions (a multiple of the config's block_n);
+    None: batch-invariant mode uses the fixed INVARIANT_SPLIT, otherwise the number of splits is
+    picked here and each program cuts its own range (adaptive splits, module docstring). The
+    launch grid comes from the host lengths in `meta` (max query and KV length): a CUDA graph
     captured with this op replays that grid, so capture with metadata whose maxima cover every
     step replayed."""
     t, h, d = q.shape
@@ -631,8 +389,6 @@ def mla_attention(
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if batch_invariant and split_size is not None:
-        raise ValueError("split_size is for the default mode: batch-invariant mode fixes its own chunks")
     for b, (kv_len, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
         if n > kv_len:
             raise ValueError(f"request {b}: query length {n} exceeds its KV length {kv_len}")
@@ -652,27 +408,22 @@ def mla_attention(
     fp32 = q.dtype == torch.float32
     if batch_invariant:
         cfg = config or (FP32_CONFIG if fp32 else _invariant_config(max_q * h, q.device))
-        split = 0
-        if invariant_split is None:
-            invariant_split = _use_invariant_split(
-                batch * triton.cdiv(max_q * h, cfg.block_m), t * h, q.device
-            )
-        max_splits = INVARIANT_MAX_CHUNKS if invariant_split else 1
+        split = split_size or INVARIANT_SPLIT
     else:
         rows = max_q * h
         cfg = config or (
             FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
         )
         split = split_size or 0
-        if split % cfg.block_n:
-            raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
-        if split:
-            max_splits = triton.cdiv(max_len, split)
-        else:
-            max_splits = _num_splits(
-                batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device
-            )
-    direct = max_splits == 1
+    if split % cfg.block_n:
+        raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
+    if split:
+        max_splits = triton.cdiv(max_len, split)
+    else:
+        max_splits = _num_splits(
+            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device
+        )
+    direct = max_splits == 1 and not batch_invariant
     if direct:
         split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)
 
@@ -685,61 +436,24 @@ def mla_attention(
         part = torch.empty((t * h * max_splits, block_dv), dtype=torch.float32, device=q.device)
         lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
-    args = (
+    _mla_attention_kernel[grid](
         q, kv, k_desc, kr_desc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         sinks if sinks is not None else q, allow if allow is not None else q,
         out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), allow.stride(0) if allow is not None else 0,
-    )  # fmt: skip
-    shape = dict(
+        h, kv.shape[1], scale * LOG2E, window or 0, split, FEW_TILES_MIN_SPLIT_TILES, max_splits,
+        latent_dim, rope_dim, v_dim,
         BLOCK_DL=next_pow2(latent_dim), BLOCK_DR=next_pow2(rope_dim), BLOCK_DV=block_dv,
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
-        IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    if batch_invariant:
-        _mla_invariant_kernel[grid](
-            *args, h, kv.shape[1], scale * LOG2E, window or 0, latent_dim, rope_dim, v_dim,
-            WALK=direct, MAX_CHUNKS=INVARIANT_MAX_CHUNKS, MIN_CHUNK_TILES=INVARIANT_MIN_CHUNK_TILES, **shape,
-        )  # fmt: skip
-        if not direct:
-            fold_chunks(part, lse, sinks, out, h, v_dim)
-        return out
-    _mla_attention_kernel[grid](
-        *args, h, kv.shape[1], scale * LOG2E, window or 0, split, FEW_TILES_MIN_SPLIT_TILES, max_splits,
-        latent_dim, rope_dim, v_dim, DIRECT=direct, **shape,
     )  # fmt: skip
     if not direct:
         combine_splits(part, lse, sinks, out, h, max_splits, v_dim)
     return out
-
-
-def _use_invariant_split(tiles: int, rows: int, device: torch.device) -> bool:
-    """Batch-invariant mode's path from host shapes only (graph-safe; both give the same bits):
-    chunks over programs while the `tiles` tiles of rows fill fewer than two programs per SM
-    (decode: one program per tile walking ~200 keys took 30 us on an H200 at batch 32) and the
-    workspace of `rows` (T * H) x INVARIANT_MAX_CHUNKS partials stays within its bound."""
-    return tiles < 2 * num_sms(device) and rows * INVARIANT_MAX_CHUNKS <= INVARIANT_SPLIT_MAX_PARTIALS
-
-
-def fold_chunks(
-    part: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, out: torch.Tensor, h: int, v_dim: int
-) -> None:
-    """Fold batch-invariant chunk partials into out (T, H, >= v_dim): part (T*H*INVARIANT_MAX_CHUNKS,
-    next_pow2(v_dim)) normalised partial outputs and lse (T*H*INVARIANT_MAX_CHUNKS,) their
-    log2-sum-exps (-inf: empty), row (t*H + h)*INVARIANT_MAX_CHUNKS + chunk; sinks (H,) float32."""
-    block_dv = part.shape[1]
-    cols = min(COMBINE_COLS, block_dv)
-    rows = out.shape[0] * h
-    _fold_chunks_kernel[(triton.cdiv(rows, FOLD_ROWS), triton.cdiv(v_dim, cols))](
-        part, lse, sinks if sinks is not None else lse, out,
-        rows, h, v_dim, out.stride(0), out.stride(1),
-        HAS_SINKS=sinks is not None, MAX_CHUNKS=INVARIANT_MAX_CHUNKS, BLOCK_DV=block_dv,
-        BLOCK_R=FOLD_ROWS, BLOCK_C=cols, num_warps=4,
-    )  # fmt: skip
 
 
 def combine_splits(
