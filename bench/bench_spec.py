@@ -370,8 +370,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument(
         "--min-seconds",
         type=float,
-        default=1.0,
-        help=f"more calls (up to {MAX_CALLS}) until each engine's timed calls of a figure add up to this",
+        default=None,
+        help=f"more calls (up to {MAX_CALLS}) until each engine's timed calls of a figure add up to this"
+        " (default 1; --small: 0)",
     )
     ap.add_argument(
         "--profile",
@@ -384,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = ap.parse_args(argv)
     args.batches = args.batches or ([1, 4] if args.small else [1, 8, 32, 128])
     args.new_tokens = args.new_tokens or (8 if args.small else 128)
+    if args.min_seconds is None:
+        args.min_seconds = 0.0 if args.small else 1.0
     args.prompt_len = args.prompt_len or (16 if args.small else 64)
     args.mtp_k = args.mtp_k if args.mtp_k is not None else ([1, 2] if args.small else [1, 2, 3])
     args.block_k = args.block_k if args.block_k is not None else ([2, 5] if args.small else [1, 2, 3, 4, 5])
