@@ -16,9 +16,10 @@ Two measurements:
    the prompt in two chunks), and what the previous layout (every cache paged by one table, one
    row per token) held at the same lengths.
 
-Bytes held = blocks x block_size x row bytes x caches in the group. Bytes per token per cache type
-(per layer) come from the row widths: a ring row per token for the window and state caches (held
-for the last R positions only), a row per m tokens for the compressed entries.
+Bytes held = blocks x block_size x row bytes x caches in the group (rows D wide; the indexer
+keys' group, index/4, Di wide). Bytes per token per cache type (per layer) come from the row
+widths: a ring row per token for the window and state caches (held for the last R positions
+only), a row per m tokens for the compressed entries and the indexer keys.
 
 Writes OUT/memory.json, OUT/memory.md (the tables).
 """
@@ -67,38 +68,50 @@ SMALL_CONFIG = tiny_v4_config(
 )  # fmt: skip
 
 
-def row_bytes(config: ModelConfig, dtype_bytes: int) -> int:
+def row_bytes(config: ModelConfig, dtype_bytes: int, group: KVCacheGroup | None = None) -> int:
+    """Bytes of a cache row of `group` (None: the model's D-wide row)."""
     assert config.v4 is not None
-    return config.v4.head_dim * dtype_bytes
+    width = group.row_dim if group is not None and group.row_dim is not None else config.v4.head_dim
+    return width * dtype_bytes
 
 
-def per_type(config: ModelConfig, dtype_bytes: int, ring_rows: int) -> list[dict[str, Any]]:
-    """Per cache type (per layer of its kind): its group, the bytes a row takes in the cache (D
-    wide caches: a narrower row is padded) and what it holds per token."""
+def per_type(
+    config: ModelConfig, groups: list[KVCacheGroup], dtype_bytes: int, ring_rows: int
+) -> list[dict[str, Any]]:
+    """Per cache type (per layer of its kind): its group, the bytes a row takes in the cache (a
+    row narrower than its group's caches is padded) and what it holds per token."""
     v4 = config.v4
     assert v4 is not None
-    d = v4.head_dim
     names = {0: "sliding", v4.csa_ratio: "CSA", v4.hca_ratio: "HCA"}
+    by_name = {g.name: g for g in groups}
     out = []
     for ratio in sorted(set(v4.compress_ratios)):
         for kind, width in cache_kinds(config, ratio):
-            stored = WideCache.count(width, d) * d * dtype_bytes
             ring = kind in ("window", "state", "index_state")
+            group = "ring" if ring else f"{'index' if kind == 'index_keys' else 'entries'}/{ratio}"
+            row_dim = row_bytes(config, 1, by_name[group])  # values per row of the group's caches
+            stored = WideCache.count(width, row_dim) * row_dim * dtype_bytes
             out.append({
                 "layer": names[ratio], "layers": v4.compress_ratios.count(ratio), "cache": kind,
                 "row_values": width, "row_bytes_stored": stored,
-                "group": "ring" if ring else f"entries/{ratio}",
+                "group": group,
                 "bytes_per_token": None if ring else stored / ratio,
                 "bytes_held_at_any_length": stored * ring_rows if ring else None,
             })  # fmt: skip
     return out
 
 
+def growing_bytes_per_token(cache_types: list[dict[str, Any]]) -> float:
+    """Bytes per token of the caches that grow with a request (entries, indexer keys), all layers."""
+    return sum(t["bytes_per_token"] * t["layers"] for t in cache_types if t["bytes_per_token"] is not None)
+
+
 class Recorder:
     """The request's blocks per group at the first step at or past each mark (1k, 2k, ...)."""
 
-    def __init__(self, label: str, groups: list[KVCacheGroup], row: int, log: list[str]) -> None:
-        self.label, self.groups, self.row, self.log = label, groups, row, log
+    def __init__(self, label: str, groups: list[KVCacheGroup], rows: list[int], log: list[str]) -> None:
+        """rows: the bytes of a cache row of each group."""
+        self.label, self.groups, self.row, self.log = label, groups, rows, log
         self.marks = list(MARKS)
         self.rows: list[dict[str, Any]] = []
 
@@ -109,7 +122,9 @@ class Recorder:
         while self.marks and tokens >= self.marks[0]:
             self.marks.pop(0)
         blocks = [len(t) for t in seq.block_tables]
-        held = {g.name: n * BLOCK_SIZE * self.row * g.num_caches for g, n in zip(self.groups, blocks)}
+        held = {
+            g.name: n * BLOCK_SIZE * row * g.num_caches for g, n, row in zip(self.groups, blocks, self.row)
+        }
         self.rows.append({"tokens": tokens, "blocks": blocks, "bytes": held})
         self.log.append(f"{self.label}: {tokens} tokens, blocks {blocks}")
         return self.rows[-1]
@@ -128,13 +143,12 @@ def run_engine(log: list[str]) -> dict[str, Any]:
     groups = engine.kv_groups
     assert groups is not None
     config = engine.model.config
-    row = row_bytes(config, 4)
     seq = engine.make_sequence(
         {"prompt_token_ids": [(7 * i) % 250 + 3 for i in range(PROMPT)]},
         SamplingParams(temperature=0, max_tokens=DECODE, ignore_eos=True),
     )
     engine.add(seq)
-    record, steps = Recorder("engine", groups, row, log), 0
+    record, steps = Recorder("engine", groups, [row_bytes(config, 4, g) for g in groups], log), 0
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
@@ -160,7 +174,7 @@ def run_engine(log: list[str]) -> dict[str, Any]:
         "groups": [vars(g) for g in groups],
         "ring_rows": ring_rows,
         "rows": record.rows,
-        "cache_types": per_type(config, 4, ring_rows),
+        "cache_types": per_type(config, groups, 4, ring_rows),
     }
 
 
@@ -169,19 +183,19 @@ def run_flash(log: list[str]) -> dict[str, Any]:
     config = ModelConfig.from_dict(json.loads(FLASH.read_text()))
     assert config.v4 is not None
     groups = cache_groups(config, BLOCK_SIZE)  # no speculative decoding: k = 0
-    row = row_bytes(config, 2)  # bfloat16
+    row = row_bytes(config, 2)  # bfloat16, D wide
     num_caches = sum(g.num_caches for g in groups)
     bm = GroupedBlockManager(groups, group_pool_blocks(groups, cdiv(TOTAL + 1, BLOCK_SIZE), 1), BLOCK_SIZE)
     sched = Scheduler(bm, 1, STEP_TOKENS)
     seq = Sequence("0", None, [3] * PROMPT, SamplingParams(max_tokens=DECODE), max_total_tokens=TOTAL + 1)
     sched.add(seq)
-    record = Recorder("flash", groups, row, log)
+    record = Recorder("flash", groups, [row_bytes(config, 2, g) for g in groups], log)
     while seq.num_computed_tokens < TOTAL:
         sched.advance(sched.schedule())
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(3)  # the sampled token
         got = record(seq)
-        if got is not None:  # the previous layout: every cache paged by one table, a row per token
+        if got is not None:  # the first layout: every cache D wide, paged by one table, a row per token
             got["bytes_one_table_layout"] = cdiv(got["tokens"], BLOCK_SIZE) * BLOCK_SIZE * row * num_caches
     ring_rows = groups[0].ring_blocks * BLOCK_SIZE
     return {
@@ -197,7 +211,7 @@ def run_flash(log: list[str]) -> dict[str, Any]:
         "groups": [vars(g) for g in groups],
         "ring_rows": ring_rows,
         "rows": record.rows,
-        "cache_types": per_type(config, 2, ring_rows),
+        "cache_types": per_type(config, groups, 2, ring_rows),
     }
 
 
@@ -226,7 +240,11 @@ def markdown(result: dict[str, Any]) -> str:
             if key == "flash":
                 cells.append(mib(row["bytes_one_table_layout"]))
             out.append("| " + " | ".join(cells) + " |")
-        out.append("\nPer cache type, per layer of its kind:\n")
+        out.append(
+            f"\nGrowing caches (entries, indexer keys), all layers: "
+            f"{growing_bytes_per_token(r['cache_types']):g} bytes per token.\n"
+        )
+        out.append("Per cache type, per layer of its kind:\n")
         cols = ["layer (count)", "cache", "row values", "row bytes stored", "group", "bytes per token"]
         cols.append("bytes held (ring)")
         out += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]

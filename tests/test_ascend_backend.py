@@ -209,6 +209,46 @@ def test_v4_indexer_other_shapes_run_the_reference(backend: Backend, monkeypatch
     assert got.shape == (2, 2)
 
 
+def test_v4_model_index_keys_reach_the_lightning_indexer(
+    sim: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random V4 (D 16, Di 128, bf16, blocks of 16) through the engine: the indexer keys' group
+    allocates rows Di wide, which npu_lightning_indexer takes as they are ((NB, 16, 1, 128)
+    keys); the greedy tokens are those of the same engine with the indexer on the reference."""
+    from deepinfer_ascend.attention import AscendAttention
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+
+    root = write_random_v4_checkpoint(
+        tmp_path / "v4", tiny_v4_config(index_head_dim=128, index_topk=3, max_position_embeddings=256)
+    )
+    keys: list[tuple[int, ...]] = []
+    real = tnpu.npu_lightning_indexer
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        keys.append(tuple(args[1].shape))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tnpu, "npu_lightning_indexer", spy)
+    prompt = {"prompt_token_ids": [(7 * i) % 100 + 2 for i in range(60)]}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(AscendAttention, "_indexer_fits", staticmethod(lambda *a: False))
+        llm = LLM(
+            str(root), backend="ascend", dtype="bfloat16", block_size=16, max_model_len=128,
+            max_num_batched_tokens=32, max_num_seqs=2, enforce_eager=True,
+        )  # fmt: skip
+        groups = llm.llm_engine.kv_groups
+        assert groups is not None and (groups[-1].name, groups[-1].row_dim) == ("index/4", 128)
+        outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        if fused:
+            assert keys and all(k[1:] == (16, 1, 128) for k in keys)
+    assert outs[0] == outs[1]
+
+
 def test_float32_attention_is_refused(backend: Backend) -> None:
     gen = torch.Generator().manual_seed(2)
     batch = make_paged_batch(backend, seq_lens=[5], query_lens=[1], block_size=16, head_dim=576,

@@ -8,6 +8,7 @@ Triton interpreter: tests/test_cuda_interpret.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -39,33 +40,35 @@ def test_flash_groups(k: int, blocks: int) -> None:
     holds the window (1 cache per layer), the compressor state (4 caches per CSA layer, 2 per
     HCA layer) and the indexer's state (1 per CSA layer), for 127 + 1 + k positions (k drafts
     per verification step): 2 blocks of 64 without drafts, 3 with 1 to 64, 4 with 65. A step
-    of up to R - 127 tokens per request writes the ring in place. Entries: the CSA entries and
-    indexer keys at 1/4, the HCA entries at 1/128."""
+    of up to R - 127 tokens per request writes the ring in place. Entries: the CSA entries at
+    1/4, the HCA entries at 1/128, the indexer keys at 1/4 in rows of 128 (not 512)."""
     config = flash_config()
     assert config.v4 is not None
     ratios = config.v4.compress_ratios
     csa, hca = ratios.count(4), ratios.count(128)
     assert ring_lookback(config.v4) == 127
-    ring, e4, e128 = cache_groups(config, BS, k)
+    ring, e4, e128, i4 = cache_groups(config, BS, k)
     assert blocks == cdiv(127 + 1 + k, BS)
     assert (ring.name, ring.ring_blocks, ring.num_caches) == ("ring", blocks, 43 + 5 * csa + 2 * hca)
     assert (ring.ring_lookback, ring.ring_step_tokens(BS)) == (127, blocks * BS - 127)
-    assert (e4.name, e4.ratio, e4.num_caches, e4.ring_blocks) == ("entries/4", 4, 2 * csa, 0)
-    assert (e128.name, e128.ratio, e128.num_caches) == ("entries/128", 128, hca)
+    assert (e4.name, e4.ratio, e4.num_caches, e4.ring_blocks, e4.row_dim) == ("entries/4", 4, csa, 0, None)
+    assert (e128.name, e128.ratio, e128.num_caches, e128.row_dim) == ("entries/128", 128, hca, None)
+    assert (i4.name, i4.ratio, i4.num_caches, i4.ring_blocks, i4.row_dim) == ("index/4", 4, csa, 0, 128)
 
 
 def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     """The MTP layer's caches are the last rows of the groups its kinds belong to: V4-Flash's
     (sliding window only) one more cache in the ring. Through the engine, a CSA MTP layer's (ring:
-    window, compressor and indexer state; entries/4: entries and indexer keys) are allocated
-    with their groups' pools and kept apart, as runner.mtp_caches."""
+    window, compressor and indexer state; entries/4: entries; index/4: indexer keys) are
+    allocated with their groups' pools and kept apart, as runner.mtp_caches."""
     config = flash_config()
     assert config.v4 is not None
     ratios = config.v4.compress_ratios
     csa, hca = ratios.count(4), ratios.count(128)
-    ring, e4, e128 = cache_groups(config, BS, mtp_layers=1)
+    ring, e4, e128, i4 = cache_groups(config, BS, mtp_layers=1)
     assert (ring.num_caches, ring.num_mtp_caches) == (43 + 5 * csa + 2 * hca + 1, 1)
-    assert (e4.num_caches, e4.num_mtp_caches, e128.num_mtp_caches) == (2 * csa, 0, 0)
+    assert (e4.num_caches, e4.num_mtp_caches, e128.num_mtp_caches) == (csa, 0, 0)
+    assert (i4.num_caches, i4.num_mtp_caches) == (csa, 0)
 
     types = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
     raw = tiny_v4_config(layer_types=[*types, types[1]])  # the MTP layer: CSA
@@ -77,9 +80,9 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     )  # fmt: skip
     engine = llm.llm_engine
     assert engine.kv_groups is not None
-    ring, e4, e8 = engine.kv_groups
+    ring, e4, e8, i4 = engine.kv_groups
     # D 16: CSA state 4 caches, indexer state (4 x 8 wide) 2; entries and indexer keys 1 each
-    assert (ring.num_mtp_caches, e4.num_mtp_caches, e8.num_mtp_caches) == (1 + 4 + 2, 2, 0)
+    assert [g.num_mtp_caches for g in (ring, e4, e8, i4)] == [1 + 4 + 2, 1, 0, 1]
     assert len(engine.runner.kv_caches) == engine.model.num_kv_layers
     pools = [m.num_blocks for m in engine.block_manager.managers]  # type: ignore[union-attr]
     # ring: 7 + 1 + 2 rows -> 3 blocks, 5 tokens a step in place; the step scratch for T tokens a
@@ -90,7 +93,48 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     t, seqs = c.max_num_batched_tokens, c.max_num_seqs
     assert (t, seqs) == (64, 16) and engine.ring_scratch_blocks == t // 4 + 2 * min(seqs, t // 6) == 36
     ring_blocks = pools[0] + engine.ring_scratch_blocks
-    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [ring_blocks] * 7 + [pools[1]] * 2
+    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [ring_blocks] * 7 + [pools[1], pools[3]]
+    assert [c.spec.head_dim for c in engine.runner.mtp_caches] == [16] * 8 + [8]  # the key: Di wide
+
+
+def test_index_keys_rows_are_di_wide(tmp_path: Path) -> None:
+    """The indexer keys' group holds rows Di wide, not D: through the engine (tiny random V4, D
+    16, Di 8, float32), the index/4 caches are allocated 8 wide, every other cache 16, and the
+    pool grows by D / 4 values per token per CSA layer for its entries and Di / 4 for its keys
+    (D / 8 per HCA layer). V4-Flash (bfloat16): 6,584 bytes per token over its growing caches,
+    where D-wide keys took 10,424."""
+    root = write_random_v4_checkpoint(tmp_path / "v4", tiny_v4_config(max_position_embeddings=128))
+    llm = LLM(
+        str(root), backend="reference", dtype="float32", block_size=4, max_model_len=64,
+        max_num_batched_tokens=32, max_num_seqs=2,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    assert engine.kv_groups is not None
+    assert [(g.name, g.row_dim) for g in engine.kv_groups] == [
+        ("ring", None),
+        ("entries/4", None),
+        ("entries/8", None),
+        ("index/4", 8),
+    ]
+    widths = [c.spec.head_dim for c in engine.runner.kv_caches]
+    first = sum(g.num_caches for g in engine.kv_groups[:-1])
+    assert widths == [16] * first + [8] * engine.kv_groups[-1].num_caches
+    assert engine.kv_groups[-1].num_caches == 1  # one CSA layer
+    # 64 more tokens (16 blocks): 4 more blocks of entries/4 and index/4, 2 of entries/8
+    grown = engine._kv_pool_bytes(32 + 16) - engine._kv_pool_bytes(32)
+    assert grown == 64 * 4 * (16 // 4 + 16 // 8 + 8 // 4)
+
+    config = flash_config()
+    assert config.v4 is not None
+    csa, hca = config.v4.compress_ratios.count(4), config.v4.compress_ratios.count(128)
+
+    def growing_bytes_per_token(groups: list[KVCacheGroup]) -> float:
+        return sum(g.num_caches * (g.row_dim or 512) * 2 / g.ratio for g in groups if not g.ring_blocks)
+
+    groups = cache_groups(config, BS)
+    assert growing_bytes_per_token(groups) == csa * (1024 + 256) / 4 + hca * 1024 / 128 == 6_584
+    wide = [dataclasses.replace(g, row_dim=None) for g in groups]
+    assert growing_bytes_per_token(wide) == 10_424
 
 
 @pytest.mark.parametrize("window,k", [(128, 0), (128, 5), (6, 0), (6, 3), (3, 0), (3, 2)])
@@ -143,10 +187,10 @@ def test_ring_constant_entries_grow_to_10k_tokens(k: int) -> None:
     seq = Sequence("0", None, [3] * 9000, SamplingParams(max_tokens=1000), max_total_tokens=10_000)
     seen = drive(bm, seq, sched, 10_000)
     assert seen[0][0] == 8192  # the whole budget in one step
-    for tokens, ring, e4, e128 in seen:
+    for tokens, ring, e4, e128, i4 in seen:
         assert ring == blocks
-        assert e4 == cdiv(tokens // 4, BS) and e128 == cdiv(tokens // 128, BS)
-    assert seen[-1] == (10_000, blocks, 40, 2)
+        assert e4 == i4 == cdiv(tokens // 4, BS) and e128 == cdiv(tokens // 128, BS)
+    assert seen[-1] == (10_000, blocks, 40, 2, 40)
     assert pools[0] == blocks  # one ring; the step scratch is the engine's, for all requests
     # the engine's step scratch, for all requests: T // BS + 2 per long request (more than
     # R - 127 tokens) of the step
@@ -229,9 +273,9 @@ def test_engine_request_ring_is_constant(tmp_path: Path, budget: int) -> None:
         if not seq.is_finished:
             seen.append((seq.num_computed_tokens, *(len(t) for t in seq.block_tables)))
     assert len(seen) > 280 // budget and seen[-1][0] >= 290
-    for tokens, ring, e4, e8 in seen:
+    for tokens, ring, e4, e8, i4 in seen:
         assert ring == 2
-        assert e4 == cdiv(tokens // 4, 4) and e8 == cdiv(tokens // 8, 4)
+        assert e4 == i4 == cdiv(tokens // 4, 4) and e8 == cdiv(tokens // 8, 4)
     assert engine.ring_scratch_blocks == scratch_blocks(budget, 2, 4, 1) == budget // 4 + 4
     assert engine.runner.kv_caches[0].spec.num_blocks == 2 * 2 + engine.ring_scratch_blocks
     assert len(seq.output_token_ids) == 20

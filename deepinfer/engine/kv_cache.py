@@ -1,7 +1,8 @@
 """Paged KV-cache management: the block allocator (with prefix caching) and the pool sizing.
 
 Every KV cache group gets its own pool tensors (allocated by the backend from the model's
-KVCacheSpec); a block id names the same block in every layer of a group. DeepSeek-V2/V3 have one
+KVCacheSpec, at the group's row width: KVCacheGroup.cache_spec); a block id names the same block
+in every layer of a group. DeepSeek-V2/V3 have one
 group (full-attention latent caches that grow with the sequence): one BlockManager. DeepSeek-V4
 declares several (deepinfer.models.forward_batch.KVCacheGroup): a ring of a fixed number of
 blocks per request for its per-token caches, and compressed-entry caches growing at 1/m blocks

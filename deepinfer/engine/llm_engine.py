@@ -239,15 +239,16 @@ class LLMEngine:
             self.runner.kv_caches = []
             for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
                 scratch = self.ring_scratch_blocks if i == 0 else 0  # after the ring pool's blocks
-                spec = model.kv_cache_spec(n + scratch, bs)
+                spec = group.cache_spec(model.kv_cache_spec(n + scratch, bs))
                 caches = self.backend.kv_cache.allocate(spec, group.num_caches)
                 own = group.num_caches - group.num_mtp_caches  # then the MTP head's
                 self.runner.kv_caches += caches[:own]
                 self.runner.mtp_caches += caches[own:]
                 mib = n * bs * spec.bytes_per_token * group.num_caches / 2**20
                 logger.info(
-                    "KV cache group %s: %d caches, %d blocks, %.1f MiB (a row per %d tokens, ring %d blocks)",
-                    group.name, group.num_caches, n, mib, group.ratio, group.ring_blocks,
+                    "KV cache group %s: %d caches of %d-wide rows, %d blocks, %.1f MiB (a row per %d tokens, "
+                    "ring %d blocks)",
+                    group.name, group.num_caches, spec.head_dim, n, mib, group.ratio, group.ring_blocks,
                 )  # fmt: skip
                 if scratch:
                     logger.info(
@@ -365,16 +366,19 @@ class LLMEngine:
 
     def _kv_pool_bytes(self, num_blocks: int) -> int:
         """Device bytes of a KV cache of num_blocks blocks of tokens: every cache (the MTP head's
-        included); with several cache groups, each group's pool (group_pool_blocks) and a ring
-        group's step scratch."""
+        included); with several cache groups, each group's pool (group_pool_blocks) at its row
+        width (KVCacheGroup.cache_spec) and a ring group's step scratch."""
         bs = self.config.block_size
-        per_cache: int = self.model.kv_cache_spec(1, bs).bytes_per_token * bs  # a block of one cache
+        spec = self.model.kv_cache_spec(1, bs)
         if self.kv_groups is None:
             layers: int = self.model.num_kv_layers + (1 if self.config.speculative_method == "mtp" else 0)
-            return num_blocks * per_cache * layers
+            per_layer: int = spec.bytes_per_token * bs  # a block of one cache
+            return num_blocks * per_layer * layers
         pools = group_pool_blocks(self.kv_groups, num_blocks, self.config.max_num_seqs)
         pools[0] += self.ring_scratch_blocks
-        return sum(n * per_cache * g.num_caches for g, n in zip(self.kv_groups, pools))
+        # a block of one cache of group g: BS rows of its own width
+        per_cache: list[int] = [g.cache_spec(spec).bytes_per_token * bs for g in self.kv_groups]
+        return sum(n * b * g.num_caches for g, n, b in zip(self.kv_groups, pools, per_cache))
 
     def _num_kv_blocks(self, graph_reserve: int) -> int:
         """KV blocks (of tokens; a model with several cache groups sizes each group's pool from

@@ -13,7 +13,8 @@ indexer picks the top index_topk per query; an HCA layer (m = 128) adds entries 
 tokens each, all visible. Entry w pools tokens up to (w+1)m - 1 and is visible to queries from
 that position on.
 
-Caches (paged by the engine, rows of D values; a wider row spans several caches, see WideCache):
+Caches (paged by the engine, rows of D values but the index keys' Di; a wider row spans several
+caches, see WideCache):
   window     one row per token: its K = V row (rms-normed, tail rotated).
   compressed one row per compressed entry w (row w of its block table).
   state      the compressor's projections of each token ([kv | gate], 2 or 4 rows of D): what
@@ -34,7 +35,9 @@ ring then holds what writing every row in place would have left, and a request's
 step are bounded by the step's budget only. A ring of L + C rows (C the longest step) would
 cost V4-Flash 640 rows per request (C = 512) where 128 + k suffice; the scratch costs the step's
 tokens once for all requests. The entry caches grow by one row per m tokens, one group per ratio
-(1/4 and 1/128: HCA entries do not take CSA-sized blocks). The attention ops see the ring
+(1/4 and 1/128: HCA entries do not take CSA-sized blocks), and the indexer keys in a group of
+their own (index/4: rows Di wide, where the entries' are D: V4-Flash's keys take 256 B an entry,
+not 1,024), each group paged by its own block table. The attention ops see the ring
 through a block table whose column i is ring block i % (R / BS) (a scratch block for the columns
 of a long step's positions): key position j is read at block j // BS, row j % BS as in any paged
 cache, and nothing older than R positions is ever read. Given one block table only (an empty
@@ -162,15 +165,24 @@ def ring_lookback(v4: V4Config) -> int:
     return back
 
 
-def _group_key(kind: str, ratio: int) -> int:
-    """0: the ring; m: the entries of ratio m."""
-    return 0 if kind in RING_KINDS else ratio
+def _group_key(kind: str, ratio: int) -> tuple[int, int]:
+    """The group of a cache, in cache_groups' order: (0, 0) the ring; (1, m) the entries of ratio
+    m; (2, m) the indexer keys of ratio m (rows Di wide)."""
+    if kind in RING_KINDS:
+        return (0, 0)
+    return (2, ratio) if kind == "index_keys" else (1, ratio)
+
+
+def _row_dim(v4: V4Config, key: tuple[int, int]) -> int:
+    """The row width of group `key`'s caches: Di for the indexer keys, D for the others."""
+    return v4.index_head_dim if key[0] == 2 else v4.head_dim
 
 
 def cache_groups(
     config: ModelConfig, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
 ) -> list[KVCacheGroup]:
-    """The ring, then one entry group per compression ratio (ascending). The ring holds
+    """The ring, then one entry group per compression ratio (ascending), then the indexer keys'
+    group ("index/4": CSA's ratio, rows Di wide, not D: 1/4 of the bytes). The ring holds
     R = ceil((L + 1 + max_backtrack) / BS) blocks (L = ring_lookback): a step of up to
     R - L tokens per request (a verification step's 1 + max_backtrack) writes it in place and
     reads only rows it holds; longer steps go through step scratch (deepinfer.engine.ring).
@@ -179,12 +191,13 @@ def cache_groups(
     num_mtp_caches of each group)."""
     v4 = config.v4
     assert v4 is not None
-    counts: dict[int, int] = {}
-    mtp_counts: dict[int, int] = {}
+    counts: dict[tuple[int, int], int] = {}
+    mtp_counts: dict[tuple[int, int], int] = {}
     ratios = v4.compress_ratios + v4.mtp_compress_ratios[:mtp_layers]
     for i, ratio in enumerate(ratios):
         for kind, width in cache_kinds(config, ratio):
-            key, n = _group_key(kind, ratio), WideCache.count(width, v4.head_dim)
+            key = _group_key(kind, ratio)
+            n = WideCache.count(width, _row_dim(v4, key))
             counts[key] = counts.get(key, 0) + n
             if i >= len(v4.compress_ratios):
                 mtp_counts[key] = mtp_counts.get(key, 0) + n
@@ -192,14 +205,16 @@ def cache_groups(
     ring = -(-(lookback + 1 + max_backtrack) // block_size)
     groups = [
         KVCacheGroup(
-            "ring", counts[0], ring_blocks=ring, num_mtp_caches=mtp_counts.get(0, 0), ring_lookback=lookback
+            "ring", counts[(0, 0)], ring_blocks=ring, num_mtp_caches=mtp_counts.get((0, 0), 0),
+            ring_lookback=lookback,
         )
-    ]
-    groups += [
-        KVCacheGroup(f"entries/{m}", counts[m], ratio=m, num_mtp_caches=mtp_counts.get(m, 0))
-        for m in sorted(counts)
-        if m
-    ]
+    ]  # fmt: skip
+    for key in sorted(counts)[1:]:
+        keys, m = key[0] == 2, key[1]
+        name, row_dim = (f"index/{m}", v4.index_head_dim) if keys else (f"entries/{m}", None)
+        groups.append(
+            KVCacheGroup(name, counts[key], ratio=m, num_mtp_caches=mtp_counts.get(key, 0), row_dim=row_dim)
+        )
     return groups
 
 
@@ -215,14 +230,15 @@ def _cache_slices(config: ModelConfig, ratios: Sequence[int]) -> list[dict[str, 
         for i, (ratio, layer_kinds) in enumerate(zip(ratios, kinds)):
             for kind, width in layer_kinds:
                 if _group_key(kind, ratio) == key:
-                    n = WideCache.count(width, v4.head_dim)
+                    n = WideCache.count(width, _row_dim(v4, key))
                     out[i][kind] = (at, at + n, width)
                     at += n
     return out
 
 
 class WideCache:
-    """Rows wider than one cache row (D), split over ceil(width / D) caches of the same blocks."""
+    """Rows wider than one cache row (D; Di in the indexer keys' group), split over
+    ceil(width / D) caches of the same blocks."""
 
     def __init__(self, caches: Sequence[PagedKVCache], width: int) -> None:
         self.caches, self.width = list(caches), width
@@ -234,6 +250,7 @@ class WideCache:
     def write(self, backend: Backend, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """rows (n, width) -> the caches at slots (n,) (-1 skips a row)."""
         d = self.caches[0].spec.head_dim
+        assert rows.shape[1] <= d * len(self.caches), "rows wider than their caches"
         padded = nn.functional.pad(rows, (0, d * len(self.caches) - rows.shape[1]))
         for i, cache in enumerate(self.caches):
             backend.kv_cache.write_kv(cache, padded[:, i * d : (i + 1) * d], slots)
@@ -251,19 +268,27 @@ class NewEntries:
     state_slots (W, S) int64: state-cache slot of each pooled token (0 where absent);
     present (W, S) bool: the token exists (CSA's first window has no previous one);
     out_slots (W,) int64: where entry w is stored (row w of its request's entry table);
-    positions (W,) int64: the entry's rope position, w * m.
+    positions (W,) int64: the entry's rope position, w * m;
+    key_slots (W,) int64: where the indexer's key of entry w is stored (row w of its request's
+    index-key table; out_slots without one).
     State rows are found through batch.attn.block_tables (the ring's), entries through
-    `entry_tables` (their group's block tables).
+    `entry_tables` (their group's block tables), indexer keys through `key_tables`.
     """
 
     state_slots: torch.Tensor
     present: torch.Tensor
     out_slots: torch.Tensor
     positions: torch.Tensor
+    key_slots: torch.Tensor
 
     @staticmethod
     def build(
-        batch: ForwardBatch, ratio: int, overlap: bool, block_size: int, entry_tables: torch.Tensor
+        batch: ForwardBatch,
+        ratio: int,
+        overlap: bool,
+        block_size: int,
+        entry_tables: torch.Tensor,
+        key_tables: torch.Tensor | None = None,
     ) -> NewEntries | None:
         """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
         for a request computing positions [start, end). None when there are none.
@@ -310,11 +335,14 @@ class NewEntries:
             pos = torch.minimum(pos, last[:, None])
         tables = meta.block_tables.long()
         state_slots = tables[req[:, None], pos // block_size] * block_size + pos % block_size
-        out_tables = entry_tables.long()
-        out_slots = out_tables[req, w // block_size] * block_size + w % block_size
-        if closes is not None:
-            out_slots = torch.where(closes, out_slots, -1)
-        return NewEntries(state_slots, present, out_slots, w * ratio)
+
+        def row_slots(tables: torch.Tensor) -> torch.Tensor:  # (W,) row w of each request's table
+            slots = tables.long()[req, w // block_size] * block_size + w % block_size
+            return slots if closes is None else torch.where(closes, slots, -1)
+
+        out_slots = row_slots(entry_tables)
+        key_slots = out_slots if key_tables is None else row_slots(key_tables)
+        return NewEntries(state_slots, present, out_slots, w * ratio, key_slots)
 
 
 # --------------------------------------------------------------------------- compressor
@@ -398,8 +426,10 @@ class Indexer(nn.Module):
         key_tables: torch.Tensor | None,
     ) -> torch.Tensor:
         """-> (T, index_topk) int32 compressed-entry ids per query, -1 unused. key_tables: the
-        block tables of `keys` (None: batch.attn's)."""
-        self.compressor(x, batch, entries, state, keys, table)
+        block tables of `keys` (None: batch.attn's); the keys closing in this step go to
+        entries.key_slots."""
+        key_entries = None if entries is None else dataclasses.replace(entries, out_slots=entries.key_slots)
+        self.compressor(x, batch, key_entries, state, keys, table)
         q = self.wq_b(q_residual).view(-1, self.heads, self.dim)  # (T, Hi, Di)
         q = _rope_tail(self.backend, q, batch.positions, table)
         weights = self.weights_proj(x).float() * self.heads**-0.5  # (T, Hi)
@@ -420,8 +450,8 @@ class Indexer(nn.Module):
 @dataclass
 class LayerCaches:
     """One layer's caches (see the module docstring); None where its kind has none.
-    entry_tables (B, MBc) int32: the block tables of compressed and index_keys (None: the
-    step's attn.block_tables)."""
+    entry_tables (B, MBc) int32: the block tables of compressed, key_tables (B, MBi) those of
+    index_keys (None: the step's attn.block_tables)."""
 
     window: PagedKVCache
     compressed: WideCache | None = None
@@ -429,6 +459,7 @@ class LayerCaches:
     index_keys: WideCache | None = None
     index_state: WideCache | None = None
     entry_tables: torch.Tensor | None = None
+    key_tables: torch.Tensor | None = None
 
 
 class V4Attention(nn.Module):
@@ -489,7 +520,7 @@ class V4Attention(nn.Module):
                 assert caches.index_state is not None and caches.index_keys is not None
                 topk = self.indexer(
                     x, q_residual, batch, entries, caches.index_state, caches.index_keys, table,
-                    caches.entry_tables,
+                    caches.key_tables,
                 )  # fmt: skip
             mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
             o = backend.attention.compressed_attention(
@@ -799,7 +830,8 @@ class V4MTPLayer(nn.Module):
 
 class DeepseekV4ForCausalLM(nn.Module):
     """The DeepSeek-V4 decoder over its paged caches (LayerCaches per layer, flattened into the
-    engine's cache list: num_kv_layers caches of D-wide rows, kv_cache_groups' caches in order).
+    engine's cache list: num_kv_layers caches, kv_cache_groups' caches in order, D-wide rows but
+    the indexer keys' Di-wide ones).
 
     forward(batch, kv_caches) -> the last block's streams (T, N, Dm), the hidden state the MTP
     layer reads; compute_logits(rows) -> (S, V) float32 through the model's StreamHead. The MTP
@@ -832,7 +864,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             table = cos_sin_cache(rope, v4.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
         self._slices = _cache_slices(config, v4.compress_ratios)
-        self._ratios = sorted(set(v4.compress_ratios) - {0})  # the entry groups, in order
+        # the groups after the ring (entries, indexer keys), in cache_groups' order
+        kinds = {_group_key(k, r) for r in v4.compress_ratios for k, _ in cache_kinds(config, r)}
+        self._group_keys = sorted(kinds - {(0, 0)})
         # the MTP caches of the first L MTP layers (cache_groups(..., L)): their count -> slices
         self._mtp_slices: dict[int, list[dict[str, tuple[int, int, int]]]] = {}
         for n in range(1, len(v4.mtp_compress_ratios) + 1):
@@ -858,7 +892,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return len(self.mtp)
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
-        """Every cache holds D-wide rows (wider rows span several caches, see WideCache)."""
+        """D-wide rows (wider rows span several caches, see WideCache); the indexer keys' group
+        narrows it to Di (KVCacheGroup.cache_spec). Caches all of this spec (one block table
+        only) serve too where Di <= D (V4's): a key row then fills the first Di values of a
+        D-wide row."""
         return KVCacheSpec(num_blocks, block_size, self.v4.head_dim, 0, self.dtype)
 
     @staticmethod
@@ -866,13 +903,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         kv_caches: Sequence[PagedKVCache],
         slices: list[dict[str, tuple[int, int, int]]],
         ratios: Sequence[int],
-        entry_tables: dict[int, torch.Tensor],
+        tables: dict[tuple[int, int], torch.Tensor],
     ) -> list[LayerCaches]:
         out = []
         for ratio, layer in zip(ratios, slices):
             wide = {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
             window = wide.pop("window").caches[0]
-            out.append(LayerCaches(window, **wide, entry_tables=entry_tables.get(ratio)))
+            entry_tables, key_tables = tables.get((1, ratio)), tables.get((2, ratio))
+            out.append(LayerCaches(window, **wide, entry_tables=entry_tables, key_tables=key_tables))
         return out
 
     def _check_length(self, batch: ForwardBatch) -> None:
@@ -884,16 +922,19 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _entries(
         self, batch: ForwardBatch, ratios: Sequence[int], block_size: int
-    ) -> tuple[dict[int, torch.Tensor], dict[int, NewEntries | None]]:
-        """Per compression ratio among `ratios`: its entry group's block tables (cache_groups'
-        order; given one table only, that one), and the entries that close in this step."""
-        tables = batch.attn.block_tables
-        entry_tables = dict(zip(self._ratios, batch.group_block_tables or [tables] * len(self._ratios)))
+    ) -> tuple[dict[tuple[int, int], torch.Tensor], dict[int, NewEntries | None]]:
+        """The block tables of the groups after the ring, by _group_key (given one table only,
+        that one for each), and per compression ratio among `ratios` the entries that close in
+        this step."""
+        keys = self._group_keys
+        tables = dict(zip(keys, batch.group_block_tables or [batch.attn.block_tables] * len(keys)))
         entries = {
-            r: NewEntries.build(batch, r, r == self.v4.csa_ratio, block_size, entry_tables[r])
+            r: NewEntries.build(
+                batch, r, r == self.v4.csa_ratio, block_size, tables[(1, r)], tables.get((2, r))
+            )
             for r in sorted(set(ratios) - {0})
         }
-        return entry_tables, entries
+        return tables, entries
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
         """(T, N, Dm) the last block's streams of every token in the batch."""
@@ -901,8 +942,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self._check_length(batch)
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
-        entry_tables, entries = self._entries(batch, v4.compress_ratios, kv_caches[0].spec.block_size)
-        caches = self._layer_caches(kv_caches, self._slices, v4.compress_ratios, entry_tables)
+        tables, entries = self._entries(batch, v4.compress_ratios, kv_caches[0].spec.block_size)
+        caches = self._layer_caches(kv_caches, self._slices, v4.compress_ratios, tables)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         streams = x[:, None, :].expand(-1, v4.hc_mult, -1).contiguous()  # (T, N, Dm)
         for block, layer_caches in zip(self.layers, caches):
@@ -938,9 +979,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self._check_length(batch)
         mtp = cast(V4MTPLayer, self.mtp[depth])
         ratio = mtp.block.ratio
-        entry_tables, entries = self._entries(batch, (ratio,), kv_caches[0].spec.block_size)
+        tables, entries = self._entries(batch, (ratio,), kv_caches[0].spec.block_size)
         ratios = self.v4.mtp_compress_ratios[: len(slices)]
-        caches = self._layer_caches(kv_caches, slices, ratios, entry_tables)[depth]
+        caches = self._layer_caches(kv_caches, slices, ratios, tables)[depth]
         table = self.compress_rope if ratio else self.main_rope
         embedded = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         out: torch.Tensor = mtp(embedded, hidden, batch, caches, entries.get(ratio), table)

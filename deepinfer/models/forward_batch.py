@@ -3,11 +3,12 @@ KVCacheGroup, how a model with several kinds of cache (DeepSeek-V4) asks the eng
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from deepinfer.backend.types import AttentionMetadata
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,7 @@ class KVCacheGroup:
     cache of the group; each group has its own pool of blocks.
 
     name         for logs and benchmarks ("ring", "entries/4", ...)
-    num_caches   caches in the group (rows of the model's KVCacheSpec width)
+    num_caches   caches in the group, each of rows `row_dim` wide
     ratio        one row per `ratio` tokens: 1 = a row per token; m = compressed entries (row w
                  holds entry w, pooled from tokens [w*m, (w+1)*m))
     ring_blocks  0: the table grows with the sequence (row r in block r // BS of the table);
@@ -27,6 +28,8 @@ class KVCacheGroup:
                  place; a longer step writes them to step-scratch blocks (deepinfer.engine.ring)
     num_mtp_caches  of the num_caches, the last ones that belong to the MTP head (speculative
                  decoding): paged, freed and rolled back with the model's, kept apart by the engine
+    row_dim      values per cache row; None: the model's KVCacheSpec width (head_dim). The engine
+                 allocates the group's caches (and counts their bytes) at this width
     """
 
     name: str
@@ -35,6 +38,14 @@ class KVCacheGroup:
     ring_blocks: int = 0
     num_mtp_caches: int = 0
     ring_lookback: int = 0
+    row_dim: int | None = None
+
+    def cache_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """The spec of this group's caches, from the model's `spec`: rows row_dim wide (all
+        latent) where set."""
+        if self.row_dim is None:
+            return spec
+        return dataclasses.replace(spec, latent_dim=self.row_dim, rope_dim=0)
 
     def ring_step_tokens(self, block_size: int) -> int:
         """A ring's: the most tokens a request computes in one step in place, R - lookback (R =
