@@ -168,6 +168,23 @@ def _route_args(
     )  # fmt: skip
 
 
+def _route_buffers(
+    t: int,
+    config: RouterConfig,
+    device: torch.device,
+    correction_bias: torch.Tensor | None,
+    hash_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The router kernels' outputs, weights (T, K + S) float32 and ids (T, K + S) int32, and
+    their optional inputs with unit stride along the last dim: (weights, ids, bias, hash_ids)."""
+    n = config.top_k + config.shared_experts
+    weights = torch.empty((t, n), dtype=torch.float32, device=device)
+    ids = torch.empty((t, n), dtype=torch.int32, device=device)
+    bias = correction_bias.contiguous() if correction_bias is not None else None
+    hashed = hash_ids if hash_ids is None or hash_ids.stride(-1) == 1 else hash_ids.contiguous()
+    return weights, ids, bias, hashed
+
+
 def route(
     logits: torch.Tensor,
     config: RouterConfig,
@@ -178,14 +195,10 @@ def route(
     config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig)."""
     t, e = logits.shape
     consts = _route_args(t, e, config, correction_bias, hash_ids)
-    n = config.top_k + config.shared_experts
-    weights = torch.empty((t, n), dtype=torch.float32, device=logits.device)
-    ids = torch.empty((t, n), dtype=torch.int32, device=logits.device)
+    weights, ids, bias, hashed = _route_buffers(t, config, logits.device, correction_bias, hash_ids)
     if t == 0:
         return weights, ids
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    bias = correction_bias.contiguous() if correction_bias is not None else None
-    hashed = hash_ids if hash_ids is None or hash_ids.stride(-1) == 1 else hash_ids.contiguous()
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, hashed if hashed is not None else ids, weights, ids,
         e, logits.stride(0), hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
@@ -306,16 +319,12 @@ def select_experts(
     t, d = x.shape
     e = weight.shape[0]
     consts = _route_args(t, e, config, correction_bias, hash_ids)
-    n = config.top_k + config.shared_experts
-    weights = torch.empty((t, n), dtype=torch.float32, device=x.device)
-    ids = torch.empty((t, n), dtype=torch.int32, device=x.device)
+    weights, ids, bias, hashed = _route_buffers(t, config, x.device, correction_bias, hash_ids)
     if t == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
-    bias = correction_bias.contiguous() if correction_bias is not None else None
-    hashed = hash_ids if hash_ids is None or hash_ids.stride(-1) == 1 else hash_ids.contiguous()
     _select_experts_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
         x, weight, logits, _TICKETS.get(x.device, t), bias if bias is not None else logits,
         hashed if hashed is not None else ids, weights, ids, e, d, x.stride(0), weight.stride(0),
