@@ -365,11 +365,11 @@ def build_deepinfer_model(
     return model.eval()
 
 
-def make_backend(name: str, batch_invariant: bool = False) -> Any:
+def make_backend(name: str, batch_invariant: bool = False, max_model_len: int | None = None) -> Any:
     from deepinfer.backend.registry import get_backend
     from deepinfer.backend.types import BackendOptions
 
-    return get_backend(name, BackendOptions(batch_invariant=batch_invariant))
+    return get_backend(name, BackendOptions(batch_invariant=batch_invariant, max_model_len=max_model_len))
 
 
 def kv_cache_bytes(model: Any, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
@@ -856,8 +856,15 @@ class Bench:
         lead = prefill_steps + a.profile_lead_steps
         if lead + steps >= a.output_len:
             raise ValueError(f"--output-len {a.output_len} leaves no room for {lead} + {steps} steps")
+        again = steps if lead + 2 * steps < a.output_len else 0  # unprofiled steps, where there is room
         try:
-            for _ in range(lead):
+            sync(self.device)
+            t = time.perf_counter()
+            for _ in range(prefill_steps):
+                engine.step()
+            sync(self.device)
+            prefill_wall = time.perf_counter() - t
+            for _ in range(lead - prefill_steps):
                 engine.step()
             from torch.profiler import ProfilerActivity, profile
 
@@ -870,12 +877,23 @@ class Bench:
                     engine.step()
                 sync(self.device)
                 wall = time.perf_counter() - t
+            t = time.perf_counter()  # as many steps again, without the profiler
+            for _ in range(again):
+                engine.step()
+            sync(self.device)
+            unprofiled = time.perf_counter() - t
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
             engine.abort_all()
             raise
-        res: dict[str, Any] = {"steps": steps, "host_wall_per_step_ms_profiled": wall * 1e3 / steps}
+        res: dict[str, Any] = {
+            "steps": steps,
+            "host_wall_per_step_ms_profiled": wall * 1e3 / steps,
+            # where a generate call's time goes: its prefill step(s) and its decode steps, unprofiled
+            "prefill_wall_ms": prefill_wall * 1e3,
+            "decode_wall_per_step_ms": unprofiled * 1e3 / again if again else float("nan"),
+        }
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
@@ -888,7 +906,8 @@ class Bench:
                 f"{res['kernels_per_step']:.0f} kernels/step, "
                 f"{res['window_per_step_ms']:.3f} ms/step on the GPU "
                 f"(busy {res['busy_per_step_ms']:.3f} ms; "
-                f"host {res['host_wall_per_step_ms_profiled']:.3f} ms)"
+                f"host {res['host_wall_per_step_ms_profiled']:.3f} ms); unprofiled: prefill "
+                f"{res['prefill_wall_ms']:.2f} ms, decode {res['decode_wall_per_step_ms']:.3f} ms/step"
             )
             for k in res["top_kernels"]:
                 log(f"   {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name'][:90]}")
@@ -959,7 +978,8 @@ class Bench:
         free_memory(self.device)
 
     def rebuilt(self, batch_invariant: bool) -> tuple[Any, Any]:
-        backend = make_backend(self.args.backend, batch_invariant=batch_invariant)
+        a = self.args  # the engines' max_model_len (make_llm), as an engine would pass it
+        backend = make_backend(a.backend, batch_invariant=batch_invariant, max_model_len=a.input_len + a.output_len)
         return backend, build_deepinfer_model(self.config_file, self.state, backend, self.dtype)
 
     def batch_invariant(self) -> None:
@@ -1224,7 +1244,9 @@ class Bench:
                 f"{r['steps']} steps: GPU busy {r['busy_per_step_ms']:.3f} ms of a "
                 f"{r['window_per_step_ms']:.3f} ms window (idle {r['idle_share']:.1%}), host wall "
                 f"{r['host_wall_per_step_ms_profiled']:.3f} ms per step under the profiler; "
-                f"{r['kernels_per_step']:.1f} kernels per step.",
+                f"{r['kernels_per_step']:.1f} kernels per step. Without the profiler: the prefill "
+                f"step {r.get('prefill_wall_ms', float('nan')):.2f} ms, decode steps "
+                f"{r.get('decode_wall_per_step_ms', float('nan')):.3f} ms each.",
                 "",
                 "| kernel (top by GPU time) | ms per step | calls per step |",
                 "| --- | --- | --- |",

@@ -200,6 +200,41 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
 
 
+def test_invariant_split_follows_max_model_len() -> None:
+    assert attn_k.invariant_split(None) == attn_k.INVARIANT_SPLIT
+    assert attn_k.invariant_split(192) == 64  # 192 / 16 = 12 -> at least 64
+    assert attn_k.invariant_split(4096) == 256
+    assert attn_k.invariant_split(4097) == 512
+    assert attn_k.invariant_split(1 << 20) == attn_k.INVARIANT_SPLIT
+
+
+def test_invariant_prefill_rows_equal_decode_steps(gen: torch.Generator) -> None:
+    """Batch-invariant mode with 64-key splits: a prompt's rows computed in one prefill launch
+    (many rows per tile) and each position computed as a one-token decode step (a few rows per
+    tile) give the same bits, and a decode row's bits do not change beside another request."""
+    n, lat, rope, h, bs = 150, 64, 16, 4, 16
+    pool, meta, rows = paged([n], [n], lat + rope, bs, gen)
+    q = torch.randn((n, h, lat + rope), generator=gen)
+
+    def run(q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out: torch.Tensor = attn_k.mla_attention(
+            q.to(DEV), pool.to(DEV), meta, scale=0.2, v_dim=lat, latent_dim=lat, batch_invariant=True,
+            split_size=attn_k.invariant_split(192),
+        )  # fmt: skip
+        return out.cpu()
+
+    prefill = run(q, meta)
+    torch.testing.assert_close(
+        prefill.double(), oracle_attention(q, rows, [n], [n], 0.2, lat), rtol=2e-3, atol=2e-3
+    )
+    table = meta.block_tables[:1]
+    for pos in (0, 63, 64, 100, n - 1):
+        step = run(q[pos : pos + 1], AttentionMetadata.build(table, [pos + 1], [1]))
+        assert_bitwise_equal(step, prefill[pos : pos + 1], what=f"decode step at {pos} vs prefill row")
+        pair = run(q[[pos, n - 1]], AttentionMetadata.build(table.repeat(2, 1), [pos + 1, n], [1, 1]))
+        assert_bitwise_equal(pair[:1], step, what=f"decode step at {pos} beside another request")
+
+
 @pytest.mark.parametrize("window", [None, 50])
 def test_whole_page_tiles_by_tma_match_the_masked_path(gen: torch.Generator, window: int | None) -> None:
     """Pages a multiple of block_n with power-of-two widths take TMA for whole tiles below the KV

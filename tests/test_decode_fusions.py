@@ -150,11 +150,18 @@ def test_fusions_keep_the_logits_and_remove_ops(
     assert plain_ops - fused_ops == +removed and not fused_ops - plain_ops, (plain_ops, fused_ops)
 
 
-def test_shared_experts_stay_separate_in_batch_invariant_mode(tmp_path: Path) -> None:
-    root = _checkpoint(tmp_path, tiny_config(num_nextn_predict_layers=0), False)
+def test_shared_experts_fuse_in_batch_invariant_mode(tmp_path: Path) -> None:
+    """Batch-invariant mode fuses the shared experts too (the grouped GEMM and the combine reduce
+    each row alone), and a row's logits stay the same bits alone and beside other rows."""
+    cfg = tiny_config(num_nextn_predict_layers=0)
+    root = _checkpoint(tmp_path, cfg, False)
     model = load_model(root, create_reference_backend(BackendOptions(batch_invariant=True)))
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.shared_experts is not None and m.router.shared_experts == 0 for m in moes)
+    assert moes and all(m.shared_experts is None and m.router.shared_experts == cfg["n_shared_experts"] for m in moes)
+    x = torch.randn(5, cfg["hidden_size"], dtype=torch.float32)
+    alone = moes[0](x[:1].clone())
+    together = moes[0](x)
+    assert torch.equal(alone[0], together[0])
 
 
 def test_model_fusions_switched_off_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,10 +23,15 @@ class BackendOptions:
     device_index: which device of the backend's kind (rank-local index under torch.distributed).
     batch_invariant: every op returns, for one row, the same bits whatever else shares the batch
         (fixed reduction order and split sizes). Only honoured by backends whose capabilities say so.
+    max_model_len: the longest sequence (prompt + output) the caller will run, when it knows it;
+        a batch-invariant backend may size its fixed reductions by it (the cuda attention splits
+        the keys at fixed positions max_model_len / 16 apart: short sequences still spread over
+        several programs). None: the backend's default for any length.
     """
 
     device_index: int = 0
     batch_invariant: bool = False
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)

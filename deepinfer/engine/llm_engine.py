@@ -134,7 +134,11 @@ class LLMEngine:
         )
         if backend is None:
             device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.expert_parallel else 0
-            options = BackendOptions(device_index=device_index, batch_invariant=config.batch_invariant)
+            options = BackendOptions(
+                device_index=device_index,
+                batch_invariant=config.batch_invariant,
+                max_model_len=config.max_model_len,
+            )
             backend = get_backend(config.backend, options)
             if logger.isEnabledFor(logging.INFO):
                 logger.info("backend %s: %s", backend.name, backend_choice_reason(config.backend))

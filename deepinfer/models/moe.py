@@ -16,9 +16,10 @@ Shared experts fusion (S = n_shared_experts): the shared MLP of intermediate S *
 experts of intermediate I after the routed ones (SwiGLU over a concatenated intermediate is the
 sum of the chunks' outputs), which the router appends to every token with weight 1
 (RouterConfig.shared_experts): one grouped GEMM pair computes routed and shared experts, and the
-shared MLP's two GEMMs, its silu_and_mul and the final add are gone. Not under expert parallelism
-(the shared experts stay on every rank), nor in batch-invariant mode (its bits stay those of the
-separate MLP), nor for FP8 weights unless I is a whole number of 128-row scale blocks;
+shared MLP's two GEMMs, its silu_and_mul and the final add are gone. In batch-invariant mode too
+(the grouped GEMM and the combine reduce each row alone, in a fixed order). Not under expert
+parallelism (the shared experts stay on every rank), nor for FP8 weights unless I is a whole
+number of 128-row scale blocks;
 DEEPINFER_MODEL_UNFUSED=shared_experts switches it off (layers.fusion_enabled).
 """
 
@@ -102,12 +103,7 @@ class MoE(nn.Module):
         shared = self.num_shared * self.inter
         self.shared_experts: MLP | None = MLP(backend, config.hidden_size, shared) if shared else None
         # shared experts as experts E .. E + S - 1 of w13 / w2 (module docstring); final at load
-        self.fuse_shared = (
-            shared > 0
-            and ep is None
-            and not backend.options.batch_invariant
-            and fusion_enabled("shared_experts")
-        )
+        self.fuse_shared = shared > 0 and ep is None and fusion_enabled("shared_experts")
 
     def forward(self, x: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). fixed_exchange (expert parallelism): every rank runs this layer

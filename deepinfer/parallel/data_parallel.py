@@ -124,7 +124,9 @@ def _backend_for_rank(config: EngineConfig, device_index: int) -> Backend:
     from deepinfer.backend.registry import get_backend
     from deepinfer.backend.types import BackendOptions
 
-    options = BackendOptions(device_index=device_index, batch_invariant=config.batch_invariant)
+    options = BackendOptions(
+        device_index=device_index, batch_invariant=config.batch_invariant, max_model_len=config.max_model_len
+    )
     return get_backend(config.backend, options)
 
 

@@ -268,6 +268,7 @@ class CudaAttention(AttentionOps):
             q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
+            split_size=attn_k.invariant_split(self.options.max_model_len) if self.batch_invariant else None,
         )  # fmt: skip
 
     def mla_query(
