@@ -723,6 +723,47 @@ def test_invariant_matmul_split_chunks_equal_one_program(
     torch.testing.assert_close(ways[0].double(), expected, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_invariant_batched_matmul_split_in_one_launch_resets_its_tickets(
+    gen: torch.Generator, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Split chunks over G products in one launch: each tile's last program adds the chunk sums
+    (its ticket counts the chunks in and is left at zero). Replayed three times with new inputs
+    (a CUDA graph on a GPU, plain calls in the interpreter), with a launch of another shape in
+    between: every replay equals the chunks walked in one program and G split matmul calls bit
+    for bit, and the float64 product within tolerance. K = 300: a partial last chunk and step;
+    N = 40: a partial column tile; M = 5 and 1: a partial row tile."""
+    monkeypatch.setattr(gemm_k, "INVARIANT_K_CHUNK", 128)
+    monkeypatch.setattr(gemm_k, "SPLIT_BELOW_TILES_PER_SM", 10**6)  # split at every size
+    cfg = gemm_k.GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+    g, m, k, n = 3, 5, 300, 40
+    static = torch.zeros((m, g, k), dtype=dtype, device=DEV).transpose(0, 1)  # (G, M, K) strided
+    w = torch.randn((g, n, k), generator=gen).to(dtype).to(DEV)
+    graph = None
+    if GPU and not INTERPRET:
+        gemm_k.batched_matmul(static, w, config=cfg)  # compile and take the tickets outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemm_k.batched_matmul(static, w, config=cfg)
+    tickets = gemm_k._TILE_TICKETS.get(DEV, 1)
+    for _ in range(3):
+        static.copy_(torch.randn((g, m, k), generator=gen).to(dtype))
+        if graph is not None:
+            graph.replay()
+        else:
+            out = gemm_k.batched_matmul(static, w, config=cfg)
+        assert not tickets.any(), "a tile's ticket was left counted"
+        walk = gemm_k._launch_dense(static, w, dtype, cfg, k_chunk=128, split=False)
+        assert_bitwise_equal(out, walk, what="split in one launch vs walked in one program")
+        for i in range(g):
+            assert_bitwise_equal(out[i], gemm_k.matmul(static[i], w[i], config=cfg), what=f"product {i}")
+        one = gemm_k.batched_matmul(static[:, 2:3], w, config=cfg)  # M = 1, other tiles
+        assert_bitwise_equal(one, walk[:, 2:3], what="one row alone")
+        expected = torch.bmm(static.double(), w.double().transpose(1, 2))
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * k**0.5)
+
+
 def test_invariant_matmul_rows_equal_across_tile_choices(gen: torch.Generator) -> None:
     """The batch-invariant linear picks its tiles (and whether to split K's chunks over programs)
     by M; a row's bits must not change with them. M = 1, 40, 300 and 600 cross every choice on

@@ -4,8 +4,10 @@
 fused per-token activation quantiser, a fixed-tile float matmul (batch-invariant linear), and a
 grouped GEMM over expert-sorted rows (float or FP8, optionally gathering its input rows).
 
-Every kernel reduces K in one program, in BLOCK_K steps, in order: no split-K, so a row's
-result never depends on M. Scales MULTIPLY (DeepSeek's convention): value = fp8 * scale.
+Every kernel reduces K in BLOCK_K steps, in an order that does not depend on M (the
+batch-invariant matmul may split its K chunks over programs at small M; the tile's last program
+adds the chunk sums in the same order), so a row's result never depends on M. Scales MULTIPLY
+(DeepSeek's convention): value = fp8 * scale.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from deepinfer.backend.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
-from deepinfer_cuda.kernels.common import mma, next_pow2, num_sms, tma_supported, to_e4m3
+from deepinfer_cuda.kernels.common import Semaphores, mma, next_pow2, num_sms, tma_supported, to_e4m3
 
 # The kernels spell the format's constants as literals (Triton jit code reads no Python globals
 # that are not constexpr): 448.0 is FP8_MAX, 1e-10 AMAX_EPS, as deepinfer.backend.fp8 defines.
@@ -118,8 +120,8 @@ def quantize_fp8(x: torch.Tensor, block: int = SCALE_BLOCK) -> tuple[torch.Tenso
 
 @triton.jit
 def _dense_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, M, N, K, K_CHUNK,
-    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg, stride_cs,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, ws_ptr, tickets_ptr, M, N, K, K_CHUNK,
+    stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg, stride_ws,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -129,9 +131,11 @@ def _dense_kernel(
     them): every one is computed exactly as it would be alone.
 
     K is reduced in chunks of K_CHUNK (a multiple of BLOCK_K; K_CHUNK >= K: one chunk), each
-    from zero in BLOCK_K steps, the chunk sums added in order. SPLIT: grid axis 2 is the chunk;
-    program s writes chunk s's float32 sum to C + s * stride_cs (a (S, M, N) workspace that
-    _chunk_sum_kernel adds up in the same order), so both ways give the same bits."""
+    from zero in BLOCK_K steps, the chunk sums added in order. SPLIT: grid axis 2 is the chunk s
+    of S; program s writes chunk s's float32 sum to ws + s * stride_ws (an (S, G, M, N) workspace
+    laid out as C) and counts itself in on its (product, tile) ticket (tickets: (G, tiles) int32,
+    zero between launches); the tile's last program to arrive resets the ticket and adds the S
+    sums in order s = 0 .. S-1 as the walk below does, so both ways give the same bits."""
     g = tl.program_id(1).to(tl.int64)
     a_ptr += g * stride_ag
     b_ptr += g * stride_bg
@@ -148,6 +152,8 @@ def _dense_kernel(
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    c_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    c_offs = rm[:, None].to(tl.int64) * stride_cm + rn[None, :]  # (BLOCK_M, BLOCK_N) in C and ws
     a_rows = a_ptr + rm[:, None].to(tl.int64) * stride_am
     b_cols = b_ptr + rn[None, :].to(tl.int64) * stride_bn  # (BLOCK_K, BLOCK_N) tiles = B^T
     first = 0
@@ -155,7 +161,6 @@ def _dense_kernel(
     if SPLIT:  # this program's chunk only
         first = tl.program_id(2) * K_CHUNK
         last = first + 1
-        c_ptr += tl.program_id(2).to(tl.int64) * stride_cs
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for c0 in range(first, last, K_CHUNK):
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -173,24 +178,25 @@ def _dense_kernel(
             else:
                 acc = mma(a, b, acc, IEEE)
         total += acc
-    if HAS_BIAS and not SPLIT:
-        total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
-    tl.store(c_ptrs, total.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def _chunk_sum_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """C (flat M*N, any batch of products laid end to end) = sum over s, in order, of the float32
-    chunk sums ws (S, MN) (+ bias): what _dense_kernel computes in one program without SPLIT."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
-    total = tl.zeros([BLOCK], tl.float32)
-    for s in range(0, S):
-        total += tl.load(ws_ptr + s * MN + i, mask=ok, other=0.0)
+    if SPLIT:
+        ws_tile = ws_ptr + g * stride_cg + c_offs
+        tl.store(ws_tile + tl.program_id(2).to(tl.int64) * stride_ws, total, mask=c_mask)
+        tl.debug_barrier()  # every thread's chunk sum is stored before the program counts itself in
+        ticket = tickets_ptr + g * tl.num_programs(0) + pid
+        arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
+        if arrived < tl.num_programs(2) - 1:
+            return
+        tl.store(ticket, 0)  # the tile's last program: ready for the next launch (and graph replay)
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for s in range(0, tl.num_programs(2)):  # written by other programs: volatile, no stale L1 lines
+            total += tl.load(ws_tile + s * stride_ws, mask=c_mask, other=0.0, volatile=True)
     if HAS_BIAS:
-        total += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(c_ptr + i, total.to(c_ptr.dtype.element_ty), mask=ok)
+        total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + c_offs, total.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# One int32 ticket per (product, output tile) of a split _dense_kernel launch (zero between launches).
+_TILE_TICKETS = Semaphores()
 
 
 def _launch_dense(
@@ -206,7 +212,8 @@ def _launch_dense(
 ) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T, or a (G, M, K) @ b (G, N, K)^T batched -> (M, N) / (G, M, N).
     k_chunk: reduce K in chunks of that many (the batch-invariant matmul's K_CHUNK; None: one
-    chunk); split: one program per chunk and tile, the chunks added by a second launch."""
+    chunk); split: one program per chunk and tile in the same launch, each tile's last program
+    adding the chunk sums in order."""
     batched = a.dim() == 3
     g = a.shape[0] if batched else 1
     m, k = a.shape[-2:]
@@ -225,25 +232,20 @@ def _launch_dense(
         raise ValueError(f"K chunk {chunk} must be a multiple of block_k {cfg.block_k}")
     chunks = triton.cdiv(k, chunk)
     split = split and chunks > 1
-    dest = torch.empty((chunks, g, m, n), dtype=torch.float32, device=a.device) if split else c
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     dummy = c
+    ws = torch.empty((chunks, g, m, n), dtype=torch.float32, device=a.device) if split else dummy
+    tickets = _TILE_TICKETS.get(a.device, g * tiles) if split else dummy
     _dense_kernel[(tiles, g, chunks if split else 1)](
-        a, b, dest,
+        a, b, c,
         a_scale if fp8 else dummy, b_scale if fp8 else dummy, bias if bias is not None else dummy,
-        m, n, k, chunk, a.stride(-2), b.stride(-2), n,
+        ws, tickets, m, n, k, chunk, a.stride(-2), b.stride(-2), n,
         a_scale.stride(0) if a_scale is not None else 0, b_scale.stride(0) if b_scale is not None else 0,
         a.stride(0) if batched else 0, b.stride(0) if batched else 0, m * n, g * m * n,
         FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, SPLIT=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split:
-        block = 1024
-        _chunk_sum_kernel[(triton.cdiv(g * m * n, block),)](
-            dest, bias if bias is not None else dummy, c, g * m * n, n, chunks,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )  # fmt: skip
     return c
 
 
