@@ -979,7 +979,8 @@ class Bench:
 
     def rebuilt(self, batch_invariant: bool) -> tuple[Any, Any]:
         a = self.args  # the engines' max_model_len (make_llm), as an engine would pass it
-        backend = make_backend(a.backend, batch_invariant=batch_invariant, max_model_len=a.input_len + a.output_len)
+        max_model_len = a.input_len + a.output_len
+        backend = make_backend(a.backend, batch_invariant=batch_invariant, max_model_len=max_model_len)
         return backend, build_deepinfer_model(self.config_file, self.state, backend, self.dtype)
 
     def batch_invariant(self) -> None:

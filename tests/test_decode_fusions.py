@@ -157,7 +157,8 @@ def test_shared_experts_fuse_in_batch_invariant_mode(tmp_path: Path) -> None:
     root = _checkpoint(tmp_path, cfg, False)
     model = load_model(root, create_reference_backend(BackendOptions(batch_invariant=True)))
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    assert moes and all(m.shared_experts is None and m.router.shared_experts == cfg["n_shared_experts"] for m in moes)
+    shared = cfg["n_shared_experts"]
+    assert moes and all(m.shared_experts is None and m.router.shared_experts == shared for m in moes)
     x = torch.randn(5, cfg["hidden_size"], dtype=torch.float32)
     alone = moes[0](x[:1].clone())
     together = moes[0](x)

@@ -332,7 +332,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 weights = RandomWeights(str(config_file), fp8)
                 llm = LLM.from_engine(DataParallelEngine(config, random_weights=weights))
             else:
-                options = BackendOptions(batch_invariant=config.batch_invariant, max_model_len=config.max_model_len)
+                invariant, max_len = config.batch_invariant, config.max_model_len
+                options = BackendOptions(batch_invariant=invariant, max_model_len=max_len)
                 backend = get_backend(config.backend, options)
                 model = random_model(
                     config_file, backend, config.torch_dtype, config.seed, config.gpu_memory_utilization,
