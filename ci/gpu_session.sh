@@ -7,6 +7,8 @@
 # Then bench/bench_e2e.py with the arguments given (none: skipped).
 # Limits in seconds: CONF_TIMEOUT (250), ENGINE_TIMEOUT (120), TRAIN_MINUTES (3),
 # BENCH_TIMEOUT (200); the device returns at most 8 files, so traces are not kept.
+# CONF_K: a pytest -k filter for the conformance suite. ENGINE_K: the engine tests and the kernel
+# tests (tests/test_cuda_kernels.py) under that -k filter, on 4 workers.
 #   usage: OUT=dir [TRAIN_TINY=1] bash ci/gpu_session.sh [bench_e2e.py arguments]
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -32,7 +34,9 @@ train() {
 }
 
 engine() {
-  timeout "${ENGINE_TIMEOUT:-120}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py \
+  local tests=(tests/test_async_graphs.py)
+  [ -n "${ENGINE_K:-}" ] && tests+=(tests/test_cuda_kernels.py -n 4 -k "$ENGINE_K")
+  timeout "${ENGINE_TIMEOUT:-120}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest "${tests[@]}" \
     -q -rfs -p no:cacheprovider > "$OUT/engine_tests.log" 2>&1
   echo "engine tests rc=$? at $((SECONDS - start)) s"
   tail -n 3 "$OUT/engine_tests.log"
@@ -42,7 +46,7 @@ engine() {
 engine &
 timeout "${CONF_TIMEOUT:-250}" python3 -m pytest -p deepinfer.testing.plugin --pyargs deepinfer.testing.conformance \
   --deepinfer-backend cuda --deepinfer-heavy -q -n "${WORKERS:-14}" -rfEs --tb=line -p no:cacheprovider \
-  > "$OUT/conformance.log" 2>&1
+  ${CONF_K:+-k "$CONF_K"} > "$OUT/conformance.log" 2>&1
 echo "conformance rc=$? at $((SECONDS - start)) s"
 grep -E "FAILED|ERROR|passed|failed" "$OUT/conformance.log" | tail -n 20
 wait
