@@ -113,13 +113,14 @@ def timed(
     repeats: int,
     beside: LLM | None = None,
     min_seconds: float = 0.0,
-) -> tuple[float, list[list[int]], int, float, float]:
+) -> tuple[float, list[list[int]], int, float, float, float]:
     """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs,
-    `beside`'s output tok/s) of a generate call: the median wall time of at least `repeats` calls
-    after a warm-up call, more (up to MAX_CALLS) until each engine's calls add up to min_seconds
-    (the accepted drafts and graph share are those of the last call). With `beside` (plain
-    decoding), its calls alternate with llm's, so that drift on the machine reaches both medians
-    alike (0.0 without). A full collection runs before each call, outside the timing."""
+    `beside`'s output tok/s, the median over adjacent pairs of beside's wall / llm's wall) of a
+    generate call: the median wall time of at least `repeats` calls after a warm-up call, more
+    (up to MAX_CALLS) until each engine's calls add up to min_seconds (the accepted drafts and
+    graph share are those of the last call). With `beside` (plain decoding), its calls alternate
+    with llm's, so that drift on the machine reaches both medians alike (0.0 without). A full
+    collection runs before each call, outside the timing."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
 
@@ -150,9 +151,11 @@ def timed(
     total = len(prompts) * new_tokens
     median = sorted(walls)[len(walls) // 2]
     beside_tok_s = total / sorted(beside_walls)[len(beside_walls) // 2] if beside_walls else 0.0
+    pairs = sorted(p / w for p, w in zip(beside_walls, walls, strict=False))
+    pair_ratio = pairs[len(pairs) // 2] if pairs else 0.0
     ran, graphs = (spec.num_steps - steps[0], spec.num_graph_steps - steps[1]) if spec else (0, 0)
     share = graphs / ran if ran else 0.0
-    return total / median, tokens, engine.num_accepted_tokens - accepted, share, beside_tok_s
+    return total / median, tokens, engine.num_accepted_tokens - accepted, share, beside_tok_s, pair_ratio
 
 
 def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
@@ -300,14 +303,15 @@ def markdown(rows: list[dict[str, Any]], skipped: list[str], header: str) -> str
     lines = [
         header,
         "",
-        "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | mean accepted "
-        "| graph steps |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | median of pair ratios "
+        "| plain tok/s, timed first | mean accepted | graph steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['drafter']} | {r['k']} | {'yes' if r['scheduled'] else 'no'} | {r['batch']} | "
             f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | "
+            f"{r.get('speedup_pairs', 0.0):.2f}x | {r.get('plain_first_tok_s', 0.0):.1f} | "
             f"{r['mean_accepted']:.2f} | {r.get('graph_steps', 0.0):.0%} |"
         )
     if skipped:
@@ -414,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         return []
     base = {}
     for b in args.batches:
-        tok_s, tokens, _, _, _ = timed(
+        tok_s, tokens, _, _, _, _ = timed(
             plain, prompts[b], args.new_tokens, args.repeats, None, args.min_seconds
         )
         base[b] = (tok_s, tokens)
@@ -446,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             # plain decoding timed in alternation with it: the two figures of a row are medians of
             # interleaved calls (a baseline timed once, first, drifted by up to 1.5x on a shared
             # CPU; timed just before, still up to 2x between rows on an H200)
-            tok_s, tokens, accepted, graph_share, plain_tok_s = timed(
+            tok_s, tokens, accepted, graph_share, plain_tok_s, pair_ratio = timed(
                 llm, prompts[b], args.new_tokens, args.repeats, plain, args.min_seconds
             )
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
@@ -463,6 +467,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "batch": b,
                 "plain_tok_s": round(plain_tok_s, 2),
                 "spec_tok_s": round(tok_s, 2),
+                # the same calls as pairs (plain, then speculative): the median of their ratios,
+                # and the plain figure timed alone before any speculative engine existed
+                "speedup_pairs": round(pair_ratio, 3),
+                "plain_first_tok_s": round(base[b][0], 2),
                 "mean_accepted": round(total / (total - accepted), 3),
                 "graph_steps": round(graph_share, 3),
                 "requests_differing_from_plain": differ,

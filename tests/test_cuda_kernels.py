@@ -358,6 +358,28 @@ def test_tile_table_covers_every_row_once() -> None:
     assert torch.equal(owner, torch.repeat_interleave(torch.arange(6), sizes))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_invariant_grouped_gemm_rows_equal_across_tiles(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """Batch-invariant grouped GEMM: BLOCK_K is fixed, the other tile sizes follow the rows (on
+    SM90): three rows alone (16-row tiles there) and among 1100 (64-row tiles) have the same bits."""
+    k, n, e, rows = 192, 72, 2, 1100
+    x = torch.randn((rows, k), generator=gen).to(dtype)
+    w = (torch.randn((e, n, k), generator=gen) * k**-0.5).to(dtype)
+    sizes = torch.tensor([700, rows - 700], dtype=torch.int32)
+    big, small = (gemm_k.grouped_config(r, False, True, DEV) for r in (rows, 3))
+    if DEV.type == "cuda" and torch.cuda.get_device_capability(DEV) == (9, 0):
+        assert big.block_m != small.block_m and big.block_k == small.block_k
+    full = gemm_k.grouped_gemm(x.to(DEV), w.to(DEV), sizes.to(DEV), out_dtype=dtype, batch_invariant=True)
+    for start, g in ((0, 0), (700, 1)):
+        alone_sizes = torch.tensor([3 if i == g else 0 for i in range(e)], dtype=torch.int32)
+        rows3 = x[start : start + 3].to(DEV)
+        alone = gemm_k.grouped_gemm(rows3, w.to(DEV), alone_sizes.to(DEV), out_dtype=dtype, batch_invariant=True)
+        assert_bitwise_equal(alone.cpu(), full[start : start + 3].cpu(), what=f"group {g}'s rows alone")
+    expected = torch.cat([x[:700].double() @ w[0].double().T, x[700:].double() @ w[1].double().T])
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(full.cpu().double(), expected, rtol=tol, atol=tol)
+
+
 def test_grouped_gemm_with_gather(gen: torch.Generator) -> None:
     """fused_moe's first GEMM: sorted row r reads x[gather[r]]."""
     t, k, e, n, top = 7, 48, 3, 40, 2

@@ -343,9 +343,8 @@ class CudaGemm(GemmOps):
         """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
         if not self.fused:
             return None
-        return moe_k.tile_table(
-            group_sizes, rows, gemm_k.grouped_config(rows, fp8, self.batch_invariant).block_m
-        )
+        cfg = gemm_k.grouped_config(rows, fp8, self.batch_invariant, group_sizes.device)
+        return moe_k.tile_table(group_sizes, rows, cfg.block_m)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """cuBLAS through torch; batch-invariant mode uses the fixed-tile Triton matmul instead
@@ -494,7 +493,7 @@ class CudaMoe(MoeOps):
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cfg = self._config(x_sorted.shape[0], w13_scale)
+        cfg = self._config(x_sorted.shape[0], w13_scale, x_sorted.device)
         tiles = moe_k.tile_table(counts, x_sorted.shape[0], cfg.block_m) if self.fused else None
         return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, gather=None)
 
@@ -522,14 +521,14 @@ class CudaMoe(MoeOps):
         small = ids.numel() <= moe_k.DECODE_MAX_COPIES
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
             return moe_k.decode_moe(x, weights, ids, w13, w2)  # bf16 / float32 experts (FP8: slower)
-        cfg = self._config(ids.numel(), w13_scale)
+        cfg = self._config(ids.numel(), w13_scale, ids.device)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
         return small_k.weighted_combine(y, a.src_to_dst, weights)
 
-    def _config(self, rows: int, w13_scale: torch.Tensor | None) -> gemm_k.GemmConfig:
+    def _config(self, rows: int, w13_scale: torch.Tensor | None, device: torch.device) -> gemm_k.GemmConfig:
         """One tiling for both expert GEMMs (same rows, same FP8-ness), so one tile table serves."""
-        return gemm_k.grouped_config(rows, w13_scale is not None, self.batch_invariant)
+        return gemm_k.grouped_config(rows, w13_scale is not None, self.batch_invariant, device)
 
     def _mlp(
         self,

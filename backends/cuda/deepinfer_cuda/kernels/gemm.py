@@ -389,6 +389,12 @@ SPLIT_BELOW_TILES_PER_SM = 2
 SPLIT_MAX_M = 64
 
 
+def _sm90(device: torch.device | None) -> bool:
+    """An SM90 GPU: its MMA gives a row the same bits in every tile tried
+    (bench/bench_invariant_tiles.py --bits), so batch-invariant tiles may follow M there."""
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """The batch-invariant matmul's tiles for M rows. Every choice reduces K in BLOCK_K = 128
     steps; on an H200 (SM90) the tiles below gave bit-identical rows for every M (MMA shape,
@@ -404,8 +410,7 @@ def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmCon
                 f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES"
             ) from None
         return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    if dtype == torch.float32 or not sm90:  # float32 (IEEE products on the CUDA cores, unchecked) or not SM90
+    if dtype == torch.float32 or not _sm90(device):  # float32 (IEEE products, unchecked) or not SM90
         return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     # the fastest of five tilings per M for V2-Lite's linears in CUDA graphs on an H200
     # (bench/bench_invariant_tiles.py, bench/results/2026-12-01_H200_session3)
@@ -533,11 +538,17 @@ def _grouped_kernel(
 DECODE_ROWS = 128  # token copies of a decode step at up to 16 tokens (top-8)
 
 
-def grouped_config(rows: int, fp8: bool, batch_invariant: bool) -> GemmConfig:
-    """Tiles for the grouped GEMM; rows = sorted rows in the launch (token copies)."""
-    if batch_invariant:
+def grouped_config(
+    rows: int, fp8: bool, batch_invariant: bool, device: torch.device | None = None
+) -> GemmConfig:
+    """Tiles for the grouped GEMM; rows = sorted rows in the launch (token copies).
+    Batch-invariant mode keeps BLOCK_K (64, FP8 128: a row's order of sums) for every rows; on
+    SM90 (`device`), where the MMA gives a row the same bits in any tile (as for the dense
+    matmul, _invariant_tile; tests/test_cuda_kernels.py checks the grouped GEMM), the other tile
+    sizes follow rows as by default; elsewhere one tile serves every launch."""
+    if batch_invariant and not _sm90(device):
         return GemmConfig(block_m=64, block_n=128, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
-    if rows <= DECODE_ROWS:
+    if rows <= DECODE_ROWS and (fp8 or not batch_invariant):  # BLOCK_K 128: not bf16's invariant 64
         # 16 x 64 x 128: the best of five tilings at 1 to 8 decode tokens on an H200, V2-Lite
         # and V3 shapes, bf16 and FP8 (bench/bench_moe_decode.py; at one V2-Lite token 2210
         # against 1978 GB/s for 16 x 128 x 64, and ahead of two GEMV-shaped kernels that read
@@ -579,7 +590,7 @@ def grouped_gemm(
     if k == 0:
         return out.zero_()
     fp8 = x_scale is not None
-    cfg = config or grouped_config(rows, fp8, batch_invariant)
+    cfg = config or grouped_config(rows, fp8, batch_invariant, x.device)
     if tiles is None:
         tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
     elif tiles.block_m != cfg.block_m or tiles.num_tiles != triton.cdiv(rows, cfg.block_m) + e:
@@ -699,7 +710,7 @@ def grouped_gemm_fp4(
         return out
     if k == 0:
         return out.zero_()
-    cfg = grouped_config(rows, False, batch_invariant)
+    cfg = grouped_config(rows, False, batch_invariant, x.device)
     if tiles is None:
         tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
     else:
