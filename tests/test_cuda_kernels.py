@@ -372,8 +372,8 @@ def test_invariant_grouped_gemm_rows_equal_across_tiles(gen: torch.Generator, dt
     full = gemm_k.grouped_gemm(x.to(DEV), w.to(DEV), sizes.to(DEV), out_dtype=dtype, batch_invariant=True)
     for start, g in ((0, 0), (700, 1)):
         alone_sizes = torch.tensor([3 if i == g else 0 for i in range(e)], dtype=torch.int32)
-        rows3 = x[start : start + 3].to(DEV)
-        alone = gemm_k.grouped_gemm(rows3, w.to(DEV), alone_sizes.to(DEV), out_dtype=dtype, batch_invariant=True)
+        rows3, wd = x[start : start + 3].to(DEV), w.to(DEV)
+        alone = gemm_k.grouped_gemm(rows3, wd, alone_sizes.to(DEV), out_dtype=dtype, batch_invariant=True)
         assert_bitwise_equal(alone.cpu(), full[start : start + 3].cpu(), what=f"group {g}'s rows alone")
     expected = torch.cat([x[:700].double() @ w[0].double().T, x[700:].double() @ w[1].double().T])
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
