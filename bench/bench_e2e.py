@@ -836,6 +836,8 @@ class Bench:
             res["roofline_decode_step_ms"] = roof["roofline_decode_step_ms"]
             log(f"deepinfer B={b}: {tok_s:.1f} tok/s; profiling {a.profile_steps} decode steps")
             res.update(self.profile_steps(self.llm, b, f"b{b}"))
+            if a.profile_prefill:
+                res["prefill_profile"] = self.profile_prefill(self.llm, b)
             self.extra.setdefault("profiles", {})[str(b)] = res
             if b == a.profile_batch:
                 self.extra["idle"] = res
@@ -913,6 +915,36 @@ class Bench:
                 log(f"   {k['ms_per_step']:.4f} ms  x{k['calls_per_step']:.0f}  {k['name'][:90]}")
         else:
             log(f"{label}: {res.get('note')}")
+        return res
+
+    def profile_prefill(self, llm: Any, b: int) -> dict[str, Any]:
+        """--profile-prefill: the prefill step(s) of b fresh requests under torch.profiler (the
+        requests are aborted after it): device busy time and the top kernels."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from deepinfer.api import SamplingParams
+
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=self.args.output_len, ignore_eos=True)
+        for p in self.prompts[:b]:
+            engine.add(engine.make_sequence({"prompt_token_ids": p}, params))
+        steps = -(-b * self.args.input_len // self.args.max_num_batched_tokens)
+        acts = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
+        try:
+            sync(self.device)
+            with warnings.catch_warnings(), profile(activities=acts) as prof:
+                warnings.simplefilter("ignore")
+                for _ in range(steps):
+                    engine.step()
+                sync(self.device)
+        finally:
+            engine.abort_all()
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            res = analyse_trace(json.loads(path.read_text()), steps)
+        for k in res.get("top_kernels", [])[:8]:
+            log(f"   prefill B={b}: {k['ms_per_step']:.3f} ms  x{k['calls_per_step']:.0f}  {k['name'][:80]}")
         return res
 
     # ------------------------------------------------------------------ extra: (b), (c)
@@ -1016,6 +1048,8 @@ class Bench:
         )
         if not a.skip_invariant_profile:
             res["profile"] = self.profile_steps(llm, b, f"invariant_b{b}")
+        if a.profile_prefill:
+            res["prefill_profile"] = self.profile_prefill(llm, b)
         k = n  # prompt 0 alone for the whole length
         one = self.di_generate(llm, 1, k)
         res["batch_invariant_prompt0_same_at_1_and_b"] = one[0] == tokens[0][:k]
@@ -1454,6 +1488,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip-invariant-profile", action="store_true", help="no profile of the batch-invariant engine"
     )
     p.add_argument("--profile-steps", type=int, default=None, help="default 10 (smoke 1)")
+    p.add_argument(
+        "--profile-prefill", action="store_true", help="also profile the prefill at each profiled batch"
+    )
     p.add_argument(
         "--profile-lead-steps", type=int, default=None, help="decode steps before the profile (default 4)"
     )
