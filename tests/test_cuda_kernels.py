@@ -200,6 +200,26 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
 
 
+def test_combine_rows_per_program_keep_each_rows_bits(gen: torch.Generator) -> None:
+    """combine_splits merging several rows per program (batch-invariant mode's launches) gives
+    every row the bits it gets at one row per program, empty splits and sinks included."""
+    t, h, splits, dv = 13, 3, 5, 40
+    part = torch.randn((t * h * splits, 64), generator=gen)
+    lse = torch.randn((t * h * splits,), generator=gen) * 4
+    lse[::3] = float("-inf")  # empty splits: their partials must not be read
+    part[::3] = float("nan")
+    sinks = torch.randn((h,), generator=gen)
+    outs = []
+    for rows in (1, 3, 8):
+        out = torch.empty((t, h, dv))
+        out_dev = out.to(DEV)
+        attn_k.combine_splits(part.to(DEV), lse.to(DEV), sinks.to(DEV), out_dev, h, splits, dv, rows)
+        outs.append(out_dev.cpu())
+    assert not outs[0].isnan().any()
+    for out in outs[1:]:
+        assert_bitwise_equal(out, outs[0], what="rows per program")
+
+
 def test_invariant_split_follows_max_model_len() -> None:
     assert attn_k.invariant_split(None) == attn_k.INVARIANT_SPLIT
     assert attn_k.invariant_split(192) == 64  # 192 / 16 = 12 -> at least 64

@@ -62,8 +62,12 @@ FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
 INVARIANT_SPLIT = 1024
 # 32-key tiles (a row's order of sums), as the default takes at decode sizes: with 64-key tiles
 # a batch-32 V2-Lite decode step's attention took twice the default's on an H200 (0.60 ms
-# against 0.30) for the same splits.
-INVARIANT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# against 0.30) for the same splits. Eight warps hold a 64-row tile's (64, 512) accumulator.
+INVARIANT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+# Rows merged per program of the combine kernel in batch-invariant mode (every launch: a row's
+# bits do not depend on it). A prefill's many rows at one row per program took 21 ms of a
+# 108 ms batch-32 V2-Lite prefill on an H200.
+INVARIANT_COMBINE_ROWS = 8
 # Given the longest sequence the engine runs: splits of max_model_len / INVARIANT_SPLITS keys
 # (a power of two from INVARIANT_MIN_SPLIT to INVARIANT_SPLIT), so that short sequences still
 # spread a decode row over several programs (one program walking a request's 192 keys took
@@ -279,17 +283,33 @@ def _mla_attention_kernel(
         tl.store(part_ptr + row_g[:, None] * BLOCK_DV + offs_dv[None, :], o, mask=dv_mask)
 
 
-@triton.jit(do_not_specialize=["H", "max_splits"])
+@triton.jit(do_not_specialize=["n_rows", "H", "max_splits"])
 def _combine_kernel(
     part_ptr, lse_ptr, sinks_ptr, out_ptr,
-    H, max_splits, DV, stride_ot, stride_oh,
+    n_rows, H, max_splits, DV, stride_ot, stride_oh,
+    HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """Program (r, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of ROWS (token, head) rows, one
+    after another, each merged exactly as alone (_combine_row)."""
+    for i in tl.static_range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + i
+        if row < n_rows:
+            _combine_row(
+                part_ptr, lse_ptr, sinks_ptr, out_ptr, row, H, max_splits, DV, stride_ot, stride_oh,
+                HAS_SINKS, BLOCK_DV, BLOCK_S, BLOCK_C,
+            )  # fmt: skip
+
+
+@triton.jit
+def _combine_row(
+    part_ptr, lse_ptr, sinks_ptr, out_ptr, row, H, max_splits, DV, stride_ot, stride_oh,
     HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of one (token, head) row, merged
-    over the splits BLOCK_S at a time in split order (a fixed reduction order: a split past a
-    row's range adds exact zeros). Empty splits (log-sum-exp -inf) are never read: their partial
-    may be unwritten memory."""
-    row = tl.program_id(0).to(tl.int64)
+    """One (token, head) row's columns [c * BLOCK_C, (c + 1) * BLOCK_C), c = program_id(1),
+    merged over the splits BLOCK_S at a time in split order (a fixed reduction order: a split
+    past a row's range adds exact zeros). Empty splits (log-sum-exp -inf) are never read: their
+    partial may be unwritten memory."""
     t = row // H
     h = row % H
     offs_s = tl.arange(0, BLOCK_S)
@@ -470,7 +490,8 @@ def mla_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
-        combine_splits(part, lse, sinks, out, h, max_splits, v_dim)
+        rows = INVARIANT_COMBINE_ROWS if batch_invariant else 1
+        combine_splits(part, lse, sinks, out, h, max_splits, v_dim, rows)
     return out
 
 
@@ -482,15 +503,18 @@ def combine_splits(
     h: int,
     max_splits: int,
     v_dim: int,
+    rows_per_program: int = 1,
 ) -> None:
     """Merge split-KV partials into out (T, H, >= v_dim): part (T*H*max_splits, next_pow2(v_dim))
     normalised partial outputs and lse (T*H*max_splits,) their log2-sum-exps (-inf: empty), row
-    (t*H + h)*max_splits + split; sinks (H,) float32 join each head's denominator."""
+    (t*H + h)*max_splits + split; sinks (H,) float32 join each head's denominator. A row's bits do
+    not depend on rows_per_program (fewer, longer programs for launches of many rows)."""
     block_dv = part.shape[1]
     cols = min(COMBINE_COLS, block_dv)
-    _combine_kernel[(out.shape[0] * h, triton.cdiv(v_dim, cols))](
+    n_rows = out.shape[0] * h
+    _combine_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(v_dim, cols))](
         part, lse, sinks if sinks is not None else lse, out,
-        h, max_splits, v_dim, out.stride(0), out.stride(1),
+        n_rows, h, max_splits, v_dim, out.stride(0), out.stride(1),
         HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
-        num_warps=4,
+        ROWS=rows_per_program, num_warps=4,
     )  # fmt: skip
