@@ -200,24 +200,34 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
 
 
-def test_combine_rows_per_program_keep_each_rows_bits(gen: torch.Generator) -> None:
-    """combine_splits merging several rows per program (batch-invariant mode's launches) gives
-    every row the bits it gets at one row per program, empty splits and sinks included."""
+@pytest.mark.parametrize("rows", [1, attn_k.INVARIANT_COMBINE_ROWS])
+def test_combine_rows_keep_their_bits_in_any_lane(gen: torch.Generator, rows: int) -> None:
+    """combine_splits at a fixed rows_per_program: a row's bits do not depend on which lane of a
+    program it lands in (batch-invariant mode merges 4 rows per program) or on how many rows
+    the launch has; empty splits (never read) and sinks; against a float64 merge."""
     t, h, splits, dv = 13, 3, 5, 40
     part = torch.randn((t * h * splits, 64), generator=gen)
     lse = torch.randn((t * h * splits,), generator=gen) * 4
     lse[::3] = float("-inf")  # empty splits: their partials must not be read
     part[::3] = float("nan")
     sinks = torch.randn((h,), generator=gen)
-    outs = []
-    for rows in (1, 3, 8):
-        out = torch.empty((t, h, dv))
-        out_dev = out.to(DEV)
-        attn_k.combine_splits(part.to(DEV), lse.to(DEV), sinks.to(DEV), out_dev, h, splits, dv, rows)
-        outs.append(out_dev.cpu())
-    assert not outs[0].isnan().any()
-    for out in outs[1:]:
-        assert_bitwise_equal(out, outs[0], what="rows per program")
+
+    def merge(first: int) -> torch.Tensor:  # tokens first.. of the same rows
+        n = t - first
+        lo, hi = first * h * splits, t * h * splits
+        out = torch.empty((n, h, dv), device=DEV)
+        p, e = part[lo:hi].to(DEV), lse[lo:hi].to(DEV)
+        attn_k.combine_splits(p, e, sinks.to(DEV), out, h, splits, dv, rows)
+        return out.cpu()
+
+    full = merge(0)
+    for first in (1, 2, 5):  # every row moves to another lane
+        assert_bitwise_equal(merge(first), full[first:], what=f"rows from token {first}")
+    sink_lse = (sinks * 1.4426950408889634).expand(t, h)[..., None]  # log2 units, as lse
+    w = torch.exp2(torch.cat([lse.view(t, h, splits), sink_lse], -1).double())
+    o = torch.cat([part.view(t, h, splits, 64)[..., :dv].nan_to_num(), torch.zeros(t, h, 1, dv)], 2).double()
+    expected = (w[..., None] * o).sum(2) / w.sum(2)[..., None]
+    torch.testing.assert_close(full.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_invariant_split_follows_max_model_len() -> None:

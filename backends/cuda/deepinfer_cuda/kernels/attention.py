@@ -64,10 +64,10 @@ INVARIANT_SPLIT = 1024
 # a batch-32 V2-Lite decode step's attention took twice the default's on an H200 (0.60 ms
 # against 0.30) for the same splits. Eight warps hold a 64-row tile's (64, 512) accumulator.
 INVARIANT_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-# Rows merged per program of the combine kernel in batch-invariant mode (every launch: a row's
-# bits do not depend on it). A prefill's many rows at one row per program took 21 ms of a
-# 108 ms batch-32 V2-Lite prefill on an H200.
-INVARIANT_COMBINE_ROWS = 8
+# Rows merged side by side per program of the combine kernel in batch-invariant mode (every
+# launch of that mode: a row's bits do not depend on its lane). A prefill's many rows at one row
+# per program took 21 ms of a 108 ms batch-32 V2-Lite prefill on an H200 (latency-bound rows).
+INVARIANT_COMBINE_ROWS = 4
 # Given the longest sequence the engine runs: splits of max_model_len / INVARIANT_SPLITS keys
 # (a power of two from INVARIANT_MIN_SPLIT to INVARIANT_SPLIT), so that short sequences still
 # spread a decode row over several programs (one program walking a request's 192 keys took
@@ -290,15 +290,72 @@ def _combine_kernel(
     HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
     ROWS: tl.constexpr,
 ):  # fmt: skip
-    """Program (r, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of ROWS (token, head) rows, one
-    after another, each merged exactly as alone (_combine_row)."""
-    for i in tl.static_range(ROWS):
-        row = tl.program_id(0).to(tl.int64) * ROWS + i
-        if row < n_rows:
-            _combine_row(
-                part_ptr, lse_ptr, sinks_ptr, out_ptr, row, H, max_splits, DV, stride_ot, stride_oh,
-                HAS_SINKS, BLOCK_DV, BLOCK_S, BLOCK_C,
-            )  # fmt: skip
+    """Program (r, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of (token, head) rows
+    [r * ROWS, (r + 1) * ROWS): one row (_combine_row), or ROWS rows side by side, each row's
+    sums laid out alike in every lane (_combine_rows)."""
+    if ROWS == 1:
+        _combine_row(
+            part_ptr, lse_ptr, sinks_ptr, out_ptr, tl.program_id(0).to(tl.int64), H, max_splits, DV,
+            stride_ot, stride_oh, HAS_SINKS, BLOCK_DV, BLOCK_S, BLOCK_C,
+        )  # fmt: skip
+    else:
+        _combine_rows(
+            part_ptr, lse_ptr, sinks_ptr, out_ptr, n_rows, H, max_splits, DV, stride_ot, stride_oh,
+            HAS_SINKS, BLOCK_DV, BLOCK_S, BLOCK_C, ROWS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _combine_rows(
+    part_ptr, lse_ptr, sinks_ptr, out_ptr, n_rows, H, max_splits, DV, stride_ot, stride_oh,
+    HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """_combine_row's merge for ROWS rows at once, (ROWS, BLOCK_S, BLOCK_C) tiles."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = rows < n_rows
+    t = rows // H
+    h = rows % H
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_rows = lse_ptr + rows * max_splits  # (ROWS,)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    for s0 in range(0, max_splits, BLOCK_S):
+        s = s0 + offs_s
+        lse = tl.load(
+            lse_rows[:, None] + s[None, :], mask=ok[:, None] & (s[None, :] < max_splits), other=float("-inf")
+        )
+        m = tl.maximum(m, tl.max(lse, axis=1))
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h, mask=ok, other=0.0) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([ROWS, BLOCK_C], tl.float32)
+    den = tl.zeros([ROWS], tl.float32)
+    for s0 in range(0, max_splits, BLOCK_S):
+        s = s0 + offs_s
+        lse = tl.load(
+            lse_rows[:, None] + s[None, :], mask=ok[:, None] & (s[None, :] < max_splits), other=float("-inf")
+        )  # (ROWS, BLOCK_S)
+        full = lse > float("-inf")
+        w = tl.where(full, tl.exp2(lse - m[:, None]), 0.0)
+        slot = (rows[:, None] * max_splits + s[None, :]) * BLOCK_DV  # (ROWS, BLOCK_S)
+        o = tl.load(
+            part_ptr + slot[:, :, None] + offs_c[None, None, :],
+            mask=full[:, :, None] & (offs_c[None, None, :] < BLOCK_DV),
+            other=0.0,
+        )  # (ROWS, BLOCK_S, BLOCK_C)
+        acc += tl.sum(w[:, :, None] * o, axis=1)
+        den += tl.sum(w, axis=1)
+    if HAS_SINKS:
+        den += tl.exp2(sink - m)
+    out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    out_rows = out_ptr + t * stride_ot + h * stride_oh  # (ROWS,)
+    tl.store(
+        out_rows[:, None] + offs_c[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=ok[:, None] & (offs_c[None, :] < DV),
+    )
 
 
 @triton.jit
@@ -507,8 +564,9 @@ def combine_splits(
 ) -> None:
     """Merge split-KV partials into out (T, H, >= v_dim): part (T*H*max_splits, next_pow2(v_dim))
     normalised partial outputs and lse (T*H*max_splits,) their log2-sum-exps (-inf: empty), row
-    (t*H + h)*max_splits + split; sinks (H,) float32 join each head's denominator. A row's bits do
-    not depend on rows_per_program (fewer, longer programs for launches of many rows)."""
+    (t*H + h)*max_splits + split; sinks (H,) float32 join each head's denominator.
+    rows_per_program > 1: rows merged side by side (batch-invariant mode: always the same number,
+    as a row's bits may depend on it, not on its lane)."""
     block_dv = part.shape[1]
     cols = min(COMBINE_COLS, block_dv)
     n_rows = out.shape[0] * h
