@@ -38,6 +38,8 @@ import argparse
 import gc
 import json
 import random
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -386,6 +388,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
     )
+    ap.add_argument(
+        "--gpu-log",
+        action="store_true",
+        help="sample the GPU's clocks, power and load every 200 ms into OUT/gpu_log.csv (nvidia-smi), and "
+        "stamp each row with its start and end (unix seconds), to see what the plain figure's drift follows",
+    )
     args = ap.parse_args(argv)
     args.batches = args.batches or ([1, 4] if args.small else [1, 8, 32, 128])
     args.new_tokens = args.new_tokens or (8 if args.small else 128)
@@ -438,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if rows:
             (args.out / "spec.svg").write_text(svg_plot(rows, f"speculative / plain output tok/s, {device}"))
 
+    sampler = gpu_sampler(args.out / "gpu_log.csv") if args.gpu_log else None
     for spec in runs:
         if args.time_budget is not None and time.perf_counter() - T0 > args.time_budget:
             skipped.append(
@@ -450,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             # plain decoding timed in alternation with it: the two figures of a row are medians of
             # interleaved calls (a baseline timed once, first, drifted by up to 1.5x on a shared
             # CPU; timed just before, still up to 2x between rows on an H200)
+            started = time.time()
             tok_s, tokens, accepted, graph_share, plain_tok_s, pair_ratio = timed(
                 llm, prompts[b], args.new_tokens, args.repeats, plain, args.min_seconds
             )
@@ -475,13 +485,30 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "graph_steps": round(graph_share, 3),
                 "requests_differing_from_plain": differ,
             }
+            if sampler is not None:
+                row.update(started=round(started, 2), ended=round(time.time(), 2))
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
         write()
     del plain
     write()
+    if sampler is not None:
+        sampler.terminate()
     return rows
+
+
+def gpu_sampler(path: Path) -> subprocess.Popen[bytes] | None:
+    """nvidia-smi writing timestamp, SM and memory clocks, power and load every 200 ms to `path`
+    (None where there is no nvidia-smi). Read-only queries: the card's settings are left alone."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        print("--gpu-log: no nvidia-smi here", flush=True)
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    query = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu"
+    cmd = [smi, f"--query-gpu={query}", "--format=csv", "-lms", "200", "-f", str(path)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
