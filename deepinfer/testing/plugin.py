@@ -218,6 +218,17 @@ def invariant_backend(backend_registry: BackendRegistry, backend_name: str, back
 
 
 @pytest.fixture(scope="session")
+def short_invariant_backend(
+    backend_registry: BackendRegistry, backend_name: str, backend: Backend
+) -> Backend:
+    """batch_invariant=True for sequences of at most 192 tokens (BackendOptions.max_model_len),
+    which a backend may use to size its fixed reductions (skips unless it claims invariance)."""
+    if not backend.capabilities.supports_batch_invariant:
+        pytest.skip(f"backend {backend_name!r} does not claim batch invariance")
+    return _create(backend_registry, backend_name, BackendOptions(batch_invariant=True, max_model_len=192))
+
+
+@pytest.fixture(scope="session")
 def device(backend: Backend) -> torch.device:
     """The backend's torch device."""
     return backend.device.device()
