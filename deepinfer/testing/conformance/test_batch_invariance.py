@@ -177,29 +177,30 @@ def test_attention_rows_the_same_in_any_step(
 ) -> None:
     """One request's rows from a whole-prompt prefill, from a later chunk of it, and as one-token
     decode steps, beside another request or alone: the same bits (a request prefilled in other
-    chunks, or recomputed after preemption, keeps its tokens), with max_model_len = 192."""
+    chunks, or recomputed after preemption, keeps its tokens), with max_model_len = 192. Latent
+    64 + rope 16: power-of-two widths, as MLA's 512 + 64."""
     be, n = short_invariant_backend, 150
     dev = be.device.device()
     batch = make_paged_batch(
-        be, seq_lens=[n, 90], query_lens=[n, 1], block_size=16, head_dim=576, dtype=dtype, gen=gen,
-        rope_dim=64,
+        be, seq_lens=[n, 90], query_lens=[n, 1], block_size=16, head_dim=80, dtype=dtype, gen=gen,
+        rope_dim=16,
     )  # fmt: skip
-    q = randn((batch.num_tokens, 4, 576), dtype, dev, gen)
-    scale = 576**-0.5
-    full = be.attention.prefill(q, batch.cache, batch.meta, scale=scale, v_dim=512)
-    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, scale, 512)
+    q = randn((batch.num_tokens, 4, 80), dtype, dev, gen)
+    scale = 80**-0.5
+    full = be.attention.prefill(q, batch.cache, batch.meta, scale=scale, v_dim=64)
+    expected = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, scale, 64)
     assert_close(full, expected, dtype, what="attention")
     table = batch.meta.block_tables[:1]
     chunk = be.attention.prefill(
-        q[70:n], batch.cache, AttentionMetadata.build(table, [n], [n - 70]), scale=scale, v_dim=512
+        q[70:n], batch.cache, AttentionMetadata.build(table, [n], [n - 70]), scale=scale, v_dim=64
     )
     assert_bitwise_equal(chunk, full[70:n], what="rows 70.. as a later chunk")
     for p in (0, 63, 64, 100, n - 1):
         meta = AttentionMetadata.build(table, [p + 1], [1])
-        step = be.attention.decode(q[p : p + 1], batch.cache, meta, scale=scale, v_dim=512)
+        step = be.attention.decode(q[p : p + 1], batch.cache, meta, scale=scale, v_dim=64)
         assert_bitwise_equal(step, full[p : p + 1], what=f"position {p} as a decode step")
     both = AttentionMetadata.build(batch.meta.block_tables, [n, 90], [1, 1])
-    pair = be.attention.decode(q[[n - 1, n]], batch.cache, both, scale=scale, v_dim=512)
+    pair = be.attention.decode(q[[n - 1, n]], batch.cache, both, scale=scale, v_dim=64)
     assert_bitwise_equal(pair[:1], full[n - 1 : n], what="the last position beside another request")
 
 
