@@ -200,9 +200,16 @@ def test_equal_priority_is_fine_when_one_is_unavailable() -> None:
 
 def test_create_passes_options() -> None:
     reg = make_registry(info("fast"))
-    backend = reg.create("fast", BackendOptions(batch_invariant=True))
+    backend = reg.create("fast", BackendOptions(batch_invariant=True, max_model_len=4096))
     assert backend.name == "fast" and backend.options.batch_invariant
+    assert backend.options.max_model_len == 4096
     assert all(part.batch_invariant for part in backend.parts())
+
+
+@pytest.mark.parametrize("bad", [0, -5, True])
+def test_options_refuse_a_max_model_len_that_is_not_a_length(bad: int) -> None:
+    with pytest.raises(ValueError, match="max_model_len must be a positive int"):
+        BackendOptions(max_model_len=bad)
 
 
 @pytest.mark.parametrize(

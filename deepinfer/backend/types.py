@@ -33,6 +33,11 @@ class BackendOptions:
     batch_invariant: bool = False
     max_model_len: int | None = None
 
+    def __post_init__(self) -> None:
+        n = self.max_model_len
+        if n is not None and (isinstance(n, bool) or n < 1):
+            raise ValueError(f"BackendOptions.max_model_len must be a positive int or None, got {n!r}")
+
 
 @dataclass(frozen=True)
 class Capabilities:
