@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import AttentionMetadata
-from deepinfer_cuda.kernels.common import mma, next_pow2, num_sms, tma_supported
+from deepinfer_cuda.kernels.common import is_sm90, mma, next_pow2, num_sms, tma_supported
 
 LOG2E = 1.4426950408889634
 
@@ -91,8 +91,7 @@ def _invariant_config(rows: int, device: torch.device) -> AttentionConfig:
     any tile height: checked on SM90 for the GEMMs (bench/bench_invariant_tiles.py --bits) and by
     the conformance suite's batch-invariance cases. There, decode-sized launches (fewer than 64
     rows per request) take 16- or 32-row tiles; elsewhere INVARIANT_CONFIG serves every launch."""
-    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    if not sm90 or rows >= 64:
+    if not is_sm90(device) or rows >= 64:
         return INVARIANT_CONFIG
     return AttentionConfig(block_m=max(16, next_pow2(rows)), block_n=INVARIANT_CONFIG.block_n, num_warps=4)
 

@@ -37,6 +37,12 @@ def num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def is_sm90(device: torch.device | None) -> bool:
+    """An SM90 GPU: there the MMA gives a row the same bits in every tile tried
+    (bench/bench_invariant_tiles.py --bits), so batch-invariant tiles may follow the rows."""
+    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def tma_supported(device: torch.device) -> bool:
     """Whether kernels may use TMA descriptors on this device: SM90+, or the interpreter."""
     if device.type == "cuda":

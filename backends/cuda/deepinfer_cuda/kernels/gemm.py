@@ -21,7 +21,7 @@ import triton.language as tl
 
 from deepinfer.backend.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
-from deepinfer_cuda.kernels.common import Semaphores, mma, next_pow2, num_sms, tma_supported, to_e4m3
+from deepinfer_cuda.kernels.common import Semaphores, is_sm90, mma, next_pow2, num_sms, tma_supported, to_e4m3
 
 # The kernels spell the format's constants as literals (Triton jit code reads no Python globals
 # that are not constexpr): 448.0 is FP8_MAX, 1e-10 AMAX_EPS, as deepinfer.backend.fp8 defines.
@@ -389,12 +389,6 @@ SPLIT_BELOW_TILES_PER_SM = 2
 SPLIT_MAX_M = 64
 
 
-def _sm90(device: torch.device | None) -> bool:
-    """An SM90 GPU: its MMA gives a row the same bits in every tile tried
-    (bench/bench_invariant_tiles.py --bits), so batch-invariant tiles may follow M there."""
-    return device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
 def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """The batch-invariant matmul's tiles for M rows. Every choice reduces K in BLOCK_K = 128
     steps; on an H200 (SM90) the tiles below gave bit-identical rows for every M (MMA shape,
@@ -410,7 +404,7 @@ def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmCon
                 f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES"
             ) from None
         return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-    if dtype == torch.float32 or not _sm90(device):  # float32 (IEEE products, unchecked) or not SM90
+    if dtype == torch.float32 or not is_sm90(device):  # float32 (IEEE products, unchecked) or not SM90
         return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     # the fastest of five tilings per M for V2-Lite's linears in CUDA graphs on an H200
     # (bench/bench_invariant_tiles.py, bench/results/2026-12-01_H200_session3)
@@ -546,7 +540,7 @@ def grouped_config(
     SM90 (`device`), where the MMA gives a row the same bits in any tile (as for the dense
     matmul, _invariant_tile; tests/test_cuda_kernels.py checks the grouped GEMM), the other tile
     sizes follow rows as by default; elsewhere one tile serves every launch."""
-    if batch_invariant and not _sm90(device):
+    if batch_invariant and not is_sm90(device):
         return GemmConfig(block_m=64, block_n=128, block_k=128 if fp8 else 64, num_warps=4, num_stages=3)
     if rows <= DECODE_ROWS and (fp8 or not batch_invariant):  # BLOCK_K 128: not bf16's invariant 64
         # 16 x 64 x 128: the best of five tilings at 1 to 8 decode tokens on an H200, V2-Lite
