@@ -44,7 +44,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,6 +108,20 @@ def configurations(
 MAX_CALLS = 25  # timed calls per engine and figure at most (min_seconds asks for more)
 
 
+class Timing(NamedTuple):
+    tok_s: float  # output tok/s (the median call)
+    tokens: list[list[int]]  # the last call's outputs
+    accepted: int  # drafts accepted in the last call
+    graph_share: float  # share of its speculative steps that replayed graphs
+    beside_tok_s: float  # `beside`'s output tok/s (0.0 without)
+    pair_ratio: float  # median over adjacent pairs of beside's wall / llm's wall
+    beside_walls: list[float]  # seconds per `beside` call, in call order
+    # the process' CPU time over the wall time per call, in call order: a slow call at the same
+    # share is a slow host; at a lower share, one that waited (for the device or for a CPU)
+    beside_cpu_shares: list[float]
+    cpu_shares: list[float]
+
+
 def timed(
     llm: LLM,
     prompts: list[list[int]],
@@ -115,23 +129,24 @@ def timed(
     repeats: int,
     beside: LLM | None = None,
     min_seconds: float = 0.0,
-) -> tuple[float, list[list[int]], int, float, float, float]:
-    """(output tok/s, outputs, accepted drafts, share of speculative steps replaying graphs,
-    `beside`'s output tok/s, the median over adjacent pairs of beside's wall / llm's wall) of a
-    generate call: the median wall time of at least `repeats` calls after a warm-up call, more
-    (up to MAX_CALLS) until each engine's calls add up to min_seconds (the accepted drafts and
-    graph share are those of the last call). With `beside` (plain decoding), its calls alternate
-    with llm's, so that drift on the machine reaches both medians alike (0.0 without). A full
-    collection runs before each call, outside the timing."""
+) -> Timing:
+    """The Timing of a generate call: the median wall time of at least `repeats` calls after a
+    warm-up call, more (up to MAX_CALLS) until each engine's calls add up to min_seconds. With
+    `beside` (plain decoding), its calls alternate with llm's, so that drift on the machine
+    reaches both medians alike. A full collection runs before each call, outside the timing."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
 
+    cpu_shares: dict[int, list[float]] = {id(llm): [], id(beside): []}
+
     def call(engine_llm: LLM) -> tuple[float, Any]:
         gc.collect()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = engine_llm.generate(batch, params, use_tqdm=False)
         engine_llm.llm_engine.backend.device.synchronize()
-        return time.perf_counter() - start, out
+        wall = time.perf_counter() - start
+        cpu_shares[id(engine_llm)].append((time.process_time() - cpu) / wall)
+        return wall, out
 
     for warm in (llm, beside):
         if warm is not None:
@@ -157,7 +172,17 @@ def timed(
     pair_ratio = pairs[len(pairs) // 2] if pairs else 0.0
     ran, graphs = (spec.num_steps - steps[0], spec.num_graph_steps - steps[1]) if spec else (0, 0)
     share = graphs / ran if ran else 0.0
-    return total / median, tokens, engine.num_accepted_tokens - accepted, share, beside_tok_s, pair_ratio
+    return Timing(
+        total / median,
+        tokens,
+        engine.num_accepted_tokens - accepted,
+        share,
+        beside_tok_s,
+        pair_ratio,
+        [round(w, 4) for w in beside_walls],
+        [round(x, 3) for x in cpu_shares[id(beside)]],
+        [round(x, 3) for x in cpu_shares[id(llm)]],
+    )
 
 
 def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
@@ -426,9 +451,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         return []
     base = {}
     for b in args.batches:
-        tok_s, tokens, _, _, _, _ = timed(
-            plain, prompts[b], args.new_tokens, args.repeats, None, args.min_seconds
-        )
+        first = timed(plain, prompts[b], args.new_tokens, args.repeats, None, args.min_seconds)
+        tok_s, tokens = first.tok_s, first.tokens
         base[b] = (tok_s, tokens)
         print(f"plain B={b}: {tok_s:.1f} tok/s", flush=True)
 
@@ -460,9 +484,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             # interleaved calls (a baseline timed once, first, drifted by up to 1.5x on a shared
             # CPU; timed just before, still up to 2x between rows on an H200)
             started = time.time()
-            tok_s, tokens, accepted, graph_share, plain_tok_s, pair_ratio = timed(
-                llm, prompts[b], args.new_tokens, args.repeats, plain, args.min_seconds
-            )
+            t = timed(llm, prompts[b], args.new_tokens, args.repeats, plain, args.min_seconds)
+            tok_s, tokens, accepted, graph_share, plain_tok_s, pair_ratio = t[:6]
             # Exact in exact arithmetic; on a GPU a verification pass (1 + k rows) may round a
             # near-tie differently from a one-row decode step, so differences are counted, not hidden.
             differ = sum(t != u for t, u in zip(tokens, base[b][1], strict=True))
@@ -487,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             }
             if sampler is not None:
                 row.update(started=round(started, 2), ended=round(time.time(), 2))
+                # per call, in call order: what the plain figure's drift follows
+                row.update(plain_walls=t.beside_walls, plain_cpu_share=t.beside_cpu_shares)
+                row["spec_cpu_share"] = t.cpu_shares
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
