@@ -945,7 +945,55 @@ class Bench:
             res = analyse_trace(json.loads(path.read_text()), steps)
         for k in res.get("top_kernels", [])[:8]:
             log(f"   prefill B={b}: {k['ms_per_step']:.3f} ms  x{k['calls_per_step']:.0f}  {k['name'][:80]}")
+        res["host_profile"] = self.host_profile_prefill(llm, b)
         return res
+
+    def host_profile_prefill(self, llm: Any, b: int, top: int = 30) -> dict[str, Any]:
+        """The prefill step(s) of b fresh requests under cProfile (the host's side: where a step
+        whose device work is shorter than its launches spends its time): wall time without and
+        with the profiler, and the functions with the most own time and the most total time."""
+        import cProfile
+        import pstats
+
+        from deepinfer.api import SamplingParams
+
+        engine = llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=self.args.output_len, ignore_eos=True)
+        steps = -(-b * self.args.input_len // self.args.max_num_batched_tokens)
+        walls = []
+        prof = cProfile.Profile()
+        for profiled in (False, True):
+            for p in self.prompts[:b]:
+                engine.add(engine.make_sequence({"prompt_token_ids": p}, params))
+            try:
+                sync(self.device)
+                t = time.perf_counter()
+                if profiled:
+                    prof.enable()
+                for _ in range(steps):
+                    engine.step()
+                sync(self.device)
+                prof.disable()
+                walls.append((time.perf_counter() - t) * 1e3)
+            finally:
+                prof.disable()
+                engine.abort_all()
+        stats = pstats.Stats(prof)
+        rows = [
+            {
+                "function": f"{Path(file).name}:{line}({name})",
+                "calls": int(nc),
+                "own_ms": tt * 1e3,
+                "total_ms": ct * 1e3,
+            }
+            for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items()  # type: ignore[attr-defined]
+        ]
+        by_own = sorted(rows, key=lambda r: -r["own_ms"])[:top]
+        by_total = sorted(rows, key=lambda r: -r["total_ms"])[:top]
+        log(f"   prefill B={b} host: {walls[0]:.2f} ms ({walls[1]:.2f} ms under cProfile); most own time:")
+        for r in by_own[:12]:
+            log(f"      {r['own_ms']:8.2f} ms  x{r['calls']:<5d} {r['function'][:90]}")
+        return {"wall_ms": walls[0], "wall_ms_profiled": walls[1], "by_own": by_own, "by_total": by_total}
 
     # ------------------------------------------------------------------ extra: (b), (c)
 
