@@ -281,6 +281,53 @@ def bench_decode(
     return rows
 
 
+def bench_decode_short(be: Backend, dev: torch.device, timer: Timer, smoke: bool) -> list[dict[str, Any]]:
+    """A short context at batch 1, as in a batch-1 decode step of bench_e2e (16 heads, 160 keys,
+    a graph captured with the host bound 192): the kernel's tile configs and KV split sizes, each
+    in a CUDA graph of 27 back-to-back calls (a decode step's layers), per call."""
+    from deepinfer_cuda.kernels import attention as attn_k
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_len, bound, calls = (16, 160, 192, 27) if not smoke else (16, 40, 48, 2)
+    pool, metas, q, _ = decode_inputs(1, bound, heads, dev, gen)
+    meta = metas[0]
+    meta = AttentionMetadata(  # the device length 160, the host's an upper bound (a graph's)
+        meta.block_tables, torch.full_like(meta.seq_lens, kv_len), meta.query_start_loc,
+        meta.seq_lens_host, meta.query_lens_host, meta.max_query_len, meta.max_seq_len,
+    )  # fmt: skip
+    cfg = attn_k.AttentionConfig
+    configs = [None, cfg(16, 32, 4, 2), cfg(16, 64, 4, 2), cfg(16, 16, 4, 2), cfg(16, 32, 2, 2)]
+    splits = [None, 16, 32, 64, 192] if not smoke else [None, 16]
+    ref = attn_k.mla_attention(q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512).float()
+    rows: list[dict[str, Any]] = []
+    for c in configs:
+        for split in splits:
+            block_n = (c or cfg(16)).block_n
+            if split is not None and split % block_n:
+                continue
+
+            def run(c: Any = c, split: Any = split) -> None:
+                for _ in range(calls):
+                    attn_k.mla_attention(
+                        q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512, config=c, split_size=split
+                    )
+
+            name = f"{c or 'default'} split {split or 'adaptive'}"
+            try:
+                out = attn_k.mla_attention(
+                    q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512, config=c, split_size=split
+                ).float()
+                ms = timer(run if smoke else graph_replayer(run, 1)) / calls
+            except Exception as exc:
+                log(f"decode short {name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+                rows.append({"sweep": name, "error": type(exc).__name__})
+                continue
+            err = float((out - ref).norm() / ref.norm())
+            rows.append({"sweep": name, "heads": heads, "kv_len": kv_len, "us": ms * 1e3, "rel_diff": err})
+            log(f"decode short H={heads} L={kv_len} {name}: {ms * 1e3:.2f} us per call (diff {err:.1e})")
+    return rows
+
+
 # --------------------------------------------------------------------------- FP8 GEMM
 
 V3_SHAPES = [
@@ -837,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "decode": [],
+        "decode_short": [],
         "fp8": [],
         "moe": [],
         "v4": [],
@@ -850,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode",
             lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
         ),
+        ("decode_short", lambda: bench_decode_short(be, dev, timer, args.smoke)),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
         ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
         ("v4", lambda: bench_v4(be, dev, timer, args.smoke)),

@@ -1030,6 +1030,7 @@ class Bench:
         max_seqs = max(a.ablation_batches)
         for label, overrides in (
             ("enforce_eager", {"enforce_eager": True}),
+            ("no_prefill_graphs", {"max_prefill_graph_tokens": 0}),
             ("no_async_scheduling", {"async_scheduling": False}),
         ):
             if self.over_budget(label):
@@ -1379,9 +1380,10 @@ class Bench:
                 )
                 + ".",
                 "",
-                "| batch | default tok/s | enforce_eager | async_scheduling=False "
-                "| DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 | DEEPINFER_CUDA_MOE_DECODE=0 |",
-                "| --- | --- | --- | --- | --- | --- | --- |",
+                "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
+                "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 "
+                "| DEEPINFER_CUDA_MOE_DECODE=0 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1395,7 +1397,7 @@ class Bench:
 
                 out.append(
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
-                    f"| {cell('no_async_scheduling_tok_s')} "
+                    f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
                     f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
                     f"| {cell('no_decode_moe_tok_s')} |"
                 )

@@ -73,6 +73,11 @@ def _integer(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
 
 
+def _non_negative_int(name: str, value: Any) -> None:
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 def _boolean(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -342,6 +347,14 @@ class EngineConfig:
         "never capture graphs; by default decode steps replay graphs captured per batch-size bucket "
         "where the backend has them (expert-parallel ranks: a bucket they agree on each step)",
         _boolean,
+    )
+    max_prefill_graph_tokens: int = engine_arg(
+        1024,
+        "prefill steps of at most this many tokens (a few requests, each padded to a power of two of "
+        "at least 16 tokens) replay graphs too, so a short prompt's prefill is not bound by kernel "
+        "launches; 0 = prefill steps run eagerly (models with several KV cache groups, expert "
+        "parallelism and speculative decoding always prefill eagerly)",
+        _non_negative_int,
     )
     async_scheduling: bool = engine_arg(
         True,

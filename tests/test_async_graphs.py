@@ -22,7 +22,7 @@ import pytest
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.model_runner import graph_buckets
+from deepinfer.engine.model_runner import graph_buckets, prefill_graph_shapes
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -118,6 +118,7 @@ def test_async_and_graphs_equal_the_plain_engine(
         if not mode["enforce_eager"]:
             assert seen, f"{name}: no step replayed a graph"
             assert any(b < bucket for b, bucket in seen), f"{name}: no step was padded to its bucket"
+            assert llm.llm_engine.runner.num_prefill_graph_steps > 0, f"{name}: no prefill graph step"
         if "num_gpu_blocks_override" in engine_args:
             assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
         if "enable_prefix_caching" in engine_args:
@@ -337,6 +338,59 @@ def test_enforce_eager_captures_nothing() -> None:
     assert sorted(llm.llm_engine.runner.graphs) == graph_buckets(20)  # the last bucket, 24, > 20
     params = SamplingParams(temperature=0.5, seed=1, max_tokens=3, ignore_eos=True)
     assert all(len(r.outputs[0].token_ids) == 3 for r in llm.generate(PROMPTS * 4, params, use_tqdm=False))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_graphs_equal_eager_prefills(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill steps of a few requests replay prefill graphs, each request padded to a width
+    (prompt chunks of 40 tokens, one request or several, decode rows among them); a chunk whose
+    padding would pass max_model_len runs eagerly. Tokens and log-probabilities are the eager
+    engine's."""
+    engine_args = {"max_model_len": 128, "max_num_batched_tokens": 40}
+    prompts: list[Any] = [
+        {"prompt_token_ids": [7 + (i * 13) % 500 for i in range(n)]} for n in (5, 33, 9, 120)
+    ]
+    params = [
+        SamplingParams(temperature=0.8, seed=4, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=9, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2),
+    ]
+    expected = outputs(make(backend, **BASELINE, **engine_args), params, prompts)
+    llm = make(backend, async_scheduling=True, **engine_args)
+    runner = llm.llm_engine.runner
+    assert (1, 16) in runner.prefill_graphs and (8, 128) in runner.prefill_graphs
+    real = runner.prefill_shape_for
+    served: list[tuple[int, int]] = []
+    eager: list[int] = []  # the request count of prefill steps that ran eagerly
+
+    def spy(batch: Any) -> tuple[int, int] | None:
+        shape = real(batch)
+        if shape is not None:
+            served.append(shape)
+            b, q = shape
+            assert len(batch) <= b and max(batch.num_new_tokens) <= q
+            assert all(s.num_computed_tokens + q <= 128 for s in batch.seqs)
+        elif any(n > 1 for n in batch.num_new_tokens):
+            eager.append(len(batch))
+        return shape
+
+    monkeypatch.setattr(runner, "prefill_shape_for", spy)
+    assert outputs(llm, params, prompts) == expected
+    assert served and eager, (served, eager)  # the 120-token prompt's later chunks ran eagerly
+    assert any(b > 1 for b, _ in served)
+    assert runner.num_prefill_graph_steps == len(served)
+
+
+def test_prefill_graph_shapes() -> None:
+    shapes = prefill_graph_shapes(256, 1024, 4096)
+    assert (1, 16) in shapes and (1, 512) in shapes and (8, 128) in shapes and (2, 512) in shapes
+    assert all(b * q <= 1024 for b, q in shapes) and (4, 512) not in shapes
+    assert prefill_graph_shapes(2, 1024, 4096) == [(b, q) for b, q in shapes if b <= 2]
+    assert max(q for _, q in prefill_graph_shapes(256, 1024, 100)) == 64
+    assert prefill_graph_shapes(256, 0, 4096) == []
+    assert not make("reference", max_prefill_graph_tokens=0).llm_engine.runner.prefill_graphs
+    assert not make("reference", enforce_eager=True).llm_engine.runner.prefill_graphs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,8 +6,9 @@ Graphs need their inputs at fixed addresses: a decode step of a graph bucket (Bp
 token each) always uses the same layout, so the views of a bucket are the same tensors at every
 step, and the graph captured with them reads whatever the latest copy put there. A verification
 step of a graph bucket (Bp requests of exactly 1 + w tokens each: the last token, its drafts, and
-padding drafts up to w) has a fixed layout per (Bp, w) too. Eager steps (prefill, chunked
-prefill, other speculative steps) use views cut to their own sizes.
+padding drafts up to w) has a fixed layout per (Bp, w) too, and so has a prefill graph step (Bp
+requests, each padded to q tokens after its own: the prompt chunk it computes). Eager steps
+(long prefills, other speculative steps) use views cut to their own sizes.
 
 Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
 device) are written as placeholders -(row + 1), row being where the previous step's sampler put
@@ -30,6 +31,7 @@ group_block_tables B*MB1, B*MB2, ...].
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,7 +145,8 @@ class StepInputs:
         self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
         self._copied = [backend.device.new_event() for _ in range(2)]
         self._turn = 0
-        self._bucket_views: dict[tuple[int, int | None], dict[str, torch.Tensor]] = {}
+        # (bucket, width, prefill) -> the views every step of that graph reads
+        self._bucket_views: dict[tuple[int, int | None, bool], dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ views
 
@@ -161,10 +164,10 @@ class StepInputs:
         b: int,
         s: int,
         mb: int,
-        key: tuple[int, int | None] | None,
+        key: tuple[int, int | None, bool] | None,
         group_mbs: tuple[int, ...] = (),
     ) -> dict[str, torch.Tensor]:
-        """The typed views of one layout; a graph step's (key: (bucket, width)) are cached, so
+        """The typed views of one layout; a graph step's (key: (bucket, width, prefill)) are cached, so
         every step of that graph reads the same tensors."""
         if key is not None and key in self._bucket_views:
             return self._bucket_views[key]
@@ -190,7 +193,9 @@ class StepInputs:
 
     # ------------------------------------------------------------------ building a step
 
-    def prepare(self, batch: ScheduledBatch, bucket: int | None, width: int | None = None) -> PreparedStep:
+    def prepare(
+        self, batch: ScheduledBatch, bucket: int | None, width: int | None = None, prefill: bool = False
+    ) -> PreparedStep:
         """Lay `batch` out and queue its copy. Request b computes tokens [start, start + n) of its
         sequence (start = num_computed_tokens), its draft tokens last; a request whose last
         computed token is its last token samples: it gets logits for that token and each draft
@@ -200,7 +205,15 @@ class StepInputs:
         With `bucket` and `width` (a verification graph step: every request has one uncomputed
         token and at most `width` drafts), each request is padded to q = 1 + width tokens and
         every token gets a logits row (row b * q + j); padding drafts have id 0, write no cache
-        row and sample greedily; their rows are discarded."""
+        row and sample greedily; their rows are discarded.
+
+        With `bucket`, `width` and `prefill` (a prefill graph step: at most `bucket` requests, no
+        drafts, each computing at most q = 1 + width tokens and ending at or before
+        max_model_len once padded), request b's tokens take rows [b * q, b * q + n) and padding
+        tokens the rest of its q (id 0, the positions after its last, no cache row); logits rows
+        as in an eager step (one per sampling request, at its last token), padded to `bucket`.
+        The step draws eagerly: its PreparedStep has no bucket, its sampling inputs one row per
+        sampling request."""
         seqs = batch.seqs
         q = 1 + (width or 0)
         b = len(seqs) if bucket is None else bucket
@@ -211,7 +224,7 @@ class StepInputs:
         row_seqs: list[Sequence | None] = []  # per logits row, its request (None: padding)
         start = 0
         for seq, n, nd in zip(seqs, batch.num_new_tokens, batch.num_draft_tokens):
-            if width is not None:
+            if width is not None and not prefill:
                 assert n == 1 + nd <= q and seq.num_computed_tokens + 1 == seq.num_tokens
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + q))
                 sampling_seqs.extend([seq] * (1 + nd))
@@ -221,9 +234,10 @@ class StepInputs:
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + 1 + nd))
                 sampling_seqs.extend([seq] * (1 + nd))
                 row_seqs.extend([seq] * (1 + nd))
-            start += n
-        s = len(rows) if bucket is None else t if width is not None else bucket
-        if width is not None:
+            start += q if prefill else n
+        verify = width is not None and not prefill
+        s = len(rows) if bucket is None else t if verify else bucket
+        if verify:
             rows = list(range(len(row_seqs)))
         tables, copies = self._first_group_tables(batch)
         assert bucket is None or copies is None, "graph steps stay within the ring"
@@ -253,12 +267,14 @@ class StepInputs:
         dev = self._device_buf[:nbytes]
         dev.copy_(self._staging[turn][:nbytes], non_blocking=True)
         self._copied[turn].record()
-        views = self._device_views(t, b, s, mb, None if bucket is None else (bucket, width), group_mbs)
+        key = None if bucket is None else (bucket, width, prefill)
+        views = self._device_views(t, b, s, mb, key, group_mbs)
         if bucket is None:
             seq_lens_host = tuple(r.num_computed_tokens + n for r, n in zip(seqs, batch.num_new_tokens))
             query_lens_host = tuple(batch.num_new_tokens)
         else:  # upper bounds: the graph was captured with them and replays any shorter length
-            seq_lens_host = (self.max_model_len + q - 1,) * b
+            # (a prefill graph step's requests end at or before max_model_len, padding included)
+            seq_lens_host = (self.max_model_len + (0 if prefill else q - 1),) * b
             query_lens_host = (q,) * b
         attn = AttentionMetadata(
             block_tables=views["block_tables"],
@@ -286,6 +302,10 @@ class StepInputs:
             seeds=views["seeds"],
             offsets=views["offsets"],
         )
+        if prefill:  # an eager draw over the sampling requests' rows
+            n = len(sampling_seqs)
+            sampling = SamplingInputs(*(getattr(sampling, f.name)[:n] for f in dataclasses.fields(sampling)))
+            return PreparedStep(batch, forward, sampling, sampling_seqs, None, copies)
         return PreparedStep(batch, forward, sampling, sampling_seqs, bucket, copies)
 
     def _fill_tokens(
@@ -297,9 +317,10 @@ class StepInputs:
         width: int | None,
     ) -> None:
         """input_ids, positions, slot_mapping (through `tables`, the first group's); padding
-        tokens: id 0, position 0, slot -1 (padding drafts of a verification step: id 0, the
-        positions after the request's last, slot -1). Built as Python lists and stored once per
-        field (the per-request loop is the host's hot path at large batch)."""
+        tokens: id 0, position 0, slot -1 (padding drafts of a verification step, and a prefill
+        graph step's padding tokens: id 0, the positions after the request's last, slot -1).
+        Built as Python lists and stored once per field (the per-request loop is the host's hot
+        path at large batch)."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -322,10 +343,11 @@ class StepInputs:
                 span = range(start, start + n)
                 pos.extend(span)
                 slots.extend(table[p // bs] * bs + p % bs for p in span)
-            if width is not None and nd < width:  # padding drafts
-                ids.extend([0] * (width - nd))
-                pos.extend(range(start + n, start + 1 + width))
-                slots.extend([-1] * (width - nd))
+            pad = 0 if width is None else 1 + width - n
+            if pad > 0:  # padding drafts, or a prefill graph step's padding tokens
+                ids.extend([0] * pad)
+                pos.extend(range(start + n, start + n + pad))
+                slots.extend([-1] * pad)
         n_real = len(ids)
         h["input_ids"][:n_real] = ids
         h["positions"][:n_real] = pos
@@ -347,9 +369,9 @@ class StepInputs:
         width: int | None,
     ) -> None:
         """seq_lens, query_start_loc, block_tables (`tables`); padding requests: one query token
-        seeing one cache row (any block: its output is discarded). In a verification step every
-        request has 1 + width query tokens (padding drafts included), and the block-table
-        columns past a request's blocks that its padding drafts reach point to block 0."""
+        seeing one cache row (any block: its output is discarded). In a verification step (and a
+        prefill graph step) every request has 1 + width query tokens (padding included), and the
+        block-table columns past a request's blocks that its padding drafts reach point to block 0."""
         out = h["block_tables"].reshape(b, mb)
         real = len(batch.seqs)
         qsl = h["query_start_loc"]

@@ -44,7 +44,12 @@ from deepinfer.engine.kv_cache import (
     group_pool_blocks,
     memory_budget,
 )
-from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH, ModelRunner, graph_buckets
+from deepinfer.engine.model_runner import (
+    MAX_VERIFY_GRAPH_BATCH,
+    ModelRunner,
+    graph_buckets,
+    prefill_graph_shapes,
+)
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.ring import scratch_blocks
 from deepinfer.engine.sampler import PromptLogprobs, Sampler
@@ -216,15 +221,25 @@ class LLMEngine:
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.runner = ModelRunner(
             model, self.backend, self.sampler, bs, config.max_num_seqs, config.max_num_batched_tokens,
-            self.max_model_len, self.num_speculative_tokens, self.kv_groups,
+            self.max_model_len, self.num_speculative_tokens, self.kv_groups, config.max_prefill_graph_tokens,
         )  # fmt: skip
         buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
         verify_buckets = self._verify_buckets(buckets, method)
-        # Graphs hold one forward's activations of the largest bucket (or verify step) in their pool.
+        # Short prefill steps replay graphs too, where one cache group is paged per sequence and
+        # no speculative decoder or expert-parallel exchange needs their hidden states or agreement.
+        prefill_shapes: list[tuple[int, int]] = []
+        if buckets and method is None and self.kv_groups is None and self.expert_parallel is None:
+            most = config.max_prefill_graph_tokens
+            prefill_shapes = prefill_graph_shapes(max(buckets), most, self.max_model_len)
+        # Graphs hold one forward's activations of the largest bucket (or verify or prefill step)
+        # in their pool.
         reserves = [self.runner.decode_memory_bytes(max(buckets)) or 0] if buckets else []
         if verify_buckets:
             width = self.num_speculative_tokens
             reserves.append(self.runner.decode_memory_bytes(max(verify_buckets), width) or 0)
+        if prefill_shapes:
+            b, q = max(prefill_shapes, key=lambda s: (s[0] * s[1], s[1]))
+            reserves.append(self.runner.decode_memory_bytes(b, q - 1, prefill=True) or 0)
         graph_reserve = max(reserves, default=0)
         num_blocks = self._num_kv_blocks(graph_reserve)
         logger.info(
@@ -281,15 +296,18 @@ class LLMEngine:
                     functools.partial(accept_and_draft, draft),
                     functools.partial(chain_next_inputs, bs, config.min_draft_confidence),
                 )
+            self.runner.capture_prefill_graphs(prefill_shapes)
             self.backend.device.synchronize()
             if counts:
                 self.graph_memory_bytes = max(free_before - self.backend.device.memory_info()[0], 0)
             logger.info(
-                "captured decode graphs for %d batch sizes up to %d%s in %.1f s: %.0f MiB "
+                "captured decode graphs for %d batch sizes up to %d%s%s in %.1f s: %.0f MiB "
                 "(%.0f MiB reserved)",
                 len(self.runner.graphs), max(buckets),
-                f" and verification graphs for {len(self.runner.verify_graphs)} (batch, drafts) shapes"
+                f", verification graphs for {len(self.runner.verify_graphs)} (batch, drafts) shapes"
                 if self.runner.verify_graphs else "",
+                f", prefill graphs for {len(self.runner.prefill_graphs)} (requests, tokens) shapes"
+                if self.runner.prefill_graphs else "",
                 time.perf_counter() - start, self.graph_memory_bytes / 2**20, graph_reserve / 2**20,
             )  # fmt: skip
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
