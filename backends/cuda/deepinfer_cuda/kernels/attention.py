@@ -102,6 +102,13 @@ MIN_SPLIT = 512
 # With fewer tiles than that (small-batch decode: one tile per request), splits go down to this
 # many BLOCK_N tiles: at batch 1 a single program walking a 192-token span was 17 us on an H200.
 FEW_TILES_MIN_SPLIT_TILES = 2
+# A short span (at most SHORT_SPAN keys) over at most SHORT_SPAN_TILES tiles of rows (decode at
+# batch 1 to 4): 16-key tiles and splits of one tile. H200, 16 heads, 160 keys in a graph
+# captured with the bound 192: 8.5 us per call against 11.7 us with 32-key tiles in two-tile
+# splits (bench/bench_cuda.py --only decode_short, bench/results/2026-12-01_H200_session6).
+SHORT_SPAN = 1024
+SHORT_SPAN_TILES = 4
+SHORT_SPAN_BLOCK_N = 16
 # Splits merged per step of the combine kernel (one vector load of their log-sum-exps).
 COMBINE_SPLITS = 16
 # Output columns per combine program: the row's columns are merged by several programs.
@@ -129,6 +136,8 @@ def _attend_tile(
         row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
         k = k_desc.load([row0, 0])
         kr = kr_desc.load([row0, D_LAT]) if HAS_ROPE else k
+        if not V_IS_LAT:  # v, the latent's first DV columns, by pointers (below)
+            kv_row = kv_ptr + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kvt
     else:
         blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
         kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
@@ -441,17 +450,23 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
 
 
 def _num_splits(
-    tiles: int, max_len: int, max_q: int, window: int | None, cfg: AttentionConfig, device: torch.device
+    tiles: int,
+    max_len: int,
+    max_q: int,
+    window: int | None,
+    cfg: AttentionConfig,
+    device: torch.device,
+    few_tiles_min: int = FEW_TILES_MIN_SPLIT_TILES,
 ) -> int:
     """KV splits per tile of rows for `tiles` tiles over spans of up to `max_len` keys: about two
     programs per SM, rounded DOWN (programs just past a full wave each walk a whole split after
     the wave ends: H200 run 8, 16 heads x 32768 keys: batch 32 in 288 programs took 0.64 ms, 5.5x
     batch 8 in 264 programs for 4x the data), splits of at least MIN_SPLIT keys, or of
-    FEW_TILES_MIN_SPLIT_TILES tiles when the tiles fill fewer than half the SMs."""
+    `few_tiles_min` tiles when the tiles fill fewer than half the SMs."""
     sms = num_sms(device)
     span = max_len if window is None else min(max_len, window + max_q)
     want = max(1, 2 * sms // tiles)
-    min_split = MIN_SPLIT if 2 * tiles >= sms else FEW_TILES_MIN_SPLIT_TILES * cfg.block_n
+    min_split = MIN_SPLIT if 2 * tiles >= sms else few_tiles_min * cfg.block_n
     return max(1, min(want, span // min_split))
 
 
@@ -500,11 +515,17 @@ def mla_attention(
     rope_dim = d - latent_dim
 
     fp32 = q.dtype == torch.float32
+    span = max_len if window is None else min(max_len, window + max_q)
+    few_tiles_min = FEW_TILES_MIN_SPLIT_TILES
     if batch_invariant:
         cfg = config or (FP32_CONFIG if fp32 else _invariant_config(max_q * h, q.device))
         split = split_size or INVARIANT_SPLIT
     else:
         rows = max_q * h
+        short = config is None and not fp32 and rows < 64 and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN
+        if short:  # one tile of rows per request
+            config = AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N)
+            few_tiles_min = 1
         cfg = config or (
             FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
         )
@@ -515,7 +536,7 @@ def mla_attention(
         max_splits = triton.cdiv(max_len, split)
     else:
         max_splits = _num_splits(
-            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device
+            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device, few_tiles_min
         )
     direct = max_splits == 1 and not batch_invariant
     if direct:
@@ -536,7 +557,7 @@ def mla_attention(
         out, part, lse,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), allow.stride(0) if allow is not None else 0,
-        h, kv.shape[1], scale * LOG2E, window or 0, split, FEW_TILES_MIN_SPLIT_TILES, max_splits,
+        h, kv.shape[1], scale * LOG2E, window or 0, split, few_tiles_min, max_splits,
         latent_dim, rope_dim, v_dim,
         BLOCK_DL=next_pow2(latent_dim), BLOCK_DR=next_pow2(rope_dim), BLOCK_DV=block_dv,
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
