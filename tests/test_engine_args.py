@@ -191,6 +191,8 @@ def test_bad_values_name_the_argument() -> None:
         ({"backend": ""}, "backend must be a non-empty string"),
         ({"tokenizer": 3}, "tokenizer must be a non-empty string"),
         ({"speculative_config": "mtp"}, "speculative_config must be a dict"),
+        ({"max_prefill_graph_tokens": -1}, "max_prefill_graph_tokens must be an integer >= 0"),
+        ({"max_prefill_graph_tokens": 1.5}, "max_prefill_graph_tokens must be an integer >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):
             engine_config(TINY, kwargs)

@@ -281,8 +281,9 @@ class AttentionOps(_Part):
 
     Lengths: the device tensors of `meta` are the truth. Its host copies may be UPPER BOUNDS of
     them (every seq_lens_host entry >= the device one, the query lengths equal): that is how a
-    decode step captured once in a graph replays with other lengths. A decode row whose device
-    KV length is shorter reads only its own rows.
+    step captured once in a graph replays with other lengths (decode steps; verification and
+    prefill graph steps, whose requests are each padded to the same query length). A row whose
+    device KV length is shorter reads only its own rows.
     """
 
     def decode(

@@ -102,8 +102,8 @@ MIN_SPLIT = 512
 # With fewer tiles than that (small-batch decode: one tile per request), splits go down to this
 # many BLOCK_N tiles: at batch 1 a single program walking a 192-token span was 17 us on an H200.
 FEW_TILES_MIN_SPLIT_TILES = 2
-# A short span (at most SHORT_SPAN keys) over at most SHORT_SPAN_TILES tiles of rows (decode at
-# batch 1 to 4): 16-key tiles and splits of one tile. H200, 16 heads, 160 keys in a graph
+# Decode over a short span (at most SHORT_SPAN keys) of at most SHORT_SPAN_TILES requests (one tile
+# of rows each): 16-key tiles and splits of one tile. H200, 16 heads, 160 keys in a graph
 # captured with the bound 192: 8.5 us per call against 11.7 us with 32-key tiles in two-tile
 # splits (bench/bench_cuda.py --only decode_short, bench/results/2026-12-01_H200_session6).
 SHORT_SPAN = 1024
@@ -522,7 +522,8 @@ def mla_attention(
         split = split_size or INVARIANT_SPLIT
     else:
         rows = max_q * h
-        short = config is None and not fp32 and rows < 64 and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN
+        short = config is None and not fp32 and max_q == 1 and rows < 64
+        short = short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN
         if short:  # one tile of rows per request
             config = AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N)
             few_tiles_min = 1
