@@ -115,6 +115,7 @@ class Timing(NamedTuple):
     graph_share: float  # share of its speculative steps that replayed graphs
     beside_tok_s: float  # `beside`'s output tok/s (0.0 without)
     pair_ratio: float  # median over adjacent pairs of beside's wall / llm's wall
+    walls: list[float]  # seconds per call, in call order
     beside_walls: list[float]  # seconds per `beside` call, in call order
     # the process' CPU time over the wall time per call, in call order: a slow call at the same
     # share is a slow host; at a lower share, one that waited (for the device or for a CPU)
@@ -179,6 +180,7 @@ def timed(
         share,
         beside_tok_s,
         pair_ratio,
+        [round(w, 4) for w in walls],
         [round(w, 4) for w in beside_walls],
         [round(x, 3) for x in cpu_shares[id(beside)]],
         [round(x, 3) for x in cpu_shares[id(llm)]],
@@ -511,8 +513,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             if sampler is not None:
                 row.update(started=round(started, 2), ended=round(time.time(), 2))
                 # per call, in call order: what the plain figure's drift follows
-                row.update(plain_walls=t.beside_walls, plain_cpu_share=t.beside_cpu_shares)
-                row["spec_cpu_share"] = t.cpu_shares
+                row.update(plain_walls=t.beside_walls, spec_walls=t.walls)
+                row.update(plain_cpu_share=t.beside_cpu_shares, spec_cpu_share=t.cpu_shares)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del llm
