@@ -222,9 +222,10 @@ class StepInputs:
         offsets: list[int] = []  # the position each row samples (its noise offset)
         sampling_seqs: list[Sequence] = []
         row_seqs: list[Sequence | None] = []  # per logits row, its request (None: padding)
+        verify = width is not None and not prefill  # every token of every request samples
         start = 0
         for seq, n, nd in zip(seqs, batch.num_new_tokens, batch.num_draft_tokens):
-            if width is not None and not prefill:
+            if verify:
                 assert n == 1 + nd <= q and seq.num_computed_tokens + 1 == seq.num_tokens
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + q))
                 sampling_seqs.extend([seq] * (1 + nd))
@@ -235,7 +236,6 @@ class StepInputs:
                 sampling_seqs.extend([seq] * (1 + nd))
                 row_seqs.extend([seq] * (1 + nd))
             start += q if prefill else n
-        verify = width is not None and not prefill
         s = len(rows) if bucket is None else t if verify else bucket
         if verify:
             rows = list(range(len(row_seqs)))
