@@ -298,7 +298,14 @@ def bench_decode_short(be: Backend, dev: torch.device, timer: Timer, smoke: bool
     cfg = attn_k.AttentionConfig
     configs = [None, cfg(16, 32, 4, 2), cfg(16, 64, 4, 2), cfg(16, 16, 4, 2), cfg(16, 32, 2, 2)]
     splits = [None, 16, 32, 64, 192] if not smoke else [None, 16]
-    ref = attn_k.mla_attention(q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512).float()
+
+    def attend(c: Any = None, split: Any = None) -> torch.Tensor:
+        out: torch.Tensor = attn_k.mla_attention(
+            q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512, config=c, split_size=split
+        )
+        return out
+
+    ref = attend().float()
     rows: list[dict[str, Any]] = []
     for c in configs:
         for split in splits:
@@ -308,15 +315,11 @@ def bench_decode_short(be: Backend, dev: torch.device, timer: Timer, smoke: bool
 
             def run(c: Any = c, split: Any = split) -> None:
                 for _ in range(calls):
-                    attn_k.mla_attention(
-                        q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512, config=c, split_size=split
-                    )
+                    attend(c, split)
 
             name = f"{c or 'default'} split {split or 'adaptive'}"
             try:
-                out = attn_k.mla_attention(
-                    q, pool, meta, scale=192**-0.5, v_dim=512, latent_dim=512, config=c, split_size=split
-                ).float()
+                out = attend(c, split).float()
                 ms = timer(run if smoke else graph_replayer(run, 1)) / calls
             except Exception as exc:
                 log(f"decode short {name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
