@@ -331,6 +331,72 @@ def bench_decode_short(be: Backend, dev: torch.device, timer: Timer, smoke: bool
     return rows
 
 
+# --------------------------------------------------------------------------- skinny GEMM
+
+# V2-Lite's float linears at decode sizes: (name, G heads or 0, N, K)
+SKINNY_SHAPES = [
+    ("qkv_a", 0, 3648, 2048),
+    ("o_proj", 0, 2048, 2048),
+    ("w_uv (per head)", 16, 128, 512),
+    ("dense gate_up", 0, 21888, 2048),
+    ("dense down", 0, 2048, 10944),
+    ("lm_head", 0, 102400, 2048),
+]
+
+
+def bench_skinny(dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool) -> list[dict[str, Any]]:
+    """kernels/gemm.skinny_matmul against cuBLAS (torch linear / bmm) for V2-Lite's float linears
+    at M = 1, 2, 4, 8: per call, from a CUDA graph of back-to-back calls each on its own weight
+    copy (the copies exceed the L2, as a decode step's layers do). `of copy`: the weight bytes
+    over the time, against the copy bandwidth of this run. At M = 1 and 4 a tile sweep."""
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = gemm_k.SkinnyConfig
+    sweep = [
+        cfg(64, 128, 2, 4, 4), cfg(64, 256, 2, 4, 3), cfg(64, 128, 4, 4, 4), cfg(64, 128, 1, 4, 4),
+        cfg(128, 128, 2, 8, 4), cfg(128, 256, 1, 8, 3), cfg(32, 128, 4, 4, 4), cfg(64, 512, 2, 4, 2),
+    ]  # fmt: skip
+    shapes = SKINNY_SHAPES if not smoke else [("small", 0, 96, 64), ("heads", 4, 32, 64)]
+    rows: list[dict[str, Any]] = []
+    for name, g, n, k in shapes:
+        wshape = (g, n, k) if g else (n, k)
+        nbytes = math.prod(wshape) * 2
+        sets = 1 if smoke else max(1, min(16, math.ceil(ROTATE_BYTES / nbytes)))
+        ws = [torch.randn(wshape, generator=gen).to(dev, torch.bfloat16) * k**-0.5 for _ in range(sets)]
+        for m in (1, 2, 4, 8) if not smoke else (1, 3):
+            x = torch.randn((g, m, k) if g else (m, k), generator=gen).to(dev, torch.bfloat16)
+
+            def cublas(w: torch.Tensor) -> torch.Tensor:
+                return torch.bmm(x, w.transpose(1, 2)) if g else torch.nn.functional.linear(x, w)
+
+            ref = cublas(ws[0]).float()
+            ways: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [("cublas", cublas)]
+            for c in [None, *sweep] if m in (1, 4) else [None]:
+                ways.append((str(c or "default"), functools.partial(gemm_k.skinny_matmul, x, config=c)))
+            row: dict[str, Any] = {"shape": name, "heads": g, "n": n, "k": k, "m": m, "mb": nbytes / 2**20}
+            for way, fn in ways:
+
+                def run(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> None:
+                    for w in ws:
+                        fn(w)
+
+                try:
+                    diff = rel(fn(ws[0]).float(), ref)
+                    us = timer(run if smoke else graph_replayer(run, 1)) / sets * 1e3
+                except Exception as exc:
+                    log(f"skinny {name} M={m} {way}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                gbs = nbytes / us / 1e3
+                key = "cublas" if way == "cublas" else "skinny" if way == "default" else f"sweep {way}"
+                row[key] = {"us": us, "gbs": gbs, "of_copy": gbs / copy_gbs, "rel_diff": diff}
+                log(f"skinny {name} M={m} {way}: {us:.2f} us, {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
+            if "skinny" in row and "cublas" in row:
+                row["speedup"] = row["cublas"]["us"] / row["skinny"]["us"]
+            rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------- FP8 GEMM
 
 V3_SHAPES = [
@@ -827,6 +893,35 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r['format']} | {r['tokens']} | {r['ms']:.3f} | {r['tflops']:.1f} | {r['ref_ms']:.2f} | "
             f"{r['ref_tflops']:.1f} | {r['speedup']:.1f}x | {r['rel_err_vs_ref']:.1e} |"
         )
+    if res.get("skinny"):
+        out += [
+            "",
+            "## Skinny GEMM (decode-sized float linears of V2-Lite, bf16) vs cuBLAS",
+            "",
+            "Per call, CUDA graphs of back-to-back calls on weight copies larger than the L2 together.",
+            "GB/s: the weight's bytes over the time.",
+            "",
+            "| shape | heads | N | K | M | cuBLAS us | GB/s | skinny us | GB/s | of copy | speed-up |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in res["skinny"]:
+            if "speedup" not in r:
+                continue
+            c, sk = r["cublas"], r["skinny"]
+            out.append(
+                f"| {r['shape']} | {r['heads']} | {r['n']} | {r['k']} | {r['m']} | {c['us']:.2f} | "
+                f"{c['gbs']:.0f} | {sk['us']:.2f} | {sk['gbs']:.0f} | {sk['of_copy']:.2f} | "
+                f"{r['speedup']:.2f}x |"
+            )
+        best = [
+            (r["shape"], r["m"], min((v["us"], k) for k, v in r.items() if k.startswith("sweep")))
+            for r in res["skinny"]
+            if any(k.startswith("sweep") for k in r)
+        ]
+        if best:
+            out += ["", "Fastest tile of the sweep:", ""]
+            out += ["| shape | M | tile | us |", "| --- | --- | --- | --- |"]
+            out += [f"| {s} | {m} | {k[6:]} | {us:.2f} |" for s, m, (us, k) in best]
     if res.get("v4"):
         out += [
             "",
@@ -888,6 +983,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "decode": [],
         "decode_short": [],
+        "skinny": [],
         "fp8": [],
         "moe": [],
         "v4": [],
@@ -902,6 +998,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
         ),
         ("decode_short", lambda: bench_decode_short(be, dev, timer, args.smoke)),
+        ("skinny", lambda: bench_skinny(dev, timer, res["copy"]["gbs"], args.smoke)),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),
         ("moe", lambda: bench_moe(be, ref, dev, timer, args.smoke)),
         ("v4", lambda: bench_v4(be, dev, timer, args.smoke)),

@@ -80,7 +80,11 @@ def ways(
     return one, two
 
 
-def run(smoke: bool) -> list[dict[str, Any]]:
+def run(smoke: bool, tiles: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Rows per (router, T, tile): tiles are (ROUTER_BLOCK_E, ROUTER_BLOCK_D) pairs, which both
+    ways use (they set the order of a row's sum, so the two ways share them)."""
+    from deepinfer_cuda.kernels import moe as moe_k
+
     dev = torch.device("cpu" if smoke else "cuda")
     gen = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
@@ -98,19 +102,25 @@ def run(smoke: bool) -> list[dict[str, Any]]:
                 )
                 hash_ids = hash_ids.to(dev)
 
-            one, two = ways(x, gate, config, bias, hash_ids)
-            (w1, i1), (w2, i2) = one(), two()
-            same = torch.equal(w1, w2) and torch.equal(i1, i2)
-            row: dict[str, Any] = {"router": name, "tokens": tokens, "experts": experts, "same_bits": same}
-            if not smoke:
-                from triton.testing import do_bench
+            for block_e, block_d in tiles:
+                moe_k.ROUTER_BLOCK_E, moe_k.ROUTER_BLOCK_D = block_e, block_d
+                one, two = ways(x, gate, config, bias, hash_ids)
+                (w1, i1), (w2, i2) = one(), two()
+                same = torch.equal(w1, w2) and torch.equal(i1, i2)
+                row: dict[str, Any] = {
+                    "router": name, "tokens": tokens, "experts": experts, "tile": f"{block_e}x{block_d}",
+                    "same_bits": same,
+                }  # fmt: skip
+                if not smoke:
+                    from triton.testing import do_bench
 
-                for key, fn in (("one_launch_us", one), ("two_launches_us", two)):
-                    replay = graph_of(fn, CALLS)
-                    row[key] = 1e3 * float(do_bench(replay, warmup=25, rep=200, return_mode="median")) / CALLS
-                row["saved_us"] = row["two_launches_us"] - row["one_launch_us"]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                    for key, fn in (("one_launch_us", one), ("two_launches_us", two)):
+                        replay = graph_of(fn, CALLS)
+                        ms = float(do_bench(replay, warmup=25, rep=200, return_mode="median"))
+                        row[key] = 1e3 * ms / CALLS
+                    row["saved_us"] = row["two_launches_us"] - row["one_launch_us"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -120,13 +130,15 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
         "",
         f"Per call, from a CUDA graph of {CALLS} back-to-back calls (median of do_bench).",
         "",
-        "| router | T | E | one launch (us) | two launches (us) | saved (us) | same bits |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| router | T | E | tile (experts x D) | one launch (us) | two launches (us) | saved (us) "
+        "| same bits |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |",
     ]
     nan = float("nan")
     for r in rows:
         times = [r.get(k, nan) for k in ("one_launch_us", "two_launches_us", "saved_us")]
-        cells = [r["router"], r["tokens"], r["experts"], *(f"{t:.2f}" for t in times), r["same_bits"]]
+        cells = [r["router"], r["tokens"], r["experts"], r["tile"], *(f"{t:.2f}" for t in times)]
+        cells.append(r["same_bits"])
         out.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(out) + "\n"
 
@@ -135,8 +147,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", type=Path, help="directory for bench_router.json and bench_router.md")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (the interpreter)")
+    p.add_argument(
+        "--tiles", default=None,
+        help="comma-separated EXPERTSxD router tiles to sweep, e.g. 4x512,1x2048 (default: the kernel's)",
+    )  # fmt: skip
     args = p.parse_args(argv)
-    rows = run(args.smoke)
+    from deepinfer_cuda.kernels import moe as moe_k
+
+    default = f"{moe_k.ROUTER_BLOCK_E}x{moe_k.ROUTER_BLOCK_D}"
+    tiles = [tuple(int(v) for v in t.split("x")) for t in (args.tiles or default).split(",")]
+    rows = run(args.smoke, [(e, d) for e, d in tiles])
     device = "interpreter" if args.smoke else torch.cuda.get_device_name()
     text = markdown(rows, device)
     print(text)

@@ -231,6 +231,7 @@ def profiled(llm: LLM, prompts: list[list[int]], new_tokens: int, out_dir: Path)
 
 # The engine's parts whose host time host_split measures: (owner attribute path, method name).
 HOST_PARTS = [
+    ("scheduler", "schedule"),
     ("runner.inputs", "prepare"),
     ("runner", "forward"),
     ("runner", "verify_launch"),
@@ -238,6 +239,7 @@ HOST_PARTS = [
     ("speculative", "_append_verified"),
     ("speculative", "_propose"),
     ("", "_process_in_flight"),
+    ("outputs", "process"),
     ("", "_launch_draw"),
 ]
 
@@ -359,7 +361,8 @@ def profile_run(
     prompts: list[list[int]],
 ) -> None:
     """--profile: at the first batch size, plain decoding and every configuration, all kept alive:
-    first each one's host_split (a warm-up call, then one timed call), then each one's call under
+    first each one's host_split (a warm-up call, then --profile-calls timed calls, the engines
+    taking turns, to catch the plain engine's slow and fast calls), then each one's call under
     torch.profiler (it comes last: on the H200, plain decoding at batch 1 timed 1056 to 1666 tok/s
     after a profiler session in the process, 2231 to 3250 in a run without one).
     Writes OUT/profile.json."""
@@ -367,16 +370,20 @@ def profile_run(
     batch = [{"prompt_token_ids": p} for p in prompts]
     engines: list[tuple[Any, LLM]] = [("plain", plain)]
     engines += [(spec, LLM(str(args.model), **common, speculative_config=spec)) for spec in runs]
-    results: list[dict[str, Any]] = []
-    for config, llm in engines:
+    results: list[dict[str, Any]] = [
+        {"config": c, "batch": len(prompts), "host_split": []} for c, _ in engines
+    ]
+    for _, llm in engines:
         llm.generate(batch, params, use_tqdm=False)
-        results.append(
-            {"config": config, "batch": len(prompts), "host_split": host_split(llm, batch, params)}
-        )
-        print(json.dumps(results[-1]), flush=True)
+    for _ in range(args.profile_calls):
+        for res, (_, llm) in zip(results, engines):
+            gc.collect()
+            res["host_split"].append(host_split(llm, batch, params))
+            print(json.dumps({"config": res["config"], **res["host_split"][-1]}), flush=True)
     for res, (_, llm) in zip(results, engines):
         res.update(profiled(llm, prompts, args.new_tokens, args.out))
-        print(json.dumps({k: v for k, v in res.items() if k != "top_kernels"}), flush=True)
+        summary = {k: v for k, v in res.items() if k not in ("top_kernels", "host_split")}
+        print(json.dumps(summary), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(results, indent=1) + "\n")
 
@@ -412,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="a run of its own (no timed rows): per engine at the first batch, host_split, then a profile",
     )
+    ap.add_argument("--profile-calls", type=int, default=1, help="--profile: host_split calls per engine")
     ap.add_argument(
         "--time-budget", type=float, default=None, help="seconds: later configurations are skipped (listed)"
     )

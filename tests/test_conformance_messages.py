@@ -5,6 +5,12 @@ through whole suite runs with planted bugs.)"""
 
 from __future__ import annotations
 
+import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -94,3 +100,22 @@ def test_within_budget_passes() -> None:
 def test_verdict(counts: tuple[int, int, int], reasons: list[str], green: bool, text: str) -> None:
     ok, line = verdict(*counts, reasons)
     assert ok is green and text in line, line
+
+
+def test_dtype_restriction_deselects_and_is_named_in_the_verdict(tmp_path: Path) -> None:
+    """--deepinfer-dtypes runs the dtype-parametrised cases of the listed dtypes only (the others
+    deselected, cases without a dtype kept) and says so in the verdict; a bad list is a usage error."""
+    args = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "deepinfer.testing.plugin",
+        "--pyargs", "deepinfer.testing.conformance", "-k", "test_gemm and test_linear and not fp8",
+    ]  # fmt: skip
+    run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=tmp_path)
+    res = run([*args, "--deepinfer-dtypes", "float32"])
+    assert res.returncode == 0, res.stdout[-2000:]
+    assert "(dtypes float32 only: --deepinfer-dtypes)" in res.stdout
+    passed = int(re.search(r"(\d+) passed", res.stdout).group(1))  # type: ignore[union-attr]
+    full = run(args)
+    assert full.returncode == 0, full.stdout[-2000:]
+    assert 0 < passed < int(re.search(r"(\d+) passed", full.stdout).group(1))  # type: ignore[union-attr]
+    bad = run([*args, "--deepinfer-dtypes", "float8"])
+    assert bad.returncode != 0 and "--deepinfer-dtypes 'float8'" in bad.stderr

@@ -1,7 +1,9 @@
 """CI for the CUDA backend without a GPU: its Triton kernels run in the Triton interpreter on the
 CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variable.
 
-1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off),
+1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off; float32 and
+   bfloat16: float16 takes the same kernel code as bfloat16, a dtype constant apart, and runs in
+   the GPU's conformance run, ci/gpu_check.sh),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
 3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py,
    tests/test_drafter.py: verification graphs),
@@ -45,7 +47,7 @@ def test_conformance_suite_under_interpreter() -> None:
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     res = _run(
         ["-p", "deepinfer.testing.plugin", "--pyargs", "deepinfer.testing.conformance",
-         "--deepinfer-backend", "cuda", *workers]
+         "--deepinfer-backend", "cuda", "--deepinfer-dtypes", "float32,bfloat16", *workers]
     )  # fmt: skip
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"conformance suite failed for cuda under TRITON_INTERPRET=1:\n{tail}"

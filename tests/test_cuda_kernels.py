@@ -817,6 +817,64 @@ def test_invariant_batched_matmul_split_in_one_launch_resets_its_tickets(
         torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol * k**0.5)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_skinny_matmul_against_float64_split_and_whole(gen: torch.Generator, m: int) -> None:
+    """The decode-sized GEMM: x (M, K) @ w (N, K)^T with K split over programs (the ranges' float32
+    partials added in order by each tile's last program) and whole, against the float64 product;
+    batched over heads from a strided (transposed) x into a strided out, as MLA calls it. N = 100
+    leaves a partial weight-row tile, K = 200 a partial step. The tickets are left at zero, and
+    bad inputs get an error naming the shapes."""
+    k, n, g = 200, 100, 3
+    x = torch.randn((m, k), generator=gen).to(torch.bfloat16).to(DEV)
+    w = torch.randn((n, k), generator=gen).to(torch.bfloat16).to(DEV)
+    expected = x.double() @ w.double().T
+    small = gemm_k.SkinnyConfig(block_n=32, block_k=32, programs_per_sm=64, num_warps=4, num_stages=2)
+    for cfg in (small, dataclasses.replace(small, programs_per_sm=1)):  # split K, then one range
+        out = gemm_k.skinny_matmul(x, w, config=cfg)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * k**0.5)
+    assert not gemm_k._SKINNY_TICKETS.get(DEV, 1).any(), "a tile's ticket was left counted"
+    xs = torch.randn((m, g, k), generator=gen).to(torch.bfloat16).to(DEV).transpose(0, 1)  # (G, M, K)
+    ws = torch.randn((g, n, k), generator=gen).to(torch.bfloat16).to(DEV)
+    out = torch.empty((m, g, n), dtype=torch.bfloat16, device=DEV)
+    gemm_k.skinny_matmul(xs, ws, out.transpose(0, 1), config=small)
+    expected = torch.bmm(xs.double(), ws.double().transpose(1, 2)).transpose(0, 1)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * k**0.5)
+    with pytest.raises(ValueError, match="skinny_matmul"):
+        gemm_k.skinny_matmul(torch.zeros((9, k), dtype=torch.bfloat16, device=DEV), w)
+    with pytest.raises(ValueError, match="skinny_matmul"):
+        gemm_k.skinny_matmul(x.float(), w.float())
+
+
+def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaGemm.linear and batched_linear: the skinny kernel up to SKINNY_MAX_M rows of bfloat16,
+    cuBLAS above it and for float32, never in batch-invariant mode, off with DEEPINFER_CUDA_SKINNY=0."""
+    calls: list[tuple[int, ...]] = []
+    real = gemm_k.skinny_matmul
+
+    def spy(x: torch.Tensor, w: torch.Tensor, out: Any = None, config: Any = None) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return real(x, w, out, config)
+
+    monkeypatch.setattr(gemm_k, "skinny_matmul", spy)
+    w = torch.randn((24, 64)).to(torch.bfloat16).to(DEV)
+    gemm = cuda_backend.CudaGemm(BackendOptions())
+    for rows in (1, gemm_k.SKINNY_MAX_M, gemm_k.SKINNY_MAX_M + 1):
+        x = torch.randn((rows, 64)).to(torch.bfloat16).to(DEV)
+        torch.testing.assert_close(gemm.linear(x, w).float(), (x.float() @ w.float().T), rtol=2e-2, atol=5e-2)
+    gemm.linear(torch.randn((1, 64), device=DEV), w.float())
+    xs = torch.randn((2, 4, 64)).to(torch.bfloat16).to(DEV).transpose(0, 1)  # (G=4, M=2, K)
+    out = gemm.batched_linear(xs, w.view(4, 6, 64))
+    torch.testing.assert_close(out.float(), torch.bmm(xs.float(), w.view(4, 6, 64).float().transpose(1, 2)),
+                               rtol=2e-2, atol=5e-2)  # fmt: skip
+    assert out.transpose(0, 1).is_contiguous(), "the heads' products are laid out (M, G, N)"
+    assert calls == [(1, 64), (gemm_k.SKINNY_MAX_M, 64), (4, 2, 64)]
+    cuda_backend.CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
+    monkeypatch.setenv(cuda_backend.SKINNY_ENV, "0")
+    cuda_backend.create_cuda_backend(BackendOptions()).gemm.linear(x[:1], w)
+    assert len(calls) == 3, "batch-invariant mode and DEEPINFER_CUDA_SKINNY=0 keep the other paths"
+
+
 def test_invariant_matmul_rows_equal_across_tile_choices(gen: torch.Generator) -> None:
     """The batch-invariant linear picks its tiles (and whether to split K's chunks over programs)
     by M; a row's bits must not change with them. M = 1, 40, 300 and 600 cross every choice on

@@ -5,6 +5,9 @@ Load it with `-p deepinfer.testing.plugin` (`deepinfer conformance` does). Optio
                              registry exactly as the engine creates it
   --deepinfer-heavy          also run tests marked `heavy` (or DEEPINFER_CONFORMANCE_HEAVY=1)
   --deepinfer-seed N         offset every test's seed (each test is seeded from its node id)
+  --deepinfer-dtypes LIST    run the dtype-parametrised cases for these dtypes only (comma-
+                             separated, e.g. float32,bfloat16; default: every claimed one); the
+                             others are deselected and the verdict line names the restriction
   --deepinfer-plugin MODULE[:ATTR]
                              also register this backend plugin (repeatable): a backend that is
                              not installed through an entry point (in development, or built by a
@@ -86,6 +89,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--deepinfer-seed", type=int, default=0, help="offset added to every test's seed")
     group.addoption(
+        "--deepinfer-dtypes",
+        default=None,
+        help="comma-separated dtypes whose cases run (default: every claimed one); the verdict names it",
+    )
+    group.addoption(
         "--deepinfer-plugin",
         action="append",
         default=[],
@@ -99,7 +107,34 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "heavy: larger shapes, run with --deepinfer-heavy")
 
 
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _chosen_dtypes(config: pytest.Config) -> list[str] | None:
+    value = config.getoption("--deepinfer-dtypes")
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    known = [_dtype_name(dt) for dt in ALL_DTYPES]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise pytest.UsageError(f"--deepinfer-dtypes {value!r}: expected a comma-separated subset of {known}")
+    return names
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    chosen = _chosen_dtypes(config)
+    if chosen is not None:  # deselect the other dtypes' cases
+        keep: list[pytest.Item] = []
+        drop: list[pytest.Item] = []
+        for item in items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            dt = params.get("dtype")
+            (drop if isinstance(dt, torch.dtype) and _dtype_name(dt) not in chosen else keep).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     if config.getoption("--deepinfer-heavy"):
         return
     skip = pytest.mark.skip(reason=f"heavy case: run with --deepinfer-heavy or {HEAVY_ENV}=1")
@@ -171,6 +206,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not (calls or failed or errors or skipped):
         return  # nothing of the suite ran (e.g. --collect-only)
     green, text = verdict(len(calls), len(failed), len(errors), [_skip_reason(r) for r in skipped])
+    chosen = _chosen_dtypes(terminalreporter.config)
+    if chosen is not None:
+        text += f" (dtypes {', '.join(chosen)} only: --deepinfer-dtypes)"
     terminalreporter.section(f"deepinfer conformance verdict for {backend!r}")
     terminalreporter.write_line(text, green=green, red=not green, bold=True)
 

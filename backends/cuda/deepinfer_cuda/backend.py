@@ -77,6 +77,14 @@ def moe_decode_from_env() -> bool:
     return os.environ.get(MOE_DECODE_ENV, "1") != "0"
 
 
+SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
+
+
+def skinny_from_env() -> bool:
+    """False when DEEPINFER_CUDA_SKINNY=0: decode-sized float linears stay on cuBLAS."""
+    return os.environ.get(SKINNY_ENV, "1") != "0"
+
+
 # --------------------------------------------------------------------------- device / memory
 
 
@@ -335,9 +343,11 @@ class CudaAttention(AttentionOps):
 
 
 class CudaGemm(GemmOps):
-    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+    def __init__(self, options: BackendOptions, fused: bool = True, skinny: bool = True) -> None:
         super().__init__(options)
         self.fused = fused
+        # decode-sized float linears on kernels/gemm.skinny_matmul (outside batch-invariant mode)
+        self.skinny = fused and skinny and not self.batch_invariant
 
     def _tiles(self, group_sizes: torch.Tensor, rows: int, fp8: bool) -> gemm_k.TileTable | None:
         """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
@@ -347,18 +357,26 @@ class CudaGemm(GemmOps):
         return moe_k.tile_table(group_sizes, rows, cfg.block_m)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """cuBLAS through torch; batch-invariant mode uses the fixed-tile Triton matmul instead
-        (cuBLAS may change kernel, and reduction order, with M)."""
+        """Up to SKINNY_MAX_M rows: the skinny Triton GEMM (enough programs to stream the weight at
+        decode sizes); else cuBLAS through torch. Batch-invariant mode uses the fixed-tile Triton
+        matmul instead (cuBLAS may change kernel, and reduction order, with M)."""
         if self.batch_invariant:
             return gemm_k.matmul(x, weight, bias)
+        if self.skinny and bias is None and x.dim() == 2 and gemm_k.skinny_ok(x, weight):
+            return gemm_k.skinny_matmul(x, weight)
         return torch.nn.functional.linear(x, weight, bias)
 
     def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """cuBLAS bmm; batch-invariant mode: the fixed-tile Triton matmul over every group in one
-        launch (each row's result independent of M)."""
-        if not self.batch_invariant:
-            return torch.bmm(x, weight.transpose(1, 2))
-        return gemm_k.batched_matmul(x, weight)
+        """cuBLAS bmm, or the skinny GEMM at decode sizes, its (G, M, N) result a view of an (M, G, N)
+        tensor (MLA transposes it back to (T, H, Vh) and flattens the heads without a copy);
+        batch-invariant mode: the fixed-tile Triton matmul over every group in one launch (each
+        row's result independent of M)."""
+        if self.batch_invariant:
+            return gemm_k.batched_matmul(x, weight)
+        if self.skinny and gemm_k.skinny_ok(x, weight):
+            out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+            return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1))
+        return torch.bmm(x, weight.transpose(1, 2))
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
         return gemm_k.quantize_fp8(x, block)
@@ -712,7 +730,7 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         device=CudaDevice(options, device),
         kv_cache=CudaKVCache(options, fused),
         attention=CudaAttention(options, fused),
-        gemm=CudaGemm(options, fused),
+        gemm=CudaGemm(options, fused, skinny_from_env()),
         moe=CudaMoe(options, fused, moe_decode_from_env()),
         collectives=CudaCollectives(options, device),
         small=CudaSmall(options, fused),

@@ -446,6 +446,126 @@ def batched_matmul(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | N
     return _invariant_launch(x, weight, None, config)
 
 
+# --------------------------------------------------------------------------- skinny GEMM
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tiles of the skinny GEMM: block_n weight rows per program (the MMA's M side), block_k
+    per step, the K range split over programs until about programs_per_sm x SMs programs run."""
+
+    block_n: int = 64
+    block_k: int = 128
+    programs_per_sm: int = 2
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# Up to this many rows of x the float linear takes the skinny kernel (outside batch-invariant
+# mode): cuBLAS gives a decode-sized projection of V2-Lite 32 to 57 programs on 132 SMs.
+SKINNY_MAX_M = 8
+SKINNY_CONFIG = SkinnyConfig()
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, M, N, K, K_SPLIT,
+    stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """out (M, N) = x (M, K) @ w (N, K)^T for M <= BLOCK_M, with the operands swapped: each
+    program multiplies BLOCK_N weight rows by x^T (BLOCK_K, BLOCK_M), so the MMA's wide side is
+    the weight's (64 rows fill a Hopper warpgroup MMA where M = 1 would waste it). Grid (N tiles,
+    G products, S K-ranges of K_SPLIT). SPLIT: program s writes its float32 partial sum to
+    ws (S, G, M, N) and counts itself in on its (product, tile) ticket; the last to arrive resets
+    it and adds the S partials in order s = 0 .. S - 1 (deterministic, no float atomics)."""
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + g * stride_wg + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    x_cols = x_ptr + g * stride_xg + rm[None, :].to(tl.int64) * stride_xm  # (1, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(s * K_SPLIT, tl.minimum(s * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        xt = tl.load(x_cols + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+        acc = mma(w, xt, acc, False)
+    out_mask = (rn[:, None] < N) & (rm[None, :] < M)
+    tile = rm[None, :].to(tl.int64) * N + rn[:, None]  # (BLOCK_N, BLOCK_M) in one (M, N) partial
+    if SPLIT:
+        mn = M * N
+        part = ws_ptr + g * mn + tile
+        tl.store(part + s.to(tl.int64) * tl.num_programs(1) * mn, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
+        ticket = tickets_ptr + g * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
+        if arrived < tl.num_programs(2) - 1:
+            return
+        tl.store(ticket, 0)  # the tile's last program: ready for the next launch (and graph replay)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for r in range(0, tl.num_programs(2)):  # written by other programs: volatile, no stale L1 lines
+            acc += tl.load(part + r * tl.num_programs(1) * mn, mask=out_mask, other=0.0, volatile=True)
+    out = out_ptr + g * stride_og + rm[None, :].to(tl.int64) * stride_om + rn[:, None] * stride_on
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# One int32 ticket per (product, weight-row tile) of a split _skinny_kernel launch.
+_SKINNY_TICKETS = Semaphores()
+
+
+def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether skinny_matmul serves x (.., M, K) @ weight (.., N, K)^T: bfloat16 or float16
+    operands of one dtype, M <= SKINNY_MAX_M, unit stride along K."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and 0 < x.shape[-2] <= SKINNY_MAX_M
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def skinny_matmul(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """x (M, K) @ weight (N, K)^T -> (M, N), or batched x (G, M, K) @ weight (G, N, K)^T ->
+    (G, M, N), for M <= SKINNY_MAX_M (decode sizes), in one launch. `out` (any strides, the
+    result's shape) receives it: MLA writes its per-head products straight into (T, H, Vh)."""
+    if not skinny_ok(x, weight) or x.dim() != weight.dim() or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"skinny_matmul: x (.., M <= {SKINNY_MAX_M}, K) and weight (.., N, K) of one float16 or "
+            f"bfloat16 dtype, unit stride along K; got {tuple(x.shape)} {x.dtype} and "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+    cfg = config or SKINNY_CONFIG
+    batched = x.dim() == 3
+    g = x.shape[0] if batched else 1
+    m, k = x.shape[-2:]
+    n = weight.shape[-2]
+    if out is None:
+        out = torch.empty((*x.shape[:-2], m, n), dtype=x.dtype, device=x.device)
+    if n == 0 or g == 0:
+        return out
+    tiles = triton.cdiv(n, cfg.block_n)
+    steps = triton.cdiv(k, cfg.block_k)
+    split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
+    k_split = triton.cdiv(steps, split) * cfg.block_k
+    split = triton.cdiv(k, k_split)  # no empty range
+    ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
+    _skinny_kernel[(tiles, g, split)](
+        x, weight, out, ws, tickets, m, n, k, k_split,
+        x.stride(0) if batched else 0, x.stride(-2), weight.stride(0) if batched else 0, weight.stride(-2),
+        out.stride(0) if batched else 0, out.stride(-2), out.stride(-1),
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
 # --------------------------------------------------------------------------- grouped GEMM
 
 

@@ -211,7 +211,10 @@ def route(
 # x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches), and
 # select_experts is one launch (scores and routing).
 ROUTER_GEMV_MAX_TOKENS = 64
+# Each program reads ROUTER_BLOCK_E experts' gate rows, ROUTER_BLOCK_D of them per step (the
+# order of a row's sum, so both router kernels share them).
 ROUTER_BLOCK_E = 4
+ROUTER_BLOCK_D = 512
 
 
 @triton.jit
@@ -283,7 +286,8 @@ def _check_gate(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x (T, D) float, weight (E, D) float32 -> (T, E) float32 in one launch (decode sizes: each
-    program reads ROUTER_BLOCK_E = 4 experts' rows, so even one token spreads over E / 4 programs)."""
+    program reads ROUTER_BLOCK_E experts' rows, so even one token spreads over E / ROUTER_BLOCK_E
+    programs)."""
     _check_gate(x, weight, "router_logits")
     t, d = x.shape
     e = weight.shape[0]
@@ -294,7 +298,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     _router_logits_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
         x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(512, next_pow2(d)), num_warps=4,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), num_warps=4,
     )  # fmt: skip
     return out
 
@@ -329,7 +333,7 @@ def select_experts(
         x, weight, logits, _TICKETS.get(x.device, t), bias if bias is not None else logits,
         hashed if hashed is not None else ids, weights, ids, e, d, x.stride(0), weight.stride(0),
         hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(512, next_pow2(d)), **consts, num_warps=4,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), **consts, num_warps=4,
     )  # fmt: skip
     return weights, ids
 
