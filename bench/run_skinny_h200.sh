@@ -19,15 +19,15 @@ part() {  # part NAME LIMIT command...: run, log to $R/NAME.log, report rc and t
   timeout "$limit" "$@" > "$R/$name.log" 2>&1
   echo "$name rc=$? in $((SECONDS - t0)) s"
 }
-part kernels 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "skinny or router or linear"
+part kernels 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "skinny or router"
 tail -n 3 "$R/kernels.log"
-part router 120 python3 bench/bench_router.py --out "$R/router" --tiles "${ROUTER_TILES:-4x512,1x2048,2x1024,1x1024,2x2048}"
+part router 90 python3 bench/bench_router.py --out "$R/router" --tiles "${ROUTER_TILES:-4x512,1x2048,2x1024,1x1024,2x2048}"
 grep "^| v2-lite\|^| v3 " "$R/router.log" | head -n 40
-part skinny 200 python3 bench/bench_cuda.py --only skinny --out "$R/skinny"
+part skinny 150 python3 bench/bench_cuda.py --only skinny --out "$R/skinny"
 sed -n '/## Skinny/,$p' "$R/skinny.log" | head -n 60
 if [ -n "${SPEC_ARGS:-}" ]; then
   # shellcheck disable=SC2086
-  part spec 150 python3 bench/bench_spec.py --model model/tiny --out "$R/spec" --profile $SPEC_ARGS
+  part spec 120 python3 bench/bench_spec.py --model model/tiny --out "$R/spec" --profile $SPEC_ARGS
   python3 - "$R/spec/profile.json" <<'PY' || true
 import json, sys
 for r in json.load(open(sys.argv[1])):
