@@ -103,6 +103,9 @@ def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str,
     decoder = llm.llm_engine.speculative
     assert decoder is not None
     assert decoder.num_graph_steps > 0  # both drafters' steps verify as graph replays
+    # the prompts' prefill steps replayed prefill graphs that keep the hidden states the drafters
+    # (and the MTP head's cache) start from
+    assert llm.llm_engine.runner.num_prefill_graph_steps > 0
 
 
 def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(

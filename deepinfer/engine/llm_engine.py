@@ -226,9 +226,10 @@ class LLMEngine:
         buckets = graph_buckets(config.max_num_seqs) if use_graphs else []
         verify_buckets = self._verify_buckets(buckets, method)
         # Short prefill steps replay graphs too, where one cache group is paged per sequence and
-        # no speculative decoder or expert-parallel exchange needs their hidden states or agreement.
+        # no expert-parallel exchange needs the ranks' agreement (with a speculative decoder the
+        # graphs keep the hidden states it drafts from).
         prefill_shapes: list[tuple[int, int]] = []
-        if buckets and method is None and self.kv_groups is None and self.expert_parallel is None:
+        if buckets and self.kv_groups is None and self.expert_parallel is None:
             most = config.max_prefill_graph_tokens
             prefill_shapes = prefill_graph_shapes(max(buckets), most, self.max_model_len)
         # Graphs hold one forward's activations of the largest bucket (or verify or prefill step)
@@ -296,7 +297,7 @@ class LLMEngine:
                     functools.partial(accept_and_draft, draft),
                     functools.partial(chain_next_inputs, bs, config.min_draft_confidence),
                 )
-            self.runner.capture_prefill_graphs(prefill_shapes)
+            self.runner.capture_prefill_graphs(prefill_shapes, keep_hidden=method is not None)
             self.backend.device.synchronize()
             if counts:
                 self.graph_memory_bytes = max(free_before - self.backend.device.memory_info()[0], 0)

@@ -194,6 +194,9 @@ class ModelRunner:
         self.verify_draws: dict[tuple[int, int, bool], GraphRunner] = {}
         self._verify_buffers: dict[str, torch.Tensor] = {}
         self.prefill_graphs: dict[tuple[int, int], GraphRunner] = {}  # (requests, width) -> forward
+        # (b * q, Dm): the prefill graphs' hidden states, kept where a speculative decoder drafts
+        # from them (None: not kept)
+        self.prefill_hidden: torch.Tensor | None = None
         self.num_prefill_graph_steps = 0  # steps that replayed one
 
     def set_ring_scratch(self, first_block: int, num_blocks: int) -> None:
@@ -287,17 +290,24 @@ class ModelRunner:
             return None
         return min(b for b in self.graphs if b >= len(batch))
 
-    def capture_prefill_graphs(self, shapes: list[tuple[int, int]]) -> None:
+    def capture_prefill_graphs(self, shapes: list[tuple[int, int]], keep_hidden: bool = False) -> None:
         """Capture the prefill graph of every (requests, width) shape, after capture_graphs (their
-        pool is shared; the logits land in the decode graphs' buffer)."""
-        if not self.graphs or self.logits is None:
+        pool is shared; the logits land in the decode graphs' buffer). keep_hidden: the graphs
+        also copy the final hidden states out (prefill_hidden), for a speculative decoder."""
+        if not self.graphs or self.logits is None or not shapes:
             return
         pool = next(iter(self.graphs.values()))
+        if keep_hidden:
+            shape = (max(b * q for b, q in shapes), self.model.config.hidden_size)
+            self.prefill_hidden = torch.zeros(shape, dtype=self.model.embed_tokens.dtype, device=self.device)
         for b, q in sorted(shapes, key=lambda s: (-s[0] * s[1], -s[1])):
             step = self.inputs.prepare(ScheduledBatch(), b, q - 1, prefill=True)  # all padding
 
             def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = self.logits[:b]) -> None:
-                logits.copy_(self._logits(fb)[1])
+                hidden, out = self._logits(fb)
+                logits.copy_(out)
+                if self.prefill_hidden is not None:
+                    self.prefill_hidden[: hidden.shape[0]].copy_(hidden)
 
             graph = self.backend.device.capture_graph(forward, share_with=pool)
             assert graph is not None
@@ -464,23 +474,35 @@ class ModelRunner:
         return hidden, logits.float()
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch, eager: bool = False, bucket: int | None = None) -> ForwardOutput:
+    def forward(
+        self, batch: ScheduledBatch, eager: bool = False, bucket: int | None = None, with_hidden: bool = False
+    ) -> ForwardOutput:
         """Launch one step's forward: a graph replay for a decode batch that fits a bucket, or
-        for a short prefill step that fits a prefill graph (unless `eager`: a step that needs its
-        hidden states, or expert-parallel ranks that agreed on eager forwards). `bucket`: the
-        graph to replay (the one the expert-parallel ranks agreed on; at least bucket_for's);
-        default: bucket_for's."""
+        for a short prefill step that fits a prefill graph (unless `eager`: expert-parallel ranks
+        that agreed on eager forwards). `bucket`: the graph to replay (the one the expert-parallel
+        ranks agreed on; at least bucket_for's); default: bucket_for's. with_hidden: the step's
+        hidden states are returned (T, Dm, packed as the eager forward's): eager, or a prefill
+        graph that keeps them (prefill_hidden)."""
+        if with_hidden:
+            eager = eager or self.prefill_hidden is None
+            bucket = None
         if eager:
             bucket = None
         elif bucket is None:
-            bucket = self.bucket_for(batch)
+            bucket = self.bucket_for(batch) if not with_hidden else None
             shape = self.prefill_shape_for(batch) if bucket is None else None
             if shape is not None:
                 assert self.logits is not None
                 step = self.inputs.prepare(batch, shape[0], shape[1] - 1, prefill=True)
                 self.prefill_graphs[shape].replay()
                 self.num_prefill_graph_steps += 1
-                return ForwardOutput(step, self.logits[: len(step.sampling_seqs)], None)
+                hidden = None
+                if with_hidden:  # request i's rows start at i * q: packed again
+                    assert self.prefill_hidden is not None
+                    rows, q = self.prefill_hidden, shape[1]
+                    parts = [rows[i * q : i * q + n] for i, n in enumerate(batch.num_new_tokens)]
+                    hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+                return ForwardOutput(step, self.logits[: len(step.sampling_seqs)], hidden)
         step = self.inputs.prepare(batch, bucket)
         if bucket is None:
             copies = step.ring_copies

@@ -35,8 +35,9 @@ acceptance is the same as drawing them one by one: each row's noise depends only
 request's seed and position, and without logits processors a row's distribution does not
 depend on the tokens appended before it. Such steps chain (Chain): a graph of width K also
 writes the next step's inputs on the device (chain_next_inputs), so the host launches step
-N + 1 before it reads step N, as async scheduling does for plain steps. Other steps run eagerly
-(the MTP head's proposals: propose_mtp, over host-built spans, then the same mtp_chain).
+N + 1 before it reads step N, as async scheduling does for plain steps. Other steps run eagerly,
+or replay a prefill graph that keeps the hidden states (a short prefill step), then draft (the MTP
+head's proposals: propose_mtp, over host-built spans, then the same mtp_chain).
 
 The MTP head in a graph step: it runs over every row of the step (1 + w per request), its cache
 written at the accepted rows only (the others' slots masked to -1), then k - 1 single-row passes
@@ -451,9 +452,9 @@ class SpeculativeDecoder:
                 return self._start_chain(batch, graph[0])
             return self._graph_step(batch, *graph)
         starts = [s.num_computed_tokens for s in batch.seqs]
-        # logits (rows, V): 1 + draft rows per request; eager, for the hidden states
-        _, logits, hidden = self.runner.forward(batch, eager=True)
-        assert hidden is not None, "speculative steps run eagerly"
+        # logits (rows, V): 1 + draft rows per request; eager or a prefill graph, with the hidden states
+        _, logits, hidden = self.runner.forward(batch, with_hidden=True)
+        assert hidden is not None, "a speculative step keeps its hidden states"
         self.hidden = hidden  # (T, Dm): what the MTP head drafts from, in propose
         self.scheduler.advance(batch)
         finished: list[Sequence] = []
