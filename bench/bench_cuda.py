@@ -394,7 +394,58 @@ def bench_skinny(dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool) 
             if "skinny" in row and "cublas" in row:
                 row["speedup"] = row["cublas"]["us"] / row["skinny"]["us"]
             rows.append(row)
+    rows += skinny_chain(dev, timer, copy_gbs, smoke, gen)
     return rows
+
+
+def skinny_chain(
+    dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool, gen: torch.Generator
+) -> list[dict[str, Any]]:
+    """A dependent chain y <- y W_i^T of 16 square (2048, 2048) bf16 weights at M = 1 (o_proj's
+    shape; each product reads the one before), in one CUDA graph: cuBLAS, the skinny kernel, and
+    its slab variants, with and without programmatic dependent launch (PDL: a program loads its
+    weight slab before waiting for the previous kernel). Per product."""
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    d, links = (2048, 16) if not smoke else (64, 3)
+    ws = [torch.randn((d, d), generator=gen).to(dev, torch.bfloat16) * d**-0.5 for _ in range(links)]
+    x0 = torch.randn((1, d), generator=gen).to(dev, torch.bfloat16)
+    cfg = gemm_k.SkinnyConfig
+    slabs = [cfg(64, 128, slab=256), cfg(64, 128, slab=256, pdl=True), cfg(64, 128, slab=128, pdl=True),
+             cfg(64, 128, slab=512, num_warps=8, pdl=True), cfg(32, 128, slab=256, pdl=True)]  # fmt: skip
+    if smoke:
+        slabs = [cfg(32, 32, slab=32), cfg(32, 32, slab=32, pdl=True)]
+    ways: list[tuple[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]] = [
+        ("cublas", torch.nn.functional.linear),
+        ("skinny", gemm_k.skinny_matmul),
+    ]
+    ways += [(str(c), functools.partial(gemm_k.skinny_matmul, config=c)) for c in slabs]
+
+    def chain(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        y = x0
+        for w in ws:
+            y = fn(y, w)
+        return y
+
+    ref = chain(torch.nn.functional.linear).float()
+    row: dict[str, Any] = {"shape": f"chain of {links} ({d}, {d})", "m": 1, "chain": True}
+    for name, fn in ways:
+        try:
+            diff = rel(chain(fn).float(), ref)
+            us = (
+                timer(
+                    (lambda fn=fn: chain(fn)) if smoke else graph_replayer(lambda fn=fn: void(chain(fn)), 1)
+                )
+                / links
+                * 1e3
+            )
+        except Exception as exc:
+            log(f"skinny chain {name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        gbs = d * d * 2 / us / 1e3
+        row[name] = {"us": us, "gbs": gbs, "of_copy": gbs / copy_gbs, "rel_diff": diff}
+        log(f"skinny chain {name}: {us:.2f} us per product, {gbs:.0f} GB/s, diff {diff:.1e}")
+    return [row]
 
 
 # --------------------------------------------------------------------------- FP8 GEMM
@@ -905,6 +956,14 @@ def markdown(res: dict[str, Any]) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in res["skinny"]:
+            if r.get("chain"):
+                chain_rows = [(k, v) for k, v in r.items() if isinstance(v, dict)]
+                out += ["", f"Dependent {r['shape']} at M = 1, per product:", ""]
+                out += ["| way | us | GB/s | of copy |", "| --- | --- | --- | --- |"]
+                out += [
+                    f"| {k} | {v['us']:.2f} | {v['gbs']:.0f} | {v['of_copy']:.2f} |" for k, v in chain_rows
+                ]
+                continue
             if "speedup" not in r:
                 continue
             c, sk = r["cublas"], r["skinny"]

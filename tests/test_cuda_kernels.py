@@ -829,7 +829,8 @@ def test_skinny_matmul_against_float64_split_and_whole(gen: torch.Generator, m: 
     w = torch.randn((n, k), generator=gen).to(torch.bfloat16).to(DEV)
     expected = x.double() @ w.double().T
     small = gemm_k.SkinnyConfig(block_n=32, block_k=32, programs_per_sm=64, num_warps=4, num_stages=2)
-    for cfg in (small, dataclasses.replace(small, programs_per_sm=1)):  # split K, then one range
+    slab = dataclasses.replace(small, slab=64, pdl=True)  # whole 64-wide K ranges (PDL on SM90 only)
+    for cfg in (small, dataclasses.replace(small, programs_per_sm=1), slab):  # split K, one range, slabs
         out = gemm_k.skinny_matmul(x, w, config=cfg)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2 * k**0.5)

@@ -459,6 +459,10 @@ class SkinnyConfig:
     programs_per_sm: int = 2
     num_warps: int = 4
     num_stages: int = 4
+    # > 0: each program loads its whole K range of slab (a power of two) in one go, and with pdl
+    # (programmatic dependent launch, SM90+) does so before waiting for the previous kernel
+    slab: int = 0
+    pdl: bool = False
 
 
 # Up to this many rows of x the float linear takes the skinny kernel (outside batch-invariant
@@ -472,6 +476,7 @@ def _skinny_kernel(
     x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, M, N, K, K_SPLIT,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    SLAB: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ w (N, K)^T for M <= BLOCK_M, with the operands swapped: each
     program multiplies BLOCK_N weight rows by x^T (BLOCK_K, BLOCK_M), so the MMA's wide side is
@@ -488,11 +493,21 @@ def _skinny_kernel(
     w_rows = w_ptr + g * stride_wg + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
     x_cols = x_ptr + g * stride_xg + rm[None, :].to(tl.int64) * stride_xm  # (1, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(s * K_SPLIT, tl.minimum(s * K_SPLIT + K_SPLIT, K), BLOCK_K):
-        kk = k0 + rk
-        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        xt = tl.load(x_cols + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+    if SLAB:  # the program's whole range (K_SPLIT == SLAB) in one load and one product
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+        ks = s * SLAB + tl.arange(0, SLAB)
+        w = tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if PDL:  # the weights do not depend on the previous kernel; x does
+            tl.extra.cuda.gdc_wait()
+        xt = tl.load(x_cols + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K), other=0.0)
         acc = mma(w, xt, acc, False)
+    else:
+        for k0 in range(s * K_SPLIT, tl.minimum(s * K_SPLIT + K_SPLIT, K), BLOCK_K):
+            kk = k0 + rk
+            w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+            xt = tl.load(x_cols + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+            acc = mma(w, xt, acc, False)
     out_mask = (rn[:, None] < N) & (rm[None, :] < M)
     tile = rm[None, :].to(tl.int64) * N + rn[:, None]  # (BLOCK_N, BLOCK_M) in one (M, N) partial
     if SPLIT:
@@ -550,18 +565,22 @@ def skinny_matmul(
     if n == 0 or g == 0:
         return out
     tiles = triton.cdiv(n, cfg.block_n)
-    steps = triton.cdiv(k, cfg.block_k)
-    split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
-    k_split = triton.cdiv(steps, split) * cfg.block_k
+    if cfg.slab:
+        k_split = cfg.slab
+    else:
+        steps = triton.cdiv(k, cfg.block_k)
+        split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
+        k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty range
+    pdl = cfg.pdl and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
     _skinny_kernel[(tiles, g, split)](
         x, weight, out, ws, tickets, m, n, k, k_split,
         x.stride(0) if batched else 0, x.stride(-2), weight.stride(0) if batched else 0, weight.stride(-2),
         out.stride(0) if batched else 0, out.stride(-2), out.stride(-1),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SLAB=cfg.slab, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
