@@ -37,7 +37,15 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import AttentionMetadata
-from deepinfer_cuda.kernels.common import is_sm90, mma, next_pow2, num_sms, tma_supported
+from deepinfer_cuda.kernels.common import (
+    is_sm90,
+    launch_dependents,
+    mma,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+    tma_supported,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -296,11 +304,12 @@ def _combine_kernel(
     part_ptr, lse_ptr, sinks_ptr, out_ptr,
     n_rows, H, max_splits, DV, stride_ot, stride_oh,
     HAS_SINKS: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (r, c): columns [c * BLOCK_C, (c + 1) * BLOCK_C) of (token, head) rows
     [r * ROWS, (r + 1) * ROWS): one row (_combine_row), or ROWS rows side by side, each row's
     sums laid out alike in every lane (_combine_rows)."""
+    launch_dependents(PDL)  # MLA's W_UV product (kernels/gemm.skinny_matmul) loads its weights
     if ROWS == 1:
         _combine_row(
             part_ptr, lse_ptr, sinks_ptr, out_ptr, tl.program_id(0).to(tl.int64), H, max_splits, DV,
@@ -595,5 +604,5 @@ def combine_splits(
         part, lse, sinks if sinks is not None else lse, out,
         n_rows, h, max_splits, v_dim, out.stride(0), out.stride(1),
         HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
-        ROWS=rows_per_program, num_warps=4,
+        ROWS=rows_per_program, PDL=pdl_supported(out.device), num_warps=4,
     )  # fmt: skip

@@ -37,6 +37,20 @@ def num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether launches may use programmatic dependent launch (SM90+; never in the interpreter)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """A hint that the next kernel, where it was launched with PDL (it waits for this one with
+    gdc_wait before touching its outputs), may start launching now: its weight loads then overlap
+    this kernel. No effect on a kernel launched the ordinary way."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def is_sm90(device: torch.device | None) -> bool:
     """An SM90 GPU: there the MMA gives a row the same bits in every tile tried
     (bench/bench_invariant_tiles.py --bits), so batch-invariant tiles may follow the rows."""

@@ -21,7 +21,16 @@ import triton.language as tl
 
 from deepinfer.backend.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX
 from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
-from deepinfer_cuda.kernels.common import Semaphores, is_sm90, mma, next_pow2, num_sms, tma_supported, to_e4m3
+from deepinfer_cuda.kernels.common import (
+    Semaphores,
+    is_sm90,
+    mma,
+    next_pow2,
+    num_sms,
+    pdl_supported,
+    tma_supported,
+    to_e4m3,
+)
 
 # The kernels spell the format's constants as literals (Triton jit code reads no Python globals
 # that are not constexpr): 448.0 is FP8_MAX, 1e-10 AMAX_EPS, as deepinfer.backend.fp8 defines.
@@ -451,8 +460,9 @@ def batched_matmul(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | N
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Tiles of the skinny GEMM: block_n weight rows per program (the MMA's M side), block_k
-    per step, the K range split over programs until about programs_per_sm x SMs programs run."""
+    """Tiles of the skinny GEMM: block_n weight rows per program (the MMA's M side), and either
+    a slab of K per program (slab > 0), or block_k per step with the K range split over programs
+    until about programs_per_sm x SMs programs run (slab = 0)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -466,9 +476,14 @@ class SkinnyConfig:
 
 
 # Up to this many rows of x the float linear takes the skinny kernel (outside batch-invariant
-# mode): cuBLAS gives a decode-sized projection of V2-Lite 32 to 57 programs on 132 SMs.
+# mode). Alone it only matches cuBLAS (bench_cuda.py --only skinny: both about 6.7 us for
+# V2-Lite's o_proj at M = 1 on an H200, 1.3 TB/s: a decode-sized GEMM is mostly ramp-up); what it
+# adds is programmatic dependent launch: each program loads its 64 x 512 weight slab while the
+# previous kernel (an rms_norm, the attention's combine, another skinny GEMM: they signal
+# launch_dependents) still runs, and waits for it only before reading x. A chain of 16 such
+# products took 4.1 us each against cuBLAS's 6.7 (2026-12-01, H200).
 SKINNY_MAX_M = 8
-SKINNY_CONFIG = SkinnyConfig()
+SKINNY_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
 
 
 @triton.jit
@@ -572,7 +587,7 @@ def skinny_matmul(
         split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
         k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty range
-    pdl = cfg.pdl and x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+    pdl = cfg.pdl and pdl_supported(x.device)
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
     _skinny_kernel[(tiles, g, split)](

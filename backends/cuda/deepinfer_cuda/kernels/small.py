@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda.kernels.common import log, next_pow2, to_dtype
+from deepinfer_cuda.kernels.common import launch_dependents, log, next_pow2, pdl_supported, to_dtype
 
 # Float dtypes the kernels cast between exactly as torch does (to_dtype: round to nearest even).
 CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,8 +29,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, eps, stride_x, stride_r, stride_y, stride_h,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)  # a decode step's next GEMM (kernels/gemm.skinny_matmul) loads its weights
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -61,7 +62,8 @@ def rms_norm(
             x2, r2 if r2 is not None else x2, weight, y, h if h is not None else y, d, eps,
             x2.stride(0), r2.stride(0) if r2 is not None else 0,
             y.stride(0), h.stride(0) if h is not None else 0,
-            HAS_RES=residual is not None, BLOCK=next_pow2(d), num_warps=4 if d <= 4096 else 8,
+            HAS_RES=residual is not None, BLOCK=next_pow2(d), PDL=pdl_supported(x.device),
+            num_warps=4 if d <= 4096 else 8,
         )  # fmt: skip
     return y.view(x.shape), (h.view(x.shape) if h is not None else None)
 
