@@ -849,7 +849,8 @@ def test_skinny_matmul_against_float64_split_and_whole(gen: torch.Generator, m: 
 
 def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaGemm.linear and batched_linear: the skinny kernel up to SKINNY_MAX_M rows of bfloat16,
-    cuBLAS above it and for float32, never in batch-invariant mode, off with DEEPINFER_CUDA_SKINNY=0."""
+    cuBLAS above it, for float32 and for weights over SKINNY_MAX_WEIGHT_BYTES, never in
+    batch-invariant mode, off with DEEPINFER_CUDA_SKINNY=0."""
     calls: list[tuple[int, ...]] = []
     real = gemm_k.skinny_matmul
 
@@ -870,6 +871,9 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
                                rtol=2e-2, atol=5e-2)  # fmt: skip
     assert out.transpose(0, 1).is_contiguous(), "the heads' products are laid out (M, G, N)"
     assert calls == [(1, 64), (gemm_k.SKINNY_MAX_M, 64), (4, 2, 64)]
+    monkeypatch.setattr(gemm_k, "SKINNY_MAX_WEIGHT_BYTES", w.numel() * 2 - 1)  # a larger weight: cuBLAS
+    gemm.linear(x[:1], w)
+    assert len(calls) == 3
     cuda_backend.CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
     monkeypatch.setenv(cuda_backend.SKINNY_ENV, "0")
     cuda_backend.create_cuda_backend(BackendOptions()).gemm.linear(x[:1], w)

@@ -357,12 +357,13 @@ class CudaGemm(GemmOps):
         return moe_k.tile_table(group_sizes, rows, cfg.block_m)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Up to SKINNY_MAX_M rows: the skinny Triton GEMM (enough programs to stream the weight at
-        decode sizes); else cuBLAS through torch. Batch-invariant mode uses the fixed-tile Triton
-        matmul instead (cuBLAS may change kernel, and reduction order, with M)."""
+        """Up to SKINNY_MAX_M rows and SKINNY_MAX_WEIGHT_BYTES of weight: the skinny Triton GEMM
+        (its weight loads overlap the previous kernel); else cuBLAS through torch. Batch-invariant
+        mode uses the fixed-tile Triton matmul instead (cuBLAS may change kernel, and reduction
+        order, with M)."""
         if self.batch_invariant:
             return gemm_k.matmul(x, weight, bias)
-        if self.skinny and bias is None and x.dim() == 2 and gemm_k.skinny_ok(x, weight):
+        if self.skinny and bias is None and x.dim() == 2 and gemm_k.skinny_pays(x, weight):
             return gemm_k.skinny_matmul(x, weight)
         return torch.nn.functional.linear(x, weight, bias)
 
@@ -373,7 +374,7 @@ class CudaGemm(GemmOps):
         row's result independent of M)."""
         if self.batch_invariant:
             return gemm_k.batched_matmul(x, weight)
-        if self.skinny and gemm_k.skinny_ok(x, weight):
+        if self.skinny and gemm_k.skinny_pays(x, weight):
             out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
             return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1))
         return torch.bmm(x, weight.transpose(1, 2))

@@ -481,8 +481,10 @@ class SkinnyConfig:
 # adds is programmatic dependent launch: each program loads its 64 x 512 weight slab while the
 # previous kernel (an rms_norm, the attention's combine, another skinny GEMM: they signal
 # launch_dependents) still runs, and waits for it only before reading x. A chain of 16 such
-# products took 4.1 us each against cuBLAS's 6.7 (2026-12-01, H200).
+# products took 4.1 us each against cuBLAS's 6.7 (2026-12-01, H200). Larger weights stay on
+# cuBLAS: there the 512-wide slabs lost (V2-Lite's dense MLP 0.80x and 0.91x, its LM head 0.80x).
 SKINNY_MAX_M = 8
+SKINNY_MAX_WEIGHT_BYTES = 32 * 2**20
 SKINNY_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
 
 
@@ -556,6 +558,12 @@ def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
+
+
+def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Where the engine takes the skinny kernel: skinny_ok, and a weight of at most
+    SKINNY_MAX_WEIGHT_BYTES (all groups together)."""
+    return skinny_ok(x, weight) and weight.numel() * weight.element_size() <= SKINNY_MAX_WEIGHT_BYTES
 
 
 def skinny_matmul(
