@@ -483,13 +483,13 @@ class ModelRunner:
         ranks agreed on; at least bucket_for's); default: bucket_for's. with_hidden: the step's
         hidden states are returned (T, Dm, packed as the eager forward's): eager, or a prefill
         graph that keeps them (prefill_hidden)."""
-        if with_hidden:
-            eager = eager or self.prefill_hidden is None
-            bucket = None
+        assert not (with_hidden and bucket is not None), "decode graphs keep no hidden states"
+        if with_hidden and self.prefill_hidden is None:  # no graph keeps them
+            eager = True
         if eager:
             bucket = None
         elif bucket is None:
-            bucket = self.bucket_for(batch) if not with_hidden else None
+            bucket = None if with_hidden else self.bucket_for(batch)  # decode graphs keep none
             shape = self.prefill_shape_for(batch) if bucket is None else None
             if shape is not None:
                 assert self.logits is not None
