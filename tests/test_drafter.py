@@ -427,6 +427,7 @@ def test_bench_spec_small_run(ckpt: Path, tmp_path: Path) -> None:
         assert r["device"] == "cpu" and r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0
         assert 1.0 <= r["mean_accepted"] <= 1 + r["k"]
         assert 0 < r["graph_steps"] <= 1  # both drafters' decode steps replay verification graphs
+        assert r["plain_fastest_tok_s"] >= r["plain_tok_s"]  # the fastest plain call, the median's
     assert json.loads((tmp_path / "spec.json").read_text()) == rows
     table = (tmp_path / "spec.md").read_text()
     assert table.count("\n| mtp |") == 4 and "dspark k=6: the drafter's block size is 5" in table
