@@ -67,7 +67,8 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       the same model and backend), async_scheduling=False, DEEPINFER_CUDA_UNFUSED=1 (the backend's
       fused kernels), DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
       shared experts in the routed grouped GEMM), DEEPINFER_CUDA_MOE_DECODE=0 (the cuda
-      backend's decode-sized MoE kernels) and DEEPINFER_CUDA_SKINNY=0 (its skinny GEMM) (each a
+      backend's decode-sized MoE kernels), DEEPINFER_CUDA_SKINNY=0 (its skinny GEMM) and
+      DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -109,6 +110,7 @@ T0 = time.time()
 CUDA_UNFUSED = "DEEPINFER_CUDA_UNFUSED"  # read by the cuda backend when it is created
 MOE_DECODE = "DEEPINFER_CUDA_MOE_DECODE"  # 0: the cuda backend's decode-sized MoE kernels off
 SKINNY = "DEEPINFER_CUDA_SKINNY"  # 0: decode-sized float linears on cuBLAS, not the skinny kernel
+PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinary way
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 
 
@@ -1122,7 +1124,7 @@ class Bench:
         """(c) `var`=`value`, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED=1:
         the backend's fused kernels; DEEPINFER_MODEL_UNFUSED=1: the model's fusions;
         DEEPINFER_CUDA_MOE_DECODE=0: the decode-sized MoE kernels; DEEPINFER_CUDA_SKINNY=0: the
-        skinny GEMM): a fresh backend + model, its
+        skinny GEMM; DEEPINFER_CUDA_PDL=0: programmatic dependent launch): a fresh backend + model, its
         rows under `key`_tok_s."""
         a = self.args
         n = a.ablation_output_len
@@ -1373,7 +1375,8 @@ class Bench:
                 "same model), async scheduling (async_scheduling=False), the backend's fused kernels "
                 "(DEEPINFER_CUDA_UNFUSED=1), the model's fusions (DEEPINFER_MODEL_UNFUSED=1: MLA's q + kv_a "
                 "GEMM, shared experts in the routed grouped GEMM), the decode-sized MoE kernels "
-                "(DEEPINFER_CUDA_MOE_DECODE=0), the skinny GEMM (DEEPINFER_CUDA_SKINNY=0); the last five "
+                "(DEEPINFER_CUDA_MOE_DECODE=0), the skinny GEMM (DEEPINFER_CUDA_SKINNY=0), programmatic "
+                "dependent launch (DEEPINFER_CUDA_PDL=0); the last six "
                 "each on a fresh backend "
                 "with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
@@ -1386,8 +1389,8 @@ class Bench:
                 "",
                 "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
                 "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 "
-                "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 | DEEPINFER_CUDA_PDL=0 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1403,7 +1406,7 @@ class Bench:
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
                     f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
-                    f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} |"
+                    f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} | {cell('no_pdl_tok_s')} |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1639,6 +1642,9 @@ def main(argv: list[str] | None = None) -> int:
         with bench.section("no_skinny"):
             if not bench.over_budget("no skinny") and backend_reads_env(args.backend, SKINNY):
                 bench.unfused(SKINNY, "no_skinny", "0")
+        with bench.section("no_pdl"):
+            if not bench.over_budget("no pdl") and backend_reads_env(args.backend, PDL):
+                bench.unfused(PDL, "no_pdl", "0")
         with bench.section("batch_invariant"):  # last: the slowest
             if not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()

@@ -80,9 +80,9 @@ def ways(
     return one, two
 
 
-def run(smoke: bool, tiles: list[tuple[int, int]]) -> list[dict[str, Any]]:
-    """Rows per (router, T, tile): tiles are (ROUTER_BLOCK_E, ROUTER_BLOCK_D) pairs, which both
-    ways use (they set the order of a row's sum, so the two ways share them)."""
+def run(smoke: bool, tiles: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """Rows per (router, T, tile): tiles are (ROUTER_BLOCK_E, ROUTER_BLOCK_D, ROUTER_WARPS), which
+    both ways use (they set the order of a row's sum, so the two ways share them)."""
     from deepinfer_cuda.kernels import moe as moe_k
 
     dev = torch.device("cpu" if smoke else "cuda")
@@ -102,14 +102,14 @@ def run(smoke: bool, tiles: list[tuple[int, int]]) -> list[dict[str, Any]]:
                 )
                 hash_ids = hash_ids.to(dev)
 
-            for block_e, block_d in tiles:
-                moe_k.ROUTER_BLOCK_E, moe_k.ROUTER_BLOCK_D = block_e, block_d
+            for block_e, block_d, warps in tiles:
+                moe_k.ROUTER_BLOCK_E, moe_k.ROUTER_BLOCK_D, moe_k.ROUTER_WARPS = block_e, block_d, warps
                 one, two = ways(x, gate, config, bias, hash_ids)
                 (w1, i1), (w2, i2) = one(), two()
                 same = torch.equal(w1, w2) and torch.equal(i1, i2)
                 row: dict[str, Any] = {
-                    "router": name, "tokens": tokens, "experts": experts, "tile": f"{block_e}x{block_d}",
-                    "same_bits": same,
+                    "router": name, "tokens": tokens, "experts": experts,
+                    "tile": f"{block_e}x{block_d}x{warps}", "same_bits": same,
                 }  # fmt: skip
                 if not smoke:
                     from triton.testing import do_bench
@@ -130,7 +130,7 @@ def markdown(rows: list[dict[str, Any]], device: str) -> str:
         "",
         f"Per call, from a CUDA graph of {CALLS} back-to-back calls (median of do_bench).",
         "",
-        "| router | T | E | tile (experts x D) | one launch (us) | two launches (us) | saved (us) "
+        "| router | T | E | tile (experts x D x warps) | one launch (us) | two launches (us) | saved (us) "
         "| same bits |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- |",
     ]
@@ -149,14 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (the interpreter)")
     p.add_argument(
         "--tiles", default=None,
-        help="comma-separated EXPERTSxD router tiles to sweep, e.g. 4x512,1x2048 (default: the kernel's)",
+        help="comma-separated EXPERTSxDxWARPS router tiles to sweep, e.g. 4x512x4,1x2048x1 (default: "
+        "the kernel's; WARPS defaults to the kernel's)",
     )  # fmt: skip
     args = p.parse_args(argv)
     from deepinfer_cuda.kernels import moe as moe_k
 
-    default = f"{moe_k.ROUTER_BLOCK_E}x{moe_k.ROUTER_BLOCK_D}"
-    tiles = [tuple(int(v) for v in t.split("x")) for t in (args.tiles or default).split(",")]
-    rows = run(args.smoke, [(e, d) for e, d in tiles])
+    default = f"{moe_k.ROUTER_BLOCK_E}x{moe_k.ROUTER_BLOCK_D}x{moe_k.ROUTER_WARPS}"
+    tiles = []
+    for spec in (args.tiles or default).split(","):
+        v = [int(x) for x in spec.split("x")]
+        if len(v) not in (2, 3):
+            p.error(f"--tiles: {spec!r} is not EXPERTSxD or EXPERTSxDxWARPS")
+        tiles.append((v[0], v[1], v[2] if len(v) == 3 else moe_k.ROUTER_WARPS))
+    rows = run(args.smoke, tiles)
     device = "interpreter" if args.smoke else torch.cuda.get_device_name()
     text = markdown(rows, device)
     print(text)

@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from deepinfer.backend.types import RouterConfig
+
 pytestmark = [
     pytest.mark.skipif(
         importlib.util.find_spec("triton") is None or importlib.util.find_spec("deepinfer_cuda") is None,
@@ -28,8 +30,9 @@ pytestmark = [
 PTR = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "i64": "*i64"}
 
 
-def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> None:
-    """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32)."""
+def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> str:
+    """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32);
+    returns the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -43,6 +46,7 @@ def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any],
             pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
         raise
     assert compiled.asm.get("cubin"), "no cubin"
+    return str(compiled.asm["ptx"])
 
 
 @pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
@@ -119,7 +123,7 @@ def test_mla_query_kernel(dtype: str, tile: str) -> None:
     types = {a: PTR[dtype] for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr")}
     types |= {"pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
     tiles = dict(BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_N=128, BLOCK_R=32)
-    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", **tiles)
+    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", PDL=dtype == "bf16", **tiles)
     compile_sm90(mla_k._mla_query_kernel, types, constexprs, num_warps=cfg.num_warps)
 
 
@@ -152,7 +156,87 @@ def test_router_kernels(router: str) -> None:
     types = {a: PTR["f32"] for a in ("logits_ptr", "bias_ptr", "w_ptr", "gate_ptr")}
     types |= {"ids_ptr": PTR["i32"], "tickets_ptr": PTR["i32"], "hash_ptr": "*i64", "scaling": "fp32"}
     types |= {"x_ptr": PTR["bf16"], "out_ptr": PTR["f32"]}
-    gemv = dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512)
+    gemv = dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512, PDL=router == "v3")
     compile_sm90(moe_k._route_kernel, types, route)
     compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv)
     compile_sm90(moe_k._select_experts_kernel, types, route | gemv)
+
+
+def _decode_step_kernels(pdl: bool) -> dict[str, str]:
+    """The PTX of every Triton kernel of a V2-Lite-sized bfloat16 decode step, each compiled with
+    PDL as given (the constexpr that makes it wait for the previous kernel, common.pdl_enabled)."""
+    from deepinfer_cuda.kernels import attention as att_k
+    from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import mla as mla_k
+    from deepinfer_cuda.kernels import moe as moe_k
+    from deepinfer_cuda.kernels import small as small_k
+
+    bf16, f32, i32, i64 = PTR["bf16"], PTR["f32"], PTR["i32"], PTR["i64"]
+    ptx = {}
+    ptx["rms_norm"] = compile_sm90(
+        small_k._rms_norm_kernel,
+        {a: bf16 for a in ("x_ptr", "r_ptr", "w_ptr", "y_ptr", "h_ptr")} | {"eps": "fp32"},
+        dict(HAS_RES=True, BLOCK=2048, PDL=pdl),
+    )  # fmt: skip
+    ptx["write_mla_kv"] = compile_sm90(
+        small_k._write_mla_kv_kernel,
+        {"kv_ptr": bf16, "w_ptr": bf16, "pos_ptr": i64, "cs_ptr": f32, "slot_ptr": i64, "cache_ptr": bf16,
+         "eps": "fp32"},
+        dict(INTERLEAVED=True, BLOCK_C=512, BLOCK_R=32, ROPE=True, PDL=pdl),
+    )  # fmt: skip
+    ptx["mla_query"] = compile_sm90(
+        mla_k._mla_query_kernel,
+        {a: bf16 for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr")} | {"pos_ptr": i64, "cs_ptr": f32},
+        dict(INTERLEAVED=True, IEEE=False, BLOCK_T=16, BLOCK_C=64, BLOCK_N=128, BLOCK_R=32, PDL=pdl),
+    )  # fmt: skip
+    attn_types = {a: bf16 for a in ("q_ptr", "kv_ptr", "out_ptr", "sinks_ptr", "allow_ptr")}
+    attn_types |= {a: i32 for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+    attn_types |= {"part_ptr": f32, "lse_ptr": f32, "qk_scale": "fp32"}
+    ptx["mla_attention"] = compile_sm90(
+        att_k._mla_attention_kernel, attn_types,
+        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
+             BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
+             IEEE=False, TMA=False, PDL=pdl),
+    )  # fmt: skip
+    ptx["combine"] = compile_sm90(
+        att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
+        dict(HAS_SINKS=False, BLOCK_DV=512, BLOCK_S=16, BLOCK_C=128, ROWS=1, PDL=pdl),
+    )  # fmt: skip
+    ptx["skinny"] = compile_sm90(
+        gemm_k._skinny_kernel,
+        {"x_ptr": bf16, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32},
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, PDL=pdl), num_warps=8,
+    )  # fmt: skip
+    ptx["select_experts"] = compile_sm90(
+        moe_k._select_experts_kernel,
+        {a: f32 for a in ("gate_ptr", "logits_ptr", "bias_ptr", "w_ptr")}
+        | {"x_ptr": bf16, "tickets_ptr": i32, "ids_ptr": i32, "hash_ptr": i64, "scaling": "fp32"},
+        moe_k._route_args(1, 64, RouterConfig("softmax", top_k=6, shared_experts=2), None, None)
+        | dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512, PDL=pdl),
+    )  # fmt: skip
+    tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=pdl)
+    ptx["decode_up"] = compile_sm90(
+        moe_k._decode_up_kernel,
+        {"x_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "act_ptr": bf16, "count_ptr": i32},
+        tiles | dict(ZERO_BLOCK=4),
+    )  # fmt: skip
+    ptx["decode_down"] = compile_sm90(
+        moe_k._decode_down_kernel,
+        {"a_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "wt_ptr": f32, "y_ptr": bf16,
+         "out_ptr": bf16, "count_ptr": i32},
+        tiles | dict(COMBINE=True),
+    )  # fmt: skip
+    return ptx
+
+
+def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:
+    """Every kernel of the decode step compiles with programmatic dependent launch, and waits for
+    its predecessor (griddepcontrol.wait) exactly when launched that way: a kernel launched with
+    PDL that never waited could read its inputs before they are written."""
+    with_pdl = _decode_step_kernels(True)
+    without = _decode_step_kernels(False)
+    for name, ptx in with_pdl.items():
+        assert "griddepcontrol.wait" in ptx, f"{name}: launched with PDL but never waits"
+        assert "griddepcontrol.launch_dependents" in ptx, f"{name}: never lets the next kernel launch early"
+    for name, ptx in without.items():
+        assert "griddepcontrol" not in ptx, f"{name}: PDL instructions without PDL"

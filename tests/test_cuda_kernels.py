@@ -880,6 +880,25 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
     assert len(calls) == 3, "batch-invariant mode and DEEPINFER_CUDA_SKINNY=0 keep the other paths"
 
 
+def test_pdl_only_on_sm90_and_later_and_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch: on CUDA devices of compute capability 9 or more, never on the
+    CPU (the interpreter), off with DEEPINFER_CUDA_PDL=0 (the ablation bench_e2e measures)."""
+    from deepinfer_cuda.kernels import common
+
+    cuda = torch.device("cuda", 0)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert common.pdl_enabled(cuda)
+    assert not common.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv(common.PDL_ENV, "0")
+    assert not common.pdl_enabled(cuda)
+    monkeypatch.setenv(common.PDL_ENV, "1")
+    capability[0] = (8, 0)
+    assert not common.pdl_enabled(cuda), "Ampere has no programmatic dependent launch"
+    capability[0] = (10, 0)
+    assert common.pdl_enabled(cuda)
+
+
 def test_invariant_matmul_rows_equal_across_tile_choices(gen: torch.Generator) -> None:
     """The batch-invariant linear picks its tiles (and whether to split K's chunks over programs)
     by M; a row's bits must not change with them. M = 1, 40, 300 and 600 cross every choice on

@@ -43,8 +43,9 @@ from deepinfer_cuda.kernels.common import (
     mma,
     next_pow2,
     num_sms,
-    pdl_supported,
+    pdl_enabled,
     tma_supported,
+    wait_for_previous,
 )
 
 LOG2E = 1.4426950408889634
@@ -206,8 +207,10 @@ def _mla_attention_kernel(
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    launch_dependents(PDL)  # the combine (or W_UV's product) may start launching
+    wait_for_previous(PDL)  # q, the lengths and this step's cache rows come from earlier kernels
     pid_tile = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -310,6 +313,7 @@ def _combine_kernel(
     [r * ROWS, (r + 1) * ROWS): one row (_combine_row), or ROWS rows side by side, each row's
     sums laid out alike in every lane (_combine_rows)."""
     launch_dependents(PDL)  # MLA's W_UV product (kernels/gemm.skinny_matmul) loads its weights
+    wait_for_previous(PDL)
     if ROWS == 1:
         _combine_row(
             part_ptr, lse_ptr, sinks_ptr, out_ptr, tl.program_id(0).to(tl.int64), H, max_splits, DV,
@@ -561,6 +565,7 @@ def mla_attention(
         part = torch.empty((t * h * max_splits, block_dv), dtype=torch.float32, device=q.device)
         lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
+    pdl = pdl_enabled(q.device)
     _mla_attention_kernel[grid](
         q, kv, k_desc, kr_desc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         sinks if sinks is not None else q, allow if allow is not None else q,
@@ -573,8 +578,8 @@ def mla_attention(
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
-        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not direct:
         rows = INVARIANT_COMBINE_ROWS if batch_invariant else 1
@@ -600,9 +605,10 @@ def combine_splits(
     block_dv = part.shape[1]
     cols = min(COMBINE_COLS, block_dv)
     n_rows = out.shape[0] * h
+    pdl = pdl_enabled(out.device)
     _combine_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(v_dim, cols))](
         part, lse, sinks if sinks is not None else lse, out,
         n_rows, h, max_splits, v_dim, out.stride(0), out.stride(1),
         HAS_SINKS=sinks is not None, BLOCK_DV=block_dv, BLOCK_S=COMBINE_SPLITS, BLOCK_C=cols,
-        ROWS=rows_per_program, PDL=pdl_supported(out.device), num_warps=4,
+        ROWS=rows_per_program, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip

@@ -37,9 +37,28 @@ def num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+PDL_ENV = "DEEPINFER_CUDA_PDL"
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches may use programmatic dependent launch (SM90+; never in the interpreter)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the decode path's kernels launch with programmatic dependent launch (PDL) here:
+    pdl_supported, unless DEEPINFER_CUDA_PDL=0 (read at each launch, so graphs captured under it
+    keep the ordinary launches).
+
+    The protocol, the same in every kernel launched this way (`launch_pdl=PDL`, the kernel's
+    PDL constexpr): the kernel may start while the previous kernel on the stream still runs, and
+    that one may itself still wait for ITS predecessor, so nothing written during inference is
+    safe to touch early. A program first calls launch_dependents (the next kernel may start
+    launching), may load weights (the caller's own tensors, never written while the engine runs;
+    not a copy made for this launch), and calls
+    wait_for_previous before its first load of anything else and before its first store
+    (a buffer it writes may have been freed by a kernel still reading it)."""
+    return pdl_supported(device) and os.environ.get(PDL_ENV, "1") != "0"
 
 
 @triton.jit
@@ -49,6 +68,14 @@ def launch_dependents(PDL: tl.constexpr):
     this kernel. No effect on a kernel launched the ordinary way."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Under PDL: block until the previous kernel on the stream has finished and its writes are
+    visible (and, as it waited for its own predecessor, every earlier one). A no-op otherwise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 def is_sm90(device: torch.device | None) -> bool:

@@ -24,12 +24,14 @@ from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
 from deepinfer_cuda.kernels.common import (
     Semaphores,
     is_sm90,
+    launch_dependents,
     mma,
     next_pow2,
     num_sms,
-    pdl_supported,
+    pdl_enabled,
     tma_supported,
     to_e4m3,
+    wait_for_previous,
 )
 
 # The kernels spell the format's constants as literals (Triton jit code reads no Python globals
@@ -511,15 +513,15 @@ def _skinny_kernel(
     x_cols = x_ptr + g * stride_xg + rm[None, :].to(tl.int64) * stride_xm  # (1, BLOCK_M)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     if SLAB:  # the program's whole range (K_SPLIT == SLAB) in one load and one product
-        if PDL:
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start launching
+        launch_dependents(PDL)  # the next kernel may start launching
         ks = s * SLAB + tl.arange(0, SLAB)
         w = tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)
-        if PDL:  # the weights do not depend on the previous kernel; x does
-            tl.extra.cuda.gdc_wait()
+        wait_for_previous(PDL)  # the weights do not depend on the previous kernel; x does
         xt = tl.load(x_cols + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K), other=0.0)
         acc = mma(w, xt, acc, False)
     else:
+        launch_dependents(PDL)
+        wait_for_previous(PDL)
         for k0 in range(s * K_SPLIT, tl.minimum(s * K_SPLIT + K_SPLIT, K), BLOCK_K):
             kk = k0 + rk
             w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
@@ -595,7 +597,7 @@ def skinny_matmul(
         split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
         k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty range
-    pdl = cfg.pdl and pdl_supported(x.device)
+    pdl = cfg.pdl and pdl_enabled(x.device)
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
     _skinny_kernel[(tiles, g, split)](

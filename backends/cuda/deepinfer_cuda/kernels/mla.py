@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda.kernels.common import mma, next_pow2, to_dtype
+from deepinfer_cuda.kernels.common import (
+    launch_dependents,
+    mma,
+    next_pow2,
+    pdl_enabled,
+    to_dtype,
+    wait_for_previous,
+)
 from deepinfer_cuda.kernels.small import CAST_DTYPES, rope_rows
 
 
@@ -48,10 +55,13 @@ def _mla_query_kernel(
     stride_pos, stride_cs, stride_ot, stride_oh,
     INTERLEAVED: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows [t0, t0 + BLOCK_T) of head h (grid axes 0, 1). Axis 2: program c < cdiv(C, BLOCK_C)
     writes out[rows, h, c-th BLOCK_C columns] = q_nope[rows, h] @ w[h, cols]^T; the one after
-    them writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position."""
+    them writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position. PDL: the first
+    W_UK tile is loaded before waiting for the previous kernel (common.pdl_enabled)."""
+    launch_dependents(PDL)
     pid_t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     pid_c = tl.program_id(2)
@@ -65,16 +75,20 @@ def _mla_query_kernel(
         a_rows = qn_ptr + rows64[:, None] * stride_qnt + h * stride_qnh  # (BLOCK_T, 1)
         b_cols = w_ptr + h * stride_wh + cols[None, :].to(tl.int64) * stride_wc  # (1, BLOCK_C): W^T tiles
         acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+        # each step's W_UK tile is loaded one step ahead (the first before the wait); past the
+        # end the load is fully masked
+        b = tl.load(b_cols + rk[:, None] * stride_wn, mask=(cols[None, :] < C) & (rk[:, None] < N), other=0.0)
+        wait_for_previous(PDL)
         for k0 in range(0, N, BLOCK_N):
-            kmask = rk < N - k0
-            a = tl.load(a_rows + (k0 + rk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(
-                b_cols + (k0 + rk)[:, None] * stride_wn, mask=(cols[None, :] < C) & kmask[:, None], other=0.0
-            )
+            a = tl.load(a_rows + (k0 + rk)[None, :], mask=rmask[:, None] & (rk < N - k0)[None, :], other=0.0)
             acc = mma(a, b, acc, IEEE)
+            k1 = k0 + BLOCK_N
+            b_mask = (cols[None, :] < C) & (rk < N - k1)[:, None]
+            b = tl.load(b_cols + (k1 + rk)[:, None] * stride_wn, mask=b_mask, other=0.0)
         omask = rmask[:, None] & (cols[None, :] < C)
         tl.store(out_rows + cols[None, :], to_dtype(acc, out_ptr.dtype.element_ty), mask=omask)
     else:
+        wait_for_previous(PDL)
         i = tl.arange(0, BLOCK_R)
         pos = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.int64)
         cs = cs_ptr + pos[:, None] * stride_cs + i[None, :]
@@ -132,12 +146,13 @@ def mla_query(
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     cfg = tile or query_tile(t, batch_invariant)
     grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r else 0))
+    pdl = pdl_enabled(q_nope.device)
     _mla_query_kernel[grid](
         qn, qp, w_uk, positions, cs, out, t, n, c, r // 2,
         qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), *w_uk.stride(),
         positions.stride(0), cs.stride(0), out.stride(0), out.stride(1),
         INTERLEAVED=interleaved, IEEE=q_nope.dtype == torch.float32, BLOCK_T=cfg.block_t,
-        BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1),
-        num_warps=cfg.num_warps,
+        BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1), PDL=pdl,
+        num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -31,7 +31,17 @@ import triton
 import triton.language as tl
 
 from deepinfer.backend.types import RouterConfig
-from deepinfer_cuda.kernels.common import INTERPRET, Semaphores, log1p, mma, next_pow2, to_e4m3
+from deepinfer_cuda.kernels.common import (
+    INTERPRET,
+    Semaphores,
+    launch_dependents,
+    log1p,
+    mma,
+    next_pow2,
+    pdl_enabled,
+    to_e4m3,
+    wait_for_previous,
+)
 from deepinfer_cuda.kernels.gemm import TileTable
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -211,39 +221,48 @@ def route(
 # x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches), and
 # select_experts is one launch (scores and routing).
 ROUTER_GEMV_MAX_TOKENS = 64
-# Each program reads ROUTER_BLOCK_E experts' gate rows, ROUTER_BLOCK_D of them per step (the
-# order of a row's sum, so both router kernels share them).
+# Each program reads ROUTER_BLOCK_E experts' gate rows, ROUTER_BLOCK_D of them per step, with
+# ROUTER_WARPS warps (the order of a row's sum, so both router kernels share them;
+# bench/bench_router.py --tiles sweeps them).
 ROUTER_BLOCK_E = 4
 ROUTER_BLOCK_D = 512
+ROUTER_WARPS = 4
 
 
 @triton.jit
 def _logits_block(
     x_ptr, w_ptr, out_ptr, t, pe, E, D, stride_x, stride_w, stride_o,
-    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Token t, experts [pe * BLOCK_E, (pe + 1) * BLOCK_E): out[t, e] = sum_d float32(x[t, d]) *
-    w[e, d], float32 products summed per lane over BLOCK_D steps, then across the lanes."""
+    w[e, d], float32 products summed per lane over BLOCK_D steps, then across the lanes. Each
+    step's gate rows are loaded one step ahead, the first before waiting for the previous kernel
+    (PDL: common.pdl_enabled); past the end the load is fully masked."""
     re = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     rd = tl.arange(0, BLOCK_D)
+    w_rows = w_ptr + re[:, None].to(tl.int64) * stride_w + rd[None, :]
+    e_ok = re[:, None] < E
+    w = tl.load(w_rows, mask=e_ok & (rd < D)[None, :], other=0.0)
+    wait_for_previous(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        d_ok = rd < D - d0
-        xv = tl.load(x_ptr + t * stride_x + d0 + rd, mask=d_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + re[:, None].to(tl.int64) * stride_w + d0 + rd[None, :],
-                    mask=(re[:, None] < E) & d_ok[None, :], other=0.0)  # fmt: skip
+        xv = tl.load(x_ptr + t * stride_x + d0 + rd, mask=rd < D - d0, other=0.0).to(tl.float32)
         acc += w * xv[None, :]
+        d1 = d0 + BLOCK_D
+        w = tl.load(w_rows + d1, mask=e_ok & (rd < D - d1)[None, :], other=0.0)
     tl.store(out_ptr + t * stride_o + re, tl.sum(acc, 1), mask=re < E)
 
 
 @triton.jit
 def _router_logits_kernel(
-    x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr
+    x_ptr, w_ptr, out_ptr, E, D, stride_x, stride_w, stride_o,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, BLOCK_E experts)."""
+    launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     _logits_block(
-        x_ptr, w_ptr, out_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, stride_o, BLOCK_E, BLOCK_D
+        x_ptr, w_ptr, out_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, stride_o, BLOCK_E, BLOCK_D, PDL
     )
 
 
@@ -255,13 +274,15 @@ def _select_experts_kernel(
     SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr,
     TOP2_SUM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """_router_logits_kernel's programs, each then counting itself in on its token's ticket; the
     token's last program (whichever it is: the row's logits are whole by then) resets the ticket
     and routes the row as _route_kernel does."""
+    launch_dependents(PDL)  # the expert kernels may start launching
     t = tl.program_id(0).to(tl.int64)
     _logits_block(
-        x_ptr, gate_ptr, logits_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, E, BLOCK_E, BLOCK_D
+        x_ptr, gate_ptr, logits_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, E, BLOCK_E, BLOCK_D, PDL
     )
     tl.debug_barrier()  # every thread's logits are stored before the program counts itself in
     arrived = tl.atomic_add(tickets_ptr + t, 1, sem="acq_rel")
@@ -295,10 +316,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if t == 0 or e == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
+    pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     _router_logits_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
         x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), num_warps=4,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), PDL=pdl,
+        num_warps=ROUTER_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -327,13 +350,15 @@ def select_experts(
     if t == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
+    pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     _select_experts_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
         x, weight, logits, _TICKETS.get(x.device, t), bias if bias is not None else logits,
         hashed if hashed is not None else ids, weights, ids, e, d, x.stride(0), weight.stride(0),
         hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), **consts, num_warps=4,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), **consts, PDL=pdl,
+        num_warps=ROUTER_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids
 
@@ -596,11 +621,14 @@ def _decode_up_kernel(
     x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, count_ptr, I, H, K_IDS, NUM_COUNTS,
     stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
     FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Copy c, columns n of one tile: act[c, n] = silu(gate) * up, gate and up rounded to act's
     dtype first (what the grouped GEMM stores before silu_and_mul). Programs (c, 0) also zero
-    ZERO_BLOCK of the down kernel's counters each (the launch before it, on the same stream)."""
+    ZERO_BLOCK of the down kernel's counters each (the launch before it, on the same stream).
+    PDL: the expert ids come from the router, the previous kernel: nothing to load before it ends."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     c = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     if ZERO_BLOCK > 0:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
@@ -659,11 +687,13 @@ def _decode_down_kernel(
     a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS,
     stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
     FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Copy c, output columns n of one tile: y[c, n] = act[c] . w2[e, n] in out's dtype; COMBINE:
     then the token's last program on this tile writes out[t, n] (counter (t, tile), zeroed by the
     up kernel)."""
+    launch_dependents(PDL)
+    wait_for_previous(PDL)
     c = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + c).to(tl.int64)
@@ -746,12 +776,13 @@ def decode_moe(
     counts = torch.empty((t * down_tiles if cfg.fused_combine else 1,), dtype=torch.int32, device=x.device)
     zero_block = next_pow2(triton.cdiv(t * down_tiles, copies), 1) if cfg.fused_combine else 0
     ieee = x.dtype == torch.float32
+    pdl = pdl_enabled(x.device)
     _decode_up_kernel[(copies, triton.cdiv(inter, cfg.up_n))](
         x, w13, s13, ids, act, counts, inter, h, k, counts.numel(),
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         act.stride(0),
         FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+        PDL=pdl, num_warps=cfg.up_warps, num_stages=cfg.up_stages, launch_pdl=pdl,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     _decode_down_kernel[(copies, down_tiles)](
@@ -760,7 +791,7 @@ def decode_moe(
         y.stride(0), out.stride(0),
         FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.down_n, BLOCK_K=down_k,
-        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        PDL=pdl, num_warps=cfg.down_warps, num_stages=cfg.down_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not cfg.fused_combine:
         block = min(1024, next_pow2(h))

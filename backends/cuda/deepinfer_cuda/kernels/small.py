@@ -14,7 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda.kernels.common import launch_dependents, log, next_pow2, pdl_supported, to_dtype
+from deepinfer_cuda.kernels.common import (
+    launch_dependents,
+    log,
+    next_pow2,
+    pdl_enabled,
+    to_dtype,
+    wait_for_previous,
+)
 
 # Float dtypes the kernels cast between exactly as torch does (to_dtype: round to nearest even).
 CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,6 +42,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    wait_for_previous(PDL)
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -58,12 +66,13 @@ def rms_norm(
     h = torch.empty_like(x2) if residual is not None else None
     r2 = _rows(residual) if residual is not None else None
     if x2.shape[0] and d:
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight, y, h if h is not None else y, d, eps,
             x2.stride(0), r2.stride(0) if r2 is not None else 0,
             y.stride(0), h.stride(0) if h is not None else 0,
-            HAS_RES=residual is not None, BLOCK=next_pow2(d), PDL=pdl_supported(x.device),
-            num_warps=4 if d <= 4096 else 8,
+            HAS_RES=residual is not None, BLOCK=next_pow2(d), PDL=pdl, num_warps=4 if d <= 4096 else 8,
+            launch_pdl=pdl,
         )  # fmt: skip
     return y.view(x.shape), (h.view(x.shape) if h is not None else None)
 
@@ -318,9 +327,12 @@ def _write_mla_kv_kernel(
     kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, C, HALF, eps,
     stride_kv, stride_pos, stride_cs, stride_slot, D,
     INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One token: cache[slot] = [rms_norm(kv[:C]) * w | rope(kv[C:])]. Each half is rounded to
     kv's dtype first (what the two small ops return), then to the cache's (what write_kv does)."""
+    launch_dependents(PDL)  # MLA's query kernel loads its W_UK tiles
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     if slot >= 0:
@@ -392,11 +404,12 @@ def write_mla_kv(
         return
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    pdl = pdl_enabled(kv.device)
     _write_mla_kv_kernel[(t,)](
         kv, norm_weight.contiguous(), positions, cs, slot_mapping, cache, c, r // 2, eps,
         kv.stride(0), positions.stride(0), cs.stride(0), slot_mapping.stride(0), d,
         INTERLEAVED=interleaved, BLOCK_C=next_pow2(c), BLOCK_R=next_pow2(r // 2, 1), ROPE=r > 0,
-        num_warps=4,
+        PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
 
 
