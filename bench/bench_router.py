@@ -67,22 +67,29 @@ def ways(
     config: RouterConfig,
     bias: torch.Tensor | None,
     hash_ids: torch.Tensor | None,
+    tile: Any = None,
 ) -> tuple[Route, Route]:
-    """(select_experts in one launch, router_logits + route) on these inputs."""
+    """(select_experts in one launch, router_logits + route) on these inputs, with this tile
+    (None: the kernels' rule)."""
     from deepinfer_cuda.kernels import moe as moe_k
 
     def one() -> tuple[torch.Tensor, torch.Tensor]:
-        return moe_k.select_experts(x, gate, config, bias, hash_ids)
+        return moe_k.select_experts(x, gate, config, bias, hash_ids, tile)
 
     def two() -> tuple[torch.Tensor, torch.Tensor]:
-        return moe_k.route(moe_k.router_logits(x, gate), config, bias, hash_ids)
+        return moe_k.route(moe_k.router_logits(x, gate, tile), config, bias, hash_ids, tile)
 
     return one, two
 
 
-def run(smoke: bool, tiles: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
-    """Rows per (router, T, tile): tiles are (ROUTER_BLOCK_E, ROUTER_BLOCK_D, ROUTER_WARPS), which
-    both ways use (they set the order of a row's sum, so the two ways share them)."""
+def label(tile: Any) -> str:
+    """A moe.RouterTile as EXPERTSxDxWARPS."""
+    return f"{tile.block_e}x{tile.block_d}x{tile.num_warps}"
+
+
+def run(smoke: bool, tiles: list[Any]) -> list[dict[str, Any]]:
+    """Rows per (router, T, tile): tiles are moe.RouterTile's, or None for the kernels' own rule
+    (moe.router_tile), which both ways take (a tile orders a row's sums: the ways share it)."""
     from deepinfer_cuda.kernels import moe as moe_k
 
     dev = torch.device("cpu" if smoke else "cuda")
@@ -102,14 +109,14 @@ def run(smoke: bool, tiles: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
                 )
                 hash_ids = hash_ids.to(dev)
 
-            for block_e, block_d, warps in tiles:
-                moe_k.ROUTER_BLOCK_E, moe_k.ROUTER_BLOCK_D, moe_k.ROUTER_WARPS = block_e, block_d, warps
-                one, two = ways(x, gate, config, bias, hash_ids)
+            for tile in tiles:
+                one, two = ways(x, gate, config, bias, hash_ids, tile)
                 (w1, i1), (w2, i2) = one(), two()
                 same = torch.equal(w1, w2) and torch.equal(i1, i2)
                 row: dict[str, Any] = {
                     "router": name, "tokens": tokens, "experts": experts,
-                    "tile": f"{block_e}x{block_d}x{warps}", "same_bits": same,
+                    "tile": label(tile or moe_k.router_tile(tokens)) + ("" if tile else " (rule)"),
+                    "same_bits": same,
                 }  # fmt: skip
                 if not smoke:
                     from triton.testing import do_bench
@@ -149,19 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, no timing (the interpreter)")
     p.add_argument(
         "--tiles", default=None,
-        help="comma-separated EXPERTSxDxWARPS router tiles to sweep, e.g. 4x512x4,1x2048x1 (default: "
-        "the kernel's; WARPS defaults to the kernel's)",
+        help="comma-separated EXPERTSxDxWARPS router tiles to sweep, e.g. 4x512x4,1x2048x1; 'rule': the "
+        "kernels' own choice by T (moe.router_tile; the default)",
     )  # fmt: skip
     args = p.parse_args(argv)
     from deepinfer_cuda.kernels import moe as moe_k
 
-    default = f"{moe_k.ROUTER_BLOCK_E}x{moe_k.ROUTER_BLOCK_D}x{moe_k.ROUTER_WARPS}"
-    tiles = []
-    for spec in (args.tiles or default).split(","):
+    tiles: list[Any] = []
+    for spec in (args.tiles or "rule").split(","):
+        if spec == "rule":
+            tiles.append(None)
+            continue
         v = [int(x) for x in spec.split("x")]
-        if len(v) not in (2, 3):
-            p.error(f"--tiles: {spec!r} is not EXPERTSxD or EXPERTSxDxWARPS")
-        tiles.append((v[0], v[1], v[2] if len(v) == 3 else moe_k.ROUTER_WARPS))
+        if len(v) != 3:
+            p.error(f"--tiles: {spec!r} is not EXPERTSxDxWARPS or 'rule'")
+        tiles.append(moe_k.RouterTile(*v))
     rows = run(args.smoke, tiles)
     device = "interpreter" if args.smoke else torch.cuda.get_device_name()
     text = markdown(rows, device)

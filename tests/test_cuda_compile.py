@@ -156,10 +156,11 @@ def test_router_kernels(router: str) -> None:
     types = {a: PTR["f32"] for a in ("logits_ptr", "bias_ptr", "w_ptr", "gate_ptr")}
     types |= {"ids_ptr": PTR["i32"], "tickets_ptr": PTR["i32"], "hash_ptr": "*i64", "scaling": "fp32"}
     types |= {"x_ptr": PTR["bf16"], "out_ptr": PTR["f32"]}
-    gemv = dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512, PDL=router == "v3")
-    compile_sm90(moe_k._route_kernel, types, route)
-    compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv)
-    compile_sm90(moe_k._select_experts_kernel, types, route | gemv)
+    for tile in (moe_k.ROUTER_TILE, moe_k.ROUTER_FEW_TILE):
+        gemv = dict(BLOCK_E=tile.block_e, BLOCK_D=min(tile.block_d, 4096), PDL=router == "v3")
+        compile_sm90(moe_k._route_kernel, types, route, num_warps=tile.num_warps)
+        compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv, num_warps=tile.num_warps)
+        compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
 
 
 def _decode_step_kernels(pdl: bool) -> dict[str, str]:
@@ -212,7 +213,7 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
         {a: f32 for a in ("gate_ptr", "logits_ptr", "bias_ptr", "w_ptr")}
         | {"x_ptr": bf16, "tickets_ptr": i32, "ids_ptr": i32, "hash_ptr": i64, "scaling": "fp32"},
         moe_k._route_args(1, 64, RouterConfig("softmax", top_k=6, shared_experts=2), None, None)
-        | dict(BLOCK_E=moe_k.ROUTER_BLOCK_E, BLOCK_D=512, PDL=pdl),
+        | dict(BLOCK_E=moe_k.ROUTER_FEW_TILE.block_e, BLOCK_D=moe_k.ROUTER_FEW_TILE.block_d, PDL=pdl),
     )  # fmt: skip
     tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=pdl)
     ptx["decode_up"] = compile_sm90(

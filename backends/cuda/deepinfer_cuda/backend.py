@@ -465,7 +465,8 @@ class CudaMoe(MoeOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fused:  # the contract's default: the reference router in torch ops
             return super().route(logits, config, correction_bias, hash_ids)
-        return moe_k.route(logits, config, correction_bias, hash_ids)
+        tile = moe_k.router_tile(logits.shape[0], self.batch_invariant)  # its warps order a softmax sum
+        return moe_k.route(logits, config, correction_bias, hash_ids, tile)
 
     def select_experts(
         self,

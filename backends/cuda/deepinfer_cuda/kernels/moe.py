@@ -200,10 +200,13 @@ def route(
     config: RouterConfig,
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
+    tile: RouterTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) -> (weights (T, K + S) float32, ids (T, K + S) int32) in one launch, S =
-    config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig)."""
+    config.shared_experts; the meaning is deepinfer.reference.moe.route's (RouterConfig). Its
+    warps are the tile's (default router_tile(T)): a row's softmax sum is ordered by them."""
     t, e = logits.shape
+    tile = tile or router_tile(t)
     consts = _route_args(t, e, config, correction_bias, hash_ids)
     weights, ids, bias, hashed = _route_buffers(t, config, logits.device, correction_bias, hash_ids)
     if t == 0:
@@ -212,7 +215,7 @@ def route(
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, hashed if hashed is not None else ids, weights, ids,
         e, logits.stride(0), hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
-        **consts, num_warps=4,
+        **consts, num_warps=tile.num_warps,
     )  # fmt: skip
     return weights, ids
 
@@ -221,12 +224,33 @@ def route(
 # x in its own dtype) rather than x.float() and a float32 cuBLAS GEMV (three launches), and
 # select_experts is one launch (scores and routing).
 ROUTER_GEMV_MAX_TOKENS = 64
-# Each program reads ROUTER_BLOCK_E experts' gate rows, ROUTER_BLOCK_D of them per step, with
-# ROUTER_WARPS warps (the order of a row's sum, so both router kernels share them;
-# bench/bench_router.py --tiles sweeps them).
-ROUTER_BLOCK_E = 4
-ROUTER_BLOCK_D = 512
-ROUTER_WARPS = 4
+
+
+@dataclass(frozen=True)
+class RouterTile:
+    """The router kernels' tile: each program reads block_e experts' gate rows, block_d columns
+    per step, with num_warps warps. It orders a row's sums, so router_logits, route and
+    select_experts take the same tile for the same T (the same bits either way)."""
+
+    block_e: int
+    block_d: int
+    num_warps: int
+
+
+# H200, a CUDA graph of 50 back-to-back select_experts calls with PDL (bench/bench_router.py
+# --tiles, bench/results/2026-12-02_H200_session8): V2-Lite's router at T = 1 took 5.85 us with
+# 4 x 512 x 4 warps and 3.93 with 1 x 2048 x 1 (V3: 9.90 and 8.26); at T = 8 V2-Lite 6.46 and
+# 4.56, V3 14.78 and 15.28; at T = 64 4 x 512 x 4 wins by far (V2-Lite 8.33 against 11.77, V3 38
+# against 70). One-warp programs per expert row serve up to ROUTER_FEW_TOKENS tokens; batch-
+# invariant mode takes the cuBLAS scores and ROUTER_TILE's warps for every T.
+ROUTER_TILE = RouterTile(block_e=4, block_d=512, num_warps=4)
+ROUTER_FEW_TILE = RouterTile(block_e=1, block_d=2048, num_warps=1)
+ROUTER_FEW_TOKENS = 4
+
+
+def router_tile(t: int, batch_invariant: bool = False) -> RouterTile:
+    """The router's tile for T tokens (batch-invariant: ROUTER_TILE for every T)."""
+    return ROUTER_FEW_TILE if t <= ROUTER_FEW_TOKENS and not batch_invariant else ROUTER_TILE
 
 
 @triton.jit
@@ -305,23 +329,24 @@ def _check_gate(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
         )
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: RouterTile | None = None) -> torch.Tensor:
     """x (T, D) float, weight (E, D) float32 -> (T, E) float32 in one launch (decode sizes: each
-    program reads ROUTER_BLOCK_E experts' rows, so even one token spreads over E / ROUTER_BLOCK_E
-    programs)."""
+    program reads the tile's block_e experts' rows, so even one token spreads over E / block_e
+    programs); tile: default router_tile(T)."""
     _check_gate(x, weight, "router_logits")
     t, d = x.shape
     e = weight.shape[0]
+    tile = tile or router_tile(t)
     out = torch.empty((t, e), dtype=torch.float32, device=x.device)
     if t == 0 or e == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    _router_logits_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
+    _router_logits_kernel[(t, triton.cdiv(e, tile.block_e))](
         x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), PDL=pdl,
-        num_warps=ROUTER_WARPS, launch_pdl=pdl,
+        BLOCK_E=tile.block_e, BLOCK_D=min(tile.block_d, next_pow2(d)), PDL=pdl,
+        num_warps=tile.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
@@ -336,15 +361,18 @@ def select_experts(
     config: RouterConfig,
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
+    tile: RouterTile | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), config, correction_bias, hash_ids) in ONE launch, the same
-    bits: grid (T, E / ROUTER_BLOCK_E) of router_logits' programs writing the logits to a (T, E)
+    bits for the same tile (default router_tile(T)): grid (T, E / block_e) of router_logits'
+    programs writing the logits to a (T, E)
     scratch; the last program of each token row to finish (a per-row ticket, taken acq_rel)
     routes that row. Rows route in parallel, so T only adds programs. x (T, D) float, weight
     (E, D) float32 -> (weights (T, K + S) float32, ids (T, K + S) int32)."""
     _check_gate(x, weight, "select_experts")
     t, d = x.shape
     e = weight.shape[0]
+    tile = tile or router_tile(t)
     consts = _route_args(t, e, config, correction_bias, hash_ids)
     weights, ids, bias, hashed = _route_buffers(t, config, x.device, correction_bias, hash_ids)
     if t == 0:
@@ -353,12 +381,12 @@ def select_experts(
     pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
-    _select_experts_kernel[(t, triton.cdiv(e, ROUTER_BLOCK_E))](
+    _select_experts_kernel[(t, triton.cdiv(e, tile.block_e))](
         x, weight, logits, _TICKETS.get(x.device, t), bias if bias is not None else logits,
         hashed if hashed is not None else ids, weights, ids, e, d, x.stride(0), weight.stride(0),
         hashed.stride(0) if hashed is not None else 0, config.routed_scaling_factor,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=min(ROUTER_BLOCK_D, next_pow2(d)), **consts, PDL=pdl,
-        num_warps=ROUTER_WARPS, launch_pdl=pdl,
+        BLOCK_E=tile.block_e, BLOCK_D=min(tile.block_d, next_pow2(d)), **consts, PDL=pdl,
+        num_warps=tile.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return weights, ids
 
