@@ -120,10 +120,12 @@ def test_mla_query_kernel(dtype: str, tile: str) -> None:
     from deepinfer_cuda.kernels import mla as mla_k
 
     cfg = mla_k.DECODE_TILE if tile == "decode" else mla_k.PREFILL_TILE
-    types = {a: PTR[dtype] for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr")}
-    types |= {"pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
-    tiles = dict(BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_N=128, BLOCK_R=32)
-    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", PDL=dtype == "bf16", **tiles)
+    types = {a: PTR[dtype] for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr", "kv_ptr", "kvw_ptr")}
+    types["cache_ptr"] = PTR[dtype]
+    types |= {"pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"], "slot_ptr": PTR["i64"], "eps": "fp32"}
+    tiles = dict(BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_N=128, BLOCK_R=32, BLOCK_KC=512)
+    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", PDL=dtype == "bf16", WRITE=tile == "decode")
+    constexprs |= tiles
     compile_sm90(mla_k._mla_query_kernel, types, constexprs, num_warps=cfg.num_warps)
 
 
@@ -159,7 +161,8 @@ def test_router_kernels(router: str) -> None:
     for tile in (moe_k.ROUTER_TILE, moe_k.ROUTER_FEW_TILE):
         gemv = dict(BLOCK_E=tile.block_e, BLOCK_D=min(tile.block_d, 4096), PDL=router == "v3")
         compile_sm90(moe_k._route_kernel, types, route, num_warps=tile.num_warps)
-        compile_sm90(moe_k._router_logits_kernel, types | {"w_ptr": PTR["f32"]}, gemv, num_warps=tile.num_warps)
+        gemv_types = types | {"w_ptr": PTR["f32"]}
+        compile_sm90(moe_k._router_logits_kernel, gemv_types, gemv, num_warps=tile.num_warps)
         compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
 
 
@@ -185,10 +188,12 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
          "eps": "fp32"},
         dict(INTERLEAVED=True, BLOCK_C=512, BLOCK_R=32, ROPE=True, PDL=pdl),
     )  # fmt: skip
-    ptx["mla_query"] = compile_sm90(
+    ptx["mla_query_and_cache"] = compile_sm90(
         mla_k._mla_query_kernel,
-        {a: bf16 for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr")} | {"pos_ptr": i64, "cs_ptr": f32},
-        dict(INTERLEAVED=True, IEEE=False, BLOCK_T=16, BLOCK_C=64, BLOCK_N=128, BLOCK_R=32, PDL=pdl),
+        {a: bf16 for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr", "kv_ptr", "kvw_ptr", "cache_ptr")}
+        | {"pos_ptr": i64, "cs_ptr": f32, "slot_ptr": i64, "eps": "fp32"},
+        dict(INTERLEAVED=True, IEEE=False, BLOCK_T=16, BLOCK_C=64, BLOCK_N=128, BLOCK_R=32, WRITE=True,
+             BLOCK_KC=512, PDL=pdl),
     )  # fmt: skip
     attn_types = {a: bf16 for a in ("q_ptr", "kv_ptr", "out_ptr", "sinks_ptr", "allow_ptr")}
     attn_types |= {a: i32 for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}

@@ -6,8 +6,9 @@ works on day one and is accelerated op by op. Two kinds of defaults:
   - leaf ops (rms_norm, rope, route, quantize_fp8, ...) default to the reference implementation
     (deepinfer.reference: plain PyTorch, any torch device), which also defines what they mean;
   - composite ops (experts, fused_moe, grouped_gemm, linear_fp8, write_mla_kv, mla_query,
-    add_rms_norm, decode, ...) default to a composition of THIS BACKEND's own ops, reached through the part's
-    `backend`: speed up grouped_gemm and the default experts get faster too.
+    mla_query_and_cache, add_rms_norm, decode, ...) default to a composition of THIS BACKEND's own
+    ops, reached through the part's `backend`: speed up grouped_gemm and the default experts get
+    faster too.
 docs/porting.md has the table of every default: what it calls and when to override it.
 
 Shape symbols are listed in deepinfer/backend/types.py. All ops take and return tensors on
@@ -340,6 +341,30 @@ class AttentionOps(_Part):
         if q_pe.shape[-1]:
             q_pe = self.backend.small.rope(q_pe, positions, cos_sin_cache, interleaved)
         return torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+
+    def mla_query_and_cache(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        kv: torch.Tensor,
+        cache: PagedKVCache,
+        kv_norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """MLA's step preparation in one op: kv_cache.write_mla_kv(cache, kv, kv_norm_weight, eps,
+        positions, cos_sin_cache, interleaved, slot_mapping), then mla_query(q_nope, q_pe, w_uk,
+        positions, cos_sin_cache, interleaved), returned; both read the same projection output
+        and positions, so a backend may do both in one launch (one launch a layer fewer at decode
+        sizes). The stored rows and the query are those of the two ops. Default: the two ops."""
+        self.backend.kv_cache.write_mla_kv(
+            cache, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping
+        )
+        return self.mla_query(q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved)
 
     def compressed_attention(
         self,

@@ -79,16 +79,12 @@ class MLAttention(nn.Module):
         q = q.view(t, self.num_heads, self.nope_dim + self.rope_dim)  # rows may be strided
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # (T, H, N), (T, H, R)
 
-        # The cache row [kv_a_layernorm(latent) | rope(k_pe)] in one op: kv (T, C + R) -> the cache.
-        self.backend.kv_cache.write_mla_kv(
-            cache, kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, batch.positions, cos_sin,
-            self.interleaved, batch.slot_mapping,
+        # The cache row [kv_a_layernorm(latent) | rope(k_pe)] from kv (T, C + R), and the query
+        # [q_nope @ W_UK^T per head | rope(q_pe)] (T, H, C + R) against [latent | k_pe], in one op
+        q_full = self.backend.attention.mla_query_and_cache(
+            q_nope, q_pe, self.w_uk, kv, cache, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            batch.positions, cos_sin, self.interleaved, batch.slot_mapping,
         )  # fmt: skip
-
-        # [q_nope @ W_UK^T per head | rope(q_pe)] (T, H, C + R): the query against [latent | k_pe]
-        q_full = self.backend.attention.mla_query(
-            q_nope, q_pe, self.w_uk, batch.positions, cos_sin, self.interleaved
-        )
         gemm = self.backend.gemm
         attend = (
             self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill

@@ -296,6 +296,37 @@ class CudaAttention(AttentionOps):
             q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant
         )
 
+    def mla_query_and_cache(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        kv: torch.Tensor,
+        cache: PagedKVCache,
+        kv_norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """The cache write inside mla_query's launch (kernels/mla.py, CacheWrite) up to
+        mla.DECODE_MAX_T tokens, where the query takes 16-row tiles (a tail program writes at
+        most 16 rows one after another); larger steps, dtypes the kernels do not take, or
+        unfused: the two ops."""
+        t = _cache_tensor(cache)
+        fits = q_nope.shape[0] <= mla_k.DECODE_MAX_T and mla_k.supported(q_nope, q_pe, w_uk)
+        if not (self.fused and fits and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES):
+            return super().mla_query_and_cache(
+                q_nope, q_pe, w_uk, kv, cache, kv_norm_weight, eps, positions, cos_sin_cache, interleaved,
+                slot_mapping,
+            )  # fmt: skip
+        write = mla_k.CacheWrite(t, kv, kv_norm_weight, eps, slot_mapping)
+        return mla_k.mla_query(
+            q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant,
+            write=write,
+        )  # fmt: skip
+
     def compressed_attention(
         self,
         q: torch.Tensor,

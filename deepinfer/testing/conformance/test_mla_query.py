@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import KVCacheSpec
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import small as ref_small
+from deepinfer.testing.conformance.test_memory import mla_rows
 from deepinfer.testing.helpers import oracle, randn
 from deepinfer.testing.tolerances import assert_bitwise_equal, assert_close, index_locator
 
@@ -98,3 +100,52 @@ def test_mla_query_strided_weight(
     out = backend.attention.mla_query(q_nope, q_pe, w_uk, positions, table, interleaved)
     expected = expected_query(q_nope, q_pe, w_uk, cpu_positions, table, interleaved)
     assert_close(out, expected, dtype, what="mla_query (w_uk a strided view)")
+
+
+# (T, H, N, C, R): one decode token, a few, more tokens than heads (a program writes several rows),
+# past the 64 rows where a backend may stop fusing, no rope part, no tokens
+CACHE_SHAPES = [
+    (1, 16, 128, 512, 64),
+    (7, 3, 24, 40, 8),
+    (20, 2, 24, 40, 8),
+    (70, 2, 16, 32, 8),
+    (5, 3, 7, 33, 0),
+    (0, 2, 16, 32, 8),
+]
+
+
+@pytest.mark.parametrize("shape", CACHE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+def test_mla_query_and_cache(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...], interleaved: bool
+) -> None:
+    """The query is mla_query's and the stored rows write_mla_kv's (float64 references), with kv a
+    column slice of a wider projection output, padding slots (-1) anywhere and every other slot
+    untouched."""
+    t, h, n, c, r = shape
+    dev = backend.device.device()
+    q, w_uk, positions, table, cpu_positions = query_inputs(t, h, n, c, r, dtype, dev, gen)
+    q_nope, q_pe = q[..., :n], q[..., n:]
+    nb, bs = 8, 16
+    spec = KVCacheSpec(nb, bs, c, r, dtype)
+    cache = backend.kv_cache.allocate(spec, 1)[0]
+    all_slots = torch.arange(nb * bs)
+    before = randn((nb * bs, c + r), dtype, "cpu", gen)
+    backend.kv_cache.write_kv(cache, before.to(dev), all_slots.to(dev))
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[::3] = -1
+    kv = randn((t, c + r + 3), dtype, "cpu", gen, 2.0)[:, 1 : 1 + c + r]
+    w = (1 + randn((c,), torch.float32, "cpu", gen, 0.2)).to(dtype)
+
+    out = backend.attention.mla_query_and_cache(
+        q_nope, q_pe, w_uk, kv.to(dev), cache, w.to(dev), 1e-6, positions, table, interleaved, slots.to(dev)
+    )  # fmt: skip
+    expected = expected_query(q_nope, q_pe, w_uk, cpu_positions, table, interleaved)
+    assert_close(out, expected, dtype, what="mla_query_and_cache's query", case=f"T, H, N, C, R = {shape}")
+    stored = backend.kv_cache.read_kv(cache, all_slots.to(dev)).cpu()
+    keep = slots >= 0
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert_bitwise_equal(stored[untouched], before[untouched], what="slots not written (padding rows kept)")
+    rows = mla_rows(oracle(kv), oracle(w), cpu_positions, table.cpu().double(), c, interleaved)
+    assert_close(stored[slots[keep]], rows[keep], dtype, what="mla_query_and_cache's cache rows")

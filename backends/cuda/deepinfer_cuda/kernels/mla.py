@@ -7,6 +7,8 @@ It replaces the rope kernel, the bmm (and the copy of its transposed operand) an
 Each program owns BLOCK_T rows of one head and reduces N for them in BLOCK_N steps, in order,
 with a float32 accumulator from zero: a row's bits depend on the tile (BLOCK_T, BLOCK_C,
 BLOCK_N, warps), never on which rows share it, so one fixed tile makes it batch-invariant.
+With a CacheWrite the same launch also stores the step's latent cache rows
+(AttentionOps.mla_query_and_cache): at decode sizes that is one launch a layer fewer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ from deepinfer_cuda.kernels.common import (
     to_dtype,
     wait_for_previous,
 )
-from deepinfer_cuda.kernels.small import CAST_DTYPES, rope_rows
+from deepinfer_cuda.kernels.small import (
+    CAST_DTYPES,
+    check_mla_kv_write,
+    rope_rows,
+    write_mla_kv,
+    write_mla_kv_row,
+)
 
 
 @dataclass(frozen=True)
@@ -53,13 +61,16 @@ def _mla_query_kernel(
     qn_ptr, qp_ptr, w_ptr, pos_ptr, cs_ptr, out_ptr, T, N, C, HALF,
     stride_qnt, stride_qnh, stride_qpt, stride_qph, stride_wh, stride_wc, stride_wn,
     stride_pos, stride_cs, stride_ot, stride_oh,
+    kv_ptr, kvw_ptr, slot_ptr, cache_ptr, eps, stride_kv, stride_slot, D,
     INTERLEAVED: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    PDL: tl.constexpr,
+    WRITE: tl.constexpr, BLOCK_KC: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows [t0, t0 + BLOCK_T) of head h (grid axes 0, 1). Axis 2: program c < cdiv(C, BLOCK_C)
     writes out[rows, h, c-th BLOCK_C columns] = q_nope[rows, h] @ w[h, cols]^T; the one after
-    them writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position. PDL: the first
+    them (the tail) writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position, and
+    WRITE: the cache rows of the tile's tokens h, h + H, ... (small.write_mla_kv_row: kv's
+    latent normed by kvw, its rope part rotated at the same positions; D = C + R). PDL: the first
     W_UK tile is loaded before waiting for the previous kernel (common.pdl_enabled)."""
     launch_dependents(PDL)
     pid_t = tl.program_id(0)
@@ -97,11 +108,33 @@ def _mla_query_kernel(
         sin = tl.load(cs + HALF, mask=cmask, other=0.0).to(tl.float32)
         q_rows = qp_ptr + rows64[:, None] * stride_qpt + h * stride_qph
         rope_rows(q_rows, out_rows + C, rmask[:, None], cos, sin, HALF, INTERLEAVED, BLOCK_R)
+        if WRITE:
+            for i in range(h, BLOCK_T, tl.num_programs(1)):
+                t = pid_t * BLOCK_T + i
+                if t < T:
+                    write_mla_kv_row(
+                        kv_ptr, kvw_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, t.to(tl.int64), C, HALF, eps,
+                        stride_kv, stride_pos, stride_cs, stride_slot, D, INTERLEAVED, BLOCK_KC, BLOCK_R,
+                        True,  # R = 0: every rope load and store is masked off (HALF = 0)
+                    )  # fmt: skip
 
 
 def supported(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> bool:
     """Whether the kernel takes these dtypes: one float dtype it rounds like torch, for all three."""
     return q_nope.dtype in CAST_DTYPES and q_pe.dtype == q_nope.dtype and w_uk.dtype == q_nope.dtype
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """This step's latent cache rows, written by mla_query's launch (small.write_mla_kv's
+    arguments): cache (NB, BS, C + R) contiguous, kv (T, C + R) the raw KV down-projection
+    (a strided view is fine), norm_weight (C,), slot_mapping (T,) (-1: skip the row)."""
+
+    cache: torch.Tensor
+    kv: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    slot_mapping: torch.Tensor
 
 
 def mla_query(
@@ -113,10 +146,13 @@ def mla_query(
     interleaved: bool,
     batch_invariant: bool = False,
     tile: QueryTile | None = None,
+    write: CacheWrite | None = None,
 ) -> torch.Tensor:
     """q_nope (T, H, N), q_pe (T, H, R) (strided views are fine), w_uk (H, C, N), positions (T,),
     cos_sin_cache (P, R) rows [cos | sin] -> (T, H, C + R) in q_nope's dtype, one launch, no host
-    sync. `tile` (tests) overrides query_tile's choice."""
+    sync. `write`: the same launch also stores the step's latent cache rows, as
+    small.write_mla_kv does at the same positions (its tail programs: the rope program of head h
+    writes tokens h, h + H, ... of its row tile). `tile` (tests) overrides query_tile's choice."""
     if q_nope.dim() != 3 or q_pe.dim() != 3 or w_uk.dim() != 3:
         raise ValueError(
             f"mla_query: q_nope (T, H, N), q_pe (T, H, R), w_uk (H, C, N), got {tuple(q_nope.shape)}, "
@@ -138,21 +174,37 @@ def mla_query(
     if not supported(q_nope, q_pe, w_uk):
         raise ValueError(f"mla_query: one dtype of {CAST_DTYPES} for q_nope, q_pe and w_uk, got "
                          f"{q_nope.dtype}, {q_pe.dtype}, {w_uk.dtype}")  # fmt: skip
+    if write is not None:
+        check_mla_kv_write(
+            write.cache, write.kv, c, write.norm_weight, positions, cos_sin_cache, write.slot_mapping
+        )
     out = torch.empty((t, h, c + r), dtype=q_nope.dtype, device=q_nope.device)
     if t == 0 or h == 0 or c + r == 0:
+        if write is not None:
+            write_mla_kv(
+                write.cache, write.kv, c, write.norm_weight, write.eps, positions, cos_sin_cache,
+                interleaved, write.slot_mapping,
+            )  # fmt: skip
         return out
     qn = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     qp = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     cfg = tile or query_tile(t, batch_invariant)
-    grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r else 0))
+    grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r or write else 0))
     pdl = pdl_enabled(q_nope.device)
+    if write is not None:
+        kv = write.kv if write.kv.stride(-1) == 1 else write.kv.contiguous()
+        cache, kvw, slots, eps = write.cache, write.norm_weight.contiguous(), write.slot_mapping, write.eps
+    else:  # unused
+        kv = cache = kvw = slots = out
+        eps = 0.0
     _mla_query_kernel[grid](
         qn, qp, w_uk, positions, cs, out, t, n, c, r // 2,
         qn.stride(0), qn.stride(1), qp.stride(0), qp.stride(1), *w_uk.stride(),
         positions.stride(0), cs.stride(0), out.stride(0), out.stride(1),
+        kv, kvw, slots, cache, eps, kv.stride(0), slots.stride(0), c + r,
         INTERLEAVED=interleaved, IEEE=q_nope.dtype == torch.float32, BLOCK_T=cfg.block_t,
-        BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1), PDL=pdl,
-        num_warps=cfg.num_warps, launch_pdl=pdl,
+        BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1),
+        WRITE=write is not None, BLOCK_KC=next_pow2(c), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

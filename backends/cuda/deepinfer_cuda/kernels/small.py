@@ -323,17 +323,14 @@ def weighted_combine(y_sorted: torch.Tensor, src_to_dst: torch.Tensor, weights: 
 
 
 @triton.jit
-def _write_mla_kv_kernel(
-    kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, C, HALF, eps,
+def write_mla_kv_row(
+    kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, t, C, HALF, eps,
     stride_kv, stride_pos, stride_cs, stride_slot, D,
     INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
-    """One token: cache[slot] = [rms_norm(kv[:C]) * w | rope(kv[C:])]. Each half is rounded to
-    kv's dtype first (what the two small ops return), then to the cache's (what write_kv does)."""
-    launch_dependents(PDL)  # MLA's query kernel loads its W_UK tiles
-    wait_for_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    """Token t (a helper of the kernels, inlined): cache[slot[t]] = [rms_norm(kv[t, :C]) * w |
+    rope(kv[t, C:])], nothing for slot -1. Each half is rounded to kv's dtype first (what the two
+    small ops return), then to the cache's (what write_kv does)."""
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
     if slot >= 0:
         src = kv_ptr + t * stride_kv
@@ -368,21 +365,32 @@ def _write_mla_kv_kernel(
             tl.store(dst + c2, to_dtype(y2, cache_ty), mask=rmask)
 
 
-def write_mla_kv(
+@triton.jit
+def _write_mla_kv_kernel(
+    kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, C, HALF, eps,
+    stride_kv, stride_pos, stride_cs, stride_slot, D,
+    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """One program per token (write_mla_kv_row)."""
+    launch_dependents(PDL)  # MLA's query kernel loads its W_UK tiles
+    wait_for_previous(PDL)
+    write_mla_kv_row(
+        kv_ptr, w_ptr, pos_ptr, cs_ptr, slot_ptr, cache_ptr, tl.program_id(0).to(tl.int64), C, HALF, eps,
+        stride_kv, stride_pos, stride_cs, stride_slot, D, INTERLEAVED, BLOCK_C, BLOCK_R, ROPE,
+    )  # fmt: skip
+
+
+def check_mla_kv_write(
     cache: torch.Tensor,
     kv: torch.Tensor,
     latent_dim: int,
     norm_weight: torch.Tensor,
-    eps: float,
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
-    interleaved: bool,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """MLA's cache write in one launch, one program per token (graph-safe: no host sync).
-    cache (NB, BS, C + R) contiguous; kv (T, C + R), the raw kv_a output (a strided view is fine);
-    C = latent_dim; norm_weight (C,); positions, slot_mapping (T,) int (slot -1: skip the row);
-    cos_sin_cache (P, R) float rows [cos | sin] (unused when R = 0)."""
+    """write_mla_kv's argument checks (also those of mla.mla_query's fused write)."""
     t, d = kv.shape
     c, r = latent_dim, d - latent_dim
     if cache.shape[-1] != d or not cache.is_contiguous():
@@ -400,6 +408,26 @@ def write_mla_kv(
         raise ValueError(f"write_mla_kv: positions and slot_mapping must be ({t},)")
     if kv.dtype not in CAST_DTYPES or cache.dtype not in CAST_DTYPES:
         raise ValueError(f"write_mla_kv: dtypes {kv.dtype} -> {cache.dtype}; supported: {CAST_DTYPES}")
+
+
+def write_mla_kv(
+    cache: torch.Tensor,
+    kv: torch.Tensor,
+    latent_dim: int,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    interleaved: bool,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """MLA's cache write in one launch, one program per token (graph-safe: no host sync).
+    cache (NB, BS, C + R) contiguous; kv (T, C + R), the raw kv_a output (a strided view is fine);
+    C = latent_dim; norm_weight (C,); positions, slot_mapping (T,) int (slot -1: skip the row);
+    cos_sin_cache (P, R) float rows [cos | sin] (unused when R = 0)."""
+    check_mla_kv_write(cache, kv, latent_dim, norm_weight, positions, cos_sin_cache, slot_mapping)
+    t, d = kv.shape
+    c, r = latent_dim, d - latent_dim
     if t == 0:
         return
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
