@@ -95,7 +95,7 @@ def configurations(
                 )
                 skipped.append(f"dspark k={k}: {why}")
                 continue
-            for scheduled in (False, True):
+            for scheduled in {"both": (False, True), "off": (False,), "on": (True,)}[args.scheduling]:
                 spec: dict[str, Any] = {"method": drafter, "num_speculative_tokens": k}
                 if scheduled:
                     spec.update(
@@ -413,6 +413,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--block-k", type=int, nargs="*", default=None, help="block drafter k (default 1..5)")
     ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
     ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
+    ap.add_argument(
+        "--scheduling", choices=("both", "off", "on"), default="both",
+        help="each configuration without and with confidence scheduling (both), or only one of them",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="least timed calls per figure (their median)")
     ap.add_argument(
