@@ -637,6 +637,34 @@ def test_router_select_experts_one_launch_is_router_logits_plus_route(
     assert empty[0].shape == empty[1].shape == (0, config.top_k + config.shared_experts)
 
 
+@pytest.mark.parametrize("name,t", [("E64-softmax-shared2", 3), ("E256-8groups-bias-shared1", 2)])
+def test_router_tiles_same_bits_both_ways_and_the_same_routes(
+    gen: torch.Generator, name: str, t: int
+) -> None:
+    """Each router tile (the one-warp programs of few tokens, the default, another): select_experts
+    gives the bits of router_logits + route with the same tile (route's warps order a row's
+    softmax sum); across tiles the routes agree where no two scores nearly tie. The rule: the
+    few-token tile up to ROUTER_FEW_TOKENS on a GPU, the default above it, in batch-invariant
+    mode and in the interpreter."""
+    config, x, gate, bias, hash_ids = _router_inputs(gen, name, t, 600)
+    routes = []
+    for tile in (moe_k.ROUTER_FEW_TILE, moe_k.ROUTER_TILE, moe_k.RouterTile(2, 256, 2)):
+        want = moe_k.route(moe_k.router_logits(x, gate, tile), config, bias, hash_ids, tile)
+        got = moe_k.select_experts(x, gate, config, bias, hash_ids, tile)
+        for g, w, what in zip(got, want, ("weights", "ids")):
+            assert_bitwise_equal(g.cpu(), w.cpu(), what=f"{what}, tile {tile}")
+        routes.append(got)
+    logits = x.cpu().double() @ gate.cpu().double().T
+    clear = router_margin(logits, config, None if bias is None else bias.cpu().double()) > 1e-4
+    for w, i in routes[1:]:
+        assert torch.equal(i.cpu()[clear], routes[0][1].cpu()[clear])
+        torch.testing.assert_close(w.cpu()[clear], routes[0][0].cpu()[clear], rtol=1e-5, atol=1e-6)
+    few = moe_k.ROUTER_TILE if INTERPRET else moe_k.ROUTER_FEW_TILE
+    assert moe_k.router_tile(moe_k.ROUTER_FEW_TOKENS) == few
+    assert moe_k.router_tile(moe_k.ROUTER_FEW_TOKENS + 1) == moe_k.ROUTER_TILE
+    assert moe_k.router_tile(1, batch_invariant=True) == moe_k.ROUTER_TILE
+
+
 def test_router_select_experts_in_a_graph_and_the_backend_paths(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
