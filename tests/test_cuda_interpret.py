@@ -1,13 +1,15 @@
 """CI for the CUDA backend without a GPU: its Triton kernels run in the Triton interpreter on the
 CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variable.
 
-1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off; float32 and
-   bfloat16: float16 takes the same kernel code as bfloat16, a dtype constant apart, and runs in
-   the GPU's conformance run, ci/gpu_check.sh),
+1. the backend conformance suite for `cuda` (small shapes; heavy cases stay off; bfloat16 only:
+   the interpreter computes every product in float32 whatever the dtype, so float32 and float16
+   add little here beyond other tiles, and both run in the GPU's conformance run,
+   ci/gpu_check.sh),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
 3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py,
    tests/test_drafter.py: verification graphs),
-   expert parallelism over two processes against one (tests/test_expert_parallel.py), async
+   expert parallelism over two processes against one (tests/test_expert_parallel.py, bf16
+   expert weights: the FP8 experts' kernels are in the conformance suite), async
    scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py),
    and DeepSeek-V4 decode graphs against eager steps (tests/test_v4_cache_groups.py).
 Each subprocess gets a generous limit (SUBPROCESS_TIMEOUT): the interpreter is slow, and on a busy
@@ -47,7 +49,7 @@ def test_conformance_suite_under_interpreter() -> None:
     workers = ["-n", "2"] if importlib.util.find_spec("xdist") is not None else []
     res = _run(
         ["-p", "deepinfer.testing.plugin", "--pyargs", "deepinfer.testing.conformance",
-         "--deepinfer-backend", "cuda", "--deepinfer-dtypes", "float32,bfloat16", *workers]
+         "--deepinfer-backend", "cuda", "--deepinfer-dtypes", "bfloat16", *workers]
     )  # fmt: skip
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"conformance suite failed for cuda under TRITON_INTERPRET=1:\n{tail}"
@@ -70,10 +72,10 @@ def test_engine_speculative_decoding_under_interpreter() -> None:
 
 
 def test_engine_expert_parallel_under_interpreter() -> None:
-    res = _run([str(REPO / "tests" / "test_expert_parallel.py"), "-k", "cuda"])
+    res = _run([str(REPO / "tests" / "test_expert_parallel.py"), "-k", "cuda and bf16"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"expert parallelism on cuda failed under TRITON_INTERPRET=1:\n{tail}"
-    assert "2 passed" in res.stdout, tail  # bf16 and FP8 expert weights
+    assert "1 passed" in res.stdout, tail
 
 
 def test_engine_async_scheduling_and_graphs_under_interpreter() -> None:
