@@ -67,8 +67,9 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       the same model and backend), async_scheduling=False, DEEPINFER_CUDA_UNFUSED=1 (the backend's
       fused kernels), DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
       shared experts in the routed grouped GEMM), DEEPINFER_CUDA_MOE_DECODE=0 (the cuda
-      backend's decode-sized MoE kernels), DEEPINFER_CUDA_SKINNY=0 (its skinny GEMM) and
-      DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels) (each a
+      backend's decode-sized MoE kernels), DEEPINFER_CUDA_SKINNY=0 (its skinny GEMM),
+      DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels) and
+      DEEPINFER_CUDA_MOE_EARLY=0 (the shared experts computed while the router runs) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -111,6 +112,7 @@ CUDA_UNFUSED = "DEEPINFER_CUDA_UNFUSED"  # read by the cuda backend when it is c
 MOE_DECODE = "DEEPINFER_CUDA_MOE_DECODE"  # 0: the cuda backend's decode-sized MoE kernels off
 SKINNY = "DEEPINFER_CUDA_SKINNY"  # 0: decode-sized float linears on cuBLAS, not the skinny kernel
 PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinary way
+MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for the router
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 
 
@@ -1017,7 +1019,7 @@ class Bench:
             rows.setdefault(str(b), {"batch": b})["default_tok_s"] = tok_s
             log(f"default B={b}: {tok_s:.1f} tok/s ({n} tokens)")
         b, n = a.invariant_batch, a.invariant_output_len
-        if not self.over_budget(f"default at {n} tokens, batch {b}"):
+        if b > 0 and not self.over_budget(f"default at {n} tokens, batch {b}"):
             tok_s, _, tokens = self.di_throughput(self.llm, b, n)
             self.extra["batch_invariant"] = {"batch": b, "output_len": n, "default_tok_s": tok_s}
             self.outputs[("default_invariant_len", b)] = tokens
@@ -1127,7 +1129,8 @@ class Bench:
         """(c) `var`=`value`, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED=1:
         the backend's fused kernels; DEEPINFER_MODEL_UNFUSED=1: the model's fusions;
         DEEPINFER_CUDA_MOE_DECODE=0: the decode-sized MoE kernels; DEEPINFER_CUDA_SKINNY=0: the
-        skinny GEMM; DEEPINFER_CUDA_PDL=0: programmatic dependent launch): a fresh backend + model, its
+        skinny GEMM; DEEPINFER_CUDA_PDL=0: programmatic dependent launch; DEEPINFER_CUDA_MOE_EARLY=0:
+        the shared experts' early start): a fresh backend + model, its
         rows under `key`_tok_s."""
         a = self.args
         n = a.ablation_output_len
@@ -1371,7 +1374,8 @@ class Bench:
                 "(DEEPINFER_CUDA_UNFUSED=1), the model's fusions (DEEPINFER_MODEL_UNFUSED=1: MLA's q + kv_a "
                 "GEMM, shared experts in the routed grouped GEMM), the decode-sized MoE kernels "
                 "(DEEPINFER_CUDA_MOE_DECODE=0), the skinny GEMM (DEEPINFER_CUDA_SKINNY=0), programmatic "
-                "dependent launch (DEEPINFER_CUDA_PDL=0); the last six "
+                "dependent launch (DEEPINFER_CUDA_PDL=0), the shared experts computed while the router "
+                "runs (DEEPINFER_CUDA_MOE_EARLY=0); the last seven "
                 "each on a fresh backend "
                 "with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
@@ -1384,8 +1388,9 @@ class Bench:
                 "",
                 "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
                 "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 "
-                "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 | DEEPINFER_CUDA_PDL=0 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 | DEEPINFER_CUDA_PDL=0 "
+                "| DEEPINFER_CUDA_MOE_EARLY=0 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1401,7 +1406,8 @@ class Bench:
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
                     f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
-                    f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} | {cell('no_pdl_tok_s')} |"
+                    f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} | {cell('no_pdl_tok_s')} "
+                    f"| {cell('no_early_shared_tok_s')} |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1575,7 +1581,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--profile-lead-steps", type=int, default=None, help="decode steps before the profile (default 4)"
     )
-    p.add_argument("--invariant-batch", type=int, default=None, help="default 32 (smoke 2)")
+    p.add_argument("--invariant-batch", type=int, default=None, help="default 32 (smoke 2); 0: no row")
     p.add_argument(
         "--invariant-output-len", type=int, default=None, help="batch-invariant row tokens (default 16)"
     )
@@ -1669,8 +1675,11 @@ def main(argv: list[str] | None = None) -> int:
         with bench.section("no_pdl"):
             if not bench.over_budget("no pdl") and backend_reads_env(args.backend, PDL):
                 bench.unfused(PDL, "no_pdl", "0")
+        with bench.section("no_early_shared"):
+            if not bench.over_budget("no early shared") and backend_reads_env(args.backend, MOE_EARLY):
+                bench.unfused(MOE_EARLY, "no_early_shared", "0")
         with bench.section("batch_invariant"):  # last: the slowest
-            if not bench.over_budget("batch-invariant"):
+            if args.invariant_batch > 0 and not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()
     with bench.section("weights_check"):
         bench.check_weights()

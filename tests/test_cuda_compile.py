@@ -208,10 +208,16 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
         dict(HAS_SINKS=False, BLOCK_DV=512, BLOCK_S=16, BLOCK_C=128, ROWS=1, PDL=pdl),
     )  # fmt: skip
+    skinny = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, BLOCK_S=16, PDL=pdl)
     ptx["skinny"] = compile_sm90(
         gemm_k._skinny_kernel,
-        {"x_ptr": bf16, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, PDL=pdl), num_warps=8,
+        {"x_ptr": bf16, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32, "lse_ptr": bf16},
+        skinny | dict(MERGE=False), num_warps=8,
+    )  # fmt: skip
+    ptx["skinny_merge"] = compile_sm90(  # W_UV reading the attention's split-KV partials
+        gemm_k._skinny_kernel,
+        {"x_ptr": f32, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32, "lse_ptr": f32},
+        skinny | dict(MERGE=True, SPLIT=False), num_warps=8,
     )  # fmt: skip
     ptx["select_experts"] = compile_sm90(
         moe_k._select_experts_kernel,
@@ -224,13 +230,13 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
     ptx["decode_up"] = compile_sm90(
         moe_k._decode_up_kernel,
         {"x_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "act_ptr": bf16, "count_ptr": i32},
-        tiles | dict(ZERO_BLOCK=4),
+        tiles | dict(ZERO_BLOCK=4, SHARED=2),
     )  # fmt: skip
     ptx["decode_down"] = compile_sm90(
         moe_k._decode_down_kernel,
         {"a_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "wt_ptr": f32, "y_ptr": bf16,
          "out_ptr": bf16, "count_ptr": i32},
-        tiles | dict(COMBINE=True),
+        tiles | dict(COMBINE=True, SHARED=2),
     )  # fmt: skip
     return ptx
 

@@ -200,6 +200,85 @@ def test_split_kv_is_batch_invariant(gen: torch.Generator) -> None:
     assert_bitwise_equal(alone, both[:1], what="request 0 alone vs batched")
 
 
+@pytest.mark.parametrize("splits", [1, 5, 37])  # 37: three steps of gemm_k.MERGE_SPLITS
+def test_skinny_merge_matmul_merges_split_partials_as_it_reads_them(
+    gen: torch.Generator, splits: int
+) -> None:
+    """skinny_merge_matmul: per head, the split-KV partials merged (empty splits' partials NaN,
+    never to reach the result; a row with every split empty is zero) and multiplied by the head's
+    weight; against the float64 merge and product, and against combine_splits + skinny_matmul."""
+    t, g, k, n = 3, 3, 40, 70
+    part = torch.randn((t * g * splits, 64), generator=gen)
+    lse = torch.randn((t * g * splits,), generator=gen) * 4
+    if splits > 1:
+        lse[1::3] = float("-inf")
+        part[1::3] = float("nan")
+    lse[(1 * g + 2) * splits : (1 * g + 3) * splits] = float("-inf")  # token 1, head 2: nothing
+    part[(1 * g + 2) * splits : (1 * g + 3) * splits] = float("nan")
+    weight = (torch.randn((g, n, k), generator=gen) * k**-0.5).to(torch.bfloat16)
+    y = gemm_k.skinny_merge_matmul(part.to(DEV), lse.to(DEV), splits, t, weight.to(DEV)).cpu()
+    assert y.shape == (t, g, n) and y.dtype == torch.bfloat16
+
+    rows_lse = lse.double().view(t, g, splits)
+    w = torch.exp2(rows_lse - rows_lse.amax(-1, keepdim=True).nan_to_num(neginf=0.0)).nan_to_num(0.0)
+    o = torch.where(torch.isinf(rows_lse)[..., None], 0.0, part.double().view(t, g, splits, 64)[..., :k])
+    merged = (w[..., None] * o).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    expected = torch.einsum("tgk,gnk->tgn", merged.to(torch.bfloat16).double(), weight.double())
+    torch.testing.assert_close(y.double(), expected, rtol=2e-2, atol=2e-2)
+    assert y[1, 2].abs().max() == 0
+
+    combined = torch.empty((t, g, k), dtype=torch.bfloat16, device=DEV)
+    attn_k.combine_splits(part.to(DEV), lse.to(DEV), None, combined, g, splits, k)
+    two = gemm_k.skinny_matmul(combined.transpose(0, 1), weight.to(DEV)).transpose(0, 1).cpu()
+    torch.testing.assert_close(y.float(), two.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="partials"):
+        gemm_k.skinny_merge_matmul(part.to(DEV), lse.to(DEV), splits, t + 1, weight.to(DEV))
+    with pytest.raises(ValueError, match="tokens"):
+        gemm_k.skinny_merge_matmul(part.to(DEV), lse.to(DEV), splits, 9, weight.to(DEV))
+
+
+def test_mla_decode_and_uv_merges_in_the_product_at_decode_sizes(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cuda backend's mla_decode_and_uv merges the attention's splits inside the W_UV
+    product's launch at decode sizes (no combine launch), and takes the default composition in
+    batch-invariant mode, with modifiers, and past SKINNY_MAX_M requests: each against it."""
+    from deepinfer.testing.helpers import make_paged_batch
+
+    calls: list[str] = []
+    for name in ("skinny_merge_matmul", "skinny_matmul"):
+        real = getattr(gemm_k, name)
+
+        def spy(*a: Any, real: Any = real, name: str = name, **kw: Any) -> torch.Tensor:
+            calls.append(name)
+            out: torch.Tensor = real(*a, **kw)
+            return out
+
+        monkeypatch.setattr(gemm_k, name, spy)
+    real_combine = attn_k.combine_splits
+    monkeypatch.setattr(
+        attn_k, "combine_splits", lambda *a, **kw: calls.append("combine") or real_combine(*a, **kw)
+    )
+    backend = cuda_backend.create_cuda_backend(BackendOptions())
+    batch = make_paged_batch(
+        backend, seq_lens=[200], query_lens=[1], block_size=64, head_dim=576, dtype=torch.bfloat16, gen=gen,
+        rope_dim=64,
+    )  # fmt: skip
+    q = torch.randn((1, 16, 576), generator=gen).to(torch.bfloat16).to(DEV)
+    w_uv = (torch.randn((16, 128, 512), generator=gen) * 512**-0.5).to(torch.bfloat16).to(DEV)
+    fused = backend.attention.mla_decode_and_uv(q, batch.cache, batch.meta, w_uv, scale=0.07, v_dim=512)
+    assert calls == ["skinny_merge_matmul"], calls
+    calls.clear()
+    o = backend.attention.decode(q, batch.cache, batch.meta, scale=0.07, v_dim=512)
+    two = backend.gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
+    assert calls == ["combine", "skinny_matmul"], calls
+    torch.testing.assert_close(fused.cpu().float(), two.cpu().float(), rtol=2e-2, atol=2e-2)
+    calls.clear()
+    invariant = cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True))
+    invariant.attention.mla_decode_and_uv(q, batch.cache, batch.meta, w_uv, scale=0.07, v_dim=512)
+    assert "skinny_merge_matmul" not in calls
+
+
 @pytest.mark.parametrize("rows", [1, 4])  # 4: attn_k.INVARIANT_COMBINE_ROWS
 def test_combine_rows_keep_their_bits_in_any_lane(gen: torch.Generator, rows: int) -> None:
     """combine_splits at a fixed rows_per_program: a row's bits do not depend on which lane of a
@@ -1310,6 +1389,64 @@ def test_decode_moe_in_bfloat16_and_edge_sizes(gen: torch.Generator) -> None:
         top1.cpu().float(), grouped_backend.moe.fused_moe(x, weights[:, :1], ids[:, :1], *w).cpu().float(),
         rtol=8e-3, atol=8e-3,
     )  # fmt: skip
+
+
+def test_decode_moe_starts_the_shared_experts_from_their_place_not_the_ids(gen: torch.Generator) -> None:
+    """shared_experts = S: the last S columns' experts come from their place (E - S .. E - 1),
+    not from ids (on a GPU those copies compute before the router ends): the same bits as reading
+    them when ids hold them; other ids there would change the result; S past K or E is refused."""
+    args, _ = _decode_moe_case(gen, 4, False)
+    x, weights, ids, w13, w2 = args[:5]
+    plain = moe_k.decode_moe(*args)
+    assert_bitwise_equal(moe_k.decode_moe(*args, shared_experts=1).cpu(), plain.cpu(), what="S = 1")
+    wrong = ids.clone()
+    wrong[:, -1] = 0  # the kernel must not read the shared column's ids
+    early = moe_k.decode_moe(x, weights, wrong, w13, w2, shared_experts=1)
+    assert_bitwise_equal(early.cpu(), plain.cpu(), what="S = 1 with other ids in the shared column")
+    assert not torch.equal(moe_k.decode_moe(x, weights, wrong, w13, w2).cpu(), plain.cpu())
+    with pytest.raises(ValueError, match="shared_experts=4"):
+        moe_k.decode_moe(*args, shared_experts=4)
+
+
+def test_fused_moe_starts_shared_experts_early_only_right_after_their_routing(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend passes the router's S shared experts to the decode kernels only for the x and
+    ids of the last one-launch routing, with w13 holding E + S experts, under inference mode too
+    (as the engine runs), and not with DEEPINFER_CUDA_MOE_EARLY=0."""
+    seen: list[int] = []
+    real = moe_k.decode_moe
+
+    def spy(*a: Any, shared_experts: int = 0, **kw: Any) -> torch.Tensor:
+        seen.append(shared_experts)
+        y: torch.Tensor = real(*a, shared_experts=shared_experts, **kw)
+        return y
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    backend = cuda_backend.create_cuda_backend(BackendOptions())
+    e, s, h, inter = 5, 1, 64, 32
+    with torch.inference_mode():  # the engine's tensors: no version counter
+        x = torch.randn((2, h), generator=gen).to(DEV)
+    gate = torch.randn((e, h), generator=gen).to(DEV)
+    w13 = (torch.randn((e + s, 2 * inter, h), generator=gen) * h**-0.5).to(DEV)
+    w2 = (torch.randn((e + s, h, inter), generator=gen) * inter**-0.5).to(DEV)
+    config = RouterConfig("softmax", top_k=2, shared_experts=s)
+    weights, ids = backend.moe.select_experts(x, gate, config)
+    early = backend.moe.fused_moe(x, weights, ids, w13, w2)
+    backend.moe.select_experts(x, gate, config)
+    late = backend.moe.fused_moe(x.clone(), weights, ids, w13, w2)  # not the routed x
+    assert seen == [s, 0]
+    assert_bitwise_equal(early.cpu(), late.cpu(), what="shared experts early or not")
+    weights, ids = backend.moe.select_experts(x, gate, config)
+    backend.moe.fused_moe(x, weights, ids, torch.cat([w13, w13[:1]]), torch.cat([w2, w2[:1]]))  # E + S + 1
+    weights, ids = backend.moe.select_experts(x, gate, config)
+    backend.moe.fused_moe(x, weights, ids.clone(), w13, w2)  # not the routed ids
+    backend.moe.fused_moe(x, weights, ids, w13, w2)  # a second call: no routing just before
+    monkeypatch.setenv(cuda_backend.MOE_EARLY_ENV, "0")
+    backend = cuda_backend.create_cuda_backend(BackendOptions())
+    weights, ids = backend.moe.select_experts(x, gate, config)
+    backend.moe.fused_moe(x, weights, ids, w13, w2)
+    assert seen == [s, 0, 0, 0, 0, 0]
 
 
 def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(

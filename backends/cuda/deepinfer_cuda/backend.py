@@ -21,6 +21,7 @@ what the fusion buys. Results agree within each op's contract either way.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
@@ -75,6 +76,15 @@ MOE_DECODE_ENV = "DEEPINFER_CUDA_MOE_DECODE"
 def moe_decode_from_env() -> bool:
     """False when DEEPINFER_CUDA_MOE_DECODE=0: decode-sized MoE layers take the grouped path too."""
     return os.environ.get(MOE_DECODE_ENV, "1") != "0"
+
+
+MOE_EARLY_ENV = "DEEPINFER_CUDA_MOE_EARLY"
+
+
+def moe_early_from_env() -> bool:
+    """False when DEEPINFER_CUDA_MOE_EARLY=0: the decode MoE kernels' shared-expert copies wait
+    for the router like the routed ones (CudaMoe._shared_early)."""
+    return os.environ.get(MOE_EARLY_ENV, "1") != "0"
 
 
 SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
@@ -259,6 +269,43 @@ class CudaAttention(AttentionOps):
         modifiers: AttentionModifiers = NO_MODIFIERS,
     ) -> torch.Tensor:
         return self._run(q, cache, meta, scale, v_dim, modifiers)
+
+    def mla_decode_and_uv(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        w_uv: torch.Tensor,
+        *,
+        scale: float,
+        v_dim: int,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+    ) -> torch.Tensor:
+        """Where the W_UV product takes the skinny GEMM (decode sizes, outside batch-invariant
+        mode) and FlashMLA does not serve: the attention's split-KV partials are merged inside the
+        product's launch (gemm.skinny_merge_matmul), so the combine's launch is gone. Else (or
+        where one split serves every row, written whole by the attention) the default."""
+        gemm = self.backend.gemm
+        fits = (
+            self.fused
+            and getattr(gemm, "skinny", False)
+            and modifiers.is_plain
+            and meta.is_decode_only
+            and w_uv.dtype == q.dtype
+            and v_dim <= cache.spec.head_dim
+            and gemm_k.skinny_merge_ok(q.shape[0], w_uv)
+            and not vendor.flash_mla_available()
+        )
+        if not fits:
+            return super().mla_decode_and_uv(
+                q, cache, meta, w_uv, scale=scale, v_dim=v_dim, modifiers=modifiers
+            )
+        o = attn_k.mla_attention_partials(
+            q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim
+        )
+        if isinstance(o, torch.Tensor):
+            return gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
+        return gemm_k.skinny_merge_matmul(o.part, o.lse, o.splits, q.shape[0], w_uv)
 
     def _run(
         self,
@@ -479,6 +526,10 @@ class CudaMoe(MoeOps):
         super().__init__(options)
         self.fused = fused
         self.decode = fused and decode  # kernels/moe.decode_moe for a few tokens
+        self.early = moe_early_from_env()
+        # The last one-launch routing: (x, ids) by weak reference, its shared experts S and E + S.
+        # fused_moe on that very x and ids may start the shared copies early.
+        self._routed: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int] | None = None
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Decode sizes (outside batch-invariant mode): one Triton launch on x as it is; else the
@@ -509,9 +560,25 @@ class CudaMoe(MoeOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Where router_logits takes its one-launch path, scores and routing in ONE launch (the
         same bits as router_logits + route); else those two."""
+        self._routed = None
         if self._router_gemv(x, gate_weight):
-            return moe_k.select_experts(x, gate_weight, config, correction_bias, hash_ids)
+            weights, ids = moe_k.select_experts(x, gate_weight, config, correction_bias, hash_ids)
+            s = config.shared_experts
+            self._routed = (weakref.ref(x), weakref.ref(ids), s, gate_weight.shape[0] + s)
+            return weights, ids
         return super().select_experts(x, gate_weight, config, correction_bias, hash_ids)
+
+    def _shared_early(self, x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor) -> int:
+        """S where fused_moe's x and ids are the last one-launch routing's and w13 holds its E + S
+        experts: the decode kernels then start the S shared experts' copies while the router runs
+        (kernels/moe.decode_moe); else 0. The models call fused_moe right after select_experts, on
+        the x they routed (inference tensors keep no version counter to check that x is unchanged)."""
+        routed, self._routed = self._routed, None
+        if routed is None or not self.early:
+            return 0
+        x_ref, ids_ref, shared, experts = routed
+        same = x_ref() is x and ids_ref() is ids and w13.shape[0] == experts
+        return shared if same else 0
 
     def _router_gemv(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Decode sizes, fused mode, outside batch-invariant mode: the router's one-launch kernels."""
@@ -570,8 +637,10 @@ class CudaMoe(MoeOps):
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
         small = ids.numel() <= moe_k.DECODE_MAX_COPIES
+        shared = self._shared_early(x, ids, w13)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
-            return moe_k.decode_moe(x, weights, ids, w13, w2)  # bf16 / float32 experts (FP8: slower)
+            # bf16 / float32 experts (FP8: slower)
+            return moe_k.decode_moe(x, weights, ids, w13, w2, shared_experts=shared)
         cfg = self._config(ids.numel(), w13_scale, ids.device)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)

@@ -57,7 +57,13 @@ def pdl_enabled(device: torch.device) -> bool:
     launching), may load weights (the caller's own tensors, never written while the engine runs;
     not a copy made for this launch), and calls
     wait_for_previous before its first load of anything else and before its first store
-    (a buffer it writes may have been freed by a kernel still reading it)."""
+    (a buffer it writes may have been freed by a kernel still reading it).
+
+    One chain goes further (kernels/moe.py): the one-launch router and the decode up kernel call
+    launch_dependents AFTER their wait, so when their successor starts, every kernel two launches
+    back has finished. That successor may then also load, before its own wait, what those
+    kernels wrote and nothing since rewrites: the decode up kernel its shared experts' rows of x
+    (written before the router), the decode down kernel the expert ids (the router's)."""
     return pdl_supported(device) and os.environ.get(PDL_ENV, "1") != "0"
 
 

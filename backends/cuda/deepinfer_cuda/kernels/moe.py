@@ -259,18 +259,21 @@ def router_tile(t: int, batch_invariant: bool = False) -> RouterTile:
 @triton.jit
 def _logits_block(
     x_ptr, w_ptr, out_ptr, t, pe, E, D, stride_x, stride_w, stride_o,
-    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr, SIGNAL_AFTER_WAIT: tl.constexpr,
 ):  # fmt: skip
     """Token t, experts [pe * BLOCK_E, (pe + 1) * BLOCK_E): out[t, e] = sum_d float32(x[t, d]) *
     w[e, d], float32 products summed per lane over BLOCK_D steps, then across the lanes. Each
     step's gate rows are loaded one step ahead, the first before waiting for the previous kernel
-    (PDL: common.pdl_enabled); past the end the load is fully masked."""
+    (PDL: common.pdl_enabled); past the end the load is fully masked. SIGNAL_AFTER_WAIT: call
+    launch_dependents right after that wait (the caller has not)."""
     re = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     rd = tl.arange(0, BLOCK_D)
     w_rows = w_ptr + re[:, None].to(tl.int64) * stride_w + rd[None, :]
     e_ok = re[:, None] < E
     w = tl.load(w_rows, mask=e_ok & (rd < D)[None, :], other=0.0)
     wait_for_previous(PDL)
+    if SIGNAL_AFTER_WAIT:
+        launch_dependents(PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_D], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         xv = tl.load(x_ptr + t * stride_x + d0 + rd, mask=rd < D - d0, other=0.0).to(tl.float32)
@@ -289,8 +292,9 @@ def _router_logits_kernel(
     launch_dependents(PDL)
     t = tl.program_id(0).to(tl.int64)
     _logits_block(
-        x_ptr, w_ptr, out_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, stride_o, BLOCK_E, BLOCK_D, PDL
-    )
+        x_ptr, w_ptr, out_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, stride_o, BLOCK_E, BLOCK_D, PDL,
+        False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -305,12 +309,14 @@ def _select_experts_kernel(
 ):  # fmt: skip
     """_router_logits_kernel's programs, each then counting itself in on its token's ticket; the
     token's last program (whichever it is: the row's logits are whole by then) resets the ticket
-    and routes the row as _route_kernel does."""
-    launch_dependents(PDL)  # the expert kernels may start launching
+    and routes the row as _route_kernel does. The expert kernels may start launching once every
+    program has waited for the previous kernel (common.pdl_enabled): x is whole then, and the
+    decode up kernel computes the shared experts' copies from it while the routing runs."""
     t = tl.program_id(0).to(tl.int64)
     _logits_block(
-        x_ptr, gate_ptr, logits_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, E, BLOCK_E, BLOCK_D, PDL
-    )
+        x_ptr, gate_ptr, logits_ptr, t, tl.program_id(1), E, D, stride_x, stride_w, E, BLOCK_E, BLOCK_D, PDL,
+        True,
+    )  # fmt: skip
     tl.debug_barrier()  # every thread's logits are stored before the program counts itself in
     arrived = tl.atomic_add(tickets_ptr + t, 1, sem="acq_rel")
     if arrived < tl.num_programs(1) - 1:
@@ -633,41 +639,52 @@ DECODE_CONFIG, DECODE_MAX_COPIES = _decode_setting()
 def _row_operand(row_ptr, k0, K, rm, rk, FP8: tl.constexpr):
     """The (BLOCK_M, BLOCK_K) A operand of one K step: row 0 = row[k0 : k0 + BLOCK_K], the other
     rows zero, and its scale. FP8: the 128 values quantised to e4m3 as gemm.quantize_fp8 does
-    (amax / 448 by IEEE division), so no separate quantisation launch; else scale 1."""
+    (amax / 448 by IEEE division), so no separate quantisation launch; else scale 1. Loaded
+    through L2 only (.cg): a shared expert's copy may read x before its wait (_decode_up_kernel),
+    when no launch boundary has dropped this SM's L1 lines of a buffer that held other data."""
     k_ok = rk < K - k0
     if FP8:
-        v = tl.load(row_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(row_ptr + k0 + rk, mask=k_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), 0), 1e-10), 448.0)
         q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
         return to_e4m3(tl.where(rm[:, None] == 0, q[None, :], 0.0)), scale
     else:  # one 2-D load straight into the dot (pipelined like the weights)
         a = tl.load(
-            row_ptr + rm[:, None] * 0 + (k0 + rk)[None, :], mask=(rm[:, None] == 0) & k_ok[None, :], other=0.0
+            row_ptr + rm[:, None] * 0 + (k0 + rk)[None, :],
+            mask=(rm[:, None] == 0) & k_ok[None, :],
+            other=0.0,
+            cache_modifier=".cg",
         )
         return a, 1.0
 
 
 @triton.jit
 def _decode_up_kernel(
-    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, count_ptr, I, H, K_IDS, NUM_COUNTS,
+    x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, count_ptr, I, H, K_IDS, NUM_COUNTS, NUM_EXPERTS,
     stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
-    FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Copy c, columns n of one tile: act[c, n] = silu(gate) * up, gate and up rounded to act's
     dtype first (what the grouped GEMM stores before silu_and_mul). Programs (c, 0) also zero
     ZERO_BLOCK of the down kernel's counters each (the launch before it, on the same stream).
-    PDL: the expert ids come from the router, the previous kernel: nothing to load before it ends."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
+    PDL: the routed experts' ids come from the router, the previous kernel: their copies wait for
+    it first. SHARED = S > 0: the last S ids of each token are always experts NUM_EXPERTS - S ..
+    NUM_EXPERTS - 1 (the shared experts the router appends), and the router lets this kernel
+    start only after ITS wait (x is whole then: common.pdl_enabled), so those copies compute
+    while the routing runs and wait only before their stores. Each program lets the down kernel
+    launch after its loop and its wait (a routed copy signalling right after its first wait, so
+    that the down kernel's programs sit resident through this kernel, was no faster end to end:
+    bench/results/2026-12-02_H200_session9, call 4)."""
     c = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    if ZERO_BLOCK > 0:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
-        if pid_n == 0:
-            z = c * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-            tl.store(count_ptr + z, tl.zeros([ZERO_BLOCK], tl.int32), mask=z < NUM_COUNTS)
     t = c // K_IDS
-    e = tl.load(ids_ptr + c).to(tl.int64)
+    k = c % K_IDS
+    if k >= K_IDS - SHARED:  # a shared expert: known without the router
+        e = NUM_EXPERTS - K_IDS + k
+    else:
+        wait_for_previous(PDL)
+        e = tl.load(ids_ptr + c).to(tl.int64)
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -697,6 +714,12 @@ def _decode_up_kernel(
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up  # small.silu_and_mul's float32 formula
+    wait_for_previous(PDL)  # (again for a routed copy: returns at once) nothing stored before it
+    launch_dependents(PDL)  # after the wait: the down kernel loads ids and weights before its own
+    if ZERO_BLOCK > 0:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if pid_n == 0:
+            z = c * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+            tl.store(count_ptr + z, tl.zeros([ZERO_BLOCK], tl.int32), mask=z < NUM_COUNTS)
     ptrs = act_ptr + c * stride_act + rm[:, None] * 0 + rn[None, :]
     tl.store(ptrs, act.to(dtype), mask=(rm[:, None] == 0) & n_ok[None, :])
 
@@ -714,36 +737,58 @@ def _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, n_ok, K_IDS, stride_y, stride_ou
 
 
 @triton.jit
+def _down_step(
+    a_row, ws_e, b, k0, I, rm, rn, rk, n_ok, stride_wsn, acc,
+    FP8: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """acc + the K step at k0 of one copy's down product: its activation row a_row[k0 : k0 +
+    BLOCK_K] times b, the (BLOCK_K, BLOCK_N) tile of its expert's w2 rows rn (FP8: both scaled)."""
+    a, a_s = _row_operand(a_row, k0, I, rm, rk, FP8)
+    if FP8:
+        b_s = tl.load(ws_e + (rn // BLOCK_K) * stride_wsn + k0 // BLOCK_K, mask=n_ok, other=0.0)
+        return acc + mma(a, b, tl.zeros(acc.shape, tl.float32), False) * a_s * b_s[None, :]
+    else:
+        return mma(a, b, acc, IEEE)
+
+
+@triton.jit
 def _decode_down_kernel(
-    a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS,
+    a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS, NUM_EXPERTS,
     stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
-    FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Copy c, output columns n of one tile: y[c, n] = act[c] . w2[e, n] in out's dtype; COMBINE:
     then the token's last program on this tile writes out[t, n] (counter (t, tile), zeroed by the
-    up kernel)."""
-    launch_dependents(PDL)
-    wait_for_previous(PDL)
+    up kernel). PDL: the up kernel lets this one start after its wait, when the router, which
+    wrote the ids, has finished: the id and the first K step of the weights are loaded before
+    this kernel waits for the up kernel's activations. SHARED: as in the up kernel."""
     c = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + c).to(tl.int64)
+    k = c % K_IDS
+    if k >= K_IDS - SHARED:
+        e = NUM_EXPERTS - K_IDS + k
+    else:
+        e = tl.load(ids_ptr + c, cache_modifier=".cg").to(tl.int64)  # before the wait: through L2 only
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < H
     w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        a, a_s = _row_operand(a_ptr + c * stride_a, k0, I, rm, rk, FP8)
-        b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I - k0), other=0.0)
-        if FP8:
-            s_ptrs = ws_ptr + e * stride_wse + (rn // BLOCK_K) * stride_wsn + k0 // BLOCK_K
-            b_s = tl.load(s_ptrs, mask=n_ok, other=0.0)
-            acc += mma(a, b, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * b_s[None, :]
-        else:
-            acc = mma(a, b, acc, IEEE)
+    b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I), other=0.0)  # K step 0
+    wait_for_previous(PDL)
+    launch_dependents(PDL)
+    acc = _down_step(
+        a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, 0, I, rm, rn, rk, n_ok, stride_wsn,
+        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FP8, IEEE, BLOCK_K,
+    )  # fmt: skip
+    for k0 in range(BLOCK_K, I, BLOCK_K):
         w_ptrs += BLOCK_K
+        b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I - k0), other=0.0)
+        acc = _down_step(
+            a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, k0, I, rm, rn, rk, n_ok, stride_wsn,
+            acc, FP8, IEEE, BLOCK_K,
+        )  # fmt: skip
     ptrs = y_ptr + c * stride_y + rm[:, None] * 0 + rn[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] == 0) & n_ok[None, :])
     if COMBINE:
@@ -774,17 +819,24 @@ def decode_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    shared_experts: int = 0,
 ) -> torch.Tensor:
     """fused_moe for a few tokens in two launches (three without the fused combine), no sort:
     x (T, Dm), weights / ids (T, K) -> (T, Dm) in x's dtype. w13 (E, 2I, Dm), w2 (E, Dm, I);
     FP8: e4m3 weights with w13_scale (E, 2I/128, Dm/128) and w2_scale (E, Dm/128, I/128), x and
-    the activations quantised per token and 128 channels inside the kernels."""
+    the activations quantised per token and 128 channels inside the kernels.
+    shared_experts = S: the last S columns of ids are experts E - S .. E - 1 in every row, and x
+    was whole before the kernel launched just before this call began (select_experts' one-launch
+    router on the same x, which signals its dependents after its wait): those copies then compute
+    while that kernel still runs (_decode_up_kernel)."""
     cfg = config or DECODE_CONFIG
     t, k = ids.shape
     e, two_i, h = w13.shape
     inter = two_i // 2
     if w2.shape != (e, h, inter):
         raise ValueError(f"decode_moe: w2 must be {(e, h, inter)}, got {tuple(w2.shape)}")
+    if not 0 <= shared_experts <= min(k, e):
+        raise ValueError(f"decode_moe: shared_experts={shared_experts} must lie in [0, min(K={k}, E={e})]")
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError("FP8 experts need both w13_scale and w2_scale")
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
@@ -795,6 +847,8 @@ def decode_moe(
     fp8 = w13_scale is not None
     up_k, down_k = (128, 128) if fp8 else (cfg.up_k, cfg.down_k)
     copies = t * k
+    # a copy of x made here (the launch just before the up kernel's) is not whole before its wait
+    shared = shared_experts if x.stride(-1) == 1 else 0
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.reshape(-1).contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
@@ -809,18 +863,19 @@ def decode_moe(
     ieee = x.dtype == torch.float32
     pdl = pdl_enabled(x.device)
     _decode_up_kernel[(copies, triton.cdiv(inter, cfg.up_n))](
-        x, w13, s13, ids, act, counts, inter, h, k, counts.numel(),
+        x, w13, s13, ids, act, counts, inter, h, k, counts.numel(), e,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         act.stride(0),
-        FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
+        FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, SHARED=shared,
+        BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
         PDL=pdl, num_warps=cfg.up_warps, num_stages=cfg.up_stages, launch_pdl=pdl,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     _decode_down_kernel[(copies, down_tiles)](
-        act, w2, s2, ids, w, y, out, counts, h, inter, k,
+        act, w2, s2, ids, w, y, out, counts, h, inter, k, e,
         act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         y.stride(0), out.stride(0),
-        FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine,
+        FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine, SHARED=shared,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.down_n, BLOCK_K=down_k,
         PDL=pdl, num_warps=cfg.down_warps, num_stages=cfg.down_stages, launch_pdl=pdl,
     )  # fmt: skip
