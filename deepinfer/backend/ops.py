@@ -6,9 +6,9 @@ works on day one and is accelerated op by op. Two kinds of defaults:
   - leaf ops (rms_norm, rope, route, quantize_fp8, ...) default to the reference implementation
     (deepinfer.reference: plain PyTorch, any torch device), which also defines what they mean;
   - composite ops (experts, fused_moe, grouped_gemm, linear_fp8, write_mla_kv, mla_query,
-    mla_query_and_cache, add_rms_norm, decode, ...) default to a composition of THIS BACKEND's own
-    ops, reached through the part's `backend`: speed up grouped_gemm and the default experts get
-    faster too.
+    mla_query_and_cache, mla_decode_and_uv, add_rms_norm, decode, ...) default to a composition
+    of THIS BACKEND's own ops, reached through the part's `backend`: speed up grouped_gemm and
+    the default experts get faster too.
 docs/porting.md has the table of every default: what it calls and when to override it.
 
 Shape symbols are listed in deepinfer/backend/types.py. All ops take and return tensors on
@@ -318,6 +318,25 @@ class AttentionOps(_Part):
         """Ragged causal attention over a cached prefix (chunked prefill; any query lengths,
         decode rows and empty requests included). q: (T, H, D), possibly a strided view with
         stride(-1) == 1 -> (T, H, v_dim) in q's dtype."""
+
+    def mla_decode_and_uv(
+        self,
+        q: torch.Tensor,
+        cache: PagedKVCache,
+        meta: AttentionMetadata,
+        w_uv: torch.Tensor,
+        *,
+        scale: float,
+        v_dim: int,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+    ) -> torch.Tensor:
+        """MLA's decode output mapped to each head's value space in one op: decode(q, cache, meta,
+        scale=scale, v_dim=v_dim, modifiers=modifiers) (B, H, v_dim), then each head's product
+        with w_uv (H, Vh, v_dim) as gemm.batched_linear defines it -> (B, H, Vh) in q's dtype.
+        One op so that a backend can merge the attention's split-KV partials where the product
+        reads them (one launch a layer fewer at decode sizes). Default: the two ops."""
+        o = self.decode(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
+        return self.backend.gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
 
     def mla_query(
         self,

@@ -85,12 +85,16 @@ class MLAttention(nn.Module):
             q_nope, q_pe, self.w_uk, kv, cache, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
             batch.positions, cos_sin, self.interleaved, batch.slot_mapping,
         )  # fmt: skip
-        gemm = self.backend.gemm
-        attend = (
-            self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill
-        )
-        o_latent = attend(q_full, cache, batch.attn, scale=self.softmax_scale, v_dim=self.kv_lora_rank)
-        o = gemm.batched_linear(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # (T, H, Vh)
+        attention = self.backend.attention
+        if batch.attn.is_decode_only:  # attention and W_UV in one op: (T, H, Vh)
+            o = attention.mla_decode_and_uv(
+                q_full, cache, batch.attn, self.w_uv, scale=self.softmax_scale, v_dim=self.kv_lora_rank
+            )
+        else:
+            o_latent = attention.prefill(
+                q_full, cache, batch.attn, scale=self.softmax_scale, v_dim=self.kv_lora_rank
+            )
+            o = self.backend.gemm.batched_linear(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)
         out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
         return out
 

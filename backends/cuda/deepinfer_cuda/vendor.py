@@ -44,6 +44,11 @@ def _disable(name: str, exc: Exception) -> None:
     warnings.warn(f"{name} call failed ({type(exc).__name__}: {exc}); using the Triton kernel", stacklevel=3)
 
 
+def flash_mla_available() -> bool:
+    """Whether flash_mla_decode may serve a call (FlashMLA installed, not switched off, not broken)."""
+    return _module("flash_mla") is not None and "flash_mla" not in _broken
+
+
 def flash_mla_decode(
     q: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, *, scale: float, v_dim: int
 ) -> torch.Tensor | None:

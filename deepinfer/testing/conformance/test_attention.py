@@ -272,6 +272,50 @@ def test_prefill(backend: Backend, dtype: torch.dtype, gen: torch.Generator, nam
     run_case(backend, PREFILL_CASES[name], dtype, gen, decode=False)
 
 
+# (case, Vh): decode sizes a backend may fuse (one request; 4 requests of 16 heads at production
+# widths), past them (9 requests), modifiers, poisoned rows, q a transposed view, no requests
+UV_CASES = {
+    "one_request_heads_16": (Case((160,), block_size=64, heads=16), 128),
+    "aligned_mla_heads_16": (Case((64, 128, 256, 192), block_size=64, heads=16), 128),
+    "nine_requests": (Case((3, 9, 17, 30, 5, 64, 2, 40, 11), head_dim=20, v_dim=16, heads=2), 24),
+    "long_two_requests": (Case((1060, 3), head_dim=20, v_dim=16, block_size=32, heads=4), 8),
+    "sinks_window": (Case((1, 12, 33), sinks=True, window=9), 40),
+    "bs64_poison": (Case((1, 63, 64, 65, 130, 200), block_size=64, poison=True), 24),
+    "q_transposed_mla": (Case((4, 21), heads=3, q_layout="transpose"), 16),
+    "empty_batch": (Case((), ()), 16),
+}
+
+
+@pytest.mark.parametrize("name", list(UV_CASES))
+def test_mla_decode_and_uv(backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str) -> None:
+    """attention.mla_decode_and_uv: decode, then each head's product with W_UV (H, Vh, v_dim),
+    against the float64 reference of both."""
+    case, vh = UV_CASES[name]
+    seq = list(case.seq_lens)
+    qlen = [1] * len(seq)
+    batch = make_paged_batch(
+        backend, seq_lens=seq, query_lens=qlen, block_size=case.block_size, head_dim=case.head_dim,
+        dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim, poison_unwritten=case.poison,
+    )  # fmt: skip
+    device = backend.device.device()
+    q = make_q(case, batch.num_tokens, dtype, device, gen)
+    w_uv = randn((case.heads, vh, case.v_dim), dtype, device, gen, case.v_dim**-0.5)
+    sinks = randn((case.heads,), torch.float32, device, gen) if case.sinks else None
+    scale = softmax_scale(case.head_dim, gen)
+    mods = AttentionModifiers(case.window, sinks, None)
+    out = backend.attention.mla_decode_and_uv(
+        q, batch.cache, batch.meta, w_uv, scale=scale, v_dim=case.v_dim, modifiers=mods
+    )
+    ref_mods = AttentionModifiers(case.window, None if sinks is None else oracle(sinks), None)
+    o = ref_attention.paged_attention(oracle(q), batch.ref_cache, batch.ref_meta, scale, case.v_dim, ref_mods)
+    expected = torch.bmm(o.transpose(0, 1), oracle(w_uv).transpose(1, 2)).transpose(0, 1)
+    assert out.dtype == dtype, f"mla_decode_and_uv returned {out.dtype}, expected {dtype}"
+    assert_close(
+        out, expected, dtype, what="mla_decode_and_uv", locate=attention_locator(batch.meta),
+        case=case.describe(scale) + f", Vh={vh}",
+    )  # fmt: skip
+
+
 HEAVY_CASES = {
     "decode_long": (Case((1, 300, 513, 1000), heads=16, block_size=64), True),
     "decode_long_128_heads_poison": (Case((700, 2100, 64), heads=128, block_size=64, poison=True), True),

@@ -483,6 +483,17 @@ def _num_splits(
     return max(1, min(want, span // min_split))
 
 
+@dataclass(frozen=True)
+class SplitPartials:
+    """mla_attention's split-KV partials before their merge: part (T*H*splits, next_pow2(v_dim))
+    float32 normalised partial outputs and lse (T*H*splits,) their log2-sum-exps (-inf: an empty
+    split, whose partial may be unwritten memory), row (t*H + h)*splits + split."""
+
+    part: torch.Tensor
+    lse: torch.Tensor
+    splits: int
+
+
 def mla_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -506,6 +517,37 @@ def mla_attention(
     launch grid comes from the host lengths in `meta` (max query and KV length): a CUDA graph
     captured with this op replays that grid, so capture with metadata whose maxima cover every
     step replayed."""
+    out = mla_attention_partials(
+        q, kv, meta, scale=scale, v_dim=v_dim, latent_dim=latent_dim, window=window, sinks=sinks,
+        topk_indices=topk_indices, batch_invariant=batch_invariant, config=config, split_size=split_size,
+    )  # fmt: skip
+    if isinstance(out, torch.Tensor):
+        return out
+    merged = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
+    rows = INVARIANT_COMBINE_ROWS if batch_invariant else 1
+    combine_splits(out.part, out.lse, sinks, merged, q.shape[1], out.splits, v_dim, rows)
+    return merged
+
+
+def mla_attention_partials(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    scale: float,
+    v_dim: int,
+    latent_dim: int,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    topk_indices: torch.Tensor | None = None,
+    batch_invariant: bool = False,
+    config: AttentionConfig | None = None,
+    split_size: int | None = None,
+) -> torch.Tensor | SplitPartials:
+    """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
+    serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
+    consumer that merges them as it reads them: gemm.skinny_matmul's `merge`). Sinks join the
+    merge (combine_splits takes them)."""
     t, h, d = q.shape
     if kv.shape[-1] != d:
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
@@ -518,9 +560,8 @@ def mla_attention(
         raise ValueError(
             f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
         )
-    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
     if t == 0 or h == 0 or v_dim == 0:
-        return out.zero_()
+        return torch.zeros((t, h, v_dim), dtype=q.dtype, device=q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     batch = meta.num_requests
     max_q = max(meta.query_lens_host)
@@ -560,8 +601,10 @@ def mla_attention(
     k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma else (None, None)
     block_dv = next_pow2(v_dim)
     if direct:
+        out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
         part = lse = out  # unused
     else:
+        out = q  # unused: the partials are the result
         part = torch.empty((t * h * max_splits, block_dv), dtype=torch.float32, device=q.device)
         lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
@@ -581,10 +624,7 @@ def mla_attention(
         DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
-    if not direct:
-        rows = INVARIANT_COMBINE_ROWS if batch_invariant else 1
-        combine_splits(part, lse, sinks, out, h, max_splits, v_dim, rows)
-    return out
+    return out if direct else SplitPartials(part, lse, max_splits)
 
 
 def combine_splits(

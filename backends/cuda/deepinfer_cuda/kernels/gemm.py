@@ -488,21 +488,83 @@ class SkinnyConfig:
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT_BYTES = 32 * 2**20
 SKINNY_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
+# Split-KV partials merged per step of skinny_merge_matmul (a (MERGE_SPLITS, slab) float32 load).
+MERGE_SPLITS = 16
+
+
+@triton.jit
+def _merge_step(
+    part_ptr, lse_ptr, row, s0, NUM_SPLITS, ks, K, stride_part, rs, mx, acc, den, BY_LSE: tl.constexpr
+):  # fmt: skip
+    """Splits [s0, s0 + BLOCK_S) of one row into the running (maximum, sum of weighted partials,
+    sum of weights). BY_LSE: a partial is loaded only where its split is not empty (its load then
+    waits for the log-sum-exps); else every partial in range is loaded beside them, and an empty
+    split's (possibly unwritten memory) is dropped by a select, never multiplied."""
+    sp = s0 + rs
+    lse = tl.load(lse_ptr + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    full = lse > float("-inf")
+    load = full if BY_LSE else sp < NUM_SPLITS
+    o = tl.load(
+        part_ptr + (row + sp)[:, None] * stride_part + ks[None, :],
+        mask=load[:, None] & (ks < K)[None, :],
+        other=0.0,
+    )  # (BLOCK_S, SLAB)
+    m_new = tl.maximum(mx, tl.max(lse, 0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(mx - m_safe)
+    w = tl.where(full, tl.exp2(lse - m_safe), 0.0)
+    acc = acc * alpha + tl.sum(w[:, None] * tl.where(full[:, None], o, 0.0), 0)
+    den = den * alpha + tl.sum(w, 0)
+    return m_new, acc, den
+
+
+@triton.jit
+def _merged_rows_t(
+    part_ptr, lse_ptr, g, G, M, NUM_SPLITS, ks, K, stride_part, rm,
+    BLOCK_M: tl.constexpr, SLAB: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """x^T (SLAB, BLOCK_M) float32, columns ks, where x[m] is head g of token m merged from its
+    NUM_SPLITS split-KV partials (attention.SplitPartials, row (m*G + g)*NUM_SPLITS + s): the
+    softmax-weighted mean of the partials by their log2-sum-exps, BLOCK_S splits at a time with a
+    running maximum (attention's combine, in one pass). The first BLOCK_S splits' partials load
+    beside their log-sum-exps (a decode step's splits usually fit: one round trip); later ones
+    only where not empty (a graph captured for long rows has many empty splits). An empty split
+    (-inf) adds nothing."""
+    rs = tl.arange(0, BLOCK_S)
+    xt = tl.zeros([SLAB, BLOCK_M], tl.float32)
+    for m in range(0, M):
+        row = (m * G + g) * NUM_SPLITS  # int64
+        mx = tl.full([], float("-inf"), tl.float32)
+        acc = tl.zeros([SLAB], tl.float32)
+        den = tl.zeros([], tl.float32)
+        mx, acc, den = _merge_step(
+            part_ptr, lse_ptr, row, 0, NUM_SPLITS, ks, K, stride_part, rs, mx, acc, den, False
+        )
+        for s0 in range(BLOCK_S, NUM_SPLITS, BLOCK_S):
+            mx, acc, den = _merge_step(
+                part_ptr, lse_ptr, row, s0, NUM_SPLITS, ks, K, stride_part, rs, mx, acc, den, True
+            )
+        merged = acc / tl.where(den == 0.0, 1.0, den)
+        xt = tl.where(rm[None, :] == m, merged[:, None], xt)
+    return xt
 
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, M, N, K, K_SPLIT,
+    x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, lse_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
     stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-    SLAB: tl.constexpr, PDL: tl.constexpr,
+    SLAB: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ w (N, K)^T for M <= BLOCK_M, with the operands swapped: each
     program multiplies BLOCK_N weight rows by x^T (BLOCK_K, BLOCK_M), so the MMA's wide side is
     the weight's (64 rows fill a Hopper warpgroup MMA where M = 1 would waste it). Grid (N tiles,
     G products, S K-ranges of K_SPLIT). SPLIT: program s writes its float32 partial sum to
     ws (S, G, M, N) and counts itself in on its (product, tile) ticket; the last to arrive resets
-    it and adds the S partials in order s = 0 .. S - 1 (deterministic, no float atomics)."""
+    it and adds the S partials in order s = 0 .. S - 1 (deterministic, no float atomics).
+    MERGE (SLAB only): x is attention's split-KV partials (x_ptr the partials, stride_xm their
+    row stride, lse_ptr their log2-sum-exps, NUM_SPLITS per row), merged as they are read and
+    rounded to the weight's dtype, as attention's combine stores them."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -517,7 +579,13 @@ def _skinny_kernel(
         ks = s * SLAB + tl.arange(0, SLAB)
         w = tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)
         wait_for_previous(PDL)  # the weights do not depend on the previous kernel; x does
-        xt = tl.load(x_cols + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K), other=0.0)
+        if MERGE:
+            xt = _merged_rows_t(
+                x_ptr, lse_ptr, g, tl.num_programs(1), M, NUM_SPLITS, ks, K, stride_xm, rm,
+                BLOCK_M, SLAB, BLOCK_S,
+            ).to(w.dtype)  # fmt: skip
+        else:
+            xt = tl.load(x_cols + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K), other=0.0)
         acc = mma(w, xt, acc, False)
     else:
         launch_dependents(PDL)
@@ -580,13 +648,71 @@ def skinny_matmul(
             f"bfloat16 dtype, unit stride along K; got {tuple(x.shape)} {x.dtype} and "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
-    cfg = config or SKINNY_CONFIG
     batched = x.dim() == 3
     g = x.shape[0] if batched else 1
     m, k = x.shape[-2:]
-    n = weight.shape[-2]
     if out is None:
-        out = torch.empty((*x.shape[:-2], m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((*x.shape[:-2], m, weight.shape[-2]), dtype=x.dtype, device=x.device)
+    strides = (x.stride(0) if batched else 0, x.stride(-2))
+    return _launch_skinny(x, strides, None, 0, weight, out, g, m, k, batched, config or SKINNY_CONFIG)
+
+
+def skinny_merge_ok(tokens: int, weight: torch.Tensor) -> bool:
+    """Whether skinny_merge_matmul serves `tokens` rows against weight (G, N, K): skinny_ok's
+    sizes and dtypes, and the configured SKINNY_CONFIG loads whole slabs (the merge's place)."""
+    return (
+        SKINNY_CONFIG.slab > 0
+        and weight.dim() == 3
+        and 0 < tokens <= SKINNY_MAX_M
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and weight.stride(-1) == 1
+    )
+
+
+def skinny_merge_matmul(
+    part: torch.Tensor, lse: torch.Tensor, splits: int, tokens: int, weight: torch.Tensor
+) -> torch.Tensor:
+    """Attention's split-KV partials merged and multiplied per head in one launch: x[t, h] (K,) is
+    head h of token t merged from its `splits` partials (attention.SplitPartials: part
+    (T*G*splits, >= K) float32, lse (T*G*splits,), row (t*G + h)*splits + s) and rounded to the
+    weight's dtype, as combine_splits would store it; -> (T, G, N) = x[:, g] @ weight[g]^T for
+    weight (G, N, K), in the weight's dtype. The merge is combine_splits' in one pass (a running
+    maximum), so the result may differ from the two launches by the rounding of x."""
+    g, n, k = weight.shape
+    if not skinny_merge_ok(tokens, weight) or part.dim() != 2 or part.shape[1] < k:
+        raise ValueError(
+            f"skinny_merge_matmul: {tokens} tokens (<= {SKINNY_MAX_M}) and a (G, N, K) float16 or bfloat16 "
+            f"weight with K <= the partials' width; got weight {tuple(weight.shape)} {weight.dtype}, "
+            f"partials {tuple(part.shape)}"
+        )
+    if part.shape[0] != tokens * g * splits or lse.shape != (part.shape[0],) or part.stride(1) != 1:
+        raise ValueError(
+            f"skinny_merge_matmul: {tokens} tokens x {g} heads x {splits} splits need partials of "
+            f"{tokens * g * splits} unit-stride rows and as many log-sum-exps; got {tuple(part.shape)} "
+            f"and {tuple(lse.shape)}"
+        )
+    out = torch.empty((tokens, g, n), dtype=weight.dtype, device=weight.device)
+    return _launch_skinny(
+        part, (0, part.stride(0)), lse, splits, weight, out.transpose(0, 1), g, tokens, k, True, SKINNY_CONFIG
+    ).transpose(0, 1)
+
+
+def _launch_skinny(
+    x: torch.Tensor,
+    x_strides: tuple[int, int],
+    lse: torch.Tensor | None,
+    splits: int,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    g: int,
+    m: int,
+    k: int,
+    batched: bool,
+    cfg: SkinnyConfig,
+) -> torch.Tensor:
+    """_skinny_kernel for G products of M rows over K, into `out` (G, M, N) or (M, N); x's
+    (group, row) strides; lse: MERGE, x the attention partials and `splits` per row."""
+    n = weight.shape[-2]
     if n == 0 or g == 0:
         return out
     tiles = triton.cdiv(n, cfg.block_n)
@@ -601,10 +727,11 @@ def skinny_matmul(
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
     _skinny_kernel[(tiles, g, split)](
-        x, weight, out, ws, tickets, m, n, k, k_split,
-        x.stride(0) if batched else 0, x.stride(-2), weight.stride(0) if batched else 0, weight.stride(-2),
+        x, weight, out, ws, tickets, lse if lse is not None else x, m, n, k, k_split, splits,
+        x_strides[0], x_strides[1], weight.stride(0) if batched else 0, weight.stride(-2),
         out.stride(0) if batched else 0, out.stride(-2), out.stride(-1),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SLAB=cfg.slab, PDL=pdl,
+        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SLAB=cfg.slab,
+        MERGE=lse is not None, BLOCK_S=MERGE_SPLITS, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
