@@ -22,7 +22,8 @@ python -c "import torch; print('torch', torch.__version__)"
 
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per worker: two workers on two cores, no oversubscription
 set +e
-python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --durations=25 "$@"
+# one test at a time to each worker: the longest run first (tests/conftest.py), the rest fill in
+python -m pytest tests -q -n "${PYTEST_WORKERS:-2}" --maxschedchunk 1 --durations=25 "$@"
 status=$?
 set -e
 if [[ $status -eq 5 ]]; then

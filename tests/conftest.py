@@ -17,6 +17,24 @@ from deepinfer.testing.helpers import seed_from
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The Triton interpreter's subprocess tests (tests/test_cuda_interpret.py) take minutes each:
+# they run first, longest first (CI times), so that the xdist workers, fed one test at a time
+# (ci/test.sh), finish together.
+LONGEST_FIRST = [
+    "test_engine_async_scheduling_and_graphs_under_interpreter",
+    "test_conformance_suite_under_interpreter",
+    "test_engine_v4_decode_graphs_under_interpreter",
+    "test_kernel_tests_under_interpreter",
+    "test_engine_speculative_decoding_under_interpreter",
+    "test_engine_expert_parallel_under_interpreter",
+]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture
 def gen(request: pytest.FixtureRequest) -> torch.Generator:
     """A CPU generator seeded from the test's node id: fresh per test, reproducible."""
