@@ -546,8 +546,8 @@ def mla_attention_partials(
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
-    consumer that merges them as it reads them: gemm.skinny_matmul's `merge`). Sinks join the
-    merge (combine_splits takes them)."""
+    consumer that merges them as it reads them: gemm.skinny_merge_matmul). Sinks join the merge
+    (combine_splits takes them)."""
     t, h, d = q.shape
     if kv.shape[-1] != d:
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
