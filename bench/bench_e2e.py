@@ -68,8 +68,10 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       fused kernels), DEEPINFER_MODEL_UNFUSED=1 (the model's fusions: MLA's q + kv_a GEMM, the
       shared experts in the routed grouped GEMM), DEEPINFER_CUDA_MOE_DECODE=0 (the cuda
       backend's decode-sized MoE kernels), DEEPINFER_CUDA_SKINNY=0 (its skinny GEMM),
-      DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels) and
-      DEEPINFER_CUDA_MOE_EARLY=0 (the shared experts computed while the router runs) (each a
+      DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels),
+      DEEPINFER_CUDA_MOE_EARLY=0 (the shared experts computed while the router runs),
+      DEEPINFER_CUDA_EARLY_INPUTS=0 (MLA's decode kernels read the step inputs, and the
+      attention its first cache tile, while the kernel before them runs) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -113,6 +115,7 @@ MOE_DECODE = "DEEPINFER_CUDA_MOE_DECODE"  # 0: the cuda backend's decode-sized M
 SKINNY = "DEEPINFER_CUDA_SKINNY"  # 0: decode-sized float linears on cuBLAS, not the skinny kernel
 PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinary way
 MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for the router
+EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read step inputs after the wait
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 
 
@@ -922,6 +925,8 @@ class Bench:
                     f"   {k['exposed_ms_per_step']:.4f} ms exposed ({k['ms_per_step']:.4f} own)  "
                     f"x{k['calls_per_step']:.0f}  {k['name'][:90]}"
                 )
+            for g in res["top_gaps"]:
+                log(f"   idle {g['us_per_step']:.1f} us/step x{g['count_per_step']:.1f}  {g['between']}")
         else:
             log(f"{label}: {res.get('note')}")
         return res
@@ -1375,7 +1380,8 @@ class Bench:
                 "GEMM, shared experts in the routed grouped GEMM), the decode-sized MoE kernels "
                 "(DEEPINFER_CUDA_MOE_DECODE=0), the skinny GEMM (DEEPINFER_CUDA_SKINNY=0), programmatic "
                 "dependent launch (DEEPINFER_CUDA_PDL=0), the shared experts computed while the router "
-                "runs (DEEPINFER_CUDA_MOE_EARLY=0); the last seven "
+                "runs (DEEPINFER_CUDA_MOE_EARLY=0), the step inputs' reads before the wait "
+                "(DEEPINFER_CUDA_EARLY_INPUTS=0); the last eight "
                 "each on a fresh backend "
                 "with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
@@ -1389,8 +1395,8 @@ class Bench:
                 "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
                 "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 "
                 "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 | DEEPINFER_CUDA_PDL=0 "
-                "| DEEPINFER_CUDA_MOE_EARLY=0 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                "| DEEPINFER_CUDA_MOE_EARLY=0 | DEEPINFER_CUDA_EARLY_INPUTS=0 |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1407,7 +1413,7 @@ class Bench:
                     f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
                     f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
                     f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} | {cell('no_pdl_tok_s')} "
-                    f"| {cell('no_early_shared_tok_s')} |"
+                    f"| {cell('no_early_shared_tok_s')} | {cell('no_early_inputs_tok_s')} |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1487,15 +1493,21 @@ def analyse_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     ]
     if not events:
         return {"note": "no device activity in the trace (CPU run: no kernels to measure)"}
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events)
+    named = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "?"))[:48]) for e in events
+    )
+    spans = [(s, e) for s, e, _ in named]
     start, end = spans[0][0], max(s[1] for s in spans)
-    busy, cur_s, cur_e = 0.0, spans[0][0], spans[0][1]
-    for s, e in spans[1:]:
+    # idle gaps, each named by the activity that ended last before it and the one after it
+    gaps: dict[str, list[float]] = {}
+    busy, cur_s, cur_e, last = 0.0, named[0][0], named[0][1], named[0][2]
+    for s, e, name in named[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
+            gaps.setdefault(f"{last} -> {name}", []).append(s - cur_e)
             cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
+        if e >= cur_e:
+            cur_e, last = e, name
     busy += cur_e - cur_s
     window = max(end - start, 1e-9)
     kernels = [e for e in events if e["cat"] == "kernel"]
@@ -1520,6 +1532,10 @@ def analyse_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
         "idle_share": 1 - busy / window,
         "kernels_per_step": len(kernels) / steps,
         "memcpy_per_step": (len(events) - len(kernels)) / steps,
+        "top_gaps": [
+            {"between": k, "us_per_step": sum(v) / steps, "count_per_step": len(v) / steps}
+            for k, v in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:8]
+        ],
         "top_kernels": [
             {
                 "name": n,
@@ -1678,6 +1694,9 @@ def main(argv: list[str] | None = None) -> int:
         with bench.section("no_early_shared"):
             if not bench.over_budget("no early shared") and backend_reads_env(args.backend, MOE_EARLY):
                 bench.unfused(MOE_EARLY, "no_early_shared", "0")
+        with bench.section("no_early_inputs"):
+            if not bench.over_budget("no early inputs") and backend_reads_env(args.backend, EARLY_INPUTS):
+                bench.unfused(EARLY_INPUTS, "no_early_inputs", "0")
         with bench.section("batch_invariant"):  # last: the slowest
             if args.invariant_batch > 0 and not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()

@@ -35,3 +35,5 @@ def test_exposed_times_add_up_to_the_busy_time() -> None:
     assert kernel_busy == pytest.approx(18e-3)  # 0-12 and 14-20 per step
     assert res["busy_per_step_ms"] == pytest.approx(kernel_busy + 0.5e-3)  # the memcpy is busy too
     assert res["idle_share"] == pytest.approx(1 - 37 / 122)
+    gaps = {g["between"]: g["us_per_step"] for g in res["top_gaps"]}
+    assert gaps == {"attention -> gemm": 40.0, "norm -> attention": 2.0, "attention -> copy": 0.5}

@@ -124,9 +124,24 @@ def test_mla_query_kernel(dtype: str, tile: str) -> None:
     types["cache_ptr"] = PTR[dtype]
     types |= {"pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"], "slot_ptr": PTR["i64"], "eps": "fp32"}
     tiles = dict(BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, BLOCK_N=128, BLOCK_R=32, BLOCK_KC=512)
-    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", PDL=dtype == "bf16", WRITE=tile == "decode")
+    decode = tile == "decode"
+    constexprs = dict(INTERLEAVED=True, IEEE=dtype == "f32", PDL=dtype == "bf16", WRITE=decode, EARLY=decode)
     constexprs |= tiles
     compile_sm90(mla_k._mla_query_kernel, types, constexprs, num_warps=cfg.num_warps)
+
+
+@pytest.mark.parametrize("e, m", [(64, 1024), (256, 808)])  # V2-Lite's prefill, V3's decode at batch 101
+def test_align_kernel(e: int, m: int) -> None:
+    """The expert sort: a program per block of rows, each reading every id (histograms of up to
+    ALIGN_MAX_ROWS ids)."""
+    from deepinfer_cuda.kernels import moe as moe_k
+
+    types = {a: PTR["i64"] for a in ("order_ptr", "token_ptr", "s2d_ptr", "counts_ptr")}
+    types |= {"ids_ptr": PTR["i32"], "group_ptr": PTR["i32"], "rows_ptr": PTR["i32"]}
+    block_e = max(16, 1 << (e - 1).bit_length())
+    constexprs = dict(TILES=True, BLOCK_M=16, BLOCK_R=moe_k._block_rows(block_e), BLOCK_E=block_e,
+                      BLOCK_T=moe_k.SPARE_TILES_BLOCK, BLOCK_ALL=1 << (m - 1).bit_length())  # fmt: skip
+    compile_sm90(moe_k._align_kernel, types, constexprs)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
@@ -193,7 +208,7 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
         {a: bf16 for a in ("qn_ptr", "qp_ptr", "w_ptr", "out_ptr", "kv_ptr", "kvw_ptr", "cache_ptr")}
         | {"pos_ptr": i64, "cs_ptr": f32, "slot_ptr": i64, "eps": "fp32"},
         dict(INTERLEAVED=True, IEEE=False, BLOCK_T=16, BLOCK_C=64, BLOCK_N=128, BLOCK_R=32, WRITE=True,
-             BLOCK_KC=512, PDL=pdl),
+             BLOCK_KC=512, EARLY=True, PDL=pdl),
     )  # fmt: skip
     attn_types = {a: bf16 for a in ("q_ptr", "kv_ptr", "out_ptr", "sinks_ptr", "allow_ptr")}
     attn_types |= {a: i32 for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
@@ -202,7 +217,14 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
         att_k._mla_attention_kernel, attn_types,
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, PDL=pdl),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl),
+    )  # fmt: skip
+    ptx["mla_attention_early"] = compile_sm90(  # mla_decode_and_uv's: TMA tiles, the first before the wait
+        att_k._mla_attention_kernel,
+        attn_types | {"k_desc": "tensordesc<bf16[16, 512]>", "kr_desc": "tensordesc<bf16[16, 64]>"},
+        dict(BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=16, BLOCK_N=16,
+             HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=False, TMA=True,
+             EARLY=True, PDL=pdl),
     )  # fmt: skip
     ptx["combine"] = compile_sm90(
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},

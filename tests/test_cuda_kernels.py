@@ -279,6 +279,42 @@ def test_mla_decode_and_uv_merges_in_the_product_at_decode_sizes(
     assert "skinny_merge_matmul" not in calls
 
 
+@pytest.mark.parametrize(
+    "seq_lens, query_lens",
+    [([200], [1]), ([16, 33, 200], [1, 1, 1]), ([17, 40], [1, 3])],  # 17: one whole tile, new row past it
+)
+def test_attention_early_cache_gives_the_same_bits(
+    gen: torch.Generator, seq_lens: list[int], query_lens: list[int]
+) -> None:
+    """early_cache (each program reads the lengths and its first tile, when no new row lies in
+    it, before waiting for the previous kernel) is the same arithmetic in the same order: the
+    same bits as without it, whether one split serves a row or many, with several query tokens
+    per request, and where a program's first tile holds the new row."""
+    from deepinfer.testing.helpers import make_paged_batch
+
+    backend = cuda_backend.create_cuda_backend(BackendOptions())
+    batch = make_paged_batch(
+        backend, seq_lens=seq_lens, query_lens=query_lens, block_size=64, head_dim=576,
+        dtype=torch.bfloat16, gen=gen, rope_dim=64,
+    )  # fmt: skip
+    q = torch.randn((sum(query_lens), 16, 576), generator=gen).to(torch.bfloat16).to(DEV)
+    kv = cuda_backend._cache_tensor(batch.cache)
+
+    def run(early: bool) -> list[torch.Tensor]:
+        out = attn_k.mla_attention_partials(
+            q, kv, batch.meta, scale=0.07, v_dim=512, latent_dim=512, early_cache=early
+        )
+        if isinstance(out, torch.Tensor):
+            return [out]
+        assert out.splits > 1
+        ok = out.lse > float("-inf")  # empty splits' partials are unwritten memory
+        return [out.lse, out.part[ok]]
+
+    late, early = run(False), run(True)
+    for a, b in zip(late, early):
+        assert_bitwise_equal(a, b, what="early_cache")
+
+
 @pytest.mark.parametrize("rows", [1, 4])  # 4: attn_k.INVARIANT_COMBINE_ROWS
 def test_combine_rows_keep_their_bits_in_any_lane(gen: torch.Generator, rows: int) -> None:
     """combine_splits at a fixed rows_per_program: a row's bits do not depend on which lane of a
@@ -563,11 +599,11 @@ def ids_with_idle_experts(t: int, k: int, e: int, gen: torch.Generator) -> torch
 def test_align_matches_the_torch_composition(
     gen: torch.Generator, t: int, k: int, e: int, block_m: int
 ) -> None:
-    """One launch: order (stable), token, src_to_dst, counts and the tile table equal to
-    sort_by_expert + order // K + gemm.tile_table, bit for bit. T*K is never a multiple of the
-    kernel's row block here except 0 (808 rows = 25 blocks of 32 and 8 rows for E = 256); idle
-    experts sit first, last and between used ones."""
-    assert t * k <= moe_k.ALIGN_MAX_ROWS  # the single-program kernel, not the torch fallback
+    """One launch (a program per block of rows): order (stable), token, src_to_dst, counts and
+    the tile table equal to sort_by_expert + order // K + gemm.tile_table, bit for bit. T*K is
+    never a multiple of the kernel's row block here except 0 (808 rows = 25 blocks of 32 and 8
+    rows for E = 256); idle experts sit first, last and between used ones."""
+    assert t * k <= moe_k.ALIGN_MAX_ROWS  # the one-launch kernel (a program per row block), not torch
     ids = ids_with_idle_experts(t, k, e, gen) if t else torch.empty((0, k), dtype=torch.int32)
     a = moe_k.align(ids.to(DEV), e, block_m)
     order, src_to_dst, counts = sort_by_expert(ids, e)
@@ -1094,6 +1130,36 @@ def test_mla_query_odd_sizes_and_bad_inputs(gen: torch.Generator) -> None:
         mla_k.mla_query(q_nope, q_pe, w_uk, positions[:3], table, False)
     with pytest.raises(ValueError, match="one dtype"):
         mla_k.mla_query(q_nope, q_pe, w_uk.double(), positions, table, False)
+
+
+@pytest.mark.parametrize("t", [1, 5, 20])  # 20 > 16: two row tiles; past H = 3 a tail writes several tokens
+def test_mla_query_early_inputs_gives_the_same_bits(gen: torch.Generator, t: int) -> None:
+    """early_inputs (the tail programs read positions, slots, cos / sin and the norm weight before
+    waiting for the previous kernel) is the same arithmetic: the same query and the same cache
+    rows as without it, with a skipped slot (-1), against small.write_mla_kv."""
+    h, n, c, r = 3, 32, 64, 16
+    q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, t, h, n, c, r, torch.bfloat16)
+    kv = torch.randn((t, c + r), generator=gen).to(torch.bfloat16).to(DEV)
+    kvw = (1 + 0.1 * torch.randn((c,), generator=gen)).to(torch.bfloat16).to(DEV)
+    slots = torch.randperm(4 * 8, generator=gen)[:t].to(DEV)
+    if t > 1:
+        slots[t // 2] = -1
+
+    def run(early: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros((4, 8, c + r), dtype=torch.bfloat16, device=DEV)
+        if early is None:  # the two small ops
+            small_k.write_mla_kv(cache, kv, c, kvw, 1e-6, positions, table, True, slots)
+            return mla_k.mla_query(q_nope, q_pe, w_uk, positions, table, True), cache
+        write = mla_k.CacheWrite(cache, kv, kvw, 1e-6, slots)
+        out = mla_k.mla_query(q_nope, q_pe, w_uk, positions, table, True, write=write, early_inputs=early)
+        return out, cache
+
+    (q0, c0), (q1, c1), (q2, c2) = run(False), run(True), run(None)
+    assert_bitwise_equal(q1, q0, what="query")
+    assert_bitwise_equal(q1, q2, what="query against the launch without the write")
+    assert_bitwise_equal(c1, c0, what="cache rows")
+    assert_bitwise_equal(c1, c2, what="cache rows against write_mla_kv")
+    assert c1.abs().sum() > 0
 
 
 def test_mla_query_fused_and_unfused(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:

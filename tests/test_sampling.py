@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer.backend.registry import get_backend
-from deepinfer.engine.sampler import Sampler, apply_min_tokens, apply_penalties
+from deepinfer.engine.sampler import Sampler, apply_min_tokens, apply_penalties, argmax_rows
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.sequence import Sequence
 
@@ -100,3 +100,19 @@ def test_seeded_rows_do_not_depend_on_the_batch(sampler: Sampler) -> None:
     in_batch = [t for t in draw([3, 0, 1, 2, 4, 5])]
     assert alone == in_batch
     assert len(set(alone)) > 1  # really sampled
+
+
+@pytest.mark.parametrize("vocab", [102400, 129280, 50, 1024, 4096 + 64, 97])
+def test_argmax_rows_is_the_first_maximum(vocab: int) -> None:
+    """The two-reduction greedy draw equals torch's argmax, ties (the first maximum wins, within
+    a chunk and across chunks), -inf rows and widths without a power-of-two divisor included."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 9.0  # a tie across chunks: the first wins
+    logits[2, :] = float("-inf")  # every token banned: torch's answer, index 0
+    logits[3, 7] = logits[3, 8] = 9.0  # a tie inside one chunk
+    logits[4, :] = 0.5  # all equal
+    out = torch.full((5,), -1, dtype=torch.int64)
+    argmax_rows(logits, out)
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
+    assert out[1] == vocab // 3 and out[3] == 7 and out[4] == 0

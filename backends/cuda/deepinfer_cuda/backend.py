@@ -87,6 +87,17 @@ def moe_early_from_env() -> bool:
     return os.environ.get(MOE_EARLY_ENV, "1") != "0"
 
 
+EARLY_INPUTS_ENV = "DEEPINFER_CUDA_EARLY_INPUTS"
+
+
+def early_inputs_from_env() -> bool:
+    """False when DEEPINFER_CUDA_EARLY_INPUTS=0: the decode step's MLA kernels read the step's
+    inputs (positions, slots, lengths, block tables) and the cache rows of earlier steps only
+    after waiting for the previous kernel (kernels/mla.py early_inputs, kernels/attention.py
+    early_cache)."""
+    return os.environ.get(EARLY_INPUTS_ENV, "1") != "0"
+
+
 SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
 
 
@@ -300,9 +311,10 @@ class CudaAttention(AttentionOps):
             return super().mla_decode_and_uv(
                 q, cache, meta, w_uv, scale=scale, v_dim=v_dim, modifiers=modifiers
             )
-        o = attn_k.mla_attention_partials(
-            q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim
-        )
+        o = attn_k.mla_attention_partials(  # the model's decode step: its metadata and older rows
+            q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
+            early_cache=early_inputs_from_env(),
+        )  # fmt: skip
         if isinstance(o, torch.Tensor):
             return gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
         return gemm_k.skinny_merge_matmul(o.part, o.lse, o.splits, q.shape[0], w_uv)
@@ -369,9 +381,9 @@ class CudaAttention(AttentionOps):
                 slot_mapping,
             )  # fmt: skip
         write = mla_k.CacheWrite(t, kv, kv_norm_weight, eps, slot_mapping)
-        return mla_k.mla_query(
+        return mla_k.mla_query(  # the model's step: positions and slots are its step inputs
             q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant,
-            write=write,
+            write=write, early_inputs=early_inputs_from_env(),
         )  # fmt: skip
 
     def compressed_attention(

@@ -153,12 +153,35 @@ def _attend_tile(
         k = tl.load(
             kv_row[:, None] + offs_dl[None, :], mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
         )
+        kr = k  # unused without a rope part
         if HAS_ROPE:
             kr = tl.load(
                 kv_row[:, None] + D_LAT + offs_dr[None, :],
                 mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
                 other=0.0,
             )
+    if V_IS_LAT:
+        v = k
+    else:
+        v = tl.load(
+            kv_row[:, None] + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0
+        )
+    return _attend_loaded(
+        k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+        allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE, v,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_loaded(
+    k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+    allow_ptr, stride_allow, qk_scale,
+    HAS_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, v=None,
+):  # fmt: skip
+    """_attend_tile's online-softmax step on a loaded tile: k (BLOCK_N, BLOCK_DL) latent keys,
+    kr their rope part, v the values (None: the latent, k itself)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < end
     s = mma(q_lat, tl.trans(k), tl.zeros([q_lat.shape[0], BLOCK_N], tl.float32), IEEE)
     if HAS_ROPE:
         s = mma(q_rope, tl.trans(kr), s, IEEE)
@@ -177,12 +200,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if V_IS_LAT:
+    if v is None:
         v = k
-    else:
-        v = tl.load(
-            kv_row[:, None] + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0
-        )
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
     return m_new, l_i, acc
 
@@ -207,10 +226,15 @@ def _mla_attention_kernel(
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """EARLY (TMA, V_IS_LAT): the lengths, the block tables and every cache row before each
+    request's new tokens were written before the forward's first kernel (mla_attention_partials,
+    early_cache): the program reads them, and loads its first tile when no new row lies in it,
+    before it waits for the previous kernel (the query kernel, which writes q and the new rows)."""
     launch_dependents(PDL)  # the combine (or W_UV's product) may start launching
-    wait_for_previous(PDL)  # q, the lengths and this step's cache rows come from earlier kernels
+    if not EARLY:
+        wait_for_previous(PDL)  # q, the lengths and this step's cache rows come from earlier kernels
     pid_tile = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,9 +268,22 @@ def _mla_attention_kernel(
         end = tl.minimum(hi, start + per)
     if not DIRECT:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
         if start >= end:  # an empty split: nothing to attend, an empty partial
+            if EARLY:
+                wait_for_previous(PDL)  # nothing stored before it
             row_g = (t_glob * H + head) * max_splits + split
             tl.store(lse_ptr + row_g, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
             return
+    if EARLY:  # the first tile, when whole and older than this step (every row: q_len new keys)
+        first = start < tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N)
+        first = first & (start + BLOCK_N <= kv_len - q_len)
+        k_first = tl.zeros([BLOCK_N, BLOCK_DL], kv_ptr.dtype.element_ty)
+        kr_first = tl.zeros([BLOCK_N, BLOCK_DR], kv_ptr.dtype.element_ty)
+        if first:
+            row0 = tl.load(bt_ptr + b * stride_bt + start // page_size) * page_size + start % page_size
+            k_first = k_desc.load([row0, 0])
+            if HAS_ROPE:
+                kr_first = kr_desc.load([row0, D_LAT])
+        wait_for_previous(PDL)
 
     offs_dl = tl.arange(0, BLOCK_DL)
     q_row = q_ptr + t_glob * stride_qt + head * stride_qh  # (BLOCK_M,) pointers
@@ -268,16 +305,24 @@ def _mla_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     tail = start
+    begin = start
+    if EARLY:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if first:
+            m_i, l_i, acc = _attend_loaded(
+                k_first, kr_first, start, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+                allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE,
+            )  # fmt: skip
+            begin = start + BLOCK_N
     if TMA:  # whole tiles below the KV length by TMA, then at most one partial tile with masks
-        tail = tl.maximum(start, tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N))
-        for n0 in range(start, tail, BLOCK_N):
+        tail = tl.maximum(begin, tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N))
+        for n0 in range(begin, tail, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
                 kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
                 page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
                 HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True,
             )  # fmt: skip
-    for n0 in range(tail, end, BLOCK_N):
+    for n0 in range(tl.maximum(tail, begin), end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
@@ -543,11 +588,18 @@ def mla_attention_partials(
     batch_invariant: bool = False,
     config: AttentionConfig | None = None,
     split_size: int | None = None,
+    early_cache: bool = False,
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
     consumer that merges them as it reads them: gemm.skinny_merge_matmul). Sinks join the merge
-    (combine_splits takes them)."""
+    (combine_splits takes them).
+
+    early_cache: the caller promises that meta's tensors (lengths, block tables) and each
+    request's cache rows before its query tokens were written before the forward's first kernel
+    (a model's decode step: the engine's step inputs, rows of earlier steps). Under programmatic
+    dependent launch each program then loads them, and its first KV tile, while the previous
+    kernel (the one writing q and the new rows) still runs (TMA tiles with V the latent)."""
     t, h, d = q.shape
     if kv.shape[-1] != d:
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
@@ -621,7 +673,8 @@ def mla_attention_partials(
         HAS_ROPE=rope_dim > 0, V_IS_LAT=v_dim == latent_dim,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
-        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None, PDL=pdl,
+        DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
+        EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out if direct else SplitPartials(part, lse, max_splits)

@@ -30,9 +30,11 @@ from deepinfer_cuda.kernels.common import (
 from deepinfer_cuda.kernels.small import (
     CAST_DTYPES,
     check_mla_kv_write,
+    mla_kv_row_inputs,
     rope_rows,
     write_mla_kv,
     write_mla_kv_row,
+    write_mla_kv_row_from,
 )
 
 
@@ -64,14 +66,17 @@ def _mla_query_kernel(
     kv_ptr, kvw_ptr, slot_ptr, cache_ptr, eps, stride_kv, stride_slot, D,
     INTERLEAVED: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    WRITE: tl.constexpr, BLOCK_KC: tl.constexpr, PDL: tl.constexpr,
+    WRITE: tl.constexpr, BLOCK_KC: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows [t0, t0 + BLOCK_T) of head h (grid axes 0, 1). Axis 2: program c < cdiv(C, BLOCK_C)
     writes out[rows, h, c-th BLOCK_C columns] = q_nope[rows, h] @ w[h, cols]^T; the one after
     them (the tail) writes out[rows, h, C:] = rope(q_pe[rows, h]) at each row's position, and
     WRITE: the cache rows of the tile's tokens h, h + H, ... (small.write_mla_kv_row: kv's
     latent normed by kvw, its rope part rotated at the same positions; D = C + R). PDL: the first
-    W_UK tile is loaded before waiting for the previous kernel (common.pdl_enabled)."""
+    W_UK tile is loaded before waiting for the previous kernel (common.pdl_enabled); EARLY (the
+    positions and slots were written before the forward's first kernel: mla_query, early_inputs)
+    the tail also loads them, their cos / sin and the norm weight before it waits, so that after
+    the wait it only reads q_pe and kv: the tail is the launch's longest chain of loads."""
     launch_dependents(PDL)
     pid_t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -99,17 +104,31 @@ def _mla_query_kernel(
         omask = rmask[:, None] & (cols[None, :] < C)
         tl.store(out_rows + cols[None, :], to_dtype(acc, out_ptr.dtype.element_ty), mask=omask)
     else:
-        wait_for_previous(PDL)
+        if not EARLY:
+            wait_for_previous(PDL)
         i = tl.arange(0, BLOCK_R)
         pos = tl.load(pos_ptr + rows64 * stride_pos, mask=rmask, other=0).to(tl.int64)
         cs = cs_ptr + pos[:, None] * stride_cs + i[None, :]
         cmask = rmask[:, None] & (i[None, :] < HALF)
         cos = tl.load(cs, mask=cmask, other=0.0).to(tl.float32)
         sin = tl.load(cs + HALF, mask=cmask, other=0.0).to(tl.float32)
+        # the first token this program writes (WRITE): token h of the row tile, if there is one
+        first = tl.minimum(pid_t * BLOCK_T + h, T - 1)
+        slot, kvw, kcos, ksin = mla_kv_row_inputs(
+            kvw_ptr, pos_ptr, cs_ptr, slot_ptr, first, C, HALF, stride_pos, stride_cs, stride_slot,
+            BLOCK_KC, BLOCK_R, WRITE,
+        )  # fmt: skip
+        if EARLY:
+            wait_for_previous(PDL)
         q_rows = qp_ptr + rows64[:, None] * stride_qpt + h * stride_qph
         rope_rows(q_rows, out_rows + C, rmask[:, None], cos, sin, HALF, INTERLEAVED, BLOCK_R)
         if WRITE:
-            for i in range(h, BLOCK_T, tl.num_programs(1)):
+            if pid_t * BLOCK_T + h < T:
+                write_mla_kv_row_from(
+                    kv_ptr, cache_ptr, first, C, HALF, eps, stride_kv, D, slot, kvw, kcos, ksin,
+                    INTERLEAVED, BLOCK_KC, BLOCK_R, True,
+                )  # fmt: skip
+            for i in range(h + tl.num_programs(1), BLOCK_T, tl.num_programs(1)):
                 t = pid_t * BLOCK_T + i
                 if t < T:
                     write_mla_kv_row(
@@ -147,12 +166,16 @@ def mla_query(
     batch_invariant: bool = False,
     tile: QueryTile | None = None,
     write: CacheWrite | None = None,
+    early_inputs: bool = False,
 ) -> torch.Tensor:
     """q_nope (T, H, N), q_pe (T, H, R) (strided views are fine), w_uk (H, C, N), positions (T,),
     cos_sin_cache (P, R) rows [cos | sin] -> (T, H, C + R) in q_nope's dtype, one launch, no host
     sync. `write`: the same launch also stores the step's latent cache rows, as
     small.write_mla_kv does at the same positions (its tail programs: the rope program of head h
-    writes tokens h, h + H, ... of its row tile). `tile` (tests) overrides query_tile's choice."""
+    writes tokens h, h + H, ... of its row tile). `tile` (tests) overrides query_tile's choice.
+    early_inputs: the caller promises that positions and the write's slot mapping were written
+    before the forward's first kernel (a model's step inputs): under programmatic dependent
+    launch the tail programs read them while the previous kernel still runs."""
     if q_nope.dim() != 3 or q_pe.dim() != 3 or w_uk.dim() != 3:
         raise ValueError(
             f"mla_query: q_nope (T, H, N), q_pe (T, H, R), w_uk (H, C, N), got {tuple(q_nope.shape)}, "
@@ -205,6 +228,7 @@ def mla_query(
         kv, kvw, slots, cache, eps, kv.stride(0), slots.stride(0), c + r,
         INTERLEAVED=interleaved, IEEE=q_nope.dtype == torch.float32, BLOCK_T=cfg.block_t,
         BLOCK_C=cfg.block_c, BLOCK_N=min(128, next_pow2(n)), BLOCK_R=next_pow2(r // 2, 1),
-        WRITE=write is not None, BLOCK_KC=next_pow2(c), PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl,
+        WRITE=write is not None, BLOCK_KC=next_pow2(c), EARLY=early_inputs, PDL=pdl, num_warps=cfg.num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

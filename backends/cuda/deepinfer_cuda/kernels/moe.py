@@ -46,11 +46,12 @@ from deepinfer_cuda.kernels.gemm import TileTable
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
-# One program sorts every row, 32 rows per step (256 experts) at about 0.8 us a step, so its
-# time grows with T*K while the torch sort (many programs) stays near 50 us. On an H200, in CUDA
-# graphs, E = 256: 3.6 us at 8 rows, 28 us at 512, 55 us at 1024 against 51 us for the torch
-# sort plus the one-launch tile table; 108 against 52 us at 2048. Above this many token copies
-# (prefill) the torch sort takes over; the tile table stays one launch either way.
+# The one-launch sort (_align_kernel) gives each program one block of rows; every program reads
+# all the ids for its offsets. When one program sorted every row (32 rows per step at about
+# 0.8 us a step for 256 experts) an H200 took, in CUDA graphs, E = 256: 3.6 us at 8 rows, 28 us
+# at 512, 55 us at 1024 against 51 us for the torch sort plus the one-launch tile table; and
+# V2-Lite's 1024-row prefill (batch 1, 128 tokens) 43 us a layer. Above this many token copies
+# the torch sort takes over; the tile table stays one launch either way.
 ALIGN_MAX_ROWS = 1024
 
 
@@ -455,34 +456,36 @@ def _tile_table_part(
 def _align_kernel(
     ids_ptr, order_ptr, token_ptr, s2d_ptr, counts_ptr, group_ptr, rows_ptr, M, E, K, NUM_TILES,
     TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_ALL: tl.constexpr,
 ):  # fmt: skip
-    """One program: stable counting sort of the M = T*K flat ids by expert, then the tile table."""
+    """Program p: stable counting sort of rows [p * BLOCK_R, (p + 1) * BLOCK_R) of the M = T*K
+    flat ids by expert. Every program reads all M ids (BLOCK_ALL >= M, one load) for the
+    histogram of the whole and of the rows before its block, so the programs need nothing from
+    each other; program 0 also stores the counts and the tile table."""
     ex = tl.arange(0, BLOCK_E)
+    r0 = tl.program_id(0) * BLOCK_R
+    ra = tl.arange(0, BLOCK_ALL)
+    all_ids = tl.load(ids_ptr + ra, mask=ra < M, other=0).to(tl.int32)
+    counts = tl.histogram(all_ids, BLOCK_E, mask=ra < M)
+    before = tl.histogram(all_ids, BLOCK_E, mask=ra < r0)
+    if r0 == 0:
+        tl.store(counts_ptr + ex, counts.to(tl.int64), mask=ex < E)
+    # row r goes to (first sorted row of its expert) + (its expert's rows before the block) +
+    # (earlier rows of the block with the same expert): stable in row order
+    base = tl.cumsum(counts, 0) - counts + before  # (BLOCK_E,)
     ri = tl.arange(0, BLOCK_R)
-    # pass 1: the histogram, BLOCK_R rows at a time
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for r0 in range(0, M, BLOCK_R):
-        r = r0 + ri
-        ids = tl.load(ids_ptr + r, mask=r < M, other=0).to(tl.int32)
-        counts += tl.histogram(ids, BLOCK_E, mask=r < M)
-    tl.store(counts_ptr + ex, counts.to(tl.int64), mask=ex < E)
-    # pass 2: row r goes to (next free row of its expert) + (earlier rows of the block with the
-    # same expert): stable in row order
-    base = tl.cumsum(counts, 0) - counts  # (BLOCK_E,) next free sorted row of each expert
-    for r0 in range(0, M, BLOCK_R):
-        r = r0 + ri
-        ok = r < M
-        ids = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int32)
-        earlier = (ids[:, None] == ids[None, :]) & (ri[None, :] < ri[:, None])  # (BLOCK_R, BLOCK_R)
-        rank = tl.sum(earlier.to(tl.int32), 1)
-        dst = tl.sum(tl.where(ids[:, None] == ex[None, :], base[None, :], 0), 1) + rank  # base[ids] + rank
-        base += tl.histogram(ids, BLOCK_E, mask=ok)
-        tl.store(s2d_ptr + r, dst.to(tl.int64), mask=ok)
-        tl.store(order_ptr + dst, r.to(tl.int64), mask=ok)
-        tl.store(token_ptr + dst, (r // K).to(tl.int64), mask=ok)
-    if TILES:
-        _tile_table_part(counts, ex, E, NUM_TILES, group_ptr, rows_ptr, BLOCK_M, BLOCK_T)
+    r = r0 + ri
+    ok = r < M
+    ids = tl.load(ids_ptr + r, mask=ok, other=0).to(tl.int32)
+    earlier = (ids[:, None] == ids[None, :]) & (ri[None, :] < ri[:, None])  # (BLOCK_R, BLOCK_R)
+    rank = tl.sum(earlier.to(tl.int32), 1)
+    dst = tl.sum(tl.where(ids[:, None] == ex[None, :], base[None, :], 0), 1) + rank  # base[ids] + rank
+    tl.store(s2d_ptr + r, dst.to(tl.int64), mask=ok)
+    tl.store(order_ptr + dst, r.to(tl.int64), mask=ok)
+    tl.store(token_ptr + dst, (r // K).to(tl.int64), mask=ok)
+    if TILES:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if r0 == 0:
+            _tile_table_part(counts, ex, E, NUM_TILES, group_ptr, rows_ptr, BLOCK_M, BLOCK_T)
 
 
 @triton.jit
@@ -557,12 +560,13 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Al
     counts = torch.empty((e,), dtype=torch.int64, device=dev)
     tiles = _empty_tiles(m, e, block_m, dev) if block_m is not None else None
     block_e = next_pow2(e)
-    _align_kernel[(1,)](
+    block_r = _block_rows(block_e)
+    _align_kernel[(max(1, triton.cdiv(m, block_r)),)](
         flat, order, token, src_to_dst, counts,
         tiles.group if tiles is not None else counts, tiles.rows if tiles is not None else counts,
         m, e, k, tiles.num_tiles if tiles is not None else 0,
-        TILES=tiles is not None, BLOCK_M=block_m or 16, BLOCK_R=_block_rows(block_e), BLOCK_E=block_e,
-        BLOCK_T=SPARE_TILES_BLOCK, num_warps=4,
+        TILES=tiles is not None, BLOCK_M=block_m or 16, BLOCK_R=block_r, BLOCK_E=block_e,
+        BLOCK_T=SPARE_TILES_BLOCK, BLOCK_ALL=next_pow2(m), num_warps=4,
     )  # fmt: skip
     return Alignment(order, token, src_to_dst, counts, tiles)
 

@@ -331,7 +331,44 @@ def write_mla_kv_row(
     """Token t (a helper of the kernels, inlined): cache[slot[t]] = [rms_norm(kv[t, :C]) * w |
     rope(kv[t, C:])], nothing for slot -1. Each half is rounded to kv's dtype first (what the two
     small ops return), then to the cache's (what write_kv does)."""
+    slot, w, cos, sin = mla_kv_row_inputs(
+        w_ptr, pos_ptr, cs_ptr, slot_ptr, t, C, HALF, stride_pos, stride_cs, stride_slot,
+        BLOCK_C, BLOCK_R, ROPE,
+    )  # fmt: skip
+    write_mla_kv_row_from(
+        kv_ptr, cache_ptr, t, C, HALF, eps, stride_kv, D, slot, w, cos, sin,
+        INTERLEAVED, BLOCK_C, BLOCK_R, ROPE,
+    )  # fmt: skip
+
+
+@triton.jit
+def mla_kv_row_inputs(
+    w_ptr, pos_ptr, cs_ptr, slot_ptr, t, C, HALF, stride_pos, stride_cs, stride_slot,
+    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """What write_mla_kv_row reads besides kv: token t's slot, the norm weight (float32, BLOCK_C)
+    and the cos / sin of its position (float32, BLOCK_R). None of it is written by the forward (step
+    inputs, weights), so a kernel may load it before waiting for the previous kernel."""
     slot = tl.load(slot_ptr + t * stride_slot).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    w = tl.load(w_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+    i = tl.arange(0, BLOCK_R)
+    rmask = i < HALF
+    cos = tl.zeros([BLOCK_R], tl.float32)
+    sin = tl.zeros([BLOCK_R], tl.float32)
+    if ROPE:
+        pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rmask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rmask, other=0.0).to(tl.float32)
+    return slot, w, cos, sin
+
+
+@triton.jit
+def write_mla_kv_row_from(
+    kv_ptr, cache_ptr, t, C, HALF, eps, stride_kv, D, slot, w, cos, sin,
+    INTERLEAVED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """write_mla_kv_row given mla_kv_row_inputs' values."""
     if slot >= 0:
         src = kv_ptr + t * stride_kv
         dst = cache_ptr + slot * D
@@ -342,15 +379,11 @@ def write_mla_kv_row(
         cmask = cols < C
         h = tl.load(src + cols, mask=cmask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / C + eps)
-        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         y = to_dtype(h * rstd * w, kv_ty).to(tl.float32)
         tl.store(dst + cols, to_dtype(y, cache_ty), mask=cmask)
         if ROPE:  # rope of the last R = 2 * HALF columns, as _rope_kernel computes it
             i = tl.arange(0, BLOCK_R)
             rmask = i < HALF
-            pos = tl.load(pos_ptr + t * stride_pos).to(tl.int64)
-            cos = tl.load(cs_ptr + pos * stride_cs + i, mask=rmask, other=0.0).to(tl.float32)
-            sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=rmask, other=0.0).to(tl.float32)
             if INTERLEAVED:
                 c1 = C + 2 * i
                 c2 = C + 2 * i + 1
