@@ -5,7 +5,7 @@
 # and e2e files in $OUT/sweep/<n>.
 #   usage: OUT=dir SETTINGS="VAR=VALUE;VAR=VALUE VAR2=VALUE2;..." [CONF_K=filter] \
 #          bash bench/run_env_sweep_h200.sh [bench_e2e.py arguments, default --batches 1]
-# An empty setting (";;" or a leading ";") is the default environment.
+# An empty setting (";;", a leading or a trailing ";") is the default environment.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -22,6 +22,7 @@ fi
 args=("$@")
 [ ${#args[@]} -eq 0 ] && args=(--batches 1)
 IFS=';' read -r -a settings <<< "${SETTINGS:-}"
+[[ "${SETTINGS:-}" == *";" ]] && settings+=("")  # read -a drops a trailing empty setting
 n=0
 for setting in "${settings[@]}"; do
   dir="$OUT/sweep/$n"
