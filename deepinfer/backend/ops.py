@@ -334,7 +334,10 @@ class AttentionOps(_Part):
         scale=scale, v_dim=v_dim, modifiers=modifiers) (B, H, v_dim), then each head's product
         with w_uv (H, Vh, v_dim) as gemm.batched_linear defines it -> (B, H, Vh) in q's dtype.
         One op so that a backend can merge the attention's split-KV partials where the product
-        reads them (one launch a layer fewer at decode sizes). Default: the two ops."""
+        reads them (one launch a layer fewer at decode sizes). Callers pass the step's own
+        metadata and a cache whose rows before each request's query tokens were written before
+        the forward started (a model's decode step): a backend may read those while the forward's
+        previous kernel still runs. Default: the two ops."""
         o = self.decode(q, cache, meta, scale=scale, v_dim=v_dim, modifiers=modifiers)
         return self.backend.gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
 
@@ -379,7 +382,9 @@ class AttentionOps(_Part):
         positions, cos_sin_cache, interleaved, slot_mapping), then mla_query(q_nope, q_pe, w_uk,
         positions, cos_sin_cache, interleaved), returned; both read the same projection output
         and positions, so a backend may do both in one launch (one launch a layer fewer at decode
-        sizes). The stored rows and the query are those of the two ops. Default: the two ops."""
+        sizes). The stored rows and the query are those of the two ops. Callers pass the step's
+        own positions and slot_mapping, written before the forward started (a backend may read
+        them while the forward's previous kernel still runs). Default: the two ops."""
         self.backend.kv_cache.write_mla_kv(
             cache, kv, kv_norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping
         )
