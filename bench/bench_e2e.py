@@ -54,7 +54,8 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
   (a) GPU idle share between decode steps at batch 64: torch.profiler (CUDA activity only) over
       10 decode steps driven one engine.step() at a time after the prefill and a few steps;
       busy = union of kernel / memcpy / memset intervals, window = first start .. last end,
-      idle share = 1 - busy / window; kernels per decode step = kernels / steps. The trace is
+      idle share = 1 - busy / window; kernels per decode step = kernels / steps; the largest idle
+      gaps, each named by the activities that end before it and start after it. The trace is
       kept as trace_b64.json.gz;
   (b) batch-invariant mode at batch 32 (a fresh backend with BackendOptions(batch_invariant=True)
       and the model rebuilt on it) against the default at the same length, and whether prompt 0's
