@@ -30,7 +30,13 @@ pytestmark = [
 PTR = {"bf16": "*bf16", "f32": "*fp32", "i32": "*i32", "i64": "*i64"}
 
 
-def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> str:
+class Ptx(str):
+    """A kernel's PTX text, with the warps it was compiled for (bench/kernel_registers.py)."""
+
+    num_warps: int = 4
+
+
+def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> Ptx:
     """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32);
     returns the PTX."""
     import triton
@@ -46,7 +52,9 @@ def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any],
             pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
         raise
     assert compiled.asm.get("cubin"), "no cubin"
-    return str(compiled.asm["ptx"])
+    ptx = Ptx(compiled.asm["ptx"])
+    ptx.num_warps = num_warps
+    return ptx
 
 
 @pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
@@ -181,7 +189,7 @@ def test_router_kernels(router: str) -> None:
         compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
 
 
-def _decode_step_kernels(pdl: bool) -> dict[str, str]:
+def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
     """The PTX of every Triton kernel of a V2-Lite-sized bfloat16 decode step, each compiled with
     PDL as given (the constexpr that makes it wait for the previous kernel, common.pdl_enabled)."""
     from deepinfer_cuda.kernels import attention as att_k
@@ -191,7 +199,7 @@ def _decode_step_kernels(pdl: bool) -> dict[str, str]:
     from deepinfer_cuda.kernels import small as small_k
 
     bf16, f32, i32, i64 = PTR["bf16"], PTR["f32"], PTR["i32"], PTR["i64"]
-    ptx = {}
+    ptx: dict[str, Ptx] = {}
     ptx["rms_norm"] = compile_sm90(
         small_k._rms_norm_kernel,
         {a: bf16 for a in ("x_ptr", "r_ptr", "w_ptr", "y_ptr", "h_ptr")} | {"eps": "fp32"},
@@ -267,8 +275,8 @@ def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:
     """Every kernel of the decode step compiles with programmatic dependent launch, and waits for
     its predecessor (griddepcontrol.wait) exactly when launched that way: a kernel launched with
     PDL that never waited could read its inputs before they are written."""
-    with_pdl = _decode_step_kernels(True)
-    without = _decode_step_kernels(False)
+    with_pdl = decode_step_kernels(True)
+    without = decode_step_kernels(False)
     for name, ptx in with_pdl.items():
         assert "griddepcontrol.wait" in ptx, f"{name}: launched with PDL but never waits"
         assert "griddepcontrol.launch_dependents" in ptx, f"{name}: never lets the next kernel launch early"
