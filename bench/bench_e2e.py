@@ -118,6 +118,14 @@ PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinar
 MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for the router
 EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read step inputs after the wait
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
+# the ablations that set one of the cuda backend's switches to 0: (row key, variable)
+SWITCHES_OFF = [
+    ("no_decode_moe", MOE_DECODE),
+    ("no_skinny", SKINNY),
+    ("no_pdl", PDL),
+    ("no_early_shared", MOE_EARLY),
+    ("no_early_inputs", EARLY_INPUTS),
+]
 
 
 def log(msg: str) -> None:
@@ -1497,8 +1505,7 @@ def analyse_trace(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     named = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "?"))[:48]) for e in events
     )
-    spans = [(s, e) for s, e, _ in named]
-    start, end = spans[0][0], max(s[1] for s in spans)
+    start, end = named[0][0], max(e for _, e, _ in named)
     # idle gaps, each named by the activity that ended last before it and the one after it
     gaps: dict[str, list[float]] = {}
     busy, cur_s, cur_e, last = 0.0, named[0][0], named[0][1], named[0][2]
@@ -1683,21 +1690,10 @@ def main(argv: list[str] | None = None) -> int:
         with bench.section("model_unfused"):
             if not bench.over_budget("model unfused"):
                 bench.unfused(MODEL_UNFUSED, "model_unfused")
-        with bench.section("no_decode_moe"):
-            if not bench.over_budget("no decode moe") and backend_reads_env(args.backend, MOE_DECODE):
-                bench.unfused(MOE_DECODE, "no_decode_moe", "0")
-        with bench.section("no_skinny"):
-            if not bench.over_budget("no skinny") and backend_reads_env(args.backend, SKINNY):
-                bench.unfused(SKINNY, "no_skinny", "0")
-        with bench.section("no_pdl"):
-            if not bench.over_budget("no pdl") and backend_reads_env(args.backend, PDL):
-                bench.unfused(PDL, "no_pdl", "0")
-        with bench.section("no_early_shared"):
-            if not bench.over_budget("no early shared") and backend_reads_env(args.backend, MOE_EARLY):
-                bench.unfused(MOE_EARLY, "no_early_shared", "0")
-        with bench.section("no_early_inputs"):
-            if not bench.over_budget("no early inputs") and backend_reads_env(args.backend, EARLY_INPUTS):
-                bench.unfused(EARLY_INPUTS, "no_early_inputs", "0")
+        for key, var in SWITCHES_OFF:  # each cuda switch set to 0, where the backend reads it
+            with bench.section(key):
+                if not bench.over_budget(key.replace("_", " ")) and backend_reads_env(args.backend, var):
+                    bench.unfused(var, key, "0")
         with bench.section("batch_invariant"):  # last: the slowest
             if args.invariant_batch > 0 and not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()

@@ -239,7 +239,7 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor) -> None:
     if chunk < 64 or vocab == chunk:
         out.copy_(logits.argmax(dim=-1))
         return
-    values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)  # (S, V / C): first maxima
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)  # (S, V / C): first maxima
     best = values.argmax(dim=-1, keepdim=True)  # (S, 1): the first chunk holding the row's maximum
     torch.add(within.gather(1, best).squeeze(1), best.squeeze(1), alpha=chunk, out=out)
 
