@@ -1141,10 +1141,8 @@ class Bench:
 
     def unfused(self, var: str, key: str, value: str = "1") -> None:
         """(c) `var`=`value`, read when the backend and the model are built (DEEPINFER_CUDA_UNFUSED=1:
-        the backend's fused kernels; DEEPINFER_MODEL_UNFUSED=1: the model's fusions;
-        DEEPINFER_CUDA_MOE_DECODE=0: the decode-sized MoE kernels; DEEPINFER_CUDA_SKINNY=0: the
-        skinny GEMM; DEEPINFER_CUDA_PDL=0: programmatic dependent launch; DEEPINFER_CUDA_MOE_EARLY=0:
-        the shared experts' early start): a fresh backend + model, its
+        the backend's fused kernels; DEEPINFER_MODEL_UNFUSED=1: the model's fusions; each of
+        SWITCHES_OFF's variables set to 0: one cuda feature off): a fresh backend + model, its
         rows under `key`_tok_s."""
         a = self.args
         n = a.ablation_output_len
@@ -1402,10 +1400,10 @@ class Bench:
                 + ".",
                 "",
                 "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
-                "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 "
-                "| DEEPINFER_CUDA_MOE_DECODE=0 | DEEPINFER_CUDA_SKINNY=0 | DEEPINFER_CUDA_PDL=0 "
-                "| DEEPINFER_CUDA_MOE_EARLY=0 | DEEPINFER_CUDA_EARLY_INPUTS=0 |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+                "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 | "
+                + " | ".join(f"{var}=0" for _, var in SWITCHES_OFF)
+                + " |",
+                "| --- " * (7 + len(SWITCHES_OFF)) + "|",
             ]
             for key in sorted(ab["rows"], key=int):
                 r = ab["rows"][key]
@@ -1420,9 +1418,9 @@ class Bench:
                 out.append(
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
-                    f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} "
-                    f"| {cell('no_decode_moe_tok_s')} | {cell('no_skinny_tok_s')} | {cell('no_pdl_tok_s')} "
-                    f"| {cell('no_early_shared_tok_s')} | {cell('no_early_inputs_tok_s')} |"
+                    f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} | "
+                    + " | ".join(cell(f"{name}_tok_s") for name, _ in SWITCHES_OFF)
+                    + " |"
                 )
             if ab.get("engine_init_s"):
                 out += [
@@ -1464,6 +1462,15 @@ class Bench:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def switch_keys(value: str) -> list[str]:
+    """--only-switches: comma-separated keys of SWITCHES_OFF."""
+    keys = [k for k in value.split(",") if k]
+    known = [k for k, _ in SWITCHES_OFF]
+    if unknown := sorted(set(keys) - set(known)):
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; known {known}")
+    return keys
 
 
 def backend_reads_env(name: str, var: str) -> bool:
@@ -1576,6 +1583,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=None, help="default 64 (smoke 4)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--skip-extra", action="store_true", help="no idle profile, batch-invariant or ablations")
+    p.add_argument(
+        "--only-switches",
+        type=switch_keys,
+        default=None,
+        help="ablations: only these SWITCHES_OFF rows (comma-separated keys, e.g. no_pdl)",
+    )
     p.add_argument("--backend", default=None, help="deepinfer backend (default cuda; smoke reference)")
     p.add_argument("--dtype", default=None, help="default bfloat16 (smoke float32)")
     p.add_argument(
@@ -1680,17 +1693,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.llm = None
     free_memory(bench.device)
     if not args.skip_extra:
-        with bench.section("ablations"):
-            bench.ablations()
+        if args.only_switches is None:
+            with bench.section("ablations"):
+                bench.ablations()
         bench.model = None
         free_memory(bench.device)
-        with bench.section("unfused"):
-            if not bench.over_budget("unfused"):
-                bench.unfused(CUDA_UNFUSED, "unfused")
-        with bench.section("model_unfused"):
-            if not bench.over_budget("model unfused"):
-                bench.unfused(MODEL_UNFUSED, "model_unfused")
-        for key, var in SWITCHES_OFF:  # each cuda switch set to 0, where the backend reads it
+        if args.only_switches is None:
+            with bench.section("unfused"):
+                if not bench.over_budget("unfused"):
+                    bench.unfused(CUDA_UNFUSED, "unfused")
+            with bench.section("model_unfused"):
+                if not bench.over_budget("model unfused"):
+                    bench.unfused(MODEL_UNFUSED, "model_unfused")
+        switches = [(k, v) for k, v in SWITCHES_OFF if args.only_switches is None or k in args.only_switches]
+        for key, var in switches:  # each cuda switch set to 0, where the backend reads it
             with bench.section(key):
                 if not bench.over_budget(key.replace("_", " ")) and backend_reads_env(args.backend, var):
                     bench.unfused(var, key, "0")
