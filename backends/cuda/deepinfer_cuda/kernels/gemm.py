@@ -135,6 +135,7 @@ def _dense_kernel(
     stride_am, stride_bn, stride_cm, stride_asm, stride_bsn, stride_ag, stride_bg, stride_cg, stride_ws,
     FP8: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     """C (M, N) = A (M, K) @ B (N, K)^T (+ bias), tiles swizzled in GROUP_M bands for L2 reuse.
     FP8: A and B e4m3 with A scales (M, K/128) and B scales (N/128, K/128); BLOCK_K == 128.
@@ -143,10 +144,11 @@ def _dense_kernel(
 
     K is reduced in chunks of K_CHUNK (a multiple of BLOCK_K; K_CHUNK >= K: one chunk), each
     from zero in BLOCK_K steps, the chunk sums added in order. SPLIT: grid axis 2 is the chunk s
-    of S; program s writes chunk s's float32 sum to ws + s * stride_ws (an (S, G, M, N) workspace
-    laid out as C) and counts itself in on its (product, tile) ticket (tickets: (G, tiles) int32,
-    zero between launches); the tile's last program to arrive resets the ticket and adds the S
-    sums in order s = 0 .. S-1 as the walk below does, so both ways give the same bits."""
+    of S = SPLITS; program s writes chunk s's float32 sum to ws + s * stride_ws (an (S, G, M, N)
+    workspace laid out as C) and counts itself in on its (product, tile) ticket (tickets: (G,
+    tiles) int32, zero between launches); the tile's last program to arrive resets the ticket and
+    adds the S sums in order s = 0 .. S-1 as the walk below does, so both ways give the same
+    bits (an unrolled loop: the S loads are in flight together)."""
     g = tl.program_id(1).to(tl.int64)
     a_ptr += g * stride_ag
     b_ptr += g * stride_bg
@@ -195,11 +197,11 @@ def _dense_kernel(
         tl.debug_barrier()  # every thread's chunk sum is stored before the program counts itself in
         ticket = tickets_ptr + g * tl.num_programs(0) + pid
         arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
-        if arrived < tl.num_programs(2) - 1:
+        if arrived < SPLITS - 1:
             return
         tl.store(ticket, 0)  # the tile's last program: ready for the next launch (and graph replay)
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, tl.num_programs(2)):  # written by other programs: volatile, no stale L1 lines
+        for s in tl.static_range(SPLITS):  # written by other programs: volatile, no stale L1 lines
             total += tl.load(ws_tile + s * stride_ws, mask=c_mask, other=0.0, volatile=True)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -255,7 +257,7 @@ def _launch_dense(
         a.stride(0) if batched else 0, b.stride(0) if batched else 0, m * n, g * m * n,
         FP8=fp8, HAS_BIAS=bias is not None, IEEE=a.dtype == torch.float32, SPLIT=split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLITS=chunks if split else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c
 
@@ -555,13 +557,16 @@ def _skinny_kernel(
     stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SLAB: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ w (N, K)^T for M <= BLOCK_M, with the operands swapped: each
     program multiplies BLOCK_N weight rows by x^T (BLOCK_K, BLOCK_M), so the MMA's wide side is
     the weight's (64 rows fill a Hopper warpgroup MMA where M = 1 would waste it). Grid (N tiles,
-    G products, S K-ranges of K_SPLIT). SPLIT: program s writes its float32 partial sum to
-    ws (S, G, M, N) and counts itself in on its (product, tile) ticket; the last to arrive resets
-    it and adds the S partials in order s = 0 .. S - 1 (deterministic, no float atomics).
+    G products, S = SPLITS K-ranges of K_SPLIT). SPLIT: program s writes its float32 partial sum
+    to ws (S, G, M, N) and counts itself in on its (product, tile) ticket; the last to arrive
+    resets it and adds the S partials in order s = 0 .. S - 1 (deterministic, no float atomics;
+    the loop is unrolled, so the S loads are in flight together, not one L2 round trip after
+    another at the end of the kernel).
     MERGE (SLAB only): x is attention's split-KV partials (x_ptr the partials, stride_xm their
     row stride, lse_ptr their log2-sum-exps, NUM_SPLITS per row), merged as they are read and
     rounded to the weight's dtype, as attention's combine stores them."""
@@ -604,11 +609,11 @@ def _skinny_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
         ticket = tickets_ptr + g * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
-        if arrived < tl.num_programs(2) - 1:
+        if arrived < SPLITS - 1:
             return
         tl.store(ticket, 0)  # the tile's last program: ready for the next launch (and graph replay)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for r in range(0, tl.num_programs(2)):  # written by other programs: volatile, no stale L1 lines
+        for r in tl.static_range(SPLITS):  # written by other programs: volatile, no stale L1 lines
             acc += tl.load(part + r * tl.num_programs(1) * mn, mask=out_mask, other=0.0, volatile=True)
     out = out_ptr + g * stride_og + rm[None, :].to(tl.int64) * stride_om + rn[:, None] * stride_on
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -731,7 +736,7 @@ def _launch_skinny(
         x_strides[0], x_strides[1], weight.stride(0) if batched else 0, weight.stride(-2),
         out.stride(0) if batched else 0, out.stride(-2), out.stride(-1),
         BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SLAB=cfg.slab,
-        MERGE=lse is not None, BLOCK_S=MERGE_SPLITS, PDL=pdl,
+        MERGE=lse is not None, BLOCK_S=MERGE_SPLITS, PDL=pdl, SPLITS=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -729,11 +729,15 @@ def _decode_up_kernel(
 
 
 @triton.jit
-def _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, n_ok, K_IDS, stride_y, stride_out, VOLATILE: tl.constexpr):
+def _combine_row(
+    y_ptr, wt_ptr, out_ptr, t, rn, n_ok, K_IDS: tl.constexpr, stride_y, stride_out, VOLATILE: tl.constexpr
+):  # fmt: skip
     """out[t, n] = sum over k, in order, of w[t, k] * y[t*K + k, n] in float32 (small.weighted_combine's
-    arithmetic). VOLATILE: y was written by other programs of this launch (no stale L1 lines)."""
+    arithmetic). VOLATILE: y was written by other programs of this launch (no stale L1 lines).
+    The loop is unrolled (K_IDS constexpr), so the K rows' loads are in flight together rather
+    than one L2 round trip after another at the end of the down kernel."""
     acc = tl.zeros(rn.shape, tl.float32)
-    for k in range(0, K_IDS):
+    for k in tl.static_range(K_IDS):
         c = t * K_IDS + k
         y = tl.load(y_ptr + c * stride_y + rn, mask=n_ok, other=0.0, volatile=VOLATILE)
         acc += tl.load(wt_ptr + c).to(tl.float32) * y.to(tl.float32)
@@ -757,7 +761,7 @@ def _down_step(
 
 @triton.jit
 def _decode_down_kernel(
-    a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS, NUM_EXPERTS,
+    a_ptr, w_ptr, ws_ptr, ids_ptr, wt_ptr, y_ptr, out_ptr, count_ptr, H, I, K_IDS: tl.constexpr, NUM_EXPERTS,
     stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
     FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -805,7 +809,9 @@ def _decode_down_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(y_ptr, wt_ptr, out_ptr, H, K_IDS, stride_y, stride_out, BLOCK: tl.constexpr):
+def _decode_combine_kernel(
+    y_ptr, wt_ptr, out_ptr, H, K_IDS: tl.constexpr, stride_y, stride_out, BLOCK: tl.constexpr
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     _combine_row(y_ptr, wt_ptr, out_ptr, t, rn, rn < H, K_IDS, stride_y, stride_out, VOLATILE=False)

@@ -289,13 +289,17 @@ def write_kv(cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) 
 
 
 @triton.jit
-def _combine_kernel(y_ptr, idx_ptr, w_ptr, out_ptr, K, D, stride_y, stride_o, BLOCK: tl.constexpr):
-    """out[t] = sum_k w[t, k] * y[idx[t*K + k]], summed in float32 in k order."""
+def _combine_kernel(
+    y_ptr, idx_ptr, w_ptr, out_ptr, K: tl.constexpr, D, stride_y, stride_o, BLOCK: tl.constexpr
+):
+    """out[t] = sum_k w[t, k] * y[idx[t*K + k]], summed in float32 in k order. The loop is
+    unrolled (K constexpr): the K row indices, then the K rows, are loaded together rather than
+    two memory round trips after another per k."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     acc = tl.zeros([BLOCK], tl.float32)
-    for k in range(0, K):
+    for k in tl.static_range(K):
         src = tl.load(idx_ptr + t * K + k).to(tl.int64)
         w = tl.load(w_ptr + t * K + k).to(tl.float32)
         acc += w * tl.load(y_ptr + src * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
