@@ -76,7 +76,8 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
-      at that length beside them, as it is for (b).
+      at that length beside them, as it is for (b). --only-switches KEYS runs only the named
+      cuda-switch rows (SWITCHES_OFF keys, comma-separated; "" none) and none of the others.
 
     python bench/bench_e2e.py --out bench/results/DIR        # on the GPU (4 to 5 minutes on an H200)
     python bench/bench_e2e.py --smoke --out /tmp/e2e_smoke    # the whole logic on the CPU, tiny model
