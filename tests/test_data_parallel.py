@@ -263,14 +263,25 @@ print(json.dumps({"first": first, "second": list(second.data_parallel.worker_pid
 """
 
 
+def _run_script(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` with python -c; a hang fails the test with the threads' stacks, which the
+    script writes to stderr (faulthandler) 30 s before it is killed."""
+    dump = f"import faulthandler\nfaulthandler.dump_traceback_later({HANG_S - 30})\n"
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", dump + script, *args],
+            capture_output=True,
+            text=True,
+            timeout=HANG_S,
+            cwd=REPO,
+        )
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(f"the script hung for {HANG_S} s; its threads {HANG_S - 30} s in:\n{err[-6000:]}")
+
+
 def test_keyboard_interrupt_and_interpreter_exit_leave_no_process(ckpt: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", INTERRUPT_SCRIPT, ckpt],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-        cwd=REPO,
-    )
+    done = _run_script(INTERRUPT_SCRIPT, ckpt)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["interrupted"] == "KeyboardInterrupt during generate"
@@ -293,9 +304,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # no exit handler runs, no pipe is closed 
 
 
 def test_workers_exit_when_the_calling_process_is_killed(ckpt: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED_SCRIPT, ckpt], capture_output=True, text=True, timeout=HANG_S, cwd=REPO
-    )
+    done = _run_script(KILLED_SCRIPT, ckpt)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     pids = json.loads(done.stdout.strip().splitlines()[-1])
     deadline = time.monotonic() + 30
