@@ -272,10 +272,6 @@ def _stop_workers(workers: list[_Worker], graceful: bool) -> None:
             w.conn.close()
 
 
-# The longest the calling process blocks waiting for its workers before it handles signals.
-WAKE_S = 0.5
-
-
 class DataParallelError(RuntimeError):
     """A data-parallel job failed: a rank raised, died, or fell out of step."""
 
@@ -423,9 +419,7 @@ class DataParallelEngine:
                     self._raise(replies, f"rank(s) {late} did not answer within {grace:g} s of the failure")
                 handles: list[Any] = [w.conn for w in pending.values()]
                 handles += [w.process.sentinel for w in pending.values()]
-                # at most WAKE_S at a time: Python runs signal handlers on the main thread only, so
-                # a Ctrl-C that the OS gave another thread waits until this thread runs again
-                for handle in wait(handles, WAKE_S if timeout is None else min(timeout, WAKE_S)):
+                for handle in wait(handles, timeout):
                     w = next(w for w in pending.values() if handle in (w.conn, w.process.sentinel))
                     if w.rank not in pending:
                         continue
