@@ -241,9 +241,13 @@ def test_a_killed_worker_ends_the_job(ckpt: str, tmp_path: Path) -> None:
 
 
 INTERRUPT_SCRIPT = """
-import json, os, signal, sys, threading
+import json, os, signal, sys, threading, time
 from deepinfer import LLM, SamplingParams
 
+# Ctrl-C as in a terminal, whatever this process inherited: a parent that ignores SIGINT (a test
+# runner's worker may) passes SIG_IGN on, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 args = dict(backend="reference", dtype="float32", block_size=8, max_model_len=128,
             data_parallel_size=2, enable_expert_parallel=True)
 llm = LLM(sys.argv[1], **args)
@@ -251,8 +255,10 @@ first = list(llm.data_parallel.worker_pids)
 params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 prompts = [{"prompt_token_ids": [5 + i, 7, 9]} for i in range(4)]
 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+interrupted = "no KeyboardInterrupt within 120 s"
 try:
-    while True:  # until Ctrl-C lands inside a call
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until Ctrl-C lands inside a call
         llm.generate(prompts, params, use_tqdm=False)
 except KeyboardInterrupt:
     interrupted = llm.data_parallel.closed
