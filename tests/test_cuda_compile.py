@@ -290,37 +290,21 @@ def test_split_reductions_load_their_parts_together() -> None:
     loop unrolled at compile time, one load instruction per part, so the loads need not wait on
     one another: a runtime loop (one load instruction in PTX) made one L2 round trip after
     another at the end of those kernels."""
-    from deepinfer_cuda.kernels import gemm as gemm_k
-    from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
 
-    bf16, f32, i32, i64 = PTR["bf16"], PTR["f32"], PTR["i32"], PTR["i64"]
-    skinny = compile_sm90(
-        gemm_k._skinny_kernel,
-        {"x_ptr": bf16, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32, "lse_ptr": bf16},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, BLOCK_S=16, PDL=True, MERGE=False,
-             SPLITS=4),
-        num_warps=8,
-    )  # fmt: skip
-    down = compile_sm90(
-        moe_k._decode_down_kernel,
-        {"a_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "wt_ptr": f32, "y_ptr": bf16,
-         "out_ptr": bf16, "count_ptr": i32},
-        dict(FP8=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True, COMBINE=True, SHARED=2,
-             K_IDS=8),
-    )  # fmt: skip
+    step = decode_step_kernels(True)  # the skinny GEMM with 4 splits, the down kernel with 8 copies
     combine = compile_sm90(
         small_k._combine_kernel,
-        {"y_ptr": bf16, "idx_ptr": i64, "w_ptr": f32, "out_ptr": bf16},
+        {"y_ptr": PTR["bf16"], "idx_ptr": PTR["i64"], "w_ptr": PTR["f32"], "out_ptr": PTR["bf16"]},
         dict(K=8, BLOCK=1024),
     )
     for name, ptx, parts, load in (
-        ("skinny", skinny, 4, "ld.volatile.global"),
-        ("decode_down", down, 8, "ld.volatile.global"),
+        ("skinny", step["skinny"], 4, "ld.volatile.global"),
+        ("decode_down", step["decode_down"], 8, "ld.volatile.global"),
         ("combine", combine, 8, "ld.global.b64"),  # the K row indices, before the rows
     ):
         lines = ptx.splitlines()
         start = next((i for i, line in enumerate(lines) if "atom." in line), 0)
         tail = lines[start:]
-        loads = [i for i, line in enumerate(tail) if load in line]
-        assert len(loads) >= parts, f"{name}: {len(loads)} {load} after the ticket, expected one per part"
+        loads = sum(load in line for line in tail)
+        assert loads >= parts, f"{name}: {loads} {load} after the ticket, expected one per part"
