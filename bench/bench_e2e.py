@@ -899,10 +899,14 @@ class Bench:
                 sync(self.device)
                 wall = time.perf_counter() - t
             t = time.perf_counter()  # as many steps again, without the profiler
-            for _ in range(again):
-                engine.step()
-            sync(self.device)
+            with host_waits(engine) as waits:
+                for _ in range(again):
+                    engine.step()
+                sync(self.device)
             unprofiled = time.perf_counter() - t
+            host = None
+            if again and lead + 3 * steps < a.output_len:  # as many again under cProfile
+                host = cprofile_rows(lambda: [engine.step() for _ in range(again)], self.device)
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
@@ -914,7 +918,18 @@ class Bench:
             # where a generate call's time goes: its prefill step(s) and its decode steps, unprofiled
             "prefill_wall_ms": prefill_wall * 1e3,
             "decode_wall_per_step_ms": unprofiled * 1e3 / again if again else float("nan"),
+            # of which the host waited for the device's tokens (the rest it worked: a step whose
+            # wait is near 0 is bound by the host, not by the GPU)
+            "decode_host_wait_per_step_ms": sum(waits) * 1e3 / again if again else float("nan"),
         }
+        if host is not None:
+            res["decode_host_profile"] = {"steps": again, **host}
+            log(
+                f"   {label} host: {again} decode steps under cProfile, {host['wall_ms']:.2f} ms; "
+                "most own time:"
+            )
+            for r in host["by_own"][:12]:
+                log(f"      {r['own_ms']:8.2f} ms  x{r['calls']:<5d} {r['function'][:90]}")
         with tempfile.TemporaryDirectory() as d:
             path = Path(d) / "trace.json"
             prof.export_chrome_trace(str(path))
@@ -928,7 +943,8 @@ class Bench:
                 f"{res['window_per_step_ms']:.3f} ms/step on the GPU "
                 f"(busy {res['busy_per_step_ms']:.3f} ms; "
                 f"host {res['host_wall_per_step_ms_profiled']:.3f} ms); unprofiled: prefill "
-                f"{res['prefill_wall_ms']:.2f} ms, decode {res['decode_wall_per_step_ms']:.3f} ms/step"
+                f"{res['prefill_wall_ms']:.2f} ms, decode {res['decode_wall_per_step_ms']:.3f} ms/step "
+                f"(the host waiting for tokens {res['decode_host_wait_per_step_ms']:.3f} ms of it)"
             )
             for k in res["top_kernels"]:
                 log(
@@ -977,7 +993,6 @@ class Bench:
         whose device work is shorter than its launches spends its time): wall time without and
         with the profiler, and the functions with the most own time and the most total time."""
         import cProfile
-        import pstats
 
         from deepinfer.api import SamplingParams
 
@@ -1002,18 +1017,7 @@ class Bench:
             finally:
                 prof.disable()
                 engine.abort_all()
-        stats = pstats.Stats(prof)
-        rows = [
-            {
-                "function": f"{Path(file).name}:{line}({name})",
-                "calls": int(nc),
-                "own_ms": tt * 1e3,
-                "total_ms": ct * 1e3,
-            }
-            for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items()  # type: ignore[attr-defined]
-        ]
-        by_own = sorted(rows, key=lambda r: -r["own_ms"])[:top]
-        by_total = sorted(rows, key=lambda r: -r["total_ms"])[:top]
+        by_own, by_total = profile_tables(prof, top)
         log(f"   prefill B={b} host: {walls[0]:.2f} ms ({walls[1]:.2f} ms under cProfile); most own time:")
         for r in by_own[:12]:
             log(f"      {r['own_ms']:8.2f} ms  x{r['calls']:<5d} {r['function'][:90]}")
@@ -1350,7 +1354,9 @@ class Bench:
                 f"{r['host_wall_per_step_ms_profiled']:.3f} ms per step under the profiler; "
                 f"{r['kernels_per_step']:.1f} kernels per step. Without the profiler: the prefill "
                 f"step {r.get('prefill_wall_ms', float('nan')):.2f} ms, decode steps "
-                f"{r.get('decode_wall_per_step_ms', float('nan')):.3f} ms each.",
+                f"{r.get('decode_wall_per_step_ms', float('nan')):.3f} ms each, of which the host "
+                f"waited {r.get('decode_host_wait_per_step_ms', float('nan')):.3f} ms for the "
+                "device's tokens (near 0: the host, not the GPU, bounds the step).",
                 "",
                 *KERNEL_TABLE_HEAD,
             ]
@@ -1463,6 +1469,62 @@ class Bench:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+def profile_tables(prof: Any, top: int = 30) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A cProfile.Profile's functions with the most own time and the most total time."""
+    import pstats
+
+    stats = pstats.Stats(prof)
+    rows = [
+        {
+            "function": f"{Path(file).name}:{line}({name})",
+            "calls": int(nc),
+            "own_ms": tt * 1e3,
+            "total_ms": ct * 1e3,
+        }
+        for (file, line, name), (_, nc, tt, ct, _) in stats.stats.items()  # type: ignore[attr-defined]
+    ]
+    return sorted(rows, key=lambda r: -r["own_ms"])[:top], sorted(rows, key=lambda r: -r["total_ms"])[:top]
+
+
+def cprofile_rows(fn: Callable[[], object], device: torch.device, top: int = 30) -> dict[str, Any]:
+    """fn() under cProfile, the device synchronised after it: its wall time and profile_tables."""
+    import cProfile
+
+    prof = cProfile.Profile()
+    sync(device)
+    t = time.perf_counter()
+    prof.enable()
+    try:
+        fn()
+        sync(device)
+    finally:
+        prof.disable()
+    wall = (time.perf_counter() - t) * 1e3
+    by_own, by_total = profile_tables(prof, top)
+    return {"wall_ms": wall, "by_own": by_own, "by_total": by_total}
+
+
+@contextlib.contextmanager
+def host_waits(engine: Any) -> Iterator[list[float]]:
+    """Seconds the engine's host loop spends blocked on each step's sampled tokens (the
+    OutputProcessor's wait on the step's event), collected while the block runs."""
+    processor = engine.outputs
+    process = processor.process
+    waits: list[float] = []
+
+    def timed(step: Any) -> Any:
+        t = time.perf_counter()
+        step.ready.synchronize()
+        waits.append(time.perf_counter() - t)
+        return process(step)
+
+    processor.process = timed
+    try:
+        yield waits
+    finally:
+        del processor.process
 
 
 def switch_keys(value: str) -> list[str]:

@@ -990,6 +990,27 @@ def test_skinny_matmul_against_float64_split_and_whole(gen: torch.Generator, m: 
         gemm_k.skinny_matmul(x.float(), w.float())
 
 
+def test_argmax_in_one_launch(gen: torch.Generator) -> None:
+    """small.argmax: each row's first maximum from its blocks' maxima (the row's last program
+    picks the first block holding the maximum), the tickets left at zero for the next launch (a
+    graph replays them), and the CudaSmall op on it; bad shapes and dtypes get an error naming them."""
+    vocab = 3 * small_k.ARGMAX_BLOCK + 5  # four blocks, the last of 5 columns
+    logits = torch.randn((3, vocab), generator=gen)
+    logits[0, 1] = logits[0, 2 * small_k.ARGMAX_BLOCK] = 7.0  # tied across blocks: the first
+    logits[1, vocab - 1] = 7.0  # in the partial last block
+    logits[2, :] = float("-inf")
+    out = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    assert small_k.argmax(logits.to(DEV), out) is out
+    assert out.cpu().tolist() == [1, vocab - 1, 0] == logits.argmax(-1).tolist()
+    assert not small_k._ARGMAX_TICKETS.get(DEV, 1).any(), "a row's ticket was left counted"
+    small = cuda_backend.create_cuda_backend(BackendOptions()).small
+    assert small.argmax(logits.to(DEV)).cpu().tolist() == [1, vocab - 1, 0]
+    with pytest.raises(ValueError, match="argmax"):
+        small_k.argmax(logits.to(DEV).half())
+    with pytest.raises(ValueError, match="argmax"):
+        small_k.argmax(logits.to(DEV), torch.empty((3,), dtype=torch.int32, device=DEV))
+
+
 def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaGemm.linear and batched_linear: the skinny kernel up to SKINNY_MAX_M rows of bfloat16,
     cuBLAS above it, for float32 and for weights over SKINNY_MAX_WEIGHT_BYTES, never in

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from deepinfer.backend.registry import get_backend
-from deepinfer.engine.sampler import Sampler, apply_min_tokens, apply_penalties, argmax_rows
+from deepinfer.engine.sampler import Sampler, apply_min_tokens, apply_penalties
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.sequence import Sequence
+from deepinfer.reference.small import argmax_rows
 
 
 def make_seq(prompt: list[int], output: list[int], seed: int | None = None, **kw: object) -> Sequence:

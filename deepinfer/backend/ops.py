@@ -869,6 +869,17 @@ class SmallOps(_Part):
         Default: the reference."""
         return ref_small.exponential_noise(seeds, offsets, vocab_size)
 
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy sampling's reduction: logits (S, V) float32 -> (S,) int64, the index of each
+        row's first maximum (torch.argmax's answer: ties go to the lowest index, a row of -inf
+        to 0), written into `out` (S,) int64 when given (the engine's persistent buffer) and
+        returned. Device only, graph-safe. Rows holding NaN give an unspecified index.
+        Default: ref_small.argmax_rows (two torch reductions)."""
+        if out is None:
+            out = torch.empty(logits.shape[:1], dtype=torch.int64, device=logits.device)
+        ref_small.argmax_rows(logits, out)
+        return out
+
     def sample(
         self,
         logits: torch.Tensor,

@@ -78,7 +78,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
     """ids >= 0 as they are; -(r + 1) -> sampled_ids[r] (the token the previous step sampled in
     row r, not yet seen by the host). Device only."""
-    rows = (-input_ids - 1).clamp_(min=0)
+    rows = torch.bitwise_not(input_ids).clamp_(min=0)  # ~i = -(i + 1): one launch, not two
     return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
 
 

@@ -33,6 +33,27 @@ def rope(
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+# Columns per chunk of argmax_rows' first reduction (at most; a power of two dividing the vocab).
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """out (S,) int64 = logits (S, V).argmax(-1), the first maximum of each row, in two reductions
+    (chunks of C columns, then the chunks' maxima): torch reduces a single row of a 100k vocabulary
+    in one thread block (23 us of a 2.1 ms V2-Lite decode step on an H200). Rows whose width has
+    no power-of-two divisor of at least 64 take torch's argmax as it is."""
+    rows, vocab = logits.shape
+    chunk = ARGMAX_CHUNK
+    while chunk >= 64 and vocab % chunk:
+        chunk //= 2
+    if chunk < 64 or vocab == chunk:
+        out.copy_(logits.argmax(dim=-1))
+        return
+    values, within = logits.reshape(rows, vocab // chunk, chunk).max(dim=-1)  # (S, V / C): first maxima
+    best = values.argmax(dim=-1, keepdim=True)  # (S, 1): the first chunk holding the row's maximum
+    torch.add(within.gather(1, best).squeeze(1), best.squeeze(1), alpha=chunk, out=out)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)

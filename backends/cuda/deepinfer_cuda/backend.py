@@ -727,6 +727,12 @@ class CudaSmall(SmallOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return small_k.rms_norm(x, weight, eps)[0]
 
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One launch (kernels/small.argmax) where fused; else the contract's two reductions."""
+        if self.fused and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
+            return small_k.argmax(logits, out)
+        return super().argmax(logits, out)
+
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,6 +295,31 @@ def exp_noise(gen: torch.Generator, shape: tuple[int, int]) -> torch.Tensor:
     return torch.empty(shape).exponential_(1.0, generator=gen)
 
 
+# widths: tiny, odd, one past a power of two, and production vocabularies (V2's 102400, V3's 129280)
+ARGMAX_VOCABS = [7, 97, 4097, 102400, 129280]
+
+
+@pytest.mark.parametrize("vocab", ARGMAX_VOCABS)
+def test_argmax_is_the_first_maximum(backend: Backend, gen: torch.Generator, vocab: int) -> None:
+    """Greedy sampling's reduction against torch.argmax: ties go to the first maximum (inside a
+    block of columns and across blocks), a row of -inf to 0, an all-equal row to 0; into the
+    caller's buffer, and into a new one."""
+    dev = backend.device.device()
+    logits = torch.randn((6, vocab), generator=gen)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 9.0  # a tie far apart: the first wins
+    logits[2, :] = float("-inf")  # every token banned
+    logits[3, min(7, vocab - 2)] = logits[3, min(8, vocab - 1)] = 9.0  # neighbours tied
+    logits[4, :] = 0.5
+    logits[5, vocab - 1] = 1e30  # the last column
+    expected = logits.argmax(dim=-1)
+    out = torch.full((6,), -1, dtype=torch.int64, device=dev)
+    got = backend.small.argmax(logits.to(dev), out)
+    assert got.dtype == torch.int64 and got.shape == (6,)
+    assert torch.equal(out.cpu(), expected), f"argmax {out.tolist()} != torch's {expected.tolist()}"
+    assert torch.equal(backend.small.argmax(logits.to(dev)).cpu(), expected), "argmax without out"
+    assert backend.small.argmax(logits[:0].to(dev)).shape == (0,)
+
+
 @pytest.mark.parametrize("batch,vocab", [(0, 50), (1, 7), (20, 50), (10, 1000)])
 def test_sample_matches_reference(backend: Backend, gen: torch.Generator, batch: int, vocab: int) -> None:
     dev = backend.device.device()

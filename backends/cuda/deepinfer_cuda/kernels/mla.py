@@ -46,11 +46,13 @@ class QueryTile:
 
 
 # Decode sizes: 16-row tiles and 64 columns, so that T = 1 still spreads W_UK's reads (H x C x N,
-# 2 MiB for V2-Lite's 16 heads) over H x 9 programs; larger batches: 64 x 128 tiles reuse each
-# weight tile for more rows. Batch-invariant mode: the decode tile for every T.
+# 2 MiB for V2-Lite's 16 heads) over H x 9 programs; up to 128 rows too (a 128-token prefill
+# chunk, batch 128), where the 64 x 128 tiles left 160 programs and a cache-write launch after
+# them; larger steps: 64 x 128 tiles reuse each weight tile for more rows. Batch-invariant mode:
+# the decode tile for every T.
 DECODE_TILE = QueryTile(block_t=16, block_c=64)
 PREFILL_TILE = QueryTile(block_t=64, block_c=128)
-DECODE_MAX_T = 64
+DECODE_MAX_T = 128
 
 
 def query_tile(t: int, batch_invariant: bool) -> QueryTile:

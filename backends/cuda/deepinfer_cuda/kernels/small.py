@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_cuda.kernels.common import (
+    Semaphores,
     launch_dependents,
     log,
     next_pow2,
@@ -522,4 +523,64 @@ def exponential_noise(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: in
         BLOCK=block,
         num_warps=4,
     )
+    return out
+
+
+@triton.jit
+def _argmax_kernel(
+    x_ptr, val_ptr, idx_ptr, tickets_ptr, out_ptr, V, stride_x,
+    BLOCK: tl.constexpr, PARTS: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Row r, columns [p * BLOCK, (p + 1) * BLOCK): the block's maximum and the first column
+    holding it, stored as the row's part p; the row's last program (a per-row ticket, taken
+    acq_rel, reset by it) picks the first part holding the row's maximum: the first maximum."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    cols = p * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf"))
+    best, at = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * PARTS + p, best)
+    tl.store(idx_ptr + row * PARTS + p, p.to(tl.int64) * BLOCK + at)
+    tl.debug_barrier()  # the part is stored before the program counts itself in
+    arrived = tl.atomic_add(tickets_ptr + row, 1, sem="acq_rel")
+    if arrived < PARTS - 1:
+        return
+    tl.store(tickets_ptr + row, 0)  # the row's last program: ready for the next launch
+    ps = tl.arange(0, BLOCK_P)
+    # written by other programs: volatile, no stale L1 lines
+    vals = tl.load(val_ptr + row * PARTS + ps, mask=ps < PARTS, other=float("-inf"), volatile=True)
+    first = tl.min(tl.where(vals == tl.max(vals, 0), ps, BLOCK_P), 0)  # the first part holding it
+    idx = tl.load(idx_ptr + row * PARTS + first, volatile=True)
+    tl.store(out_ptr + row, idx)
+
+
+# One int32 ticket per row of an argmax launch.
+_ARGMAX_TICKETS = Semaphores()
+ARGMAX_BLOCK = 4096  # columns a program: V2-Lite's 102400-token vocabulary is 25 programs a row
+
+
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SmallOps.argmax in one launch: logits (S, V) float32 -> (S,) int64, the first maximum of
+    each row, into `out` when given. Grid (S, ceil(V / ARGMAX_BLOCK)): each program reduces a
+    block of a row, the row's last one the blocks' maxima (torch's two reductions and the index
+    arithmetic after them took four launches)."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"argmax: logits must be (S, V) float32, got {tuple(logits.shape)} {logits.dtype}")
+    rows, vocab = logits.shape
+    if out is None:
+        out = torch.empty((rows,), dtype=torch.int64, device=logits.device)
+    if out.shape != (rows,) or out.dtype != torch.int64:
+        raise ValueError(f"argmax: out must be ({rows},) int64, got {tuple(out.shape)} {out.dtype}")
+    if rows == 0:
+        return out
+    if vocab == 0:
+        raise ValueError("argmax: a row of no columns has no maximum")
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    parts = triton.cdiv(vocab, ARGMAX_BLOCK)
+    vals = torch.empty((rows, parts), dtype=torch.float32, device=x.device)
+    idx = torch.empty((rows, parts), dtype=torch.int64, device=x.device)
+    _argmax_kernel[(rows, parts)](
+        x, vals, idx, _ARGMAX_TICKETS.get(x.device, rows), out, vocab, x.stride(0),
+        BLOCK=ARGMAX_BLOCK, PARTS=parts, BLOCK_P=next_pow2(parts, 1), num_warps=8,
+    )  # fmt: skip
     return out
