@@ -1005,6 +1005,8 @@ def test_argmax_in_one_launch(gen: torch.Generator) -> None:
     assert not small_k._ARGMAX_TICKETS.get(DEV, 1).any(), "a row's ticket was left counted"
     small = cuda_backend.create_cuda_backend(BackendOptions()).small
     assert small.argmax(logits.to(DEV)).cpu().tolist() == [1, vocab - 1, 0]
+    logits[0, 5] = float("nan")  # unspecified, but a column of the row
+    assert 0 <= small_k.argmax(logits.to(DEV))[0].item() < vocab
     with pytest.raises(ValueError, match="argmax"):
         small_k.argmax(logits.to(DEV).half())
     with pytest.raises(ValueError, match="argmax"):

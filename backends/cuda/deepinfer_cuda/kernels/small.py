@@ -550,6 +550,7 @@ def _argmax_kernel(
     # written by other programs: volatile, no stale L1 lines
     vals = tl.load(val_ptr + row * PARTS + ps, mask=ps < PARTS, other=float("-inf"), volatile=True)
     first = tl.min(tl.where(vals == tl.max(vals, 0), ps, BLOCK_P), 0)  # the first part holding it
+    first = tl.minimum(first, PARTS - 1)  # a NaN maximum matches no part: stay inside the row
     idx = tl.load(idx_ptr + row * PARTS + first, volatile=True)
     tl.store(out_ptr + row, idx)
 
