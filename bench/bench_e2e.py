@@ -22,6 +22,8 @@ min_new_tokens = max_new_tokens = 64). Output tokens per second = B * 64 / wall 
 generate call (prefill included), measured after a warm-up generate of the same batch size
 (deepinfer: the same call; transformers: the same batch with --hf-warmup-len new tokens), so
 Triton compilation and graph capture happen at engine creation / warm-up, never in the timed call.
+deepinfer's figure is the median of --repeats (3) timed calls; transformers' one call (seconds
+long at every batch).
 
 Roofline (per batch B; P = input length, N = output length; bw = copy GB/s, mm = matmul FLOP/s;
 every byte count is the real size of the tensors in the transformers state dict):
@@ -72,7 +74,10 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       DEEPINFER_CUDA_PDL=0 (programmatic dependent launch of the decode step's kernels),
       DEEPINFER_CUDA_MOE_EARLY=0 (the shared experts computed while the router runs),
       DEEPINFER_CUDA_EARLY_INPUTS=0 (MLA's decode kernels read the step inputs, and the
-      attention its first cache tile, while the kernel before them runs) (each a
+      attention its first cache tile, while the kernel before them runs),
+      DEEPINFER_CUDA_ARGMAX=0 (the greedy draw as two torch reductions, not one launch),
+      DEEPINFER_CUDA_WIDE_QUERY=0 (MLA's query in its 16-row tiles, with the cache write in the
+      same launch, up to 64 rows instead of 128) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -118,14 +123,19 @@ SKINNY = "DEEPINFER_CUDA_SKINNY"  # 0: decode-sized float linears on cuBLAS, not
 PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinary way
 MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for the router
 EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read step inputs after the wait
+ARGMAX = "DEEPINFER_CUDA_ARGMAX"  # 0: the greedy draw as the contract's two reductions
+WIDE_QUERY = "DEEPINFER_CUDA_WIDE_QUERY"  # 0: MLA's query in 16-row tiles up to 64 rows, not 128
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
-# the ablations that set one of the cuda backend's switches to 0: (row key, variable)
+# the ablations that set one of the cuda backend's variables, read when the backend is created or
+# a graph captured: (row key, variable, value); "0" switches a feature off
 SWITCHES_OFF = [
-    ("no_decode_moe", MOE_DECODE),
-    ("no_skinny", SKINNY),
-    ("no_pdl", PDL),
-    ("no_early_shared", MOE_EARLY),
-    ("no_early_inputs", EARLY_INPUTS),
+    ("no_decode_moe", MOE_DECODE, "0"),
+    ("no_skinny", SKINNY, "0"),
+    ("no_pdl", PDL, "0"),
+    ("no_early_shared", MOE_EARLY, "0"),
+    ("no_early_inputs", EARLY_INPUTS, "0"),
+    ("no_argmax", ARGMAX, "0"),
+    ("no_wide_query", WIDE_QUERY, "0"),
 ]
 
 
@@ -607,9 +617,14 @@ class Bench:
     def di_throughput(
         self, llm: Any, batch: int, new_tokens: int, warmup_tokens: int | None = None
     ) -> tuple[float, float, list[list[int]]]:
-        """(tok/s, seconds, tokens) of one timed generate after a warm-up of the same batch."""
+        """(tok/s, seconds, tokens) after a warm-up of the same batch: the median of --repeats
+        timed generates (each the same prompts; the last one's tokens)."""
         self.di_generate(llm, batch, warmup_tokens or new_tokens)
-        secs, tokens = self.timed(lambda: self.di_generate(llm, batch, new_tokens), new_tokens)
+        times = []
+        for _ in range(max(1, self.args.repeats)):
+            secs, tokens = self.timed(lambda: self.di_generate(llm, batch, new_tokens), new_tokens)
+            times.append(secs)
+        secs = sorted(times)[len(times) // 2]
         return batch * new_tokens / secs, secs, tokens
 
     def run_deepinfer(self) -> None:
@@ -1209,7 +1224,8 @@ class Bench:
             f"Workload per batch B: B random prompts of {a.input_len} tokens, "
             f"{a.output_len} output tokens each, "
             f"greedy, EOS ignored; tok/s = B x {a.output_len} / wall time of one generate call (prefill "
-            "included) after a warm-up generate of the same batch.",
+            f"included) after a warm-up generate of the same batch (deepinfer: the median of {a.repeats} "
+            "calls; transformers: one).",
             "",
             f"Measured in this run: copy {copy.get('gbs', float('nan')):.0f} GB/s (read + write), "
             f"{mm.get('dtype', '')} matmul {mm.get('n', '')}^3 {mm.get('tflops', float('nan')):.1f} TFLOP/s. "
@@ -1408,7 +1424,7 @@ class Bench:
                 "",
                 "| batch | default tok/s | enforce_eager | max_prefill_graph_tokens=0 "
                 "| async_scheduling=False | DEEPINFER_CUDA_UNFUSED=1 | DEEPINFER_MODEL_UNFUSED=1 | "
-                + " | ".join(f"{var}=0" for _, var in SWITCHES_OFF)
+                + " | ".join(f"{var}={value}" for _, var, value in SWITCHES_OFF)
                 + " |",
                 "| --- " * (7 + len(SWITCHES_OFF)) + "|",
             ]
@@ -1426,7 +1442,7 @@ class Bench:
                     f"| {key} | {base or 0:.1f} | {cell('enforce_eager_tok_s')} "
                     f"| {cell('no_prefill_graphs_tok_s')} | {cell('no_async_scheduling_tok_s')} "
                     f"| {cell('unfused_tok_s')} | {cell('model_unfused_tok_s')} | "
-                    + " | ".join(cell(f"{name}_tok_s") for name, _ in SWITCHES_OFF)
+                    + " | ".join(cell(f"{name}_tok_s") for name, _, _ in SWITCHES_OFF)
                     + " |"
                 )
             if ab.get("engine_init_s"):
@@ -1530,7 +1546,7 @@ def host_waits(engine: Any) -> Iterator[list[float]]:
 def switch_keys(value: str) -> list[str]:
     """--only-switches: comma-separated keys of SWITCHES_OFF."""
     keys = [k for k in value.split(",") if k]
-    known = [k for k, _ in SWITCHES_OFF]
+    known = [k for k, _, _ in SWITCHES_OFF]
     if unknown := sorted(set(keys) - set(known)):
         raise argparse.ArgumentTypeError(f"unknown {unknown}; known {known}")
     return keys
@@ -1659,6 +1675,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed deepinfer generates per row, after its warm-up: the median",
+    )
+    p.add_argument(
         "--hf-warmup-len", type=int, default=None, help="transformers warm-up new tokens (default 8)"
     )
     p.add_argument(
@@ -1768,11 +1790,11 @@ def main(argv: list[str] | None = None) -> int:
             with bench.section("model_unfused"):
                 if not bench.over_budget("model unfused"):
                     bench.unfused(MODEL_UNFUSED, "model_unfused")
-        switches = [(k, v) for k, v in SWITCHES_OFF if args.only_switches is None or k in args.only_switches]
-        for key, var in switches:  # each cuda switch set to 0, where the backend reads it
+        switches = [s for s in SWITCHES_OFF if args.only_switches is None or s[0] in args.only_switches]
+        for key, var, value in switches:  # each cuda variable set, where the backend reads it
             with bench.section(key):
                 if not bench.over_budget(key.replace("_", " ")) and backend_reads_env(args.backend, var):
-                    bench.unfused(var, key, "0")
+                    bench.unfused(var, key, value)
         with bench.section("batch_invariant"):  # last: the slowest
             if args.invariant_batch > 0 and not bench.over_budget("batch-invariant"):
                 bench.batch_invariant()

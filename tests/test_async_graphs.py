@@ -276,6 +276,36 @@ def test_prompt_logprobs_in_one_token_chunks(backend: str, monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_prompt_chunks_beside_decodes(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same budget without prompt log-probabilities: a step of one-token rows whose prompt
+    chunk samples nothing runs eagerly (a decode graph's logits rows are its tokens, every one
+    sampling), and the tokens are the plain engine's."""
+    prompts: list[Any] = [{"prompt_token_ids": [5 + i, 9]} for i in range(3)]
+    prompts.append({"prompt_token_ids": [3 + (7 * j) % 900 for j in range(20)]})
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    kw: dict[str, Any] = {"max_num_batched_tokens": 4, "max_num_seqs": 4}
+    expected = outputs(make(backend, **BASELINE, **kw), params, prompts)
+    for name, mode in MODES.items():
+        llm = make(backend, **mode, **kw)
+        runner = llm.llm_engine.runner
+        real = runner.bucket_for
+        chunks: list[int] = []  # one-token steps with a prompt chunk that samples nothing
+
+        def spy(batch: Any, real: Any = real, chunks: list[int] = chunks) -> int | None:
+            bucket = real(batch)
+            silent = any(s.num_computed_tokens + 1 != s.num_tokens for s in batch.seqs)
+            if all(n == 1 for n in batch.num_new_tokens) and silent:
+                assert bucket is None
+                chunks.append(len(batch))
+            return bucket
+
+        monkeypatch.setattr(runner, "bucket_for", spy)
+        assert outputs(llm, params, prompts) == expected, name
+        assert chunks, f"{name}: no prompt chunk of one token beside the decodes"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_structured_output_async_and_graphs(backend: str) -> None:
     pytest.importorskip("xgrammar")
     regex = StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3}){2}")

@@ -1013,6 +1013,30 @@ def test_argmax_in_one_launch(gen: torch.Generator) -> None:
         small_k.argmax(logits.to(DEV), torch.empty((3,), dtype=torch.int32, device=DEV))
 
 
+def test_argmax_and_query_switches(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_CUDA_ARGMAX=0: the greedy draw as the contract's two reductions (the same ids);
+    DEEPINFER_CUDA_WIDE_QUERY=0: MLA's query and cache write in one launch up to 64 rows, not
+    mla.DECODE_MAX_T (the benchmark's ablation rows), both read when the backend is created."""
+    logits = torch.randn((2, 3 * small_k.ARGMAX_BLOCK), generator=gen).to(DEV)
+    calls: list[int] = []
+    real = small_k.argmax
+
+    def spy(*a: Any) -> torch.Tensor:
+        calls.append(1)
+        y: torch.Tensor = real(*a)
+        return y
+
+    monkeypatch.setattr(small_k, "argmax", spy)
+    default = cuda_backend.create_cuda_backend(BackendOptions())
+    assert default.attention.query_rows == mla_k.DECODE_MAX_T == 128
+    monkeypatch.setenv(cuda_backend.ARGMAX_ENV, "0")
+    monkeypatch.setenv(cuda_backend.WIDE_QUERY_ENV, "0")
+    off = cuda_backend.create_cuda_backend(BackendOptions())
+    assert off.attention.query_rows == 64
+    assert torch.equal(off.small.argmax(logits), default.small.argmax(logits))
+    assert calls == [1]  # the default's only
+
+
 def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaGemm.linear and batched_linear: the skinny kernel up to SKINNY_MAX_M rows of bfloat16,
     cuBLAS above it, for float32 and for weights over SKINNY_MAX_WEIGHT_BYTES, never in

@@ -11,8 +11,9 @@ requests, each padded to q tokens after its own: the prompt chunk it computes). 
 (long prefills, other speculative steps) use views cut to their own sizes.
 
 Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
-device) are written as placeholders -(row + 1), row being where the previous step's sampler put
-that token in `sampled_ids`; the runner resolves them on the device before the embedding.
+device) are written as placeholders row - max_num_seqs (negative), row being where the previous
+step's sampler put that token in `sampled_ids`; the runner resolves them on the device before the
+embedding (model_runner.resolve_placeholders).
 
 A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
 and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
@@ -334,7 +335,7 @@ class StepInputs:
             else:  # the pending token (async): a placeholder resolved on the device
                 assert stop == known + 1 and seq.pending_row >= 0, "one pending token at most"
                 ids.extend(seq.token_ids[start:known])
-                ids.append(-(seq.pending_row + 1))
+                ids.append(seq.pending_row - self.max_num_seqs)
             ids.extend(seq.draft[:nd])
             if n == 1:
                 pos.append(start)

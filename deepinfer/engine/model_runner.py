@@ -14,7 +14,9 @@ logits of each sampling request's last token; the draw runs eagerly.
 
 Everything a graph reads lives at a fixed address: the step inputs (deepinfer.engine.inputs),
 the caches, logits and sampled_ids. Input ids that are placeholders for tokens still on the
-device (async scheduling) are resolved from sampled_ids as the first op of the forward.
+device (async scheduling) are resolved from sampled_ids as the first op of the forward: one
+gather from the token table, the identity over the vocabulary followed by sampled_ids, which a
+placeholder's negative id reaches from its end (resolve_placeholders).
 
 Expert parallelism: a graph step's MoE layers exchange fixed-size buffers with the other ranks
 (ForwardBatch.fixed_exchange), captured in the graph; every rank replays the same bucket at the
@@ -75,11 +77,19 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [next(b for b in sizes if b >= max_num_seqs)]
 
 
-def resolve_placeholders(input_ids: torch.Tensor, sampled_ids: torch.Tensor) -> torch.Tensor:
-    """ids >= 0 as they are; -(r + 1) -> sampled_ids[r] (the token the previous step sampled in
-    row r, not yet seen by the host). Device only."""
-    rows = torch.bitwise_not(input_ids).clamp_(min=0)  # ~i = -(i + 1): one launch, not two
-    return torch.where(input_ids < 0, sampled_ids[rows], input_ids)
+def token_table(vocab_size: int, max_rows: int, device: torch.device) -> torch.Tensor:
+    """(V + R,) int64: [0, 1, .., V - 1 | sampled ids of rows 0 .. R - 1]. The last R entries
+    are the sampler's output (ModelRunner.sampled_ids is that view)."""
+    table = torch.zeros(vocab_size + max_rows, dtype=torch.int64, device=device)
+    table[:vocab_size] = torch.arange(vocab_size, device=device)
+    return table
+
+
+def resolve_placeholders(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ids in [0, V) as they are; a placeholder r - R (R = the table's sampled rows, so -R .. -1)
+    -> sampled_ids[r] (the token the previous step sampled in row r, not yet seen by the host):
+    table[ids] in ONE gather, a negative index counting from the table's end. Device only."""
+    return table[input_ids]
 
 
 # accept(step inputs, sampled (B, 1 + w), hidden (B (1 + w), Dm), limit (B,),
@@ -183,7 +193,8 @@ class ModelRunner:
             backend, block_size, max(max_num_batched_tokens, verify_rows, max_prefill_graph_tokens),
             self.max_rows, max_model_len, max_draft_width, kv_groups,
         )  # fmt: skip
-        self.sampled_ids = torch.zeros(self.max_rows, dtype=torch.int64, device=self.device)
+        self.token_table = token_table(self.vocab_size, self.max_rows, self.device)
+        self.sampled_ids = self.token_table[self.vocab_size :]  # (R,): placeholders read it
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
         self.logits: torch.Tensor | None = None  # (max bucket, V) float32: graph outputs
@@ -254,7 +265,7 @@ class ModelRunner:
             logits, out = self.logits[:bs], self.sampled_ids[:bs]
 
             def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = logits) -> None:
-                logits.copy_(self._logits(fb)[1])
+                self._logits(fb, out=logits, every_row=True)
 
             first = next(iter(self.graphs.values()), None)  # the largest: its pool serves all
             try:
@@ -286,6 +297,8 @@ class ModelRunner:
             return None
         if any(n != 1 for n in batch.num_new_tokens) or any(batch.num_draft_tokens):
             return None
+        if any(s.num_computed_tokens + 1 != s.num_tokens for s in batch.seqs):
+            return None  # a one-token prompt chunk samples nothing: the graph's rows all sample
         if any(s.wants_prompt_logprobs for s in batch.seqs):  # needs the hidden states
             return None
         return min(b for b in self.graphs if b >= len(batch))
@@ -304,8 +317,7 @@ class ModelRunner:
             step = self.inputs.prepare(ScheduledBatch(), b, q - 1, prefill=True)  # all padding
 
             def forward(fb: ForwardBatch = step.forward, logits: torch.Tensor = self.logits[:b]) -> None:
-                hidden, out = self._logits(fb)
-                logits.copy_(out)
+                hidden, _ = self._logits(fb, out=logits)
                 if self.prefill_hidden is not None:
                     self.prefill_hidden[: hidden.shape[0]].copy_(hidden)
 
@@ -465,13 +477,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ steps
 
-    def _logits(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logits(
+        self, fb: ForwardBatch, out: torch.Tensor | None = None, every_row: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
-        fb.logits_indices)."""
-        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.sampled_ids))
+        fb.logits_indices), written into `out` when given. every_row: the step's logits rows are
+        its tokens in order (a decode graph step, bucket_for), so no row gather."""
+        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.token_table))
         hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm), or V4's (T, N, Dm)
-        logits: torch.Tensor = self.model.compute_logits(hidden[fb.logits_indices])
-        return hidden, logits.float()
+        rows = hidden if every_row else hidden[fb.logits_indices]
+        logits: torch.Tensor = self.model.compute_logits(rows, out)
+        return hidden, logits
 
     @torch.inference_mode()
     def forward(

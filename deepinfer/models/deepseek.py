@@ -177,9 +177,11 @@ class DeepseekForCausalLM(nn.Module):
         out: torch.Tensor = self.norm(x) if residual is None else self.norm.add(x, residual)[0]
         return out
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, Dm) -> logits (S, V) float32."""
-        return self.backend.gemm.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (S, Dm) -> logits (S, V) float32; into `out` (S, V) float32 when given (the
+        cast and the copy are one launch)."""
+        logits = self.backend.gemm.linear(hidden, self.lm_head)
+        return logits.float() if out is None else out.copy_(logits)
 
     def forward_mtp(
         self,

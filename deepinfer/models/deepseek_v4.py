@@ -765,10 +765,13 @@ class StreamHead(nn.Module):
         for name in ("fn", "base", "scale"):
             self.register_buffer(name, torch.empty(0, device="meta"))
 
-    def forward(self, streams: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """streams (S, N, Dm), lm_head (V, Dm) -> logits (S, V) float32."""
+    def forward(
+        self, streams: torch.Tensor, lm_head: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """streams (S, N, Dm), lm_head (V, Dm) -> logits (S, V) float32 (into `out` when given)."""
         x = self.backend.small.hc_head(streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps)
-        return self.backend.gemm.linear(self.norm(x), lm_head).float()
+        logits = self.backend.gemm.linear(self.norm(x), lm_head)
+        return logits.float() if out is None else out.copy_(logits)
 
     def load(self, reader: CheckpointReader, norm: str, names: tuple[str, str, str]) -> None:
         """norm: its norm weight's name; names: those of fn, base and scale."""
@@ -952,10 +955,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = block(streams, batch, layer_caches, entries.get(ratio), table)
         return streams
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, N, Dm) rows of forward's output -> logits (S, V) float32."""
-        out: torch.Tensor = self.head(hidden, self.lm_head)
-        return out
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (S, N, Dm) rows of forward's output -> logits (S, V) float32 (into `out` (S, V)
+        float32 when given)."""
+        logits: torch.Tensor = self.head(hidden, self.lm_head, out)
+        return logits
 
     def forward_mtp(
         self,

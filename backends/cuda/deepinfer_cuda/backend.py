@@ -98,6 +98,24 @@ def early_inputs_from_env() -> bool:
     return os.environ.get(EARLY_INPUTS_ENV, "1") != "0"
 
 
+ARGMAX_ENV = "DEEPINFER_CUDA_ARGMAX"
+
+
+def argmax_from_env() -> bool:
+    """False when DEEPINFER_CUDA_ARGMAX=0: the greedy draw takes the contract's two reductions
+    instead of the one-launch kernel (kernels/small.argmax)."""
+    return os.environ.get(ARGMAX_ENV, "1") != "0"
+
+
+WIDE_QUERY_ENV = "DEEPINFER_CUDA_WIDE_QUERY"
+
+
+def query_rows_from_env() -> int:
+    """The most rows for which MLA's query takes its 16-row decode tiles and writes the cache in
+    the same launch: mla.DECODE_MAX_T, or 64 (the limit before it) when DEEPINFER_CUDA_WIDE_QUERY=0."""
+    return mla_k.DECODE_MAX_T if os.environ.get(WIDE_QUERY_ENV, "1") != "0" else 64
+
+
 SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
 
 
@@ -246,9 +264,12 @@ class CudaAttention(AttentionOps):
     (kernels/mla.py); DeepSeek-V4's compressed attention and lightning indexer in kernels/v4.py
     (unfused: the contract's defaults)."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+    def __init__(
+        self, options: BackendOptions, fused: bool = True, query_rows: int = mla_k.DECODE_MAX_T
+    ) -> None:
         super().__init__(options)
         self.fused = fused
+        self.query_rows = query_rows  # mla_query_and_cache's one launch up to this many rows
 
     def decode(
         self,
@@ -370,11 +391,11 @@ class CudaAttention(AttentionOps):
         slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
         """The cache write inside mla_query's launch (kernels/mla.py, CacheWrite) up to
-        mla.DECODE_MAX_T tokens, where the query takes 16-row tiles (a tail program writes at
-        most 16 rows one after another); larger steps, dtypes the kernels do not take, or
-        unfused: the two ops."""
+        query_rows tokens (mla.DECODE_MAX_T), where the query takes 16-row tiles (a tail program
+        writes at most 16 rows one after another); larger steps, dtypes the kernels do not take,
+        or unfused: the two ops."""
         t = _cache_tensor(cache)
-        fits = q_nope.shape[0] <= mla_k.DECODE_MAX_T and mla_k.supported(q_nope, q_pe, w_uk)
+        fits = q_nope.shape[0] <= self.query_rows and mla_k.supported(q_nope, q_pe, w_uk)
         if not (self.fused and fits and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES):
             return super().mla_query_and_cache(
                 q_nope, q_pe, w_uk, kv, cache, kv_norm_weight, eps, positions, cos_sin_cache, interleaved,
@@ -383,7 +404,7 @@ class CudaAttention(AttentionOps):
         write = mla_k.CacheWrite(t, kv, kv_norm_weight, eps, slot_mapping)
         return mla_k.mla_query(  # the model's step: positions and slots are its step inputs
             q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant,
-            write=write, early_inputs=early_inputs_from_env(),
+            write=write, early_inputs=early_inputs_from_env(), decode_max_t=self.query_rows,
         )  # fmt: skip
 
     def compressed_attention(
@@ -720,16 +741,17 @@ class CudaSmall(SmallOps):
     mHC ops), bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
     vocabulary, already a handful of device kernels)."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+    def __init__(self, options: BackendOptions, fused: bool = True, argmax: bool = True) -> None:
         super().__init__(options)
         self.fused = fused
+        self.argmax_kernel = fused and argmax
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return small_k.rms_norm(x, weight, eps)[0]
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One launch (kernels/small.argmax) where fused; else the contract's two reductions."""
-        if self.fused and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
+        if self.argmax_kernel and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
             return small_k.argmax(logits, out)
         return super().argmax(logits, out)
 
@@ -849,9 +871,9 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         capabilities=capabilities_for(device),
         device=CudaDevice(options, device),
         kv_cache=CudaKVCache(options, fused),
-        attention=CudaAttention(options, fused),
+        attention=CudaAttention(options, fused, query_rows_from_env()),
         gemm=CudaGemm(options, fused, skinny_from_env()),
         moe=CudaMoe(options, fused, moe_decode_from_env()),
         collectives=CudaCollectives(options, device),
-        small=CudaSmall(options, fused),
+        small=CudaSmall(options, fused, argmax_from_env()),
     )

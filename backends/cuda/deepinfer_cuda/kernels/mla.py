@@ -55,9 +55,9 @@ PREFILL_TILE = QueryTile(block_t=64, block_c=128)
 DECODE_MAX_T = 128
 
 
-def query_tile(t: int, batch_invariant: bool) -> QueryTile:
+def query_tile(t: int, batch_invariant: bool, decode_max_t: int = DECODE_MAX_T) -> QueryTile:
     """The tile for T rows (batch-invariant: one tile for every T)."""
-    return DECODE_TILE if batch_invariant or t <= DECODE_MAX_T else PREFILL_TILE
+    return DECODE_TILE if batch_invariant or t <= decode_max_t else PREFILL_TILE
 
 
 @triton.jit
@@ -169,6 +169,7 @@ def mla_query(
     tile: QueryTile | None = None,
     write: CacheWrite | None = None,
     early_inputs: bool = False,
+    decode_max_t: int = DECODE_MAX_T,
 ) -> torch.Tensor:
     """q_nope (T, H, N), q_pe (T, H, R) (strided views are fine), w_uk (H, C, N), positions (T,),
     cos_sin_cache (P, R) rows [cos | sin] -> (T, H, C + R) in q_nope's dtype, one launch, no host
@@ -177,7 +178,8 @@ def mla_query(
     writes tokens h, h + H, ... of its row tile). `tile` (tests) overrides query_tile's choice.
     early_inputs: the caller promises that positions and the write's slot mapping were written
     before the forward's first kernel (a model's step inputs): under programmatic dependent
-    launch the tail programs read them while the previous kernel still runs."""
+    launch the tail programs read them while the previous kernel still runs. decode_max_t: the
+    most rows that take the decode tile (query_tile)."""
     if q_nope.dim() != 3 or q_pe.dim() != 3 or w_uk.dim() != 3:
         raise ValueError(
             f"mla_query: q_nope (T, H, N), q_pe (T, H, R), w_uk (H, C, N), got {tuple(q_nope.shape)}, "
@@ -214,7 +216,7 @@ def mla_query(
     qn = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     qp = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    cfg = tile or query_tile(t, batch_invariant)
+    cfg = tile or query_tile(t, batch_invariant, decode_max_t)
     grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r or write else 0))
     pdl = pdl_enabled(q_nope.device)
     if write is not None:
