@@ -77,7 +77,8 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       attention its first cache tile, while the kernel before them runs),
       DEEPINFER_CUDA_ARGMAX=0 (the greedy draw as two torch reductions, not one launch),
       DEEPINFER_CUDA_WIDE_QUERY=0 (MLA's query in its 16-row tiles, with the cache write in the
-      same launch, up to 64 rows instead of 128) (each a
+      same launch, up to 64 rows instead of 128), DEEPINFER_CUDA_KERNEL_COPIES=0 (the step's
+      sampled tokens and inputs by the copy engine, not by a kernel) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -125,6 +126,7 @@ MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for
 EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read step inputs after the wait
 ARGMAX = "DEEPINFER_CUDA_ARGMAX"  # 0: the greedy draw as the contract's two reductions
 WIDE_QUERY = "DEEPINFER_CUDA_WIDE_QUERY"  # 0: MLA's query in 16-row tiles up to 64 rows, not 128
+KERNEL_COPIES = "DEEPINFER_CUDA_KERNEL_COPIES"  # 0: the step's small host copies by the copy engine
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 # the ablations that set one of the cuda backend's variables, read when the backend is created or
 # a graph captured: (row key, variable, value); "0" switches a feature off
@@ -136,6 +138,7 @@ SWITCHES_OFF = [
     ("no_early_inputs", EARLY_INPUTS, "0"),
     ("no_argmax", ARGMAX, "0"),
     ("no_wide_query", WIDE_QUERY, "0"),
+    ("no_kernel_copies", KERNEL_COPIES, "0"),
 ]
 
 

@@ -1037,6 +1037,39 @@ def test_argmax_and_query_switches(gen: torch.Generator, monkeypatch: pytest.Mon
     assert calls == [1]  # the default's only
 
 
+def test_small_host_copies_by_kernel(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """small.copy_words: the step's small copies (contiguous, whole 32-bit words, at most
+    COPY_MAX_BYTES) in one launch, the bytes unchanged; other copies are left to the caller
+    (False, nothing written). CudaDevice.to_host / to_device take it unless
+    DEEPINFER_CUDA_KERNEL_COPIES=0."""
+    src = torch.randint(-(2**40), 2**40, (3, 7), generator=gen).to(DEV)
+    dst = torch.zeros_like(src)
+    assert small_k.copy_words(src, dst) and torch.equal(dst, src)
+    odd = torch.zeros(7, dtype=torch.uint8, device=DEV)
+    big = torch.zeros(small_k.COPY_MAX_BYTES // 4 + 1, dtype=torch.int32, device=DEV)
+    for a, b in ((odd, odd.clone() + 1), (big, big.clone()), (src[:, ::2], dst[:, ::2].contiguous())):
+        before = b.clone()
+        assert not small_k.copy_words(a, b) and torch.equal(b, before)
+    calls: list[int] = []
+    real = small_k.copy_words
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> bool:
+        calls.append(a.numel())
+        return real(a, b)
+
+    monkeypatch.setattr(small_k, "copy_words", spy)
+    device = cuda_backend.create_cuda_backend(BackendOptions()).device
+    host = device.pinned_empty((3, 7), torch.int64)
+    device.to_host(src, host)
+    device.synchronize()
+    assert torch.equal(host, src.cpu()) and calls == [21]
+    monkeypatch.setenv(cuda_backend.KERNEL_COPIES_ENV, "0")
+    off = cuda_backend.create_cuda_backend(BackendOptions()).device
+    off.to_device(host, dst)
+    off.synchronize()
+    assert torch.equal(dst, src) and calls == [21]
+
+
 def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaGemm.linear and batched_linear: the skinny kernel up to SKINNY_MAX_M rows of bfloat16,
     cuBLAS above it, for float32 and for weights over SKINNY_MAX_WEIGHT_BYTES, never in

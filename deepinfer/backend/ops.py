@@ -166,6 +166,20 @@ class DeviceOps(_Part):
         (non_blocking=True). Default: plain host memory on the CPU, pin_memory=True elsewhere."""
         return torch.empty(shape, dtype=dtype, pin_memory=not self._synchronous())
 
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue a copy of the device tensor `src` into `dst`, a pinned_empty tensor of its shape
+        and dtype, on the current stream: the host reads it once an event recorded after this
+        call has completed. The engine sends each step's sampled tokens this way. Default:
+        dst.copy_(src, non_blocking=True)."""
+        dst.copy_(src, non_blocking=True)
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queue a copy of `src`, a pinned_empty tensor, into the device tensor `dst` of its
+        shape and dtype, on the current stream: the host must not rewrite `src` before an event
+        recorded after this call has completed. The engine sends each step's inputs this way.
+        Default: dst.copy_(src, non_blocking=True)."""
+        dst.copy_(src, non_blocking=True)
+
     def capture_graph(
         self, fn: Callable[[], object], share_with: GraphRunner | None = None
     ) -> GraphRunner | None:

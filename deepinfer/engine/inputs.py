@@ -125,6 +125,7 @@ class StepInputs:
         """max_draft_width: the most drafts a verification graph step pads a request to (its
         padding rows sit past the request's last position, up to max_model_len + width)."""
         self.device = backend.device.device()
+        self._device_ops = backend.device  # to_device: the step's one copy
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_draft_width = max_draft_width
@@ -265,8 +266,7 @@ class StepInputs:
         np_["logits_indices"][len(rows) :] = np.arange(len(rows), s)
         self._fill_sampling(np_, row_seqs, offsets, s)
 
-        dev = self._device_buf[:nbytes]
-        dev.copy_(self._staging[turn][:nbytes], non_blocking=True)
+        self._device_ops.to_device(self._staging[turn][:nbytes], self._device_buf[:nbytes])
         self._copied[turn].record()
         key = None if bucket is None else (bucket, width, prefill)
         views = self._device_views(t, b, s, mb, key, group_mbs)

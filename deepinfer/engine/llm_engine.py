@@ -730,7 +730,7 @@ class LLMEngine:
             lp = self.sampler.logprobs(raw, seqs, tokens)
             host = self._host_tokens[self._host_turn][: tokens.shape[0]]
             self._host_turn ^= 1
-            host.copy_(tokens, non_blocking=True)
+            self.backend.device.to_host(tokens, host)
             lp_host = lp.to_host(pinned) if lp is not None else None
         prompt_host = prompt_lp.to_host(pinned) if prompt_lp is not None else None
         ready = self.backend.device.new_event()

@@ -116,6 +116,15 @@ def query_rows_from_env() -> int:
     return mla_k.DECODE_MAX_T if os.environ.get(WIDE_QUERY_ENV, "1") != "0" else 64
 
 
+KERNEL_COPIES_ENV = "DEEPINFER_CUDA_KERNEL_COPIES"
+
+
+def kernel_copies_from_env() -> bool:
+    """False when DEEPINFER_CUDA_KERNEL_COPIES=0: the step's small host copies (the sampled
+    tokens, the step inputs) by the copy engine (CudaDevice.to_host / to_device)."""
+    return os.environ.get(KERNEL_COPIES_ENV, "1") != "0"
+
+
 SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
 
 
@@ -140,10 +149,11 @@ class CudaGraphRunner(GraphRunner):
 class CudaDevice(DeviceOps):
     graph_lengths_on_device = True  # the kernels read lengths on the device (host ones: bounds)
 
-    def __init__(self, options: BackendOptions, device: torch.device) -> None:
+    def __init__(self, options: BackendOptions, device: torch.device, kernel_copies: bool = True) -> None:
         super().__init__(options)
         self._device = device
         self._is_cuda = device.type == "cuda"
+        self.fused_copies = kernel_copies  # to_host / to_device by small.copy_words
 
     def device(self) -> torch.device:
         return self._device
@@ -177,6 +187,19 @@ class CudaDevice(DeviceOps):
 
     def pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self._is_cuda)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Up to small.COPY_MAX_BYTES: a Triton kernel writes the pinned buffer through its
+        mapped address (kernels/small.copy_words), where a copy-engine transfer after the draw's
+        graph waited about 6 us to start on an H200; larger or odd-sized: the contract's copy."""
+        if not (self.fused_copies and small_k.copy_words(src, dst)):
+            super().to_host(src, dst)
+
+    def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """As to_host: a kernel reads the pinned buffer (the step's inputs) through its mapped
+        address."""
+        if not (self.fused_copies and small_k.copy_words(src, dst)):
+            super().to_device(src, dst)
 
     def capture_graph(
         self, fn: Callable[[], object], share_with: GraphRunner | None = None
@@ -869,7 +892,7 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         name="cuda",
         options=options,
         capabilities=capabilities_for(device),
-        device=CudaDevice(options, device),
+        device=CudaDevice(options, device, fused and kernel_copies_from_env()),
         kv_cache=CudaKVCache(options, fused),
         attention=CudaAttention(options, fused, query_rows_from_env()),
         gemm=CudaGemm(options, fused, skinny_from_env()),

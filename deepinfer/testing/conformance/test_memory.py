@@ -72,6 +72,44 @@ def test_async_copy_ordered_by_event(backend: Backend, device: torch.device) -> 
         )
 
 
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((1,), torch.int64),
+        ((3, 5), torch.int64),
+        ((7,), torch.uint8),
+        ((1000,), torch.float32),
+        ((1 << 15,), torch.int32),
+    ],
+    ids=["one_token", "tokens", "odd_bytes", "floats", "128KiB"],
+)
+def test_to_host_and_to_device(
+    backend: Backend, device: torch.device, gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """to_host / to_device, queued after work that writes the source and ordered by an event, as
+    the engine uses them (the sampled tokens out, the step inputs in): the bytes arrive whole,
+    whatever the size (odd byte counts and large buffers included)."""
+    values = torch.randint(0, 100, shape, generator=gen).to(dtype)
+    host = backend.device.pinned_empty(shape, dtype)
+    back = backend.device.pinned_empty(shape, dtype)
+    for step in range(3):
+        src = values.to(device) + step  # queued work, then the copy out
+        backend.device.to_host(src, host)
+        event = backend.device.new_event()
+        event.record()
+        event.synchronize()
+        assert torch.equal(host, values + step), f"to_host, step {step}: the pinned buffer holds other values"
+        dst = torch.zeros(shape, dtype=dtype, device=device)
+        backend.device.to_device(host, dst)
+        backend.device.to_host(dst * 1, back)  # the device's copy, computed on, comes back
+        event = backend.device.new_event()
+        event.record()
+        event.synchronize()
+        assert torch.equal(back, values + step), (
+            f"to_device, step {step}: the device tensor holds other values"
+        )
+
+
 @pytest.mark.parametrize("spec_args", SPECS, ids=lambda s: "x".join(map(str, s)))
 def test_allocate_write_read_copy(
     backend: Backend,
