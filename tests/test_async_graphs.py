@@ -15,6 +15,7 @@ The same comparison runs on the cuda backend's kernels under the Triton interpre
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,31 +245,48 @@ def test_sampling_features_async_and_graphs(
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prompt_logprobs_in_one_token_chunks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A budget of 4 tokens with 3 requests decoding leaves 1 token a step for a prompt with
-    prompt_logprobs: such all-one-token steps would fit a graph bucket but run eagerly (they need
-    the hidden states), and give the plain engine's log-probabilities."""
+ONE_TOKEN_CHUNKS: dict[str, Any] = {"max_num_batched_tokens": 4, "max_num_seqs": 4}
+
+
+def one_token_chunks(prompt_logprobs: int | None) -> tuple[list[Any], list[SamplingParams]]:
+    """A budget of 4 tokens (ONE_TOKEN_CHUNKS) with 3 requests decoding leaves 1 token a step for
+    the fourth request's 20-token prompt: steps of one-token rows, one of them a prompt chunk."""
     prompts: list[Any] = [{"prompt_token_ids": [5 + i, 9]} for i in range(3)]
     prompts.append({"prompt_token_ids": [3 + (7 * j) % 900 for j in range(20)]})
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
-    params.append(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=3))
-    kw: dict[str, Any] = {"max_num_batched_tokens": 4, "max_num_seqs": 4}
-    expected = feature_outputs(make(backend, **BASELINE, **kw), params, prompts)
+    params.append(
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    )
+    return prompts, params
+
+
+def eager_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, when: Callable[[Any], bool]) -> list[int]:
+    """Record the size of every one-token-rows step for which when(batch) holds, asserting that
+    the runner served it eagerly (no graph bucket)."""
+    runner = llm.llm_engine.runner
+    real = runner.bucket_for
+    seen: list[int] = []
+
+    def spy(batch: Any) -> int | None:
+        bucket = real(batch)
+        if all(n == 1 for n in batch.num_new_tokens) and when(batch):
+            assert bucket is None
+            seen.append(len(batch))
+        return bucket
+
+    monkeypatch.setattr(runner, "bucket_for", spy)
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prompt_logprobs_in_one_token_chunks(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """one_token_chunks with prompt_logprobs: such all-one-token steps would fit a graph bucket but
+    run eagerly (they need the hidden states), and give the plain engine's log-probabilities."""
+    prompts, params = one_token_chunks(prompt_logprobs=3)
+    expected = feature_outputs(make(backend, **BASELINE, **ONE_TOKEN_CHUNKS), params, prompts)
     for name, mode in MODES.items():
-        llm = make(backend, **mode, **kw)
-        runner = llm.llm_engine.runner
-        real = runner.bucket_for
-        forced: list[int] = []  # decode-shaped steps with prompt log-probabilities to compute
-
-        def spy(batch: Any, real: Any = real, forced: list[int] = forced) -> int | None:
-            bucket = real(batch)
-            if all(n == 1 for n in batch.num_new_tokens) and any(s.wants_prompt_logprobs for s in batch.seqs):
-                assert bucket is None
-                forced.append(len(batch))
-            return bucket
-
-        monkeypatch.setattr(runner, "bucket_for", spy)
+        llm = make(backend, **mode, **ONE_TOKEN_CHUNKS)
+        forced = eager_steps(llm, monkeypatch, lambda b: any(s.wants_prompt_logprobs for s in b.seqs))
         got = feature_outputs(llm, params, prompts)
         assert got[0] == expected[0], name
         assert got[1] == pytest.approx(expected[1], rel=0, abs=1e-4), name
@@ -277,30 +295,16 @@ def test_prompt_logprobs_in_one_token_chunks(backend: str, monkeypatch: pytest.M
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_token_prompt_chunks_beside_decodes(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same budget without prompt log-probabilities: a step of one-token rows whose prompt
+    """one_token_chunks without prompt log-probabilities: a step of one-token rows whose prompt
     chunk samples nothing runs eagerly (a decode graph's logits rows are its tokens, every one
     sampling), and the tokens are the plain engine's."""
-    prompts: list[Any] = [{"prompt_token_ids": [5 + i, 9]} for i in range(3)]
-    prompts.append({"prompt_token_ids": [3 + (7 * j) % 900 for j in range(20)]})
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
-    params.append(SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    kw: dict[str, Any] = {"max_num_batched_tokens": 4, "max_num_seqs": 4}
-    expected = outputs(make(backend, **BASELINE, **kw), params, prompts)
+    prompts, params = one_token_chunks(prompt_logprobs=None)
+    expected = outputs(make(backend, **BASELINE, **ONE_TOKEN_CHUNKS), params, prompts)
     for name, mode in MODES.items():
-        llm = make(backend, **mode, **kw)
-        runner = llm.llm_engine.runner
-        real = runner.bucket_for
-        chunks: list[int] = []  # one-token steps with a prompt chunk that samples nothing
-
-        def spy(batch: Any, real: Any = real, chunks: list[int] = chunks) -> int | None:
-            bucket = real(batch)
-            silent = any(s.num_computed_tokens + 1 != s.num_tokens for s in batch.seqs)
-            if all(n == 1 for n in batch.num_new_tokens) and silent:
-                assert bucket is None
-                chunks.append(len(batch))
-            return bucket
-
-        monkeypatch.setattr(runner, "bucket_for", spy)
+        llm = make(backend, **mode, **ONE_TOKEN_CHUNKS)
+        chunks = eager_steps(
+            llm, monkeypatch, lambda b: any(s.num_computed_tokens + 1 != s.num_tokens for s in b.seqs)
+        )
         assert outputs(llm, params, prompts) == expected, name
         assert chunks, f"{name}: no prompt chunk of one token beside the decodes"
 
