@@ -153,7 +153,7 @@ class CudaDevice(DeviceOps):
         super().__init__(options)
         self._device = device
         self._is_cuda = device.type == "cuda"
-        self.fused_copies = kernel_copies  # to_host / to_device by small.copy_words
+        self.kernel_copies = kernel_copies  # to_host / to_device by small.copy_words
 
     def device(self) -> torch.device:
         return self._device
@@ -192,13 +192,13 @@ class CudaDevice(DeviceOps):
         """Up to small.COPY_MAX_BYTES: a Triton kernel writes the pinned buffer through its
         mapped address (kernels/small.copy_words), where a copy-engine transfer after the draw's
         graph waited about 6 us to start on an H200; larger or odd-sized: the contract's copy."""
-        if not (self.fused_copies and small_k.copy_words(src, dst)):
+        if not (self.kernel_copies and small_k.copy_words(src, dst)):
             super().to_host(src, dst)
 
     def to_device(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """As to_host: a kernel reads the pinned buffer (the step's inputs) through its mapped
         address."""
-        if not (self.fused_copies and small_k.copy_words(src, dst)):
+        if not (self.kernel_copies and small_k.copy_words(src, dst)):
             super().to_device(src, dst)
 
     def capture_graph(
