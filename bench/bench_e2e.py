@@ -78,7 +78,9 @@ Also in the same run (e2e_extra.json and e2e.md; --skip-extra leaves them out):
       DEEPINFER_CUDA_ARGMAX=0 (the greedy draw as two torch reductions, not one launch),
       DEEPINFER_CUDA_WIDE_QUERY=0 (MLA's query in its 16-row tiles, with the cache write in the
       same launch, up to 64 rows instead of 128), DEEPINFER_CUDA_KERNEL_COPIES=0 (the step's
-      sampled tokens and inputs by the copy engine, not by a kernel) (each a
+      sampled tokens and inputs by the copy engine, not by a kernel),
+      DEEPINFER_CUDA_MOE_DECODE_TILES=64,128,4,3,64,128,4,3,1,32 (one token's decode down kernel
+      in the tiles of larger steps, not ONE_TOKEN_CONFIG's 32 columns and 5 stages) (each a
       fresh backend and the model rebuilt on it: the rebuild shares transformers' tensors, so it
       takes well under a second). They run
       --ablation-output-len tokens (default: --output-len); the default engine is measured again
@@ -127,6 +129,7 @@ EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read ste
 ARGMAX = "DEEPINFER_CUDA_ARGMAX"  # 0: the greedy draw as the contract's two reductions
 WIDE_QUERY = "DEEPINFER_CUDA_WIDE_QUERY"  # 0: MLA's query in 16-row tiles up to 64 rows, not 128
 KERNEL_COPIES = "DEEPINFER_CUDA_KERNEL_COPIES"  # 0: the step's small host copies by the copy engine
+MOE_DECODE_TILES = "DEEPINFER_CUDA_MOE_DECODE_TILES"  # the decode MoE kernels' tiles, at every size
 MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
 # the ablations that set one of the cuda backend's variables, read when the backend is created or
 # a graph captured: (row key, variable, value); "0" switches a feature off
@@ -139,6 +142,7 @@ SWITCHES_OFF = [
     ("no_argmax", ARGMAX, "0"),
     ("no_wide_query", WIDE_QUERY, "0"),
     ("no_kernel_copies", KERNEL_COPIES, "0"),
+    ("no_one_token_tiles", MOE_DECODE_TILES, "64,128,4,3,64,128,4,3,1,32"),
 ]
 
 
@@ -1414,9 +1418,11 @@ class Bench:
                 "(DEEPINFER_CUDA_MOE_DECODE=0), the skinny GEMM (DEEPINFER_CUDA_SKINNY=0), programmatic "
                 "dependent launch (DEEPINFER_CUDA_PDL=0), the shared experts computed while the router "
                 "runs (DEEPINFER_CUDA_MOE_EARLY=0), the step inputs' reads before the wait "
-                "(DEEPINFER_CUDA_EARLY_INPUTS=0); the last eight "
-                "each on a fresh backend "
-                "with the model rebuilt. "
+                "(DEEPINFER_CUDA_EARLY_INPUTS=0), the one-launch greedy draw (DEEPINFER_CUDA_ARGMAX=0), "
+                "the 128-row query tile (DEEPINFER_CUDA_WIDE_QUERY=0), the small host copies by a kernel "
+                "(DEEPINFER_CUDA_KERNEL_COPIES=0), one token's decode down tiles "
+                "(DEEPINFER_CUDA_MOE_DECODE_TILES pinned to the larger steps' tiles); all but the first "
+                "each on a fresh backend with the model rebuilt. "
                 f"Same prompts, {self.args.input_len} input tokens, tok/s of the whole generate call"
                 + (
                     f"; enforce_eager warm-ups generate {min(self.args.eager_warmup_len, n)} tokens"

@@ -46,13 +46,14 @@ SMOKE_SHAPE = (256, 8, 128, 2, 1)
 # fused_combine); FP8 steps K by 128 whatever *_k says. Weight bytes in flight per program:
 # stages x BLOCK_K x (2 x up_n | down_n) x element size.
 TILINGS = [
-    (32, 128, 4, 4, 32, 128, 4, 4, 1),  # the default
-    (32, 128, 4, 4, 32, 128, 4, 4, 0),  # the same, combine in a third launch
+    (64, 128, 4, 3, 64, 128, 4, 3, 1),  # the default (DecodeConfig(); the grouped GEMM's 16 x 64 x 128)
+    (64, 128, 4, 3, 64, 128, 4, 3, 0),  # the same, combine in a third launch
+    (64, 128, 4, 3, 32, 128, 4, 5, 1),  # ONE_TOKEN_CONFIG (up to ONE_TOKEN_COPIES copies)
+    (32, 128, 4, 4, 32, 128, 4, 4, 1),
     (16, 128, 4, 4, 16, 128, 4, 4, 1),
     (16, 256, 4, 3, 16, 256, 4, 3, 1),
     (16, 512, 4, 3, 16, 512, 4, 3, 1),
     (32, 256, 4, 3, 32, 256, 4, 3, 1),
-    (64, 128, 4, 3, 64, 128, 4, 3, 1),  # the grouped GEMM's 16 x 64 x 128
     (64, 128, 4, 4, 32, 128, 4, 4, 1),
     (32, 128, 4, 3, 16, 256, 4, 4, 1),
     (128, 64, 8, 3, 64, 128, 4, 4, 1),

@@ -1632,3 +1632,24 @@ def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(
     monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,256")
     with pytest.raises(ValueError, match="UP_N,UP_K"):
         moe_k._decode_setting()
+
+
+def test_decode_tiles_follow_the_copies_unless_pinned(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decode_config: one token's copies (up to ONE_TOKEN_COPIES) take ONE_TOKEN_CONFIG, more take
+    DecodeConfig() (on a GPU; the interpreter's own wide tiles here), and the env variable, read
+    at each launch, pins every size; the one-token tiles agree with the others within rounding."""
+    args, expected = _decode_moe_case(gen, 1, False)
+    y = moe_k.decode_moe(*args, config=moe_k.ONE_TOKEN_CONFIG)
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+    other = moe_k.decode_moe(*args, config=moe_k.DecodeConfig())
+    torch.testing.assert_close(y.cpu(), other.cpu(), rtol=1e-5, atol=1e-5)
+
+    monkeypatch.delenv(moe_k.DECODE_TILES_ENV, raising=False)
+    monkeypatch.setattr(moe_k, "INTERPRET", False)
+    one, more = moe_k.ONE_TOKEN_COPIES, moe_k.ONE_TOKEN_COPIES + 1
+    assert moe_k.decode_config(one) == moe_k.ONE_TOKEN_CONFIG != moe_k.DecodeConfig()
+    assert moe_k.decode_config(more) == moe_k.DecodeConfig()
+    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,128,4,3,64,128,4,3,1,32")
+    assert moe_k.decode_config(one) == moe_k.decode_config(more) == moe_k.DecodeConfig()

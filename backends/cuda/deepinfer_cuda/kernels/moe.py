@@ -614,15 +614,25 @@ DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 DECODE_MAX_COPIES = 32
 
 
-def _decode_setting() -> tuple[DecodeConfig, int]:
+# Up to this many token copies (V2-Lite's one token: 6 routed + 2 shared) the down kernel takes
+# 32-column tiles in 5 stages: 512 programs with 4 K steps in flight each. End to end on an H200
+# (V2-Lite bf16, batch 1, same-run rows, bench/results/2026-12-02_H200_session14, calls 2 to 5)
+# 1.0 to 2.0% faster (483.1 to 485.6 tok/s against 474.3 to 480.2); at 16 and 32 copies (batch
+# 2 and 4) 3% slower, so those keep DecodeConfig(). The layer alone in bench/bench_moe_decode.py
+# (CUDA graphs, no kernel around it) does not show the gain (52.1 us against 51.2): it comes from
+# how the down kernel meets the kernels around it under PDL. V3's one token (9 copies) was not
+# measured end to end.
+ONE_TOKEN_COPIES = 8
+ONE_TOKEN_CONFIG = DecodeConfig(down_n=32, down_stages=5)
+
+
+def _decode_setting() -> tuple[DecodeConfig | None, int]:
     """The decode tiles and copy limit: DEEPINFER_CUDA_MOE_DECODE_TILES="UP_N,UP_K,UP_WARPS,
     UP_STAGES,DOWN_N,DOWN_K,DOWN_WARPS,DOWN_STAGES,FUSED_COMBINE,MAX_COPIES" replaces both
-    (bench/bench_moe_decode.py prints the best)."""
+    (bench/bench_moe_decode.py prints the best); the tiles None where it is unset."""
     value = os.environ.get(DECODE_TILES_ENV)
     if not value:
-        # the Triton interpreter (CPU CI) pays per program, not per byte: 128-column tiles keep
-        # the engine tests' decode steps near the grouped path's time there
-        return DecodeConfig(up_n=128, down_n=128) if INTERPRET else DecodeConfig(), DECODE_MAX_COPIES
+        return None, DECODE_MAX_COPIES
     try:
         up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages, fused, max_copies = (
             int(v) for v in value.split(",")
@@ -636,7 +646,21 @@ def _decode_setting() -> tuple[DecodeConfig, int]:
     return DecodeConfig(*tiles, fused_combine=bool(fused)), max_copies
 
 
-DECODE_CONFIG, DECODE_MAX_COPIES = _decode_setting()
+DECODE_MAX_COPIES = _decode_setting()[1]
+
+
+def decode_config(copies: int) -> DecodeConfig:
+    """The tiles of a launch of `copies` token copies: DEEPINFER_CUDA_MOE_DECODE_TILES's where it
+    is set (read at each launch, so a graph captured under it keeps them), else ONE_TOKEN_CONFIG
+    up to ONE_TOKEN_COPIES copies and DecodeConfig() above. The Triton interpreter (CPU CI) pays
+    per program, not per byte: there 128-column tiles keep the engine tests' decode steps near the
+    grouped path's time."""
+    tiles = _decode_setting()[0]
+    if tiles is not None:
+        return tiles
+    if INTERPRET:
+        return DecodeConfig(up_n=128, down_n=128)
+    return ONE_TOKEN_CONFIG if copies <= ONE_TOKEN_COPIES else DecodeConfig()
 
 
 @triton.jit
@@ -839,8 +863,8 @@ def decode_moe(
     was whole before the kernel launched just before this call began (select_experts' one-launch
     router on the same x, which signals its dependents after its wait): those copies then compute
     while that kernel still runs (_decode_up_kernel)."""
-    cfg = config or DECODE_CONFIG
     t, k = ids.shape
+    cfg = config or decode_config(t * k)
     e, two_i, h = w13.shape
     inter = two_i // 2
     if w2.shape != (e, h, inter):
