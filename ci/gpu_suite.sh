@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call, every part under its own time limit, each log written straight into $OUT
-# (a call cut short still returns what finished) with a summary line printed after each part.
+# One run on the device, every part under its own time limit, each log written straight into $OUT
+# (a run cut short still returns what finished) with a summary line printed after each part.
 # In parallel (one GPU of 141 GB and 16 cores hold them all): the cuda conformance suite, the
 # engine on real CUDA graphs (tests/test_async_graphs.py), and with TRAIN_TINY=1 the training of
 # model/tiny and its block drafter into $OUT/tiny (the weights, and small.tgz with the rest).
