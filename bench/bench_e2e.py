@@ -1401,7 +1401,7 @@ class Bench:
                 f"{bi.get('default_prompt0_same_at_1_and_b', 'n/a')}. Engine creation "
                 f"{bi['engine_init_s']:.1f} s; warm-up "
                 f"({min(self.args.invariant_warmup_len, bi['output_len'])} "
-                f"tokens at the same batch) {bi.get('warmup_s', float('nan')):.1f} s, timed call "
+                f"tokens at the same batch) {bi.get('warmup_s', float('nan')):.1f} s, timed generate "
                 f"{bi.get('batch_invariant_s', float('nan')):.1f} s.",
             ]
         ab = self.extra.get("ablations")

@@ -372,7 +372,7 @@ def profile_run(
     first each one's host_split (a warm-up call, then --profile-calls timed calls, the engines
     taking turns, to catch the plain engine's slow and fast calls), then each one's call under
     torch.profiler (it comes last: on the H200, plain decoding at batch 1 timed 1056 to 1666 tok/s
-    after a profiler session in the process, 2231 to 3250 in a run without one).
+    after the profiler had run in the process, 2231 to 3250 in a run without it).
     Writes OUT/profile.json."""
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two trees in one device call: bench/bench_e2e.py on the tree with PATCH reverted ("old") and on
+# Two trees in one run on the device: bench/bench_e2e.py on the tree with PATCH reverted ("old") and on
 # the tree as it is ("new"), one process each, old first, with the same arguments. Before them,
 # in parallel: the engine on real CUDA graphs (tests/test_async_graphs.py) and the conformance
 # suite under CONF_K (a pytest -k filter; unset: skipped). The old tree is a copy in /tmp/old,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for decode speed: the decode-sized MoE tilings (bench/bench_moe_decode.py), the bitwise check of
+# One run on the device for decode speed: the decode-sized MoE tilings (bench/bench_moe_decode.py), the bitwise check of
 # the batch-invariant linear across tiles of one K order (bench/bench_invariant_tiles.py --bits)
 # and its tiles timed against cuBLAS,
 # and bench/bench_e2e.py with the arguments given. Each part under its own limit, logs in $OUT.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: bench/bench_e2e.py (deepinfer only, no extras) once per environment setting,
+# One run on the device: bench/bench_e2e.py (deepinfer only, no extras) once per environment setting,
 # each in its own process (settings such as DEEPINFER_CUDA_MOE_DECODE_TILES are read at import),
 # after an optional conformance subset (CONF_K). The tok/s lines of every run are printed; logs
 # and e2e files in $OUT/sweep/<n>.

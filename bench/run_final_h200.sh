@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on one H200, each part under its own limit, logs written into $OUT as they go:
+# One run on the device on one H200, each part under its own limit, logs written into $OUT as they go:
 #   1. in parallel: the whole cuda conformance suite (-n 14), and the engine and kernel tests on
 #      real CUDA graphs (tests/test_async_graphs.py, tests/test_cuda_kernels.py, the V4 graph,
 #      FP8/FP4 and MTP tests on the cuda backend);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on an H200: install from the working tree, the new kernels' tests and the engine's
+# One run on the device on an H200: install from the working tree, the new kernels' tests and the engine's
 # graph/async equality tests on the GPU (real CUDA graphs), then bench/bench_e2e.py.
 # Writes under $OUT: gpu.txt, kernel_tests.log, engine_tests.log, and bench_e2e.py's files.
 #   usage: OUT=dir bash bench/run_h200.sh      env: KERNEL_TIMEOUT, ENGINE_TIMEOUT, BENCH_BUDGET (s)

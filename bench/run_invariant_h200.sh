@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the batch-invariant linear's tile candidates timed in CUDA graphs
+# One run on the device: the batch-invariant linear's tile candidates timed in CUDA graphs
 # (bench/bench_invariant_tiles.py), then the batch-invariant engine's cost at batch 32
 # (bench/bench_e2e.py) with the current tile and with the best candidate, in the same run.
 #   usage: OUT=dir bash bench/run_invariant_h200.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the decode-sized MoE kernels (kernels/moe.py decode_moe), each part under its own limit,
+# One run on the device for the decode-sized MoE kernels (kernels/moe.py decode_moe), each part under its own limit,
 # logs in $OUT:
 #   1. compiled correctness: tests/test_cuda_kernels.py's MoE tests and the conformance suite's MoE and
 #      batch-invariance cases on the GPU;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for decode-sized linears and the router: the kernel tests of both on the GPU,
+# One run on the device for decode-sized linears and the router: the kernel tests of both on the GPU,
 # bench/bench_router.py over router tiles (ROUTER_TILES), bench/bench_cuda.py --only skinny
 # (the skinny GEMM against cuBLAS, with its tile sweep), bench/bench_spec.py --profile
 # (host time per engine part, plain and speculative, SPEC_ARGS), then bench/bench_e2e.py with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call, each part under its own time limit and its log written straight into $OUT:
+# One run on the device, each part under its own time limit and its log written straight into $OUT:
 # speculative decoding against plain decoding on model/tiny (bench/bench_spec.py, profiled at
 # batch 1), the decode throughput of a reduced-depth DeepSeek-V4-Flash of random bf16 weights at
 # batch 1 and 64 (`deepinfer bench`), and the batch-invariant linear's tile candidates
