@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default=None, help="show what selecting this name gives (default: auto)")
     p.set_defaults(func=cmd_backends)
 
-    from deepinfer.engine.commands import add_bench_parser, add_generate_parser
-    from deepinfer.engine.run_batch import add_run_batch_parser
+    from deepinfer.entrypoints.bench import add_bench_parser
+    from deepinfer.entrypoints.generate import add_generate_parser
+    from deepinfer.entrypoints.run_batch import add_run_batch_parser
     from deepinfer.testing.runner import add_conformance_parser
 
     add_conformance_parser(sub)

@@ -1,94 +1,18 @@
-"""Helpers for the model tests: tiny random transformers DeepSeek models saved with save_pretrained,
-and comparisons against them."""
+"""An independent DeepSeek-V2 / V3 forward in float64, the oracle the model tests compare with.
+
+Written from DeepSeek's published V3 reference code (inference/model.py), sharing no code with
+deepinfer.models: naive MLA (the latent expanded into per-head keys and values, complex-number
+rope with YaRN, full causal attention without a cache), routing token by token (softmax or
+sigmoid scores, greedy / group-limited / noaux_tc top-k, routed scaling), an expert loop, and the
+MTP head. It works on a state dict with DeepSeek's tensor names and the config.json dict.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
 from typing import Any
 
 import torch
-
-PARITY_CONFIGS = Path(__file__).resolve().parent.parent / "model" / "parity"
-
-
-def parity_config(name: str) -> dict[str, Any]:
-    """A tiny config from model/parity/<name>.json (transformers 5 field names)."""
-    cfg: dict[str, Any] = json.loads((PARITY_CONFIGS / f"{name}.json").read_text())
-    return cfg
-
-
-def build_hf_model(cfg: dict[str, Any], seed: int = 0) -> Any:
-    """A random transformers DeepseekV2/V3ForCausalLM in float32, with every weight (norms, router
-    bias included) randomised so that no parameter is left at a neutral value."""
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
-    cfg = dict(cfg)
-    model_type = cfg.pop("model_type")
-    config_cls, model_cls = {
-        "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
-        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
-    }[model_type]
-    torch.manual_seed(seed)
-    model: Any = model_cls(config_cls(**cfg)).float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-    return model
-
-
-def build_hf_v4(fields: dict[str, Any], seed: int) -> Any:
-    """A random float32 DeepseekV4ForCausalLM with no parameter left at a neutral value (norms,
-    sinks, compressor position biases, mHC biases and scales, router bias, hash table)."""
-    import transformers
-
-    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "dtype")}
-    cfg = transformers.DeepseekV4Config(**fields)
-    torch.manual_seed(seed)
-    model: Any = transformers.DeepseekV4ForCausalLM(cfg)
-    model = model.float().eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base", ".scale", "hc_scale")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith((".fn", "hc_fn")):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
-            elif name.endswith("tid2eid"):
-                e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-                b.copy_(torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(cfg.vocab_size)]))
-    return model
-
-
-def save_hf_model(model: Any, path: Path) -> Path:
-    model.save_pretrained(path)
-    return path
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64."""
-    a64, b64 = a.double(), b.double()
-    return float((a64 - b64).norm() / b64.norm())
-
-
-def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
-
-
-# --------------------------------------------------------------------------- float64 oracle
-# An independent DeepSeek forward in float64, written from the published V3 reference code
-# (naive MLA: latents expanded into per-head keys and values, complex-number rope, full causal
-# attention without a cache; per-token routing; expert loop). Works on a DeepSeek-named state dict.
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,8 +20,6 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _yarn_inv_freq(cfg: dict[str, Any], dim: int) -> tuple[torch.Tensor, float]:
-    import math
-
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     base = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
@@ -132,8 +54,6 @@ def _rope64(x: torch.Tensor, positions: torch.Tensor, cfg: dict[str, Any]) -> to
 
 
 def _softmax_scale(cfg: dict[str, Any]) -> float:
-    import math
-
     scale: float = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if rope.get("type", rope.get("rope_type")) == "yarn" and rope.get("mscale_all_dim"):
