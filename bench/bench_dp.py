@@ -9,7 +9,7 @@
    (the weights' size is estimated from the config), then served on two, with its decode
    throughput.
 
-Every configuration runs in worker processes the engine starts (deepinfer.parallel.data_parallel),
+Every configuration runs in worker processes the engine starts (deepinfer.entrypoints.data_parallel),
 so each starts from a clean device. Decode steps replay graphs on every rank (with expert
 parallelism: padded to the bucket the ranks agree on each step, the MoE exchanges inside;
 --enforce-eager turns them off) and the host schedules ahead (async scheduling); each run
@@ -33,11 +33,12 @@ from typing import Any
 
 import torch
 
-from deepinfer import SamplingParams
+from deepinfer import LLM, SamplingParams
 from deepinfer.engine.args import engine_config, resolve_engine_config
-from deepinfer.engine.random_weights import REPO_MODEL_DIR, estimate_weight_bytes
+from deepinfer.entrypoints.data_parallel import DataParallelEngine, RandomWeights
 from deepinfer.models.config import ModelConfig
-from deepinfer.parallel.data_parallel import DataParallelEngine, RandomWeights
+from deepinfer.models.hub import REPO_MODEL_DIR
+from deepinfer.testing.random_model import estimate_weight_bytes
 
 
 def engine_kwargs(args: argparse.Namespace, dp: int, max_model_len: int) -> dict[str, Any]:
@@ -65,7 +66,7 @@ def serve(
     kwargs = engine_kwargs(args, dp, max_model_len)
     config = resolve_engine_config(engine_config(config_file.parent, kwargs, "bench_dp"), config_file)
     start = time.perf_counter()
-    engine = DataParallelEngine(config, random_weights=RandomWeights(str(config_file), fp8))
+    engine = DataParallelEngine(config, LLM.from_engine, random_weights=RandomWeights(str(config_file), fp8))
     startup = time.perf_counter() - start
     try:
         g = torch.Generator().manual_seed(0)

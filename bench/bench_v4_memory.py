@@ -50,7 +50,7 @@ from deepinfer.models.deepseek_v4 import (  # noqa: E402
     ring_lookback,
 )
 from deepinfer.models.forward_batch import KVCacheGroup  # noqa: E402
-from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint  # noqa: E402
+from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint  # noqa: E402
 
 FLASH = ROOT / "model" / "deepseek-v4-flash" / "config.json"
 BLOCK_SIZE = 64

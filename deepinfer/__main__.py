@@ -1,5 +1,5 @@
 import sys
 
-from deepinfer.cli import main
+from deepinfer.entrypoints.cli import main
 
 sys.exit(main())

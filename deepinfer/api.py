@@ -13,7 +13,7 @@ the middle of a call (the requests in flight are dropped).
 Threads: one LLM may be called from several threads; its calls run one at a time, each as if
 it were alone. Expert parallelism: an error on any rank raises on every rank (see
 deepinfer.parallel.rank_sync). data_parallel_size=N starts N worker processes and serves each
-call over them (deepinfer.parallel.data_parallel).
+call over them (deepinfer.entrypoints.data_parallel).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import ChatMessage, Tokenizer
+from deepinfer.entrypoints.data_parallel import DataParallelEngine, external_launch
 from deepinfer.log import configure_logging
-from deepinfer.parallel.data_parallel import DataParallelEngine, external_launch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,12 +76,12 @@ class LLM:
         config = resolve_engine_config(engine_config(model, kwargs, "LLM()"))
         self._lock = threading.RLock()
         self._engine: LLMEngine | None = None
-        # data_parallel_size > 1: the engines run in worker processes (deepinfer.parallel.data_parallel)
+        # data_parallel_size > 1: the engines run in worker processes (deepinfer.entrypoints.data_parallel)
         self.data_parallel: DataParallelEngine | None = None
         if config.distributed_executor_backend == "external_launcher":  # this process is one rank
             self._engine = LLMEngine(config, backend=external_launch(config))
         elif config.data_parallel_size > 1:
-            self.data_parallel = DataParallelEngine(config)
+            self.data_parallel = DataParallelEngine(config, LLM.from_engine)
         else:
             self._engine = LLMEngine(config)
 

@@ -313,7 +313,7 @@ class EngineConfig:
         1,
         "attention data-parallel ranks (one device each): the engine starts one worker process per "
         "rank, balances the requests over them and gathers the outputs in prompt order "
-        "(deepinfer.parallel.data_parallel); with enable_expert_parallel each holds 1/N of the routed "
+        "(deepinfer.entrypoints.data_parallel); with enable_expert_parallel each holds 1/N of the routed "
         "experts, else a whole copy of the model. Under torchrun: the world size, with "
         "distributed_executor_backend='external_launcher'",
         _positive_int,

@@ -218,7 +218,7 @@ def test_v4_model_index_keys_reach_the_lightning_indexer(
     from deepinfer_ascend.attention import AscendAttention
 
     from deepinfer import LLM, SamplingParams
-    from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+    from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
 
     root = write_random_v4_checkpoint(
         tmp_path / "v4", tiny_v4_config(index_head_dim=128, index_topk=3, max_position_embeddings=256)

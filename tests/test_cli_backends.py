@@ -84,7 +84,7 @@ def test_conformance_unknown_backend_fails_clearly(run_deepinfer: Run) -> None:
 def test_conformance_without_pytest_says_how_to_install() -> None:
     code = (
         "import sys\nsys.modules['pytest'] = None  # as if pytest were not installed\n"
-        "from deepinfer.cli import main\nmain(['conformance', '--backend', 'reference'])\n"
+        "from deepinfer.entrypoints.cli import main\nmain(['conformance', '--backend', 'reference'])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert out.returncode != 0

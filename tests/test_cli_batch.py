@@ -16,11 +16,11 @@ import torch
 from tiny_model import TINY
 
 from deepinfer import __version__
-from deepinfer.cli import main
-from deepinfer.engine.random_weights import check_fits, estimate_weight_bytes, random_model
 from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.entrypoints.cli import main
 from deepinfer.models.config import ModelConfig
 from deepinfer.reference.backend import ReferenceDevice
+from deepinfer.testing.random_model import check_fits, estimate_weight_bytes, random_model
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE = ["--backend", "reference", "--max-model-len", "64", "--max-num-seqs", "8", "--enforce-eager"]
@@ -280,7 +280,7 @@ def test_random_config_warns_when_the_weights_fill_the_memory(caplog: pytest.Log
     need = estimate_weight_bytes(config, torch.float32)
     import logging
 
-    logger = logging.getLogger("deepinfer.engine.random_weights")
+    logger = logging.getLogger("deepinfer.testing.random_model")
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.WARNING, logger="deepinfer"):

@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
-from deepinfer.parallel.data_parallel import DataParallelEngine, DataParallelError, balance
+from deepinfer.entrypoints.data_parallel import DataParallelEngine, DataParallelError, balance
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.reference.backend import ReferenceCollectives
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_S = 300  # a subprocess past this hangs (sized for a busy machine, not for speed)
@@ -138,7 +138,7 @@ def _engine(ckpt: str, tmp_path: Path, **kwargs: Any) -> DataParallelEngine:
 
     args = {**ARGS, "data_parallel_size": 2, "enable_expert_parallel": True, "seed": 3, **kwargs}
     config = resolve_engine_config(engine_config(ckpt, args))
-    return DataParallelEngine(config, setup=functools.partial(_faults, str(tmp_path)))
+    return DataParallelEngine(config, LLM.from_engine, setup=functools.partial(_faults, str(tmp_path)))
 
 
 def _timed(llm: LLM, params: Any = GREEDY) -> tuple[Any, float]:
@@ -373,7 +373,7 @@ def test_engine_arguments(ckpt: str) -> None:
 
 
 def test_command_line_generate_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from deepinfer.cli import main
+    from deepinfer.entrypoints.cli import main
 
     tiny = str(REPO / "model" / "tiny")
     common = ["--model", tiny, "--prompt", "Hello there", "--prompt", "A B C", "--prompt", "x"]

@@ -28,9 +28,9 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.models.layers import UNFUSED_ENV, fusion_enabled
 from deepinfer.models.loader import load_model
 from deepinfer.models.moe import MoE
-from deepinfer.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
+from deepinfer.testing.paged_runner import PagedRunner
 
 V2_LITE_LIKE = tiny_config(  # no q_lora, softmax greedy routing, two shared experts
     model_type="deepseek_v2",
@@ -61,7 +61,7 @@ MODEL_OPS = {
 
 
 def _checkpoint(tmp_path: Path, cfg: dict[str, Any], fp8: bool) -> Path:
-    from deepinfer.models.random_checkpoint import FP8_QUANTIZATION_CONFIG, quantize_state_dict
+    from deepinfer.testing.checkpoints import FP8_QUANTIZATION_CONFIG, quantize_state_dict
 
     state = random_state_dict(ModelConfig.from_dict(cfg), seed=5, mtp=False)
     if fp8:

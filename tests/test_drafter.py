@@ -22,12 +22,12 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.speculative import draft_budget, schedule_drafts
 from deepinfer.models.drafter import BlockDrafter, DrafterConfig, load_drafter
-from deepinfer.models.random_checkpoint import (
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import (
     tiny_config,
     write_mirrored_mtp_checkpoint,
     write_random_checkpoint,
 )
-from deepinfer.reference.backend import create_reference_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5 + (7 * i + 3 * j) % 120 for j in range(n)] for i, n in enumerate([3, 17, 40, 9])]
@@ -329,7 +329,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
     from eager steps (propose), and from verification graph replays (acceptance and drafting
     on the device)."""
     from deepinfer.models.loader import load_model
-    from deepinfer.models.runner_util import PagedRunner
+    from deepinfer.testing.paged_runner import PagedRunner
 
     spec = {"method": "dspark", "num_speculative_tokens": 4}
     llm = make(ckpt, speculative_config=spec, enforce_eager=eager)

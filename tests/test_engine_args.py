@@ -18,10 +18,10 @@ import pytest
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.cli import build_parser
 from deepinfer.config import EngineConfig
 from deepinfer.engine.args import UnknownArgumentError, engine_config, resolve_engine_config
-from deepinfer.engine.commands import llm_kwargs
+from deepinfer.entrypoints.cli import build_parser
+from deepinfer.entrypoints.options import llm_kwargs
 from deepinfer.log import LOGGER_NAME, configure_logging
 from deepinfer.models.hub import hub_cache_dir
 
@@ -331,7 +331,7 @@ def test_the_library_is_quiet_by_default_and_the_cli_shows_info(tmp_path: Path) 
     r = _run(code, {})
     assert r.returncode == 0, r.stderr
     assert "INFO" not in r.stderr and "Loading weights" not in r.stderr
-    cli = "import sys; from deepinfer.cli import main; sys.exit(main(sys.argv[1:]))"
+    cli = "import sys; from deepinfer.entrypoints.cli import main; sys.exit(main(sys.argv[1:]))"
     args = [
         "generate",
         "--prompt",

@@ -31,8 +31,8 @@ from torch.multiprocessing.spawn import spawn
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 from deepinfer.parallel.rank_sync import CALL, STEP, Status
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 WORLD = 2
 BOUND_S = 10.0  # distributed_timeout_s of these tests

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 WORLD = 2
 # rank 0 gets more and longer work than rank 1, which then idles while rank 0 still steps

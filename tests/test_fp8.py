@@ -35,9 +35,9 @@ from safetensors.torch import load_file
 from deepinfer.models.layers import Linear
 from deepinfer.models.loader import Fp8NotSupportedError, load_model
 from deepinfer.models.moe import MoE
-from deepinfer.models.random_checkpoint import FP8_QUANTIZATION_CONFIG, quantize_state_dict, write_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import FP8_QUANTIZATION_CONFIG, quantize_state_dict, write_checkpoint
+from deepinfer.testing.paged_runner import PagedRunner
 
 pytest.importorskip("transformers")
 

@@ -28,8 +28,8 @@ from deepinfer.config import MAX_BLOCK_SIZE, EngineConfig
 from deepinfer.engine.kv_cache import HOST_BYTES_PER_BLOCK, check_kv_pool_fits
 from deepinfer.models.config import HF_DEFAULTS, IMPLIED_DEFAULTS, ModelConfig, ModelConfigError
 from deepinfer.models.loader import CheckpointError, NonFiniteWeightError, load_model
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"

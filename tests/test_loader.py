@@ -20,14 +20,14 @@ from deepinfer.models.loader import (
     UnexpectedTensorError,
     load_model,
 )
-from deepinfer.models.random_checkpoint import (
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import (
     random_state_dict,
     tiny_config,
     write_checkpoint,
     write_random_checkpoint,
 )
-from deepinfer.models.runner_util import PagedRunner
-from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 

@@ -13,8 +13,8 @@ import torch
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.moe import router_config
-from deepinfer.models.random_checkpoint import tiny_config
 from deepinfer.models.rope import cos_sin_cache, inv_freq
+from deepinfer.testing.checkpoints import tiny_config
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "model"
 
@@ -225,7 +225,7 @@ def test_r1_is_the_v3_architecture() -> None:
     ],
 )
 def test_v4_config_errors_name_the_field(overrides: dict[str, object], match: str) -> None:
-    from deepinfer.models.random_checkpoint import tiny_v4_config
+    from deepinfer.testing.checkpoints import tiny_v4_config
 
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict(tiny_v4_config(**overrides))

@@ -20,9 +20,9 @@ import torch
 from models_util import rel_err
 
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import DEVICE_ENV, create_reference_backend
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
+from deepinfer.testing.paged_runner import PagedRunner
 
 DEVICE = os.environ.get(DEVICE_ENV, "cpu")
 

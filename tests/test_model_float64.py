@@ -1,4 +1,4 @@
-"""The model and its MTP draft head against an independent float64 forward (tests/models_util.py),
+"""The model and its MTP draft head against an independent float64 forward (deepinfer.testing.oracles),
 on random checkpoints with DeepSeek's published tensor names (transformers drops MTP weights, so
 this is the oracle for the draft head)."""
 
@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from models_util import reference_forward64, reference_mtp64, rel_err
+from models_util import rel_err
 
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
-from deepinfer.models.runner_util import PagedRunner, build_batch
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
+from deepinfer.testing.oracles import reference_forward64, reference_mtp64
+from deepinfer.testing.paged_runner import PagedRunner, build_batch
 
 RTOL = 1e-4
 

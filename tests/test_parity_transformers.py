@@ -19,8 +19,8 @@ import torch
 from models_util import build_hf_model, max_abs, parity_config, rel_err
 
 from deepinfer.models.loader import load_model
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner
 
 pytest.importorskip("transformers")
 

@@ -28,8 +28,8 @@ from models_util import build_hf_v4, parity_config
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import load_model
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner
 
 transformers = pytest.importorskip("transformers")
 

@@ -52,10 +52,10 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.loader import CheckpointError, NonFiniteWeightError, ShapeMismatchError, load_model
-from deepinfer.models.random_checkpoint import V4_EXPERT_DTYPE, V4_QUANTIZATION_CONFIG, quantize_v4_state_dict
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.reference.gemm import dequantize_act, quantize_fp8
+from deepinfer.testing.checkpoints import V4_EXPERT_DTYPE, V4_QUANTIZATION_CONFIG, quantize_v4_state_dict
+from deepinfer.testing.paged_runner import PagedRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -346,7 +346,7 @@ def quantised_config(tmp_path: Path) -> Path:
 
 
 def test_random_weights_in_the_published_format(tmp_path: Path) -> None:
-    from deepinfer.engine.random_weights import random_model
+    from deepinfer.testing.random_model import random_model
 
     model: Any = random_model(
         quantised_config(tmp_path), create_reference_backend(), fp8=True, num_hidden_layers=2
@@ -375,7 +375,7 @@ def test_bench_random_fp8_and_mxfp4(run_deepinfer: Any, tmp_path: Path) -> None:
 
 def test_mxfp4_experts_are_deepseek_v4_only() -> None:
     from deepinfer.models.config import ModelConfig, ModelConfigError
-    from deepinfer.models.random_checkpoint import tiny_config
+    from deepinfer.testing.checkpoints import tiny_config
 
     raw = tiny_config(quantization_config=V4_QUANTIZATION_CONFIG, expert_dtype="fp4")
     with pytest.raises(

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from models_util import reference_forward64, rel_err
+from models_util import rel_err
 
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import random_state_dict, tiny_config, write_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import random_state_dict, tiny_config, write_checkpoint
+from deepinfer.testing.oracles import reference_forward64
+from deepinfer.testing.paged_runner import PagedRunner
 
 
 def test_tied_embeddings_checkpoint_without_lm_head(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.llm_engine import completion_seed
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

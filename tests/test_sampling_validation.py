@@ -16,7 +16,7 @@ from tiny_model import TINY
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 PROMPT = "The quick brown fox"
 GOOD = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

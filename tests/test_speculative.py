@@ -23,13 +23,13 @@ import torch
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import (
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import (
     tiny_config,
     write_mirrored_mtp_checkpoint,
     write_random_checkpoint,
 )
-from deepinfer.models.runner_util import PagedRunner, build_batch
-from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner, build_batch
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 1}
 PROMPTS = [[5 + (7 * i + 3 * j) % 120 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 66, 1])]

@@ -19,8 +19,8 @@ import torch
 from models_util import rel_err
 
 from deepinfer.models.loader import load_model
-from deepinfer.models.runner_util import PagedRunner, build_batch
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner, build_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 import train_tiny

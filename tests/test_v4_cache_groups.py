@@ -24,7 +24,7 @@ from deepinfer.engine.sequence import Sequence
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.deepseek_v4 import cache_groups, ring_lookback
 from deepinfer.models.forward_batch import KVCacheGroup
-from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
 
 FLASH = Path(__file__).resolve().parents[1] / "model" / "deepseek-v4-flash" / "config.json"
 BS = 64

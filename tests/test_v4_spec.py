@@ -28,13 +28,13 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.deepseek_v4 import WideCache, cache_kinds
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import (
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import (
     tiny_v4_config,
     write_mirrored_v4_mtp_checkpoint,
     write_random_v4_checkpoint,
 )
-from deepinfer.models.runner_util import BlockAllocator, PagedRunner, build_batch
-from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.paged_runner import BlockAllocator, PagedRunner, build_batch
 
 WINDOW = 8
 # prompts longer than the window; 24 new tokens cross 6 CSA (ratio 4) and 3 HCA (ratio 8) boundaries

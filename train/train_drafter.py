@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deepinfer.models.drafter import BlockDrafter, DrafterConfig
 from deepinfer.models.loader import load_model
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import DEVICE_ENV, create_reference_backend
+from deepinfer.testing.paged_runner import PagedRunner
 
 
 @dataclass(frozen=True)

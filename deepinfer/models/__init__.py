@@ -6,8 +6,9 @@
 Files, in DeepSeek's reference order: config.py (ModelConfig from config.json), rope.py,
 layers.py (RMSNorm, Linear, MLP), attention.py (MLA, absorbed), moe.py (routers, MoE),
 deepseek.py (block, model, MTP head), deepseek_v4.py (DeepSeek-V4: its attention, compressor,
-indexer, hyper-connections, MoE and caches, in one file), loader.py (safetensors checkpoints);
-runner_util.py and random_checkpoint.py are small tools for tests and the conformance suite.
+indexer, hyper-connections, MoE and caches, in one file), weights.py (WeightSource: what the
+modules read their tensors from), loader.py (safetensors checkpoints, a WeightSource). Random
+checkpoints and a paged test driver are in deepinfer.testing.
 """
 
 from deepinfer.models.config import ModelConfig, ModelConfigError

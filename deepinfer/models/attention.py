@@ -25,7 +25,7 @@ from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.layers import Linear, RMSNorm, concat_linears, fusion_enabled
 
 if TYPE_CHECKING:
-    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.weights import WeightSource
 
 # DeepSeek builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -98,7 +98,7 @@ class MLAttention(nn.Module):
         out: torch.Tensor = self.o_proj(o.reshape(t, self.num_heads * self.v_dim))
         return out
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         if self.q_lora_rank is None:
             self.q_proj.load(reader, f"{prefix}.q_proj", dtype)
         else:

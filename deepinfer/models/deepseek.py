@@ -25,7 +25,7 @@ from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
-    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.weights import WeightSource
 
 
 # Rope-table rows past max_position_embeddings (speculative padding drafts; see DeepseekForCausalLM)
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
             return self.mlp(h, batch.fixed_exchange), residual
         return self.mlp(h), residual
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.input_layernorm.load(reader, f"{prefix}.input_layernorm.weight", dtype)
         self.self_attn.load(reader, f"{prefix}.self_attn", dtype)
         self.post_attention_layernorm.load(reader, f"{prefix}.post_attention_layernorm.weight", dtype)
@@ -98,7 +98,7 @@ class MTPLayer(nn.Module):
         self.block = DecoderLayer(config, backend, layer_idx, ep)
         self.shared_head_norm = RMSNorm(backend, dm, eps)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.enorm.load(reader, f"{prefix}.enorm.weight", dtype)
         self.hnorm.load(reader, f"{prefix}.hnorm.weight", dtype)
         self.eh_proj.load(reader, f"{prefix}.eh_proj", dtype)
@@ -212,7 +212,7 @@ class DeepseekForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ loading
 
-    def load_weights(self, reader: CheckpointReader) -> None:
+    def load_weights(self, reader: WeightSource) -> None:
         """Read every tensor from `reader` (see deepinfer.models.loader)."""
         c, dtype = self.config, self.dtype
         shape = (c.vocab_size, c.hidden_size)

@@ -94,10 +94,10 @@ from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
 
 if TYPE_CHECKING:
-    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.weights import WeightSource
 
 
-def _load_f32(reader: CheckpointReader, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _load_f32(reader: WeightSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Norm weights, sinks, biases and mixing parameters stay float32 (as transformers keeps them)."""
     return reader.get(name, shape, torch.float32)
 
@@ -393,7 +393,7 @@ class Compressor(nn.Module):
         pooled = _rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
         out.write(self.backend, pooled, entries.out_slots)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.wkv.load(reader, f"{prefix}.wkv", dtype)
         self.wgate.load(reader, f"{prefix}.wgate", dtype)
         self.norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.width,))
@@ -438,7 +438,7 @@ class Indexer(nn.Module):
             q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
         )
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.compressor.load(reader, f"{prefix}.compressor", dtype)
         self.wq_b.load(reader, f"{prefix}.wq_b", dtype)
         self.weights_proj.load(reader, f"{prefix}.weights_proj", dtype)
@@ -548,7 +548,7 @@ class V4Attention(nn.Module):
         y = gemm.grouped_gemm_fp8(per_group.reshape(g * t, k), w, scale.view(g, -1, scale.shape[-1]), sizes)
         return y.view(g, t, self.o_rank)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
             getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
         scale = self.wo_a.weight_scale_inv
@@ -626,7 +626,7 @@ class V4MoE(nn.Module):
             return gemm.grouped_gemm_fp4(x, w, scale, counts)
         return gemm.grouped_gemm_fp8(x, w, scale, counts)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts
         self.gate_weight = _load_f32(reader, f"{prefix}.gate.weight", (e, dm))
         if self.hashed:
@@ -644,7 +644,7 @@ class V4MoE(nn.Module):
         self.shared_gate_up.weight, self.shared_gate_up.weight_scale_inv = w13, s13
         self.shared_down.weight, self.shared_down.weight_scale_inv = w2, s2
 
-    def _load_experts(self, reader: CheckpointReader, ex: str, dtype: torch.dtype) -> None:
+    def _load_experts(self, reader: WeightSource, ex: str, dtype: torch.dtype) -> None:
         """Every routed expert's w1 (gate), w3 (up), w2 (down), in one format for all of them."""
         dm, i = self.hidden, self.inter
         shapes = {"w1": (i, dm), "w3": (i, dm), "w2": (dm, i)}
@@ -698,7 +698,7 @@ class HyperConnection(nn.Module):
             streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters
         )
 
-    def load(self, reader: CheckpointReader, prefix: str) -> None:
+    def load(self, reader: WeightSource, prefix: str) -> None:
         k = (2 + self.n) * self.n
         self.fn = _load_f32(reader, f"{prefix}_fn", (k, self.n * self.dm))
         self.base = _load_f32(reader, f"{prefix}_base", (k,))
@@ -739,7 +739,7 @@ class V4Block(nn.Module):
         f = self.ffn(self.ffn_norm(x), batch.input_ids)
         return small.hc_post(f, streams, post, comb)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm = (self.attn_norm.dim,)
         self.attn_norm.weight = _load_f32(reader, f"{prefix}.attn_norm.weight", dm)
         self.ffn_norm.weight = _load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
@@ -773,7 +773,7 @@ class StreamHead(nn.Module):
         logits = self.backend.gemm.linear(self.norm(x), lm_head)
         return logits.float() if out is None else out.copy_(logits)
 
-    def load(self, reader: CheckpointReader, norm: str, names: tuple[str, str, str]) -> None:
+    def load(self, reader: WeightSource, norm: str, names: tuple[str, str, str]) -> None:
         """norm: its norm weight's name; names: those of fn, base and scale."""
         self.norm.weight = _load_f32(reader, norm, (self.dm,))
         for attr, name, shape in zip(
@@ -817,7 +817,7 @@ class V4MTPLayer(nn.Module):
         out: torch.Tensor = self.block(e[:, None, :] + h, batch, caches, entries, table)
         return out
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm = (self.enorm.dim,)
         self.enorm.weight = _load_f32(reader, f"{prefix}.enorm.weight", dm)
         self.hnorm.weight = _load_f32(reader, f"{prefix}.hnorm.weight", dm)
@@ -998,7 +998,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ loading
 
-    def load_weights(self, reader: CheckpointReader) -> None:
+    def load_weights(self, reader: WeightSource) -> None:
         """Read every tensor from `reader` (see deepinfer.models.loader), the MTP layers' where
         the checkpoint has them: mtp.{k}.* (DeepSeek's names, with or without the `model.`
         prefix) or layers.{num_hidden_layers + k}.*."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# the repository's model/ folder: architecture configs (model/NAME/config.json), the tiny checkpoint
+REPO_MODEL_DIR = Path(__file__).resolve().parents[2] / "model"
 # huggingface_hub's repo id rule: NAMESPACE/NAME, letters, digits, "-", "_", "." (no "--", "..").
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 

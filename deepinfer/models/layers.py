@@ -1,6 +1,6 @@
 """Building blocks over the backend contract: RMSNorm, Linear (float or FP8 block-scaled), the gated MLP.
 
-Weights are buffers filled by the loader (`load` methods take a CheckpointReader and the tensor
+Weights are buffers filled by the loader (`load` methods take a WeightSource and the tensor
 name prefix DeepSeek publishes); until then they live on the meta device.
 """
 
@@ -16,7 +16,7 @@ from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.ops import Backend
 
 if TYPE_CHECKING:
-    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.weights import WeightSource
 
 
 UNFUSED_ENV = "DEEPINFER_MODEL_UNFUSED"
@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
         """(rms_norm(x + residual), x + residual)."""
         return self.backend.small.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def load(self, reader: CheckpointReader, name: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, name: str, dtype: torch.dtype) -> None:
         self.weight = reader.get(name, (self.dim,), dtype)
 
 
@@ -80,7 +80,7 @@ class Linear(nn.Module):
             return self.backend.gemm.linear_fp8(x, self.weight, self.weight_scale_inv)
         return self.backend.gemm.linear(x, self.weight)
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.weight, self.weight_scale_inv = reader.linear(
             prefix, (self.out_features, self.in_features), dtype
         )
@@ -161,7 +161,7 @@ class MLP(nn.Module):
         )  # (T, 2I) -> (T, I) -> (T, Dm)
         return y
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         shape_in, shape_out = (self.inter, self.hidden), (self.hidden, self.inter)
         gate = reader.linear(f"{prefix}.gate_proj", shape_in, dtype)
         up = reader.linear(f"{prefix}.up_proj", shape_in, dtype)

@@ -134,7 +134,8 @@ def _first_bad(t: torch.Tensor, bad: torch.Tensor) -> tuple[int, tuple[int, ...]
 
 
 class CheckpointReader:
-    """Tensor-by-tensor access to a safetensors checkpoint; remembers which tensors were read.
+    """Tensor-by-tensor access to a safetensors checkpoint (the WeightSource the models load from,
+    deepinfer.models.weights); remembers which tensors were read.
 
     `get` / `linear` / `dense` check names and shapes and move each tensor to `device` as it is
     read. `unread()` lists what no module asked for (unexpected tensors).

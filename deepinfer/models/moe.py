@@ -39,7 +39,7 @@ from deepinfer.models.layers import MLP, fuse_gate_up, fusion_enabled, padded_in
 from deepinfer.parallel.expert_parallel import ExpertParallel, dispatch_combine, fixed_exchange
 
 if TYPE_CHECKING:
-    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.weights import WeightSource
 
 
 # (w13 (2I', Dm), w13 scale or None, w2 (Dm, I'), w2 scale or None): one expert's fused weights
@@ -157,7 +157,7 @@ class MoE(nn.Module):
             shared_experts()
         return y + shared[0] if shared else y
 
-    def load(self, reader: CheckpointReader, prefix: str, dtype: torch.dtype) -> None:
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         e, dm, inter = self.num_experts, self.hidden, self.inter
         self.gate_weight = reader.get(f"{prefix}.gate.weight", (e, dm), torch.float32)
         if self.uses_bias:
@@ -190,7 +190,7 @@ class MoE(nn.Module):
         self._load_per_expert(reader, f"{prefix}.experts", dtype, shared)
 
     def _shared_as_experts(
-        self, reader: CheckpointReader, prefix: str, dtype: torch.dtype
+        self, reader: WeightSource, prefix: str, dtype: torch.dtype
     ) -> list[ExpertWeights]:
         """The shared MLP (S * I wide) as S experts of intermediate I: chunk s is rows
         [s * I, (s + 1) * I) of gate_proj and up_proj and those columns of down_proj, with their
@@ -213,7 +213,7 @@ class MoE(nn.Module):
         return out
 
     def _load_per_expert(
-        self, reader: CheckpointReader, prefix: str, dtype: torch.dtype, shared: list[ExpertWeights]
+        self, reader: WeightSource, prefix: str, dtype: torch.dtype, shared: list[ExpertWeights]
     ) -> None:
         """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv).
         Only this rank's experts are read; the others are marked as known. `shared`: the shared

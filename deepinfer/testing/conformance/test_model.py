@@ -35,10 +35,10 @@ from deepinfer.backend.types import RouterConfig
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 from deepinfer.testing.helpers import router_margin
+from deepinfer.testing.paged_runner import PagedRunner
 from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, tolerance
 

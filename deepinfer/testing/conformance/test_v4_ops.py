@@ -13,10 +13,10 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, KVCacheSpec, PagedKVCache
 from deepinfer.models.loader import load_model
-from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
-from deepinfer.models.runner_util import PagedRunner
 from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
 from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
+from deepinfer.testing.paged_runner import PagedRunner
 from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, assert_close, tolerance
 

@@ -29,6 +29,10 @@ External launch (`distributed_executor_backend="external_launcher"`, vLLM's sema
 rank is a process of its own running the same script (torchrun, several nodes included);
 external_launch() joins the group from torchrun's environment and each rank serves the prompts
 it is given.
+
+Layering: this is the executor LLM runs for data_parallel_size > 1, above the engine and below
+the offline API. The API hands it the wrapper each rank serves its calls through (make_llm:
+LLM.from_engine, pickled to the workers), so this module never imports deepinfer.api.
 """
 
 from __future__ import annotations
@@ -52,12 +56,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from deepinfer.config import EngineConfig
 
 if TYPE_CHECKING:
-    from deepinfer.api import LLM
     from deepinfer.backend.ops import Backend
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.outputs import RequestOutput
@@ -66,8 +69,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+class RankLLM(Protocol):
+    """The offline API over one rank's engine (deepinfer.api.LLM), which a worker serves with."""
+
+    @property
+    def llm_engine(self) -> LLMEngine: ...
+
+    def generate(
+        self, prompts: list[Any], sampling_params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]: ...
+
+
+# Wraps a rank's engine in the offline API (LLM.from_engine: picklable, sent to each worker).
+MakeLLM = Callable[["LLMEngine"], RankLLM]
 # What a worker runs after its LLM is built (tests inject faults with it): setup(rank, llm).
-WorkerSetup = Callable[[int, "LLM"], None]
+WorkerSetup = Callable[[int, RankLLM], None]
 _PROMPT_INDEX = re.compile(r"^prompt (\d+): ")
 
 
@@ -149,7 +166,7 @@ def _error_reply(exc: BaseException, rank: int, indices: Sequence[int] = ()) -> 
 @dataclass(frozen=True)
 class RandomWeights:
     """Workers build a random-weight model of this config.json instead of loading config.model
-    (deepinfer.engine.random_weights; benchmarks)."""
+    (deepinfer.testing.random_model; benchmarks)."""
 
     config_file: str
     fp8: bool = False
@@ -160,8 +177,8 @@ def _engine_for_rank(config: EngineConfig, backend: Backend, random: RandomWeigh
 
     if random is None:
         return LLMEngine(config, backend=backend)
-    from deepinfer.engine.random_weights import random_model
     from deepinfer.parallel.expert_parallel import ExpertParallel
+    from deepinfer.testing.random_model import random_model
 
     micro_batches = 2 if config.enable_two_batch_overlap else 1
     ep = ExpertParallel.from_torch_distributed(micro_batches) if config.enable_expert_parallel else None
@@ -177,6 +194,7 @@ def _worker_main(
     config: EngineConfig,
     port: int,
     conn: Connection,
+    make_llm: MakeLLM,
     setup: WorkerSetup | None,
     random: RandomWeights | None,
     parent_pid: int,
@@ -188,8 +206,6 @@ def _worker_main(
     os.environ["LOCAL_RANK"] = str(rank)
     import torch.distributed as dist
 
-    from deepinfer.api import LLM
-
     try:
         backend = _backend_for_rank(config, rank)
         if config.enable_expert_parallel:
@@ -200,7 +216,7 @@ def _worker_main(
                 world_size=config.data_parallel_size,
                 timeout=timedelta(seconds=config.distributed_timeout_s),
             )
-        llm = LLM.from_engine(_engine_for_rank(config, backend, random))
+        llm = make_llm(_engine_for_rank(config, backend, random))
         if setup is not None:
             setup(rank, llm)
         engine = llm.llm_engine
@@ -279,6 +295,7 @@ class DataParallelError(RuntimeError):
 class DataParallelEngine:
     """The calling process's side of data_parallel_size worker processes (see the module).
 
+    make_llm: wraps each worker's engine in the offline API (deepinfer.api.LLM.from_engine).
     setup: run in each worker once its LLM is built, setup(rank, llm) (a picklable function).
     random_weights: the workers build random weights of that config instead of loading a
     checkpoint (config.model then only supplies a tokenizer, if it has one)."""
@@ -286,6 +303,7 @@ class DataParallelEngine:
     def __init__(
         self,
         config: EngineConfig,
+        make_llm: MakeLLM,
         setup: WorkerSetup | None = None,
         random_weights: RandomWeights | None = None,
     ) -> None:
@@ -313,7 +331,7 @@ class DataParallelEngine:
             parent, child = ctx.Pipe()
             process = ctx.Process(
                 target=_worker_main,
-                args=(rank, config, port, child, setup, random_weights, os.getpid()),
+                args=(rank, config, port, child, make_llm, setup, random_weights, os.getpid()),
                 name=f"deepinfer-dp-rank{rank}",
                 daemon=True,
             )

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.engine.commands import (
+from deepinfer.entrypoints.options import (
     DEFAULT_MODEL,
     USER_ERRORS,
     add_engine_options,

@@ -1,6 +1,6 @@
 """Random DeepSeek checkpoints with the published tensor names, for tests and the conformance suite
 (no transformers needed): float32 or DeepSeek's FP8 format (DeepSeek-V4: FP8 + MXFP4 experts),
-one file or sharded with an index."""
+one file or sharded with an index. The weights come from deepinfer.testing.weights."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import dequantize_weight, quantize_weight
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, stored_in_fp8
+from deepinfer.reference.backend import create_reference_backend
+from deepinfer.testing.weights import CHECKPOINT_INIT, V4_INIT, RandomSource
 
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
@@ -129,21 +132,13 @@ def tensor_shapes(config: ModelConfig, mtp: bool = True) -> dict[str, tuple[int,
 
 
 def random_state_dict(config: ModelConfig, seed: int = 0, mtp: bool = True) -> dict[str, torch.Tensor]:
-    """float32 weights: matrices ~ N(0, 1/fan_in) (logits O(1)), router gates ~ N(0, 4/fan_in) (wider
-    score gaps, fewer near-tied expert choices), norms 1 + N(0, 0.1^2), router correction bias
-    N(0, 0.1^2), embeddings N(0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
+    """float32 weights of every tensor_shapes() tensor, drawn in that order (CHECKPOINT_INIT:
+    matrices ~ N(0, 1/fan_in) (logits O(1)), router gates ~ N(0, 4/fan_in), norms 1 + N(0, 0.1^2),
+    router correction bias N(0, 0.1^2), embeddings N(0, 1))."""
+    source = RandomSource(CHECKPOINT_INIT, seed, record=True)
     for name, shape in tensor_shapes(config, mtp).items():
-        if len(shape) == 1:
-            base = 0.0 if name.endswith("e_score_correction_bias") else 1.0
-            out[name] = base + 0.1 * torch.randn(shape, generator=gen)
-        elif name == "model.embed_tokens.weight":
-            out[name] = torch.randn(shape, generator=gen)
-        else:
-            gain = 2.0 if name.endswith("mlp.gate.weight") else 1.0
-            out[name] = torch.randn(shape, generator=gen) * gain / shape[1] ** 0.5
-    return out
+        source.get(name, shape, torch.float32)
+    return source.tensors
 
 
 def is_fp8_weight(name: str, tensor: torch.Tensor) -> bool:
@@ -289,8 +284,6 @@ def quantize_v4_state_dict(
     (V4-Flash-Base) FP8 as the linears; the linears DeepSeek keeps in FP8
     (deepseek_v4.stored_in_fp8): e4m3 with power-of-two block scales as float8_e8m0fnu `.scale`;
     the rest (embedding, head, router, compressors, norms, mixing parameters) as they are."""
-    from deepinfer.models.deepseek_v4 import stored_in_fp8
-
     quantized: dict[str, torch.Tensor] = {}
     dequant: dict[str, torch.Tensor] = {}
     for name, t in state.items():
@@ -310,64 +303,25 @@ def quantize_v4_state_dict(
     return quantized, dequant
 
 
-class _RecordingReader:
-    """Stands in for CheckpointReader: makes up every tensor the V4 loader asks for (on the CPU,
-    seeded) and records it under its name. Norm weights near 1, sinks / biases / mixing
-    parameters O(0.5), matrices N(0, 1/fan_in)."""
-
-    def __init__(self, seed: int, mtp_layers: int = 0) -> None:
-        self.gen = torch.Generator().manual_seed(seed)
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.location: dict[str, str] = {}
-        # transformers' names, and the MTP layers under DeepSeek's (transformers saves none)
-        self.present = {"model.embed_tokens.weight", *(f"mtp.{k}.enorm.weight" for k in range(mtp_layers))}
-
-    def has(self, name: str) -> bool:
-        return name in self.present
-
-    def skip(self, name: str) -> None:
-        pass
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        t = torch.randn(shape, generator=self.gen)
-        if name.endswith("norm.weight"):
-            t = 1 + 0.2 * t
-        elif len(shape) == 2 and "embed" not in name:
-            t = t / shape[1] ** 0.5
-        elif len(shape) == 1:
-            t = 0.5 * t
-        self.tensors[name] = t
-        return t.to(dtype or torch.float32)
-
-    def linear(
-        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
-    ) -> tuple[torch.Tensor, None]:
-        return self.get(f"{prefix}.weight", shape, dtype), None
-
-    def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
-        ids = torch.stack([torch.randperm(upper, generator=self.gen)[: shape[1]] for _ in range(shape[0])])
-        self.tensors[name] = ids
-        return ids
-
-
 def write_random_v4_checkpoint(
     root: Path, config: dict[str, Any] | None = None, seed: int = 0, quantized: bool = False, mtp: bool = True
 ) -> Path:
     """A random DeepSeek-V4 checkpoint (float32, the names transformers' save_pretrained writes,
     and with `mtp` the config's MTP layers as DeepSeek publishes them: mtp.{k}.*) in directory
-    `root`: config.json + model.safetensors. The tensors are exactly those the loader reads (it
-    asks a recording reader for each); the main model's do not depend on `mtp`. quantized: in
+    `root`: config.json + model.safetensors. The tensors are exactly those the loader reads (the
+    model loads itself from a recording RandomSource, V4_INIT); the main model's do not depend
+    on `mtp`. quantized: in
     DeepSeek's published format instead (quantize_v4_state_dict: FP8 linears, MXFP4 routed
     experts)."""
-    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-    from deepinfer.reference.backend import create_reference_backend
-
     config = dict(config or tiny_v4_config())
     parsed = ModelConfig.from_dict(config)
-    reader = _RecordingReader(seed, parsed.num_nextn_predict_layers if mtp else 0)
+    # transformers' names, and the MTP layers under DeepSeek's (transformers saves none)
+    layers = parsed.num_nextn_predict_layers if mtp else 0
+    present = {"model.embed_tokens.weight", *(f"mtp.{k}.enorm.weight" for k in range(layers))}
+    source = RandomSource(V4_INIT, seed, present=present, record=True)
     model = DeepseekV4ForCausalLM(parsed, create_reference_backend(), torch.float32)
-    model.load_weights(reader)  # type: ignore[arg-type]
-    state = reader.tensors
+    model.load_weights(source)
+    state = source.tensors
     if quantized:
         state, _ = quantize_v4_state_dict(state)
         config |= {"quantization_config": dict(V4_QUANTIZATION_CONFIG), "expert_dtype": V4_EXPERT_DTYPE}
@@ -385,8 +339,6 @@ def write_mirrored_v4_mtp_checkpoint(root: Path, seed: int = 0, **overrides: Any
     (collapse and norm). At position p on token p + 1 it computes what the model computes at
     position p + 1, except that its window lacks token 0 and its compressed entries pool windows
     one token later."""
-    from safetensors.torch import load_file
-
     cfg = tiny_v4_config(**{"num_hidden_layers": 1, "num_nextn_predict_layers": 1, **overrides})
     for key in ("layer_types", "mlp_layer_types"):  # the MTP layer: layer 0's kind
         cfg[key] = cfg[key][:1] * 2

@@ -1,7 +1,12 @@
 """Random-weight models from a config.json alone, for benchmarks (`deepinfer bench --random-config`).
 
-The model is built by its own loading code (`load_weights`), fed by a reader that makes up each
-tensor it is asked for, so every architecture the loader knows works unchanged.
+The model is built by its own loading code (`load_weights`), fed by a RandomSource
+(deepinfer.testing.weights, BENCH_INIT: norms ones, router correction biases zeros, the rest
+N(0, 0.02^2), drawn on the device) that makes up each tensor it is asked for, so every
+architecture the loader knows works unchanged. No MTP layers are reported; with fp8 every linear
+layer a DeepSeek FP8 checkpoint quantizes is FP8 (e4m3 values N(0, 1), block scales 0.02), and
+with MXFP4 experts (has_fp4_experts) DeepSeek-V4's routed experts are random e2m1 codes with one
+power-of-two scale.
 
 A config can describe a model far larger than the device (DeepSeek-V3's 671 B parameters on one
 GPU, or on the host): its size is estimated from the config first (`estimate_weight_bytes`), and
@@ -14,92 +19,20 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer.backend.fp4 import E8M0_BIAS
-from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.ops import Backend
-
-if TYPE_CHECKING:
-    from deepinfer.models.config import ModelConfig
-    from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS, DeepseekForCausalLM
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.hub import REPO_MODEL_DIR
+from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.testing.weights import BENCH_INIT, RandomSource
 
 logger = logging.getLogger(__name__)
-
-REPO_MODEL_DIR = Path(__file__).resolve().parents[2] / "model"
-
-
-class RandomReader:
-    """Stands in for deepinfer.models.loader.CheckpointReader: any tensor, random, seeded.
-
-    Norm weights are ones, routing-correction biases zeros, other weights N(0, std^2). Reports no
-    optional tensors (no MTP layers); with fp8, every linear layer a DeepSeek FP8 checkpoint
-    quantizes is FP8 (e4m3 values N(0, 1), block scales std; deepseek_v4.stored_in_fp8 says
-    which); with fp4_experts, DeepSeek-V4's routed experts are MXFP4 (random e2m1 codes, one
-    power-of-two scale that gives them about std)."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        seed: int = 0,
-        std: float = 0.02,
-        fp8: bool = False,
-        fp4_experts: bool = False,
-    ) -> None:
-        self.device = device
-        self.fp8_dtype = torch.float8_e4m3fn
-        self.location: dict[str, str] = {}
-        self.std = std
-        self.fp8, self.fp4_experts = fp8, fp4_experts
-        self.generator = torch.Generator(device=device).manual_seed(seed)  # draws on the device
-
-    def has(self, name: str) -> bool:
-        return self.fp8 and name.endswith(".weight_scale_inv")
-
-    def skip(self, name: str) -> None:
-        pass
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        dtype, device = dtype or torch.float32, self.device
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, dtype=dtype, device=device)
-        if "correction_bias" in name:
-            return torch.zeros(shape, dtype=dtype, device=device)
-        t = torch.randn(shape, generator=self.generator, device=device, dtype=dtype)
-        return t.mul_(1.0 if "embed" in name else self.std)
-
-    def linear(
-        self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from deepinfer.models.deepseek_v4 import stored_in_fp8
-
-        n, k = shape
-        if fp4 and self.fp4_experts:  # uniform codes: RMS sqrt(mean e2m1^2) = 2.93 before scaling
-            packed = torch.randint(256, (n, k // 2), generator=self.generator, device=self.device)
-            exponent = E8M0_BIAS + round(math.log2(self.std / 2.93))
-            scale = torch.full(fp4_scale_shape(n, k), exponent, dtype=torch.uint8, device=self.device)
-            return packed.to(torch.uint8), scale
-        if not self.fp8 or not stored_in_fp8(prefix):
-            return self.get(f"{prefix}.weight", shape, dtype), None
-        # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
-        w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
-        scale = torch.full((-(-n // 128), -(-k // 128)), self.std, dtype=torch.float32, device=self.device)
-        return w.to(self.fp8_dtype), scale
-
-    def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-        return self.get(f"{prefix}.weight", shape, dtype)
-
-    def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
-        """Integer tables (DeepSeek-V4's hash routing token -> experts): uniform in [0, upper)."""
-        return torch.randint(upper, shape, generator=self.generator, device=self.device)
-
-    def unread(self) -> list[tuple[str, str]]:
-        return []
 
 
 def resolve_config(name: str) -> Path:
@@ -164,8 +97,6 @@ def estimate_weight_bytes(
     if c.v4 is not None:
         rotary = 2 * c.max_position_embeddings * c.qk_rope_head_dim * 4
     else:
-        from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
-
         rotary = (c.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS) * c.qk_rope_head_dim * 4
     return int(params * act + linears * linear + experts * expert + float32 * 4 + rotary)
 
@@ -239,17 +170,13 @@ def random_model(
     expert_parallel: ExpertParallel | None = None,
     fp8: bool = False,
     num_hidden_layers: int | None = None,
-) -> Any:
+) -> DeepseekForCausalLM | DeepseekV4ForCausalLM:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
     gpu_memory_utilization). expert_parallel: only this rank's routed experts; fp8: FP8 linear
     layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8), and
     for DeepSeek-V4 configs with expert_dtype fp4 (V4-Flash) MXFP4 routed experts, as published;
     num_hidden_layers: overrides the config's depth (the first layers of its schedule)."""
-    from deepinfer.models.config import ModelConfig
-    from deepinfer.models.deepseek import DeepseekForCausalLM
-    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-
     config = ModelConfig.from_file(config_file)
     if num_hidden_layers is not None:  # a reduced-depth model of the same shapes
         raw = json.loads(config_file.read_text())
@@ -268,8 +195,8 @@ def random_model(
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM = DeepseekV4ForCausalLM(config, backend, dtype)
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
-    reader = RandomReader(backend.device.device(), seed, fp8=fp8, fp4_experts=has_fp4_experts(config, fp8))
-    model.load_weights(reader)  # type: ignore[arg-type]
+    device, fp4_experts = backend.device.device(), has_fp4_experts(config, fp8)
+    model.load_weights(RandomSource(BENCH_INIT, seed, device, fp8=fp8, fp4_experts=fp4_experts))
     backend.device.synchronize()
     logger.info(
         "random weights for %s built in %.2f s: %.2f GiB (estimated), on %s",
