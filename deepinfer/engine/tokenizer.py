@@ -35,6 +35,35 @@ def read_json_file(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
+# The files transformers' AutoTokenizer (and the engine) may open in a tokenizer directory.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Every tokenizer file present in `path` (and each additional_chat_templates/*.jinja) stays
+    inside it once symlinks are resolved (deepinfer.models.hub.checkpoint_file), before
+    transformers opens any of them."""
+    from deepinfer.models.hub import checkpoint_file
+
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() or (path / name).is_symlink():
+            checkpoint_file(path, name)
+    extra = path / "additional_chat_templates"
+    if extra.is_dir() or extra.is_symlink():
+        checkpoint_file(path, "additional_chat_templates")
+        for file in sorted(extra.iterdir()):
+            checkpoint_file(path, f"additional_chat_templates/{file.name}")
+
+
 def _load_hf_tokenizer(path: Path, config: dict[str, Any]) -> PreTrainedTokenizerBase:
     """transformers' AutoTokenizer over the checkpoint directory, or a ValueError naming the file
     it could not read."""
@@ -75,6 +104,7 @@ class Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         self.path = path
+        check_tokenizer_files(path)
         cfg_file = path / "tokenizer_config.json"
         cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
         if not isinstance(cfg, dict):
@@ -90,8 +120,17 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As hf_tokenizer.encode(text, add_special_tokens=...)."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """As hf_tokenizer.encode(text, add_special_tokens=...). ValueError naming a lone
+        surrogate (text that is not valid Unicode, so not UTF-8 encodable)."""
+        try:
+            ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            from deepinfer.engine.sampling_params import lone_surrogate
+
+            problem = lone_surrogate(text) if isinstance(text, str) else None
+            if problem is None:
+                raise
+            raise ValueError(f"the text holds {problem}; it is not valid Unicode text") from None
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
