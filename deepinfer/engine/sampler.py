@@ -187,9 +187,19 @@ def mark_dead_rows(
             banned += min_tokens_banned(p, eos_token_ids)
         ok[[t for t in banned if t < vocab]] = False
         if not ok.any():
+            causes = [
+                name
+                for name, given in (
+                    ("allowed_token_ids", p.allowed_token_ids is not None),
+                    ("bad_words", bool(banned) and bool(seq.bad_words_token_ids)),
+                    ("min_tokens", seq.num_output_tokens < p.min_tokens),
+                    ("the structured-output grammar", seq.grammar is not None),
+                )
+                if given
+            ]
             seq.error = (
-                f"no token is left to sample after {seq.num_output_tokens} output tokens: allowed_token_ids, "
-                "bad_words, min_tokens and the structured-output grammar together ban every token"
+                f"no token is left to sample after {seq.num_output_tokens} output tokens: "
+                f"{' and '.join(causes)} ban every token"
             )
             dead.append(row)
     return dead
