@@ -118,8 +118,6 @@ def _has_type(value: Any, name: str) -> bool:
 
 def _check_schema_node(node: Any, where: str) -> None:
     """One subschema: refuse unenforced keywords and unsatisfiable combinations, then recurse."""
-    if node is False:
-        raise ValueError(f"structured output: the JSON schema at {where} is `false`: no value meets it")
     if not isinstance(node, dict):
         return
     for key, why in UNENFORCED_KEYWORDS.items():
@@ -207,7 +205,9 @@ def json_schema(p: StructuredOutputsParams) -> Any:
     try:
         return json.loads(p.json)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"structured output: the json schema is not valid JSON: {exc}") from exc
+        raise ValueError(
+            f"structured output: the json does not compile: it is not valid JSON: {exc}"
+        ) from exc
 
 
 def check_json_schema(schema: Any) -> None:
@@ -215,6 +215,8 @@ def check_json_schema(schema: Any) -> None:
     its place (a JSON pointer: `#/properties/name`)."""
     if schema is True:
         return
+    if schema is False:  # (`false` inside a schema forbids a property or an item: satisfiable)
+        raise ValueError("structured output: the JSON schema is `false`: no value meets it")
     _check_schema_node(schema, "#")
     if isinstance(schema, dict):
         try:
@@ -225,7 +227,10 @@ def check_json_schema(schema: Any) -> None:
         try:
             cls.check_schema(schema)
         except Exception as exc:  # jsonschema.SchemaError
-            raise ValueError(f"structured output: the json schema is not a valid JSON schema: {exc}") from exc
+            detail = getattr(exc, "message", str(exc))
+            raise ValueError(
+                f"structured output: the json does not compile: it is not a valid JSON schema: {detail}"
+            ) from exc
 
 
 def validate_output(p: StructuredOutputsParams, text: str) -> str | None:
