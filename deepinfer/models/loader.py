@@ -176,17 +176,18 @@ def _check_header(path: Path) -> None:
     except OSError as exc:
         raise CorruptCheckpointError(f"{path} cannot be read: {exc}") from exc
     if len(head) < 8:
-        raise CorruptCheckpointError(f"{path} is not a safetensors file: {size} bytes, no header")
+        raise CorruptCheckpointError(f"{path} is not a readable safetensors file: {size} bytes, no header")
     n = int.from_bytes(head, "little")
     if n > MAX_HEADER_BYTES:
         raise CorruptCheckpointError(
-            f"{path}: its safetensors header claims {n / 1e6:.4g} MB, more than the "
+            f"{path} is not a readable safetensors file: its header claims {n / 1e6:.4g} MB, more than the "
             f"{MAX_HEADER_BYTES / 2**20:g} MiB any checkpoint shard needs (a header lists the tensors); "
             "the file is corrupt or hostile"
         )
     if 8 + n > size:
         raise CorruptCheckpointError(
-            f"{path}: its safetensors header claims {n} bytes but the file has {size}; truncated or corrupt"
+            f"{path} is not a readable safetensors file (truncated or corrupt?): its header claims {n} "
+            f"bytes but the file has {size}"
         )
 
 
@@ -520,10 +521,12 @@ def _check_attention_shapes(c: ModelConfig, reader: CheckpointReader) -> None:
             continue
         shape = reader.shape_of(name)
         if len(shape) == 2 and shape[dim] != want:
+            expected = (want, shape[1]) if dim == 0 else (shape[0], want)
             raise ShapeMismatchError(
                 f"config.json says num_attention_heads={heads} ({fields} = {want}), but tensor "
-                f"{name!r} in {reader.location[name]} has {shape[dim]} {'rows' if dim == 0 else 'columns'} "
-                f"(shape {shape}); num_attention_heads or a head dim in config.json is wrong"
+                f"{name!r} in {reader.location[name]} has {shape[dim]} {'rows' if dim == 0 else 'columns'}: "
+                f"expected shape {expected}, found {shape}; num_attention_heads or a head dim in "
+                "config.json is wrong"
             )
 
 
