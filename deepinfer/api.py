@@ -11,7 +11,13 @@ call is run. The LLM object stays usable for the next call, and so it does after
 the middle of a call (the requests in flight are dropped).
 
 Threads: one LLM may be called from several threads; its calls run one at a time, each as if
-it were alone. Expert parallelism: an error on any rank raises on every rank (see
+it were alone. A call entered while another call on the same LLM runs in the same thread (from
+a signal handler, or a callback inside the first call) is refused with a RuntimeError before it
+touches the engine: the first call goes on undisturbed.
+
+Sizes: a request's n / best_of completions run together, so each is at most max_num_seqs; a
+call's sequences (every completion of every prompt) must fit in the host memory available, by
+an estimate made before any is built. Expert parallelism: an error on any rank raises on every rank (see
 deepinfer.parallel.rank_sync). data_parallel_size=N starts N worker processes and serves each
 call over them (deepinfer.entrypoints.data_parallel).
 """
@@ -46,15 +52,81 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+# Host bytes a Sequence costs beyond its token lists (the object, its lists and dicts, metrics),
+# and per token of its lists (two lists of Python ints: prompt_token_ids and token_ids), measured
+# with tracemalloc on CPython 3.11 and rounded up.
+SEQUENCE_BYTES = 4096
+SEQUENCE_TOKEN_BYTES = 2 * 8 + 2 * 32
+
+
 def _one_call_at_a_time(method: Callable[Concatenate[LLM, P], R]) -> Callable[Concatenate[LLM, P], R]:
-    """The engine serves one call at a time: a call from another thread waits for it."""
+    """The engine serves one call at a time: a call from another thread waits for it; one from
+    the thread already inside a call (a signal handler, a callback) is refused."""
 
     @functools.wraps(method)
     def serialised(self: LLM, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        me = threading.get_ident()
+        if self._caller == me:
+            raise RuntimeError(
+                f"LLM.{method.__name__}() was called while another call on the same LLM is running in this "
+                "thread (from a signal handler or a callback?); the engine serves one call at a time: "
+                "call it after the first returns, or from another thread (which waits its turn)"
+            )
         with self._lock:
-            return method(self, *args, **kwargs)
+            self._caller = me
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._caller = None
 
     return serialised
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_request_sizes(prompts: list[PromptType], params: list[SamplingParams], max_num_seqs: int) -> None:
+    """Before any Sequence is built: each prompt dict holds only what deepinfer serves (no
+    multi_modal_data yet), n / best_of of each request at most max_num_seqs, and the call's
+    sequences within the host memory available (an estimate; ValueError naming the prompt)."""
+    total = 0
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise ValueError(
+                f"prompt {i}: multi_modal_data is not supported yet (deepinfer serves text prompts only; "
+                "image input is planned with the vision tower)"
+            )
+        if not isinstance(p, SamplingParams):
+            continue  # make_sequences names the wrong type
+        n, best_of = getattr(p, "n", 1), getattr(p, "best_of", None)
+        count = best_of if isinstance(best_of, int) else n
+        if isinstance(count, int) and count > max_num_seqs:
+            name = "best_of" if isinstance(best_of, int) else "n"
+            raise ValueError(
+                f"prompt {i}: {name}={count} is more than max_num_seqs={max_num_seqs}: a request's "
+                f"completions run together; lower {name} or raise the engine's max_num_seqs"
+            )
+        length = len(prompt) if isinstance(prompt, str) else 0
+        if isinstance(prompt, dict):
+            ids, text = prompt.get("prompt_token_ids"), prompt.get("prompt")
+            length = len(ids) if isinstance(ids, (list, tuple)) else len(text) if isinstance(text, str) else 0
+        total += (count if isinstance(count, int) else 1) * (SEQUENCE_BYTES + SEQUENCE_TOKEN_BYTES * length)
+    available = _available_host_bytes()
+    if available is not None and total > available // 2:
+        raise ValueError(
+            f"this call's {len(prompts)} requests need about {total / 2**30:.3g} GiB of host memory for "
+            f"their sequences, more than half the {available / 2**30:.3g} GiB available; split the call "
+            "or lower n"
+        )
 
 
 class LLM:
@@ -74,7 +146,8 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         configure_logging()
         config = resolve_engine_config(engine_config(model, kwargs, "LLM()"))
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._caller: int | None = None  # the thread inside a call
         self._engine: LLMEngine | None = None
         # data_parallel_size > 1: the engines run in worker processes (deepinfer.entrypoints.data_parallel)
         self.data_parallel: DataParallelEngine | None = None
@@ -96,7 +169,8 @@ class LLM:
             llm.data_parallel = engine
         else:
             llm._engine = engine
-        llm._lock = threading.RLock()
+        llm._lock = threading.Lock()
+        llm._caller = None
         return llm
 
     @property
@@ -139,6 +213,15 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: the model's
             generation_config.json, else SamplingParams(); see LLMEngine.default_sampling_params).
         """
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """generate() inside the call it belongs to (chat's too)."""
         if self.data_parallel is not None:
             prompts, params = self._requests(prompts, sampling_params, self.data_parallel)
             return self.data_parallel.generate(prompts, params, use_tqdm)
@@ -176,6 +259,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        check_request_sizes(prompts, params, engine.config.max_num_seqs)
         return prompts, params
 
     @_one_call_at_a_time
@@ -220,4 +304,4 @@ class LLM:
             if self.data_parallel is None:
                 self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would
             raise
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm)

@@ -363,12 +363,13 @@ def test_truncate_prompt_tokens_keeps_the_last_k(llm: LLM) -> None:
     assert cut.outputs[0].token_ids == ref.outputs[0].token_ids
     text = llm.generate([PROMPT], SamplingParams(max_tokens=1, truncate_prompt_tokens=2), use_tqdm=False)[0]
     assert text.prompt == PROMPT and text.prompt_token_ids == llm.llm_engine.tokenizer.encode(PROMPT)[-2:]  # type: ignore[union-attr]
-    # -1: the model's limit, so a prompt past max_model_len is served (its last 128 tokens)
+    # -1: as many as leave room for max_tokens, so a prompt past max_model_len is served (its
+    # last 128 - 1 tokens for max_tokens=1)
     long = random_prompts([300], seed=10)[0]
     with pytest.raises(ValueError, match="more than max_model_len=128"):
         generate(llm, [long], SamplingParams(max_tokens=1))
     (out,) = generate(llm, [long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
-    assert out.prompt_token_ids == long[-128:] and out.outputs[0].finish_reason == "length"
+    assert out.prompt_token_ids == long[-127:] and out.outputs[0].finish_reason == "length"
 
 
 def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:

@@ -7,6 +7,7 @@ failure in one request's output processing aborts that request alone."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -242,8 +243,8 @@ def model_with_generation_config(tmp_path: Path, content: dict[str, Any]) -> Pat
     model = tmp_path / "model"
     model.mkdir()
     for f in TINY.iterdir():
-        if f.name != "generation_config.json":
-            (model / f.name).symlink_to(f)
+        if f.name != "generation_config.json":  # copies: a symlink out of the directory is refused
+            shutil.copy(f, model / f.name)
     (model / "generation_config.json").write_text(json.dumps(content))
     return model
 
@@ -339,8 +340,11 @@ def plant(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, target: Any, hook:
     monkeypatch.setattr(engine, "make_sequence", make_sequence)
 
 
-def check_isolated(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list[Any], hook: Any, k: int) -> None:
-    """prompts[1] fails at its k-th token; the others give what they give alone."""
+def check_isolated(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list[Any], hook: Any, k: int, reason: str = "abort"
+) -> None:
+    """prompts[1] fails at its k-th token (finish_reason `reason`: "error" for a broken
+    promise, with CompletionOutput.error); the others give what they give alone."""
     params = [
         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
         SamplingParams(temperature=0.9, seed=4, max_tokens=12, ignore_eos=True),
@@ -356,7 +360,8 @@ def check_isolated(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list[Any]
         assert outs[i].outputs[0].text == alone[i].outputs[0].text
         assert outs[i].outputs[0].finish_reason == "length"
     failed, ref = outs[1].outputs[0], alone[1].outputs[0]
-    assert failed.finish_reason == "abort" and outs[1].finished and failed.stop_reason is None
+    assert failed.finish_reason == reason and outs[1].finished and failed.stop_reason is None
+    assert (failed.error is not None) == (reason == "error"), failed
     assert failed.token_ids == ref.token_ids[: k - 1]  # the failing token is not part of it
     assert ref.text.startswith(failed.text)
     assert not engine.has_unfinished()
@@ -367,7 +372,7 @@ def check_isolated(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list[Any]
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_grammar_rejection_aborts_only_that_request(
+def test_grammar_rejection_fails_only_that_request(
     monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
 ) -> None:
     pytest.importorskip("xgrammar", reason="grammar bitmasks need xgrammar")
@@ -376,7 +381,7 @@ def test_grammar_rejection_aborts_only_that_request(
     def hook(seq: Sequence) -> None:
         seq.grammar = RejectingGrammar(reject_at=5)
 
-    check_isolated(llm, monkeypatch, [PROMPT, "Hello", "Numbers: one, two"], hook, k=5)
+    check_isolated(llm, monkeypatch, [PROMPT, "Hello", "Numbers: one, two"], hook, k=5, reason="error")
 
 
 def test_detokenizer_failure_aborts_only_that_request(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,7 +417,7 @@ def test_grammar_rejection_with_speculative_decoding(tmp_path: Path, monkeypatch
     def hook(seq: Sequence) -> None:
         seq.grammar = RejectingGrammar(reject_at=6)
 
-    check_isolated(llm, monkeypatch, prompts, hook, k=6)
+    check_isolated(llm, monkeypatch, prompts, hook, k=6, reason="error")
 
 
 def test_finished_only_with_a_finish_reason(llm: LLM) -> None:

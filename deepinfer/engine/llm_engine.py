@@ -52,7 +52,7 @@ from deepinfer.engine.model_runner import (
 )
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.ring import scratch_blocks
-from deepinfer.engine.sampler import PromptLogprobs, Sampler
+from deepinfer.engine.sampler import PromptLogprobs, Sampler, check_token_sets
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
@@ -63,7 +63,7 @@ from deepinfer.engine.speculative import (
     chain_next_inputs,
     mtp_drafts,
 )
-from deepinfer.engine.structured import StructuredOutputs
+from deepinfer.engine.structured import StructuredOutputs, check_first_tokens
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 from deepinfer.log import configure_logging
 from deepinfer.models.forward_batch import KVCacheGroup
@@ -483,9 +483,8 @@ class LLMEngine:
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise TypeError("prompt_token_ids must be a list of ints")
-        if params.truncate_prompt_tokens is not None:  # keep the last k tokens (-1: max_model_len)
-            k = params.truncate_prompt_tokens
-            ids = ids[-(self.max_model_len if k == -1 else k) :]
+        if params.truncate_prompt_tokens is not None:  # the last k tokens (-1: those leaving room)
+            ids = ids[len(ids) - params.prompt_tokens_kept(len(ids), self.max_model_len) :]
         if len(ids) == 0:
             raise ValueError("the prompt is empty (no tokens)")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -523,6 +522,7 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
+        check_token_sets(params, self.eos_token_ids, bad_words)
         grammar = None
         if params.structured_outputs is not None:
             if self.tokenizer is None:
@@ -530,6 +530,7 @@ class LLMEngine:
             if self._structured is None:
                 self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
             grammar = self._structured.matcher(params.structured_outputs)
+            check_first_tokens(grammar, self.vocab_size, params.allowed_token_ids)
 
         seed = _int64(params.seed) if params.seed is not None else self._seed_rng.getrandbits(63)
         limit = self.max_model_len if params.max_tokens is None else len(ids) + params.max_tokens

@@ -8,11 +8,14 @@ A request that finished at step n was already scheduled in step n + 1: that row 
 Failure isolation: an exception while one request's token is appended and checked (its grammar
 rejects the token, its detokenisation or the decoding of its logprobs fails) finishes that
 request alone with finish_reason "abort" (vLLM's name), its output as it was before that token;
-the other requests go on, and the error is logged. What cannot be pinned on one request is not
-isolated and fails the whole generate() call (the engine drops the requests in flight and keeps
-serving): the forward, the logits processors and the draw (penalties, grammar bitmasks, top-k /
-top-p), the copy of the tokens to the host, and the scheduler's and the KV-cache manager's own
-bookkeeping.
+the other requests go on, and the error is logged. A request whose promise cannot be kept
+finishes with finish_reason "error" and the reason in CompletionOutput.error: the sampler found
+no token its masks allow (Sequence.error set before the draw), its grammar rejects the sampled
+token, or its finished structured output fails validation (deepinfer.engine.structured).
+What cannot be pinned on one request is not isolated and fails the whole generate() call
+(the engine drops the requests in flight and keeps serving): the forward, the logits
+processors and the draw (penalties, grammar bitmasks, top-k / top-p), the copy of the tokens
+to the host, and the scheduler's and the KV-cache manager's own bookkeeping.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from deepinfer.engine.outputs import (
 from deepinfer.engine.sampler import LogprobTensors, PromptLogprobs
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.structured import validate_output
 from deepinfer.engine.tokenizer import Tokenizer, find_stop
 
 logger = logging.getLogger(__name__)
@@ -136,6 +140,13 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, token: int, lp: dict[int, Logprob] | None) -> bool:
         """Add a sampled token, detokenise, check stop conditions. True if seq finished."""
+        if seq.error is not None:  # the sampler left it no token: the drawn one is meaningless
+            seq.finish_reason, seq.stop_reason = "error", None
+            return True
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            seq.error = f"token {token} was sampled against the request's grammar"
+            seq.finish_reason = "error"
+            return True
         seq.token_ids.append(token)
         now = time.time()
         if seq.metrics.first_token_time is None:
@@ -146,8 +157,6 @@ class OutputProcessor:
             if p.logprobs is not None:  # else only the cumulative log-probability (best_of)
                 seq.output_logprobs.append(self.decoded(seq, lp))
             seq.cumulative_logprob += lp[token].logprob
-        if seq.grammar is not None and not seq.grammar.accept_token(token):
-            raise RuntimeError(f"request {seq.request_id}: token {token} was sampled against its grammar")
         n_out = seq.num_output_tokens
         # Nothing stops the request within its first min_tokens tokens (the sampler bans EOS and
         # stop_token_ids there; a stop string must end after them), as in vLLM.
@@ -164,6 +173,7 @@ class OutputProcessor:
                 if p.include_stop_str_in_output:
                     seq.output_text += seq.detokenizer.step(token)
                 seq.output_text += seq.detokenizer.flush()
+            self._validate_structured(seq)
             return True
         new_text = seq.detokenizer.step(token) if seq.detokenizer else ""
         seq.output_text += new_text
@@ -180,6 +190,24 @@ class OutputProcessor:
                 seq.output_text += seq.detokenizer.flush()
             return True
         return False
+
+    def _validate_structured(self, seq: Sequence) -> None:
+        """A structured output whose grammar completed, checked against the schema or regex it
+        promised: a violation turns finish_reason "stop" into "error" (CompletionOutput.error)."""
+        so = seq.params.structured_outputs
+        if so is None or seq.grammar is None or not seq.grammar.is_terminated():
+            return
+        if seq.detokenizer is not None and not seq.params.include_stop_str_in_output:
+            text = seq.output_text
+        elif self.tokenizer is not None:
+            ids = [t for t in seq.output_token_ids if t not in self.eos_token_ids]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            return
+        problem = validate_output(so, text)
+        if problem is not None:
+            seq.finish_reason, seq.stop_reason, seq.error = "error", None, f"structured output: {problem}"
+            logger.warning("request %s: %s", seq.request_id, seq.error)
 
     @staticmethod
     def to_output(seq: Sequence) -> RequestOutput:
@@ -220,6 +248,7 @@ class OutputProcessor:
             logprobs=list(seq.output_logprobs) if want_lp else None,
             finish_reason=reason,
             stop_reason=seq.stop_reason,
+            error=seq.error,
         )
 
     @staticmethod

@@ -55,8 +55,11 @@ class CompletionOutput:
     text: the generated text ("" with detokenize=False).
     finish_reason: "stop" (EOS, a stop token or a stop string), "length" (max_tokens or
     max_model_len), "abort" (dropped: an error in its own processing, or in the step it was
-    part of) or None while unfinished. stop_reason: the stop string or stop token id
-    that ended it, None for EOS or length.
+    part of), "error" (a promise the request asked for could not be kept: its structured
+    output violates the schema or regex, or no token was left to sample; `error` says why) or
+    None while unfinished. stop_reason: the stop string or stop token id that ended it, None
+    for EOS or length.
+    error: why the completion finished with "error" (None otherwise).
     cumulative_logprob: the sum of the sampled tokens' log-probabilities (from the raw model
         logits); None unless logprobs was asked for or best_of > n.
     logprobs: per generated token, {token_id: Logprob} for the top-`logprobs` tokens and the
@@ -70,6 +73,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -10,6 +10,13 @@ Logits processors run between the forward and the draw, after the host has read 
 step's tokens, in vLLM's order: allowed_token_ids, bad_words, logit_bias, penalties, min_tokens,
 grammar masks; rows that need none cost nothing.
 
+A request whose masks leave no token (allowed_token_ids, bad_words, min_tokens' ban on EOS and
+stop tokens, its grammar) is refused when it is added where that can be known then
+(check_token_sets; structured.check_first_tokens for a grammar), and otherwise found on the host
+before the draw (rows with allowed_token_ids or a grammar: mark_dead_rows): the request gets
+Sequence.error and finishes with finish_reason "error"; its row is drawn from zeros, never from
+all -inf logits.
+
 Log-probabilities (of sampled tokens, and of prompt tokens) come from the raw model logits, as
 vLLM's default: the log-softmax over the whole vocabulary, before any processor or filter.
 """
@@ -24,8 +31,9 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.engine.inputs import SamplingInputs
 from deepinfer.engine.outputs import Logprob
+from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.structured import grammar_bitmask
+from deepinfer.engine.structured import bitmask_tokens, grammar_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -131,6 +139,70 @@ def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
         banned = [t for t in banned if t < logits.shape[1]]
         if banned:
             logits[row, banned] = float("-inf")
+
+
+def min_tokens_banned(params: SamplingParams, eos_token_ids: list[int]) -> set[int]:
+    """The tokens min_tokens bans from the first min_tokens outputs: stop_token_ids, and EOS
+    unless ignore_eos."""
+    banned = set(params.stop_token_ids or [])
+    if not params.ignore_eos:
+        banned.update(eos_token_ids)
+    return banned
+
+
+def check_token_sets(params: SamplingParams, eos_token_ids: list[int], bad_words: list[list[int]]) -> None:
+    """At add time: ValueError when allowed_token_ids leave no token to sample, because
+    one-token bad_words ban all of them, or because they are only EOS / stop tokens and
+    min_tokens bans those."""
+    if params.allowed_token_ids is None:
+        return
+    allowed = set(params.allowed_token_ids) - {w[0] for w in bad_words if len(w) == 1}
+    if not allowed:
+        raise ValueError("allowed_token_ids leave no token to sample: bad_words ban every one of them")
+    if params.min_tokens and allowed <= min_tokens_banned(params, eos_token_ids):
+        raise ValueError(
+            f"allowed_token_ids leave no token to sample: they hold only EOS / stop_token_ids, which "
+            f"min_tokens={params.min_tokens} bans until {params.min_tokens} tokens are generated"
+        )
+
+
+def mark_dead_rows(
+    seqs: list[Sequence], grammar_mask: torch.Tensor | None, eos_token_ids: list[int], vocab: int
+) -> list[int]:
+    """Host side, before the draw: the rows (with allowed_token_ids or a grammar) whose masks
+    leave no token; each such request gets Sequence.error. grammar_mask: the step's host bitmask
+    (rows, ceil(V / 32)) int32, or None."""
+    dead = []
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if seq.is_finished or seq.error is not None or (p.allowed_token_ids is None and seq.grammar is None):
+            continue
+        ok = torch.ones(vocab, dtype=torch.bool)
+        if p.allowed_token_ids is not None:
+            ok &= ~_cached(seq, _banned_mask, vocab, torch.device("cpu"))
+        if grammar_mask is not None and seq.grammar is not None:
+            ok &= bitmask_tokens(grammar_mask[row], vocab)
+        banned = banned_bad_word_tokens(seq) if seq.bad_words_token_ids else []
+        if seq.num_output_tokens < p.min_tokens:
+            banned += min_tokens_banned(p, eos_token_ids)
+        ok[[t for t in banned if t < vocab]] = False
+        if not ok.any():
+            causes = [
+                name
+                for name, given in (
+                    ("allowed_token_ids", p.allowed_token_ids is not None),
+                    ("bad_words", bool(banned) and bool(seq.bad_words_token_ids)),
+                    ("min_tokens", seq.num_output_tokens < p.min_tokens),
+                    ("the structured-output grammar", seq.grammar is not None),
+                )
+                if given
+            ]
+            seq.error = (
+                f"no token is left to sample after {seq.num_output_tokens} output tokens: "
+                f"{' and '.join(causes)} ban every token"
+            )
+            dead.append(row)
+    return dead
 
 
 def num_top_logprobs(k: int | None, vocab_size: int) -> int:
@@ -246,10 +318,13 @@ class Sampler:
         apply_penalties(rows, seqs)
         apply_min_tokens(rows, seqs, self.eos_token_ids)
         grammars = [None if s.is_finished else s.grammar for s in seqs]
+        mask = None
         if any(g is not None for g in grammars):  # structured output: only what the grammar allows
-            self.backend.small.apply_token_bitmask(
-                rows, grammar_bitmask(grammars, logits.shape[1], logits.device)
-            )
+            mask = grammar_bitmask(grammars, logits.shape[1])
+            self.backend.small.apply_token_bitmask(rows, mask.to(logits.device))
+        dead = mark_dead_rows(seqs, mask, self.eos_token_ids, logits.shape[1])
+        if dead:  # finished with an error at output processing: draw from something finite
+            rows[dead] = 0.0
 
     def draw(self, logits: torch.Tensor, params: SamplingInputs, greedy: bool, out: torch.Tensor) -> None:
         """Device only (graph-safe): one token per row of logits (S, V) float32 into out (S,)

@@ -26,6 +26,10 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# A request's logit_bias values are clamped to this range (vLLM's and OpenAI's [-100, 100]): a
+# bias of 3.4e38 on every token would turn the logits into inf - inf = NaN.
+LOGIT_BIAS_LIMIT = 100.0
+UNSEEDED = -1  # seed=-1 means no seed of the request's own (vLLM)
 
 
 def _is_int(x: object) -> bool:
@@ -37,6 +41,15 @@ def _short(value: object) -> str:
     """repr(value), cut to 200 characters (a bad logit_bias may hold a whole vocabulary)."""
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
+
+
+def lone_surrogate(text: str) -> str | None:
+    """A description of the first lone surrogate in text (not encodable as UTF-8), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+    return None
 
 
 def _is_number(x: object) -> bool:
@@ -57,7 +70,7 @@ class SamplingParams:
         keeps every token).
     min_p: drop tokens whose probability is below min_p * the top probability, in [0, 1].
     seed: per-request seed in [-2**63, 2**64); the tokens then do not depend on the other
-        requests in the batch.
+        requests in the batch. -1 (or None) = unseeded: the engine's seed stream picks one (vLLM).
     max_tokens: most tokens to generate, >= 1 (None: up to max_model_len).
     min_tokens: no EOS / stop_token_ids before this many tokens, in [0, max_tokens].
     stop: string(s) that end generation; the stop string is not included in the text.
@@ -83,12 +96,14 @@ class SamplingParams:
         the n=1 request with that seed).
     best_of: completions generated, >= n (None: n); the n with the highest cumulative
         log-probability are returned, best first.
-    logit_bias: {token id: bias} added to the logits before sampling (finite biases).
+    logit_bias: {token id: bias} added to the logits before sampling (finite biases, clamped to
+        [-100, 100] as vLLM does).
     allowed_token_ids: only these token ids may be sampled (a non-empty list).
     bad_words: words that may not be generated: each word is tokenised (alone and after a
         space, as vLLM does) and the last token of a tokenisation is banned whenever the output
         so far ends with its other tokens.
-    truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 = max_model_len);
+    truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1); -1 = as many as leave
+        room for max_tokens within max_model_len (an error when max_tokens alone fills it);
         None = keep the whole prompt.
     detokenize: False = no text (token ids only; no stop strings, logprobs without
         decoded_token).
@@ -126,6 +141,8 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
+        if self.seed == UNSEEDED:
+            self.seed = None  # vLLM's rule
         self.validate()
         if isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
@@ -239,11 +256,16 @@ class SamplingParams:
         ):
             if values[name] is not None:
                 values[name] = int(values[name])
+        if values["seed"] == UNSEEDED:
+            values["seed"] = None
         values["stop"] = list(self.stop_strings) or None
         if self.stop_token_ids is not None:
             values["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
-            values["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
+            values["logit_bias"] = {
+                int(t): min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(b)))
+                for t, b in self.logit_bias.items()
+            }
         if self.allowed_token_ids is not None:
             values["allowed_token_ids"] = [int(t) for t in self.allowed_token_ids]
         if self.bad_words is not None:
@@ -273,6 +295,10 @@ class SamplingParams:
             not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
         ):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {_short(words)}")
+        for i, word in enumerate(words or ()):
+            problem = lone_surrogate(word)
+            if problem:
+                raise ValueError(f"bad_words[{i}] holds {problem}; it is not valid Unicode text")
 
     @staticmethod
     def _check_stop(stop: object) -> None:
@@ -284,6 +310,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
             raise ValueError(f"stop strings must not be empty, got {stop!r}")
+        for i, s in enumerate(stop):
+            problem = lone_surrogate(s)
+            if problem:
+                raise ValueError(f"stop[{i}] holds {problem}; it is not valid Unicode text")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -292,6 +322,23 @@ class SamplingParams:
         if stop is None:
             return ()
         return (stop,) if isinstance(stop, str) else tuple(stop)
+
+    def prompt_tokens_kept(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """How many of a prompt's last tokens truncate_prompt_tokens keeps. -1: those that leave
+        room for max_tokens (one token when None) within max_model_len; ValueError when the
+        prompt is too long and max_tokens leaves no room for any."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return num_prompt_tokens
+        if k != -1:
+            return min(k, num_prompt_tokens)
+        room = max_model_len - (self.max_tokens or 1)
+        if num_prompt_tokens > room and room < 1:
+            raise ValueError(
+                f"truncate_prompt_tokens=-1: max_tokens={self.max_tokens} leaves no room for the prompt "
+                f"within max_model_len={max_model_len}; lower max_tokens or pass truncate_prompt_tokens=k"
+            )
+        return min(num_prompt_tokens, room)
 
     @property
     def num_sequences(self) -> int:

@@ -72,6 +72,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # finish_reason "error": why (a broken promise)
         self.grammar: Any = None  # xgrammar.GrammarMatcher of a structured-output request
         self.draft: list[int] = []  # speculative tokens after token_ids, verified next step
         self.num_pending = 0  # tokens sampled on the device, not yet in token_ids (0 or 1)

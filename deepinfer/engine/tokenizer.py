@@ -7,17 +7,30 @@ local files only). `LLM.get_tokenizer()` hands that object out and `LLM.chat` re
 engine's own encode / decode go straight to the `tokenizers.Tokenizer` inside it (the same
 pipeline without transformers' Python layers), and detokenisation streams through
 `tokenizers.decoders.DecodeStream`.
+
+Chat templates are untrusted code: transformers renders them in jinja's sandbox, and deepinfer
+adds two bounds. A budget (TEMPLATE_MAX_STEPS lines of template code, TEMPLATE_MAX_SECONDS of
+wall time, counted by a trace function on the template's own frames only) turns a template that
+loops for ever into a ValueError naming the template file; and an attribute the sandbox
+refuses (`__globals__`, `__class__`, ...) is an error naming the sandbox, where jinja would
+render it as an empty string.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import sys
+import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -26,6 +39,63 @@ if TYPE_CHECKING:
 
 ChatMessage = dict[str, Any]
 
+# A chat template's budget: lines of template code run, and seconds (DeepSeek's templates render
+# a long conversation in a few thousand lines and milliseconds).
+TEMPLATE_MAX_STEPS = 1_000_000
+TEMPLATE_MAX_SECONDS = 10.0
+
+
+class TemplateBudgetError(Exception):
+    """A chat template ran past its step or time budget (raised inside the template's code)."""
+
+
+@contextmanager
+def template_budget(
+    max_steps: int = TEMPLATE_MAX_STEPS, max_seconds: float = TEMPLATE_MAX_SECONDS
+) -> Iterator[None]:
+    """Count the lines jinja-compiled template code runs in this thread ("<template>" frames:
+    every other frame is left untraced) and raise TemplateBudgetError past either bound."""
+    deadline = time.monotonic() + max_seconds
+    steps = 0
+
+    def line(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > max_steps:
+                raise TemplateBudgetError(f"more than {max_steps} steps")
+            if not steps & 4095 and time.monotonic() > deadline:
+                raise TemplateBudgetError(f"more than {max_seconds:g} s")
+        return line
+
+    def call(frame: FrameType, event: str, arg: Any) -> Any:
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(call)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def _refuse_unsafe_attributes(hf: PreTrainedTokenizerBase, template: str | None, tools: Any) -> None:
+    """Make the sandbox of the template transformers will render raise SecurityError on an
+    unsafe attribute (jinja returns an Undefined that prints as ""). The environment is
+    transformers' cached one for that template string, so every render of it refuses alike."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        source = hf.get_chat_template(template, tools)
+        env = _compile_jinja_template(source).environment
+    except Exception:  # another transformers layout, or no template: render as transformers does
+        return
+
+    def unsafe_undefined(obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    env.unsafe_undefined = unsafe_undefined
+
 
 def read_json_file(path: Path) -> Any:
     """The JSON content of a checkpoint file, or a ValueError naming the file."""
@@ -33,6 +103,35 @@ def read_json_file(path: Path) -> Any:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+# The files transformers' AutoTokenizer (and the engine) may open in a tokenizer directory.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Every tokenizer file present in `path` (and each additional_chat_templates/*.jinja) stays
+    inside it once symlinks are resolved (deepinfer.models.hub.checkpoint_file), before
+    transformers opens any of them."""
+    from deepinfer.models.hub import checkpoint_file
+
+    for name in TOKENIZER_FILES:
+        if (path / name).exists() or (path / name).is_symlink():
+            checkpoint_file(path, name)
+    extra = path / "additional_chat_templates"
+    if extra.is_dir() or extra.is_symlink():
+        checkpoint_file(path, "additional_chat_templates")
+        for file in sorted(extra.iterdir()):
+            checkpoint_file(path, f"additional_chat_templates/{file.name}")
 
 
 def _load_hf_tokenizer(path: Path, config: dict[str, Any]) -> PreTrainedTokenizerBase:
@@ -75,6 +174,7 @@ class Tokenizer:
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {path}")
         self.path = path
+        check_tokenizer_files(path)
         cfg_file = path / "tokenizer_config.json"
         cfg = read_json_file(cfg_file) if cfg_file.is_file() else {}
         if not isinstance(cfg, dict):
@@ -90,8 +190,17 @@ class Tokenizer:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """As hf_tokenizer.encode(text, add_special_tokens=...)."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """As hf_tokenizer.encode(text, add_special_tokens=...). ValueError naming a lone
+        surrogate (text that is not valid Unicode, so not UTF-8 encodable)."""
+        try:
+            ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            from deepinfer.engine.sampling_params import lone_surrogate
+
+            problem = lone_surrogate(text) if isinstance(text, str) else None
+            if problem is None:
+                raise
+            raise ValueError(f"the text holds {problem}; it is not valid Unicode text") from None
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -132,15 +241,24 @@ class Tokenizer:
             )
         source = self._template_source(chat_template, tools)
         try:
-            text = hf.apply_chat_template(
-                messages,
-                tools=tools,  # type: ignore[arg-type]
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **kwargs,
-            )
+            _refuse_unsafe_attributes(hf, chat_template, tools)
+            with template_budget():
+                text = hf.apply_chat_template(
+                    messages,
+                    tools=tools,  # type: ignore[arg-type]
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    tokenize=False,
+                    **kwargs,
+                )
+        except TemplateBudgetError as exc:
+            raise ValueError(
+                f"the chat template ({source}) ran past its budget ({exc}; at most {TEMPLATE_MAX_STEPS} "
+                f"steps and {TEMPLATE_MAX_SECONDS:g} s): it loops too long (nested loops?)"
+            ) from None
+        except SecurityError as exc:
+            raise ValueError(f"the chat template ({source}) was stopped by the jinja sandbox: {exc}") from exc
         except TemplateSyntaxError as exc:
             raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
         except TemplateError as exc:  # raise_exception(...) in the template, or a sandbox refusal

@@ -248,7 +248,14 @@ class ModelConfig:
         if not p.is_file():
             raise ModelConfigError(f"no config.json at {p}")
         try:
-            raw = json.loads(p.read_text())
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ModelConfigError(
+                f"{p} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                "config.json must be JSON in UTF-8"
+            ) from exc
+        try:
+            raw = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ModelConfigError(f"{p} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
@@ -413,7 +420,9 @@ def _parse_eos(value: Any) -> tuple[int, ...]:
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
     if model_type == "deepseek_v4":
-        return _parse_v4(raw)
+        v4 = _parse_v4(raw)
+        _check_token_ids(v4)
+        return v4
     if model_type in NOT_YET_SUPPORTED:
         raise ModelConfigError(
             f"{NOT_YET_SUPPORTED[model_type]} (model_type {model_type!r}) is not yet supported; "
@@ -494,7 +503,18 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def _check_token_ids(cfg: ModelConfig) -> None:
+    """bos_token_id and every eos_token_id inside the vocabulary."""
+    for name, ids in (("bos_token_id", (cfg.bos_token_id,)), ("eos_token_id", cfg.eos_token_id)):
+        bad = [t for t in ids if t is not None and not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ModelConfigError(
+                f"config.json: {name!r} {bad[0]} is outside the vocabulary [0, vocab_size={cfg.vocab_size})"
+            )
+
+
 def _validate(cfg: ModelConfig) -> None:
+    _check_token_ids(cfg)
     if cfg.qk_rope_head_dim % 2:
         raise ModelConfigError(f"config.json: qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
     if cfg.n_routed_experts == 0:

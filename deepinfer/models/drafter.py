@@ -218,8 +218,10 @@ def load_drafter(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from deepinfer.models.hub import checkpoint_file
+
     d = Path(directory)
-    config = DrafterConfig.from_file(d / CONFIG_FILE)
+    config = DrafterConfig.from_file(checkpoint_file(d, CONFIG_FILE))
     for name in ("hidden_size", "vocab_size"):
         if getattr(config, name) != getattr(model_config, name):
             raise ValueError(
@@ -229,7 +231,7 @@ def load_drafter(
     if not (d / WEIGHTS_FILE).is_file():
         raise ValueError(f"{d} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
     try:
-        tensors = load_file(str(d / WEIGHTS_FILE))
+        tensors = load_file(str(checkpoint_file(d, WEIGHTS_FILE)))
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{d / WEIGHTS_FILE} is not a readable safetensors file: {exc}") from exc
     drafter = BlockDrafter(config, backend)

@@ -4,6 +4,11 @@ deepinfer runs offline: a repo id (e.g. "deepseek-ai/DeepSeek-V2-Lite") resolves
 snapshot in the hub cache (huggingface_hub's layout, `models--ORG--NAME/snapshots/COMMIT`), and
 is never downloaded. The cache is the one huggingface_hub uses: HF_HUB_CACHE, else
 HF_HOME/hub, else ~/.cache/huggingface/hub (read at each call, so a changed environment counts).
+
+Every file deepinfer opens in a checkpoint directory goes through checkpoint_file: a relative
+name without "..", whose resolved path stays inside the directory (symlinks resolved). A
+directory inside the hub cache may hold symlinks into the cache (the hub's snapshots link
+their files to ../../blobs): those resolve against the hub cache root instead.
 """
 
 from __future__ import annotations
@@ -29,6 +34,44 @@ def hub_cache_dir() -> Path:
             return Path(env[name]).expanduser()
     home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
     return Path(home).expanduser() / "hub"
+
+
+class CheckpointPathError(ValueError):
+    """A checkpoint file name that leads outside the checkpoint directory."""
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def checkpoint_file(root: str | Path, name: str, what: str = "") -> Path:
+    """root / name, after checking that it stays inside the checkpoint directory `root` once
+    every symlink is resolved (inside the hub cache, for a directory in the hub cache).
+    CheckpointPathError naming the file (and `what` names it: e.g. "the index lists") otherwise.
+    The path returned is root / name (not resolved), so messages show the checkpoint's names."""
+    root = Path(root)
+    who = f"{what} " if what else ""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointPathError(f"{who}{name!r}: not a file name inside checkpoint {root}")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise CheckpointPathError(
+            f"{who}{name!r}, a path outside checkpoint {root}: checkpoint files must be named relative "
+            "to the checkpoint directory, without '..'"
+        )
+    path = root / rel
+    real_root = root.resolve()
+    real = path.resolve()
+    if _inside(real, real_root):
+        return path
+    cache = hub_cache_dir().resolve()
+    if _inside(real_root, cache) and _inside(real, cache):
+        return path  # a hub snapshot's link into the cache's blobs
+    raise CheckpointPathError(
+        f"{who}{name!r} in checkpoint {root} is a symlink to {real}, outside the checkpoint directory"
+        + (" and the hub cache" if _inside(real_root, cache) else "")
+        + "; deepinfer reads nothing outside it"
+    )
 
 
 def is_repo_id(name: str) -> bool:

@@ -19,6 +19,14 @@ the same layer in e4m3 with its scales; within load_model of that layer with the
 the head (1.0 B parameters) 0.33 s of a 1.4 s load. That is about 3 s per core for all of
 V2-Lite's 15.7 B parameters. `load_model(check_weights=False)` or DEEPINFER_SKIP_WEIGHT_CHECK=1
 skips the pass for weights you trust (the dtype checks stay: they cost nothing).
+
+Hostile layouts are refused before a tensor is read, naming the file: a shard the index names by
+an absolute path, through "..", or by a symlink out of the model directory (deepinfer.models.hub
+.checkpoint_file; a hub snapshot's links into the hub cache are its own layout and load); an
+index whose weight_map is not an object of tensor name -> file name; one tensor name in two
+shards (the copy the index does not point at would be loaded without a word); a safetensors
+header larger than MAX_HEADER_BYTES or than the file; sizes in config.json that disagree with the
+tensors (num_attention_heads, num_nextn_predict_layers, ...), naming the field.
 """
 
 from __future__ import annotations
@@ -42,12 +50,17 @@ from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.drafter import has_drafter, load_drafter
+from deepinfer.models.hub import checkpoint_file
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The largest safetensors header read: a shard's header lists its tensors (about 150 bytes
+# each: DeepSeek-V3's largest shard holds a few hundred KB; all 91k tensors of V3 in one file
+# about 14 MB). safetensors itself allows 100 MB, which it parses in full.
+MAX_HEADER_BYTES = 32 * 2**20
 # Floating dtypes a checkpoint may store a non-FP8 weight in (cast to the model dtype on load).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SKIP_CHECK_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"
@@ -133,6 +146,51 @@ def _first_bad(t: torch.Tensor, bad: torch.Tensor) -> tuple[int, tuple[int, ...]
     return count, _index_of(first, tuple(t.shape)), value
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's weight_map, checked: an object of tensor name -> shard file name."""
+    try:
+        content = json.loads(index.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict):
+        got = type(weight_map).__name__ if isinstance(content, dict) and "weight_map" in content else "none"
+        raise CorruptCheckpointError(
+            f"{index}: 'weight_map' must be an object of tensor name -> shard file name, got {got}"
+        )
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise CorruptCheckpointError(
+            f"{index}: weight_map[{bad[0]!r}] must be a shard file name (a string), got {bad[1]!r}"
+        )
+    return weight_map
+
+
+def _check_header(path: Path) -> None:
+    """Refuse a safetensors file whose header (8-byte little-endian length, then JSON) is
+    larger than MAX_HEADER_BYTES or than the file, before safetensors parses it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path} cannot be read: {exc}") from exc
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{path} is not a readable safetensors file: {size} bytes, no header")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"{path} is not a readable safetensors file: its header claims {n / 1e6:.4g} MB, more than the "
+            f"{MAX_HEADER_BYTES / 2**20:g} MiB any checkpoint shard needs (a header lists the tensors); "
+            "the file is corrupt or hostile"
+        )
+    if 8 + n > size:
+        raise CorruptCheckpointError(
+            f"{path} is not a readable safetensors file (truncated or corrupt?): its header claims {n} "
+            f"bytes but the file has {size}"
+        )
+
+
 class CheckpointReader:
     """Tensor-by-tensor access to a safetensors checkpoint (the WeightSource the models load from,
     deepinfer.models.weights); remembers which tensors were read.
@@ -158,6 +216,11 @@ class CheckpointReader:
         self.location: dict[str, str] = {}  # tensor name -> file name
         for name in self.files:
             for key in self._open(name).keys():  # noqa: SIM118 - safe_open is not iterable
+                if key in self.location:
+                    raise CorruptCheckpointError(
+                        f"checkpoint {root}: tensor {key!r} is in both {self.location[key]} and {name}; "
+                        "a tensor name must be in one shard only"
+                    )
                 self.location[key] = name
         self._read: set[str] = set()
         self.progress: Any = None  # a tqdm bar counting the tensors read (load_model's)
@@ -166,18 +229,18 @@ class CheckpointReader:
     def _list_files(self) -> list[str]:
         index = self.root / INDEX_FILE
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CorruptCheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            checkpoint_file(self.root, INDEX_FILE)
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
             for f in files:
+                checkpoint_file(self.root, f, f"{index} lists shard")
                 if not (self.root / f).is_file():
                     raise CheckpointError(f"{index} lists {f}, which is not in {self.root}")
             self.index_map: dict[str, str] = dict(weight_map)
             return files
         self.index_map = {}
         if (self.root / SINGLE_FILE).is_file():
+            checkpoint_file(self.root, SINGLE_FILE)
             return [SINGLE_FILE]
         pickles = sorted(p.name for p in self.root.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         hint = f" (found {', '.join(pickles)}: pickle checkpoints are never loaded)" if pickles else ""
@@ -185,6 +248,7 @@ class CheckpointReader:
 
     def _open(self, name: str) -> Any:
         if name not in self._handles:
+            _check_header(checkpoint_file(self.root, name))
             try:
                 self._handles[name] = safe_open(str(self.root / name), framework="pt", device="cpu")
             except (SafetensorError, OSError) as exc:
@@ -433,12 +497,54 @@ def _preflight(
                 f"config.json says n_routed_experts={c.n_routed_experts}, but layer {moe[0]} of checkpoint "
                 f"{root} holds {found} experts ({prefix}.*)"
             )
+    _check_attention_shapes(c, reader)
+    _check_mtp_layers(c, reader)
     table = c.max_position_embeddings * c.qk_rope_head_dim * 4  # the float32 cos/sin table
     free, _ = backend.device.memory_info()
     if table > free:
         raise ModelConfigError(
             f"config.json: max_position_embeddings={c.max_position_embeddings} needs a {table / 2**30:.4g} "
             f"GiB rotary table, more than the {free / 2**30:.4g} GiB of free device memory"
+        )
+
+
+def _check_attention_shapes(c: ModelConfig, reader: CheckpointReader) -> None:
+    """num_attention_heads (with the head dims) against layer 0's attention projections."""
+    prefix = "model.layers.0.self_attn"
+    q = f"{prefix}.q_proj.weight" if c.q_lora_rank is None else f"{prefix}.q_b_proj.weight"
+    heads = c.num_attention_heads
+    checks = [
+        (q, 0, heads * c.qk_head_dim, "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)"),
+        (f"{prefix}.o_proj.weight", 1, heads * c.v_head_dim, "num_attention_heads * v_head_dim"),
+    ]
+    for name, dim, want, fields in checks:
+        if not reader.has(name):
+            continue
+        shape = reader.shape_of(name)
+        if len(shape) == 2 and shape[dim] != want:
+            expected = (want, shape[1]) if dim == 0 else (shape[0], want)
+            raise ShapeMismatchError(
+                f"config.json says num_attention_heads={heads} ({fields} = {want}), but tensor "
+                f"{name!r} in {reader.location[name]} has {shape[dim]} {'rows' if dim == 0 else 'columns'}: "
+                f"expected shape {expected}, found {shape}; num_attention_heads or a head dim in "
+                "config.json is wrong"
+            )
+
+
+def _check_mtp_layers(c: ModelConfig, reader: CheckpointReader) -> None:
+    """num_nextn_predict_layers against the MTP layers the checkpoint holds: none (transformers
+    drops them when it saves) or every one the config names."""
+    found = 0
+    while found < c.num_nextn_predict_layers and reader.has(
+        f"model.layers.{c.num_hidden_layers + found}.input_layernorm.weight"
+    ):
+        found += 1
+    if 0 < found < c.num_nextn_predict_layers:
+        raise CheckpointError(
+            f"config.json says num_nextn_predict_layers={c.num_nextn_predict_layers}, but checkpoint "
+            f"{reader.root} holds {found} MTP layer{'s' if found > 1 else ''} (model.layers."
+            f"{c.num_hidden_layers}..{c.num_hidden_layers + found - 1}); set num_nextn_predict_layers "
+            f"to {found}"
         )
 
 
@@ -480,7 +586,7 @@ def load_model(
         raise CheckpointError(f"{root} is not a directory (expected a checkpoint directory with config.json)")
     if not (root / "config.json").is_file():
         raise ModelConfigError(f"no config.json in {root}")
-    config = ModelConfig.from_file(root / "config.json")
+    config = ModelConfig.from_file(checkpoint_file(root, "config.json"))
     if config.quantization is not None and not backend.capabilities.supports_fp8:
         raise Fp8NotSupportedError(
             f"{root} is an FP8 checkpoint (e4m3, 128x128 block scales) but backend {backend.name!r} does "
