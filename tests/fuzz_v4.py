@@ -32,6 +32,7 @@ import random
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,15 +328,20 @@ def run_case(case: FuzzCase, root: Path) -> CaseResult:
     preemptions = 0
     worst = 0.0
     for name, spec in case.engines.items():
-        llm = LLM(
-            str(root), backend="reference", dtype="float32", max_model_len=max_len, max_logprobs=-1, **spec["llm"]
-        )
         params = SamplingParams(
             temperature=0, max_tokens=case.new_tokens, ignore_eos=True, logprobs=-1,
             prompt_logprobs=-1 if spec["prompt_logprobs"] else None,
         )  # fmt: skip
         order = spec["order"]
-        submitted = llm.generate([{"prompt_token_ids": case.prompts[k]} for k in order], params, use_tqdm=False)
+        try:
+            llm = LLM(
+                str(root), backend="reference", dtype="float32", max_model_len=max_len, max_logprobs=-1,
+                **spec["llm"],
+            )  # fmt: skip
+            submitted = llm.generate([{"prompt_token_ids": case.prompts[k]} for k in order], params, use_tqdm=False)
+        except Exception as exc:  # refusing the config or crashing is a divergence too
+            divergences.append(Divergence(name, -1, f"raised {exc!r}\n{traceback.format_exc()}"))
+            continue
         outs = [submitted[order.index(k)] for k in range(len(case.prompts))]
         preemptions += llm.llm_engine.scheduler.num_preemptions
         tokens[name] = []
@@ -378,7 +384,7 @@ def run_case(case: FuzzCase, root: Path) -> CaseResult:
             min_new_tokens=case.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )  # fmt: skip
     generated = out[0, ids.shape[1] :].tolist()
-    if generated != tokens["whole"][i] and not ties:
+    if "whole" in tokens and generated != tokens["whole"][i] and not ties:
         divergences.append(
             Divergence("whole", i, f"transformers' generate gives {generated}, deepinfer {tokens['whole'][i]}")
         )
