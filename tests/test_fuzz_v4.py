@@ -18,3 +18,21 @@ pytest.importorskip("transformers")
 def test_v4_matches_transformers(seed: int, tmp_path: Path) -> None:
     result = run_case(make_case(seed), tmp_path)
     assert not result.divergences, report(result)
+
+
+def test_hca_ratio_above_max_model_len_with_graphs(tmp_path: Path) -> None:
+    """An HCA ratio above max_model_len (V4-Flash's 128 with shorter requests) with decode graphs:
+    its entries' block tables in a graph step have no column to index unless given one (a crash
+    fuzz_v4 found, engine/inputs.py)."""
+    case = make_case(0)
+    case.config.pop("compress_ratios", None)
+    case.config.update(
+        layer_types=["sliding_attention", "heavily_compressed_attention"] * 2,
+        num_hidden_layers=4,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    )
+    case.config.pop("mlp_layer_types", None)
+    case.engines = {"whole": case.engines["whole"]}
+    case.engines["whole"]["llm"]["enforce_eager"] = False
+    result = run_case(case, tmp_path)
+    assert not result.divergences, report(result)
