@@ -11,7 +11,8 @@ size, eager or graph decode, async scheduling on or off. Checked for every promp
 teacher-forced (transformers runs one forward over the prompt and deepinfer's tokens, so every row
 is conditioned on what deepinfer saw):
   - the log-probabilities of the whole vocabulary at every prompt row and every generated row
-    (prompt_logprobs=-1, logprobs=-1) within LOGPROB_TOL (1e-4) of transformers';
+    (prompt_logprobs=-1, logprobs=-1) within LOGPROB_TOL (1e-4) of transformers' (or, where
+    float32 rounding is amplified, as close to transformers in float64 as transformers' float32);
   - each greedy token is transformers' argmax, unless the two are within TIE_TOL (a tie);
 and for the longest prompt, transformers' own generate gives deepinfer's tokens (transformers
 agrees with itself once its top-k is tie-stable).
@@ -26,6 +27,7 @@ arguments) so it can be replayed.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -45,10 +47,15 @@ from models_util import build_hf_v4, stable_indexer_topk
 CI_SEEDS = range(36)
 NEW_TOKENS = (4, 8)  # generated tokens per prompt, inclusive range
 MAX_PROMPT = 70
-# Log-probabilities agree to float32 rounding through a few layers: the largest difference over
-# seeds 0-199 is 3.7e-5 (most cases 1e-6 to 1e-5); a wrong entry, window row or rope angle moves
-# them by 1e-3 or more.
+# Log-probabilities agree to float32 rounding through a few layers: over seeds 0-235 the largest
+# difference is 4e-5 but for one row (below), most cases 1e-6 to 1e-5; a wrong entry, window row
+# or rope angle moves them by 1e-2 or more.
 LOGPROB_TOL = 1e-4
+# Above LOGPROB_TOL, a row still agrees when float32 rounding explains it: deepinfer within twice
+# transformers' own float32 difference from transformers in float64 (and DIFF_FLOOR at least).
+# Seen once in seeds 0-235 (seed 158: heads of width 2, weights of std 0.19): deepinfer and
+# transformers each 9e-5 from float64, 1.7e-4 apart.
+DIFF_FLOOR = 2e-5
 # A greedy token that is not transformers' argmax is a tie when the two log-probabilities differ
 # by no more than this (both engines' rounding).
 TIE_TOL = 1e-4
@@ -288,6 +295,7 @@ class CaseResult:
     case: FuzzCase
     divergences: list[Divergence]
     ties: list[str]
+    noise: list[str]  # differences above LOGPROB_TOL that float32 rounding explains
     checks: int  # (prompt, engine) pairs compared
     preemptions: int
     worst: float  # the largest log-probability difference seen
@@ -322,15 +330,28 @@ def run_case(case: FuzzCase, root: Path) -> CaseResult:
     vocab = case.config["vocab_size"]
     divergences: list[Divergence] = []
     ties: list[str] = []
-    oracle: dict[tuple[int, ...], torch.Tensor] = {}  # token ids -> transformers' log-probs
+    noise: list[str] = []
+    oracle: dict[tuple[int, ...], torch.Tensor] = {}  # (model, token ids) -> transformers' log-probs
 
-    def theirs(ids: list[int]) -> torch.Tensor:
-        key = tuple(ids)
+    def theirs(ids: list[int], model: Any = hf) -> torch.Tensor:
+        key = (id(model), *ids)
         if key not in oracle:
             with torch.no_grad(), stable_indexer_topk():
-                logits = hf(torch.tensor([ids])).logits[0]
+                logits = model(torch.tensor([ids])).logits[0]
             oracle[key] = torch.log_softmax(logits.double(), dim=-1)
         return oracle[key]
+
+    exact: list[Any] = []  # transformers in float64, built on the first difference above tolerance
+
+    def float32_noise(ids: list[int], ours: torch.Tensor, rows: slice) -> bool:
+        """Whether deepinfer is as close to transformers' float64 result as transformers' own
+        float32 is (within twice its difference, DIFF_FLOOR at least): an ill-conditioned row
+        (tiny heads, large weights), not a wrong one."""
+        if not exact:
+            exact.append(copy.deepcopy(hf).double())
+        truth = theirs(ids, exact[0])[rows]
+        own = float((theirs(ids)[rows] - truth).abs().max())
+        return float((ours - truth).abs().max()) <= max(2 * own, DIFF_FLOOR)
 
     max_len = max(map(len, case.prompts)) + case.new_tokens
     tokens: dict[str, list[list[int]]] = {}
@@ -372,9 +393,11 @@ def run_case(case: FuzzCase, root: Path) -> CaseResult:
             worst = max(worst, err)
             if not err <= LOGPROB_TOL:  # NaN too: a missing entry
                 row = len(want) - len(rows) + int(diff.nan_to_num(math.inf).amax(-1).argmax())
-                divergences.append(
-                    Divergence(name, i, f"log-probabilities differ by {err:.2e} (most at position {row})")
-                )
+                what = f"log-probabilities differ by {err:.2e} (most at position {row})"
+                if float32_noise(prompt + gen[:-1], ours, slice(len(want) - len(rows), None)):
+                    noise.append(f"[{name}] prompt {i}: {what}, as close to float64 as transformers'")
+                else:
+                    divergences.append(Divergence(name, i, what))
             for j, t in enumerate(gen):
                 r = len(prompt) - 1 + j
                 best = int(want[r].argmax())
@@ -402,7 +425,8 @@ def run_case(case: FuzzCase, root: Path) -> CaseResult:
             )
         )
     checks = len(case.prompts) * len(case.engines)
-    return CaseResult(case, divergences, ties, checks, preemptions, worst, time.process_time() - start)
+    seconds = time.process_time() - start
+    return CaseResult(case, divergences, ties, noise, checks, preemptions, worst, seconds)
 
 
 def report(result: CaseResult) -> str:
@@ -448,11 +472,14 @@ def main(argv: list[str] | None = None) -> int:
         status = "FAIL" if result.divergences else "ok"
         print(
             f"seed {case.seed}: {status} ({result.checks} prompt-engine checks, {len(result.ties)} ties, "
+            f"{len(result.noise)} float32 noise, "
             f"{result.preemptions} preemptions, max |dlogprob| {result.worst:.1e}, {result.seconds:.1f}s)",
             flush=True,
         )
         for t in result.ties:
             print(f"  tie: {t}")
+        for t in result.noise:
+            print(f"  float32 noise: {t}")
         if result.divergences:
             failed += 1
             print(report(result), flush=True)
