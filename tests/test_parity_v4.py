@@ -2,7 +2,8 @@
 with save_pretrained; configs in model/parity/v4-*.json that cover every layer type: sliding-window
 only, CSA with the lightning indexer, HCA; hash-routed and top-k-routed MoE):
   - greedy tokens through the public API (LLM.generate, reference backend, float32) equal
-    transformers' generate, for prompts several windows long spanning many compressed entries,
+    transformers' generate (its indexer top-k tie-stable: tests/models_util.py
+    stable_indexer_topk), for prompts several windows long spanning many compressed entries,
     with whole and chunked prefill, with and without preemption; with small step budgets the
     per-request ring (window and compressor state) is several times shorter than the longest
     prompt, so it wraps many times, chunks crossing its end; decode steps replay (emulated)
@@ -23,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from models_util import build_hf_v4, parity_config
+from models_util import build_hf_v4, parity_config, stable_indexer_topk
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
@@ -55,7 +56,7 @@ class Case:
         rng = random.Random(7)
         self.prompts = [[rng.randrange(1, fields["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
         self.expected = []
-        with torch.no_grad():
+        with torch.no_grad(), stable_indexer_topk():  # ties to the lower entry id, as deepinfer
             for p in self.prompts:
                 ids = torch.tensor([p])
                 out = hf.generate(

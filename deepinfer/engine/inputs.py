@@ -139,8 +139,9 @@ class StepInputs:
         if groups and groups[0].ring_blocks:
             self.ring = RingScratch(groups[0], block_size, 0, 0)
         rows = max(max_num_tokens, max_num_seqs)
-        # block-table columns of each further group in a graph step
-        self.group_mbs = tuple(g.blocks_for(max_model_len, block_size) for g in (groups or [])[1:])
+        # block-table columns of each further group in a graph step: at least one, as in an eager
+        # step (a ratio above max_model_len holds no entry, and the step still indexes column 0)
+        self.group_mbs = tuple(max(1, g.blocks_for(max_model_len, block_size)) for g in (groups or [])[1:])
         _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
