@@ -74,16 +74,16 @@ mm = matmul FLOP/s; byte counts are the real sizes of the format's tensors under
 
 The prefill samples the first output token, so N tokens take the prefill and N - 1 decode steps.
 The compute bound uses the bf16 matmul rate for both formats (SM90 has no FP4 tensor cores: MXFP4
-is dequantised to bf16; FP8 linears could run at twice that rate, which at these batches bounds
-nothing). Uniform routing is an assumption: greedy decoding of random weights may repeat tokens,
+is dequantised to bf16). FP8 linears could run at up to twice that rate, so where fp8_fp4's
+roofline is compute-bound (the prefill from batch 32 or 64 on) it is a little low. Uniform routing is an assumption: greedy decoding of random weights may repeat tokens,
 and then hash-routed layers touch fewer experts than hit(B) (`decode_distinct_tokens_mean` in
 each row says how many distinct tokens a decode step of the batch fed), so deepinfer can exceed
 this roofline.
 
 Memory (the JSON's "memory"): each format's weight bytes, what each engine allocated (KV pool,
 step buffers, graph pool), the allocated bytes after each build and the peak of every section
-(`h200_memory_needed_gib`: the run's peak). At 4 layers: about 51.5 GiB of bf16 weights (one copy:
-transformers' model and deepinfer's bf16 model share it) and 15.8 GiB in the published format;
+(`h200_memory_needed_gib`: the run's peak). At 4 layers: 51.1 GiB of bf16 weights (one copy:
+transformers' model and deepinfer's bf16 model share it) and 15.3 GiB in the published format;
 building deepinfer's bf16 model peaks near 107 GiB (it stacks every layer's routed experts, 12 GiB
 a layer, before they are swapped for transformers' own), the fp8_fp4 build near 80 GiB, and the
 rows run in about 70 GiB, so one 141 GB H200 holds the run. Where memory is short,
@@ -576,7 +576,7 @@ class V4Bench(e2e.Bench):
     def measure(self, run: Any, batch: int, warmup: int, repeats: int) -> tuple[float, list[list[int]], int]:
         """(median seconds, the last call's tokens, timed calls made): a warm-up of `warmup` new
         tokens, then up to `repeats` timed calls of --output-len, as many as the time budget holds
-        by the warm-up's pace (at least one; none: RuntimeError)."""
+        by the warm-up's pace (at least one; none: TimeoutError)."""
         n = self.args.output_len
         warm_s, _ = self.timed(functools.partial(run, batch, warmup), None)
         estimate = warm_s * n / max(1, warmup)  # a conservative guess of one timed call
