@@ -75,7 +75,8 @@ mm = matmul FLOP/s; byte counts are the real sizes of the format's tensors under
 The prefill samples the first output token, so N tokens take the prefill and N - 1 decode steps.
 The compute bound uses the bf16 matmul rate for both formats (SM90 has no FP4 tensor cores: MXFP4
 is dequantised to bf16). FP8 linears could run at up to twice that rate, so where fp8_fp4's
-roofline is compute-bound (the prefill from batch 32 or 64 on) it is a little low. Uniform routing is an assumption: greedy decoding of random weights may repeat tokens,
+roofline is compute-bound (the prefill from batch 32 or 64 on) it is a little low.
+Uniform routing is an assumption: greedy decoding of random weights may repeat tokens,
 and then hash-routed layers touch fewer experts than hit(B) (`decode_distinct_tokens_mean` in
 each row says how many distinct tokens a decode step of the batch fed), so deepinfer can exceed
 this roofline.
