@@ -221,6 +221,7 @@ def measure_matmul(device: torch.device, smoke: bool) -> dict[str, Any]:
 HF_CLASSES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),  # bench/bench_e2e_v4.py
 }
 
 

@@ -92,10 +92,10 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126 * E2M1_MAX)
     scale = pow2_ceil(amax / E2M1_MAX)  # (..., N, Kb, 1)
     a = (w / scale).abs().flatten(-2)[..., :k].contiguous()
-    mids = torch.tensor(_MIDPOINTS)
+    mids = torch.tensor(_MIDPOINTS, device=w.device)  # on w's device: quantising on a GPU
     code = torch.bucketize(a, mids, right=True)  # ties round up here ...
     on_tie = (a[..., None] == mids).any(-1)
-    down = on_tie & ~torch.tensor(_TIE_UP)[(code - 1).clamp(min=0)]
+    down = on_tie & ~torch.tensor(_TIE_UP, device=w.device)[(code - 1).clamp(min=0)]
     code = code - down.long()  # ... and down again where the even code is below
     code = code | ((w.flatten(-2)[..., :k] < 0) & (code > 0)).long() << 3
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
