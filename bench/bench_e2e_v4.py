@@ -17,7 +17,7 @@ and its MTP layers left out; random weights, the same ones for every engine:
     tensors whose device and dtype match are shared, and the routed experts deepinfer stacks are
     swapped for transformers' own fused tensors (equal, checked), so both fit one GPU;
   * "fp8_fp4": DeepSeek's published format made from the same bf16 weights by the project's
-    quantiser (models.random_checkpoint.quantize_v4_state_dict, one tensor at a time on the
+    quantiser (testing.checkpoints.quantize_v4_state_dict, one tensor at a time on the
     device): FP8 e4m3 linears with UE8M0 128x128 block scales (all but the compressors, the
     indexer's weights_proj and the router: deepseek_v4.stored_in_fp8), MXFP4 routed experts
     (e2m1 packed two a byte, a UE8M0 scale per 32 values); embedding, head, norms, mixing
@@ -94,7 +94,7 @@ weights are quantised (only the tensors the published format keeps as they are s
     python bench/bench_e2e_v4.py --out bench/results/DIR     # H200: about 5 minutes (run_v4_e2e_h200.sh)
     python bench/bench_e2e_v4.py --smoke --out /tmp/e2e_v4  # the whole logic on the CPU, tiny V4, ~20 s
 
---smoke: models.random_checkpoint.tiny_v4_config (a sliding-window, a CSA and an HCA layer, the
+--smoke: testing.checkpoints.tiny_v4_config (a sliding-window, a CSA and an HCA layer, the
 first MoE hash-routed), the reference backend, float32, batches 1 and 2, 4 output tokens, and
 transformers' indexer top-k made tie-stable (exact ties to the lower entry id, deepinfer's
 contract) so that its greedy tokens must equal deepinfer's bf16-row tokens (`greedy_tokens_equal`).
@@ -248,7 +248,7 @@ def share_experts(model: Any, hf: Any) -> int:
 def quantize_published(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """DeepSeek's published V4 format of `state` (quantize_v4_state_dict, one tensor at a time so
     that its float32 dequantised copy of each is dropped at once; tensors it keeps are shared)."""
-    from deepinfer.models.random_checkpoint import quantize_v4_state_dict
+    from deepinfer.testing.checkpoints import quantize_v4_state_dict
 
     out: dict[str, torch.Tensor] = {}
     for name in list(state):
@@ -878,7 +878,7 @@ def reduced_config(args: argparse.Namespace) -> dict[str, Any]:
     """The config the engines run: --config's at --num-hidden-layers layers, no MTP layer, no
     quantization_config (the bf16 model's; the fp8_fp4 model reads its format from its tensors)."""
     if args.smoke:
-        from deepinfer.models.random_checkpoint import tiny_v4_config
+        from deepinfer.testing.checkpoints import tiny_v4_config
 
         raw = tiny_v4_config()
     else:
@@ -978,7 +978,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config
         )
         if args.smoke:
-            bench.info["config"] = "deepinfer.models.random_checkpoint.tiny_v4_config()"
+            bench.info["config"] = "deepinfer.testing.checkpoints.tiny_v4_config()"
         bench.ceilings()
         bench.build_transformers()
         if "bf16" in args.formats:

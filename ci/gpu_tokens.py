@@ -92,9 +92,12 @@ def run(llm_kwargs: dict[str, Any], params: dict[str, Any], model: Path, batch: 
 
 def write_v4(path: Path) -> None:
     try:
-        from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint  # type: ignore
-    except ImportError:
-        from deepinfer.models.random_checkpoint import tiny_v4_config, write_random_v4_checkpoint
+        from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
+    except ImportError:  # a tree from before the test tools moved to deepinfer.testing
+        from deepinfer.models.random_checkpoint import (  # type: ignore[no-redef]
+            tiny_v4_config,
+            write_random_v4_checkpoint,
+        )
     cfg = tiny_v4_config(vocab_size=512, max_position_embeddings=1024)
     write_random_v4_checkpoint(path, cfg, seed=3)
 

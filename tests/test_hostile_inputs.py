@@ -31,7 +31,7 @@ from deepinfer import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer.engine import structured
 from deepinfer.engine.structured import check_json_schema, validate_output
 from deepinfer.models import loader
-from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
+from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 PROMPT = "The weather today"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
