@@ -156,7 +156,10 @@ def check_prompt_logprobs(out: Any, model: torch.nn.Module, k: int) -> None:
         entry, row = entries[p], ref[p - 1]
         token = ids[p]
         assert math.isclose(entry[token].logprob, float(row[token]), abs_tol=1e-5), (p, token)
-        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        # the rank counts the tokens above it; tokens within the logprob tolerance of it may
+        # fall on either side (float32 against transformers' row)
+        above, near = int((row > row[token] + 1e-5).sum()), int((row >= row[token] - 1e-5).sum())
+        assert above + 1 <= entry[token].rank <= near, (p, token, entry[token].rank, above, near)
         top = row.topk(k)
         assert set(entry) == set(top.indices.tolist()) | {token}
         for r in range(k):

@@ -114,7 +114,7 @@ FEW_TILES_MIN_SPLIT_TILES = 2
 # Decode over a short span (at most SHORT_SPAN keys) of at most SHORT_SPAN_TILES requests (one tile
 # of rows each): 16-key tiles and splits of one tile. H200, 16 heads, 160 keys in a graph
 # captured with the bound 192: 8.5 us per call against 11.7 us with 32-key tiles in two-tile
-# splits (bench/bench_cuda.py --only decode_short, bench/results/2026-12-01_H200_session6).
+# splits (bench/bench_cuda.py --only decode_short, bench/results/2026-12-01_H200_prefill_graphs).
 SHORT_SPAN = 1024
 SHORT_SPAN_TILES = 4
 SHORT_SPAN_BLOCK_N = 16

@@ -239,7 +239,7 @@ class RouterTile:
 
 
 # H200, a CUDA graph of 50 back-to-back select_experts calls with PDL (bench/bench_router.py
-# --tiles, bench/results/2026-12-02_H200_session8): V2-Lite's router at T = 1 took 5.85 us with
+# --tiles, bench/results/2026-12-02_H200_pdl_decode_step): V2-Lite's router at T = 1 took 5.85 us with
 # 4 x 512 x 4 warps and 3.93 with 1 x 2048 x 1 (V3: 9.90 and 8.26); at T = 8 V2-Lite 6.46 and
 # 4.56, V3 14.78 and 15.28; at T = 64 4 x 512 x 4 wins by far (V2-Lite 8.33 against 11.77, V3 38
 # against 70). One-warp programs per expert row serve up to ROUTER_FEW_TOKENS tokens; batch-
@@ -607,7 +607,7 @@ DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 # (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
 # decode kernels win by launches at small T and lose by reads at large T. On an H200, in CUDA
 # graphs, the whole layer against the grouped path (bench/bench_moe_decode.py, the tiles above;
-# bench/results/2026-12-01_H200_session4/call3/moe): V2-Lite bf16 (8 copies per token) 1.23x at T = 1,
+# bench/results/2026-12-01_H200_decode_moe_two_launches/moe_decode_sweep/moe): V2-Lite bf16 (8 copies per token) 1.23x at T = 1,
 # 1.13x at 2, 1.07x at 4, 0.93x at 8; V3 bf16 (9 per token) 1.04x at 1 to 4, 0.98x at 8. FP8
 # experts were slower at every T (0.94x at one V3 token, 0.72x at 16): they keep the grouped path
 # (fused_moe).
@@ -616,7 +616,7 @@ DECODE_MAX_COPIES = 32
 
 # Up to this many token copies (V2-Lite's one token: 6 routed + 2 shared) the down kernel takes
 # 32-column tiles in 5 stages: 512 programs with 4 K steps in flight each. End to end on an H200
-# (V2-Lite bf16, batch 1, same-run rows, bench/results/2026-12-02_H200_session14, calls 2 to 5)
+# (V2-Lite bf16, batch 1, same-run rows, bench/results/2026-12-02_H200_e2e_decode)
 # 1.0 to 2.0% faster (483.1 to 485.6 tok/s against 474.3 to 480.2); at 16 and 32 copies (batch
 # 2 and 4) 3% slower, so those keep DecodeConfig(). The layer alone in bench/bench_moe_decode.py
 # (CUDA graphs, no kernel around it) does not show the gain (52.1 us against 51.2): it comes from
@@ -703,7 +703,7 @@ def _decode_up_kernel(
     while the routing runs and wait only before their stores. Each program lets the down kernel
     launch after its loop and its wait (a routed copy signalling right after its first wait, so
     that the down kernel's programs sit resident through this kernel, was no faster end to end:
-    bench/results/2026-12-02_H200_session9, call 4)."""
+    bench/results/2026-12-02_H200_wuv_split_merge/variant_conformance)."""
     c = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     t = c // K_IDS
