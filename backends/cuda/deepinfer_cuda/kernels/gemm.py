@@ -842,7 +842,8 @@ def grouped_config(
         # 16 x 64 x 128: the best of five tilings at 1 to 8 decode tokens on an H200, V2-Lite
         # and V3 shapes, bf16 and FP8 (bench/bench_moe_decode.py; at one V2-Lite token 2210
         # against 1978 GB/s for 16 x 128 x 64, and ahead of two GEMV-shaped kernels that read
-        # each token copy's expert rows directly: 2165 GB/s, bench/results/2026-12-01_H200_moe_tiles_invariant_linear)
+        # each token copy's expert rows directly: 2165 GB/s,
+        # bench/results/2026-12-01_H200_moe_tiles_invariant_linear)
         return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if fp8 else 3)
     block_m = 16 if rows <= 1024 else 64 if rows <= 16384 else 128
     warps = 8 if block_m == 128 else 4

@@ -607,7 +607,8 @@ DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 # (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
 # decode kernels win by launches at small T and lose by reads at large T. On an H200, in CUDA
 # graphs, the whole layer against the grouped path (bench/bench_moe_decode.py, the tiles above;
-# bench/results/2026-12-01_H200_decode_moe_two_launches/moe_decode_sweep/moe): V2-Lite bf16 (8 copies per token) 1.23x at T = 1,
+# bench/results/2026-12-01_H200_decode_moe_two_launches/moe_decode_sweep/moe): V2-Lite bf16
+# (8 copies per token) 1.23x at T = 1,
 # 1.13x at 2, 1.07x at 4, 0.93x at 8; V3 bf16 (9 per token) 1.04x at 1 to 4, 0.98x at 8. FP8
 # experts were slower at every T (0.94x at one V3 token, 0.72x at 16): they keep the grouped path
 # (fused_moe).
