@@ -15,6 +15,7 @@ import numbers
 from dataclasses import dataclass, fields
 
 from deepinfer.engine.structured import StructuredOutputsParams
+from deepinfer.engine.tokenizer import lone_surrogate
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / temperature would
 # overflow float32 for the tiniest ones, and argmax is the limit of sampling anyway.
@@ -41,15 +42,6 @@ def _short(value: object) -> str:
     """repr(value), cut to 200 characters (a bad logit_bias may hold a whole vocabulary)."""
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "..."
-
-
-def lone_surrogate(text: str) -> str | None:
-    """A description of the first lone surrogate in text (not encodable as UTF-8), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return f"a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
-    return None
 
 
 def _is_number(x: object) -> bool:

@@ -45,6 +45,15 @@ TEMPLATE_MAX_STEPS = 1_000_000
 TEMPLATE_MAX_SECONDS = 10.0
 
 
+def lone_surrogate(text: str) -> str | None:
+    """A description of the first lone surrogate in text (not encodable as UTF-8), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+    return None
+
+
 class TemplateBudgetError(Exception):
     """A chat template ran past its step or time budget (raised inside the template's code)."""
 
@@ -195,8 +204,6 @@ class Tokenizer:
         try:
             ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
-            from deepinfer.engine.sampling_params import lone_surrogate
-
             problem = lone_surrogate(text) if isinstance(text, str) else None
             if problem is None:
                 raise
