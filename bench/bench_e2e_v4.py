@@ -113,7 +113,6 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +123,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as e2e  # the helpers this script shares with the V2 benchmark
 
 from deepinfer.models.loader import CheckpointReader, MissingTensorError
+from deepinfer.testing.transformers_ties import stable_indexer_topk
 
 REPO = e2e.REPO
 FLASH = REPO / "model" / "deepseek-v4-flash" / "config.json"
@@ -407,42 +407,6 @@ def v4_shape(config: Any, bf16: dict[str, torch.Tensor], cache_elt: int) -> V4Sh
     )  # fmt: skip
 
 
-# --------------------------------------------------------------------------- transformers' top-k
-
-
-def _stable_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
-    """torch.topk with exact ties in index order (lower index first), through a stable sort."""
-    order = x.sort(dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
-
-
-@contextlib.contextmanager
-def stable_indexer_topk(enabled: bool) -> Iterator[None]:
-    """Within the block, transformers' DeepseekV4Indexer breaks exact ties of its top-k towards the
-    lower entry id, as deepinfer's contract states (an indexer score is exactly 0 whenever every
-    head's q.k <= 0; torch.topk orders such ties by the row's length)."""
-    if not enabled:
-        yield
-        return
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
-
-    real = hf.DeepseekV4Indexer.forward
-
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        saved = torch.Tensor.topk
-        torch.Tensor.topk = _stable_topk  # type: ignore[method-assign,assignment]
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            torch.Tensor.topk = saved  # type: ignore[method-assign]
-
-    hf.DeepseekV4Indexer.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        hf.DeepseekV4Indexer.forward = real  # type: ignore[method-assign]
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -633,7 +597,7 @@ class V4Bench(e2e.Bench):
         try:
             with (
                 e2e.hf_decode_switch(self.hf, allow=False),
-                stable_indexer_topk(a.hf_stable_topk),
+                stable_indexer_topk() if a.hf_stable_topk else contextlib.nullcontext(),
                 e2e.experts_seen(self.hf, seen),
             ):
                 secs, tokens, _ = self.measure(run, b, a.hf_warmup_len, 1)

@@ -1,8 +1,8 @@
 """Parity fuzzing for DeepSeek-V4: random valid configs and prompt lengths around every window and
 compression boundary, deepinfer's LLM (reference backend, float32) against transformers'
 DeepseekV4ForCausalLM on the same random weights, its lightning-indexer top-k made tie-stable
-(tests/models_util.py stable_indexer_topk: lower entry id wins on exact ties, as deepinfer's
-contract states).
+(deepinfer.testing.transformers_ties.stable_indexer_topk: lower entry id wins on exact ties, as
+deepinfer's contract states).
 
 One seed gives one case: a config (random_config), up to 8 prompts and three engines over the same
 checkpoint: whole prefill, chunked prefill (a step budget of 2 to 12 tokens) and chunked prefill
@@ -42,7 +42,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models_util import build_hf_v4, stable_indexer_topk
+from models_util import build_hf_v4
+
+from deepinfer.testing.transformers_ties import stable_indexer_topk
 
 CI_SEEDS = range(36)
 NEW_TOKENS = (4, 8)  # generated tokens per prompt, inclusive range

@@ -4,8 +4,6 @@ and comparisons against them."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,37 +68,6 @@ def build_hf_v4(fields: dict[str, Any], seed: int) -> Any:
                 e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
                 b.copy_(torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(cfg.vocab_size)]))
     return model
-
-
-def _stable_topk(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> Any:
-    """torch.topk with exact ties in index order (lower index first), through a stable sort."""
-    order = x.sort(dim=dim, descending=largest, stable=True)
-    return torch.return_types.topk((order.values.narrow(dim, 0, k), order.indices.narrow(dim, 0, k)))
-
-
-@contextmanager
-def stable_indexer_topk() -> Iterator[None]:
-    """Within the block, transformers' DeepseekV4Indexer picks its top-k with exact ties going to
-    the lower entry id, as deepinfer's contract states. Its torch.topk otherwise orders tied
-    scores (an indexer score is exactly 0 whenever every head's q.k <= 0, common with few index
-    heads) by the row's length, so its generate and a one-pass forward disagree."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
-
-    real = hf.DeepseekV4Indexer.forward
-
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        saved = torch.Tensor.topk
-        torch.Tensor.topk = _stable_topk  # type: ignore[method-assign,assignment]
-        try:
-            return real(self, *args, **kwargs)
-        finally:
-            torch.Tensor.topk = saved  # type: ignore[method-assign]
-
-    hf.DeepseekV4Indexer.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        hf.DeepseekV4Indexer.forward = real  # type: ignore[method-assign]
 
 
 def save_hf_model(model: Any, path: Path) -> Path:

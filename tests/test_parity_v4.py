@@ -24,13 +24,14 @@ from typing import Any
 
 import pytest
 import torch
-from models_util import build_hf_v4, parity_config, stable_indexer_topk
+from models_util import build_hf_v4, parity_config
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.paged_runner import PagedRunner
+from deepinfer.testing.transformers_ties import stable_indexer_topk
 
 transformers = pytest.importorskip("transformers")
 
