@@ -23,7 +23,7 @@ import pytest
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.model_runner import graph_buckets, prefill_graph_shapes
+from deepinfer.engine.graphs import graph_buckets, prefill_graph_shapes
 from deepinfer.models.random_checkpoint import tiny_config, write_random_checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH
+from deepinfer.engine.graphs import MAX_VERIFY_GRAPH_BATCH
 from deepinfer.models.loader import load_model
 from deepinfer.models.random_checkpoint import (
     tiny_config,

@@ -12,8 +12,8 @@ requests, each padded to q tokens after its own: the prompt chunk it computes). 
 
 Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
 device) are written as placeholders row - max_num_seqs (negative), row being where the previous
-step's sampler put that token in `sampled_ids`; the runner resolves them on the device before the
-embedding (model_runner.resolve_placeholders).
+step's sampler put that token in `sampled_ids`; the worker resolves them on the device before the
+embedding (worker.resolve_placeholders).
 
 A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
 and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
