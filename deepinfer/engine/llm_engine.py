@@ -39,6 +39,7 @@ from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.requests import (
     Requests,
     check_model_dir,
+    default_sampling_params,
     eos_token_ids,
     resolve_max_model_len,
 )
@@ -152,8 +153,8 @@ class LLMEngine:
         return self.requests.make_sequences(prompts, params)
 
     def default_sampling_params(self) -> SamplingParams:
-        """A generate() call's sampling parameters when it passes none (Requests.default_sampling_params)."""
-        return self.requests.default_sampling_params()
+        """A generate() call's sampling parameters when it passes none (requests.default_sampling_params)."""
+        return default_sampling_params(self.config)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)

@@ -81,6 +81,48 @@ def eos_token_ids(path: Path, model_config: Any, tokenizer: Tokenizer | None, vo
     return sorted({i for i in ids if 0 <= i < vocab_size})
 
 
+def default_sampling_params(config: EngineConfig) -> SamplingParams:
+    """The sampling parameters of a generate() call that passes none, as the engine argument
+    generation_config says (vLLM's): "vllm" = SamplingParams(); "auto" = the model
+    directory's generation_config.json; a directory (or a .json file) = that one's. From
+    the file: SamplingParams() with the temperature, top_p, top_k, min_p,
+    repetition_penalty and max_new_tokens (as max_tokens) that the model directory's
+    generation_config.json sets, read with transformers' GenerationConfig (only the values
+    that differ from its defaults, as vLLM does); plain SamplingParams() without the file.
+    Read at each call (a small file), a new object each time. ValueError naming the file
+    if it cannot be read or holds a value SamplingParams refuses."""
+    source = config.generation_config
+    if source == "vllm":
+        return SamplingParams()
+    path = Path(config.model if source == "auto" else source)
+    if not path.is_file():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        return SamplingParams()
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(
+            str(path.parent), config_file_name=path.name, local_files_only=True
+        )
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be read: {exc}") from exc
+    given = generation.to_diff_dict()
+    names = {  # generation_config.json -> SamplingParams: what vLLM takes from the model
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "top_k": "top_k",
+        "min_p": "min_p",
+        "repetition_penalty": "repetition_penalty",
+        "max_new_tokens": "max_tokens",
+    }
+    kwargs = {ours: given[theirs] for theirs, ours in names.items() if given.get(theirs) is not None}
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
 class Requests:
     """Turns prompts into Sequences for one engine: its tokenizer, vocabulary and max_model_len,
     a seed stream (EngineConfig.seed) for requests without a seed, and request ids."""
@@ -246,44 +288,3 @@ class Requests:
                 self._next_id = next_id
                 raise type(exc)(f"prompt {i}: {exc}") from exc
         return seqs
-
-    def default_sampling_params(self) -> SamplingParams:
-        """The sampling parameters of a generate() call that passes none, as the engine argument
-        generation_config says (vLLM's): "vllm" = SamplingParams(); "auto" = the model
-        directory's generation_config.json; a directory (or a .json file) = that one's. From
-        the file: SamplingParams() with the temperature, top_p, top_k, min_p,
-        repetition_penalty and max_new_tokens (as max_tokens) that the model directory's
-        generation_config.json sets, read with transformers' GenerationConfig (only the values
-        that differ from its defaults, as vLLM does); plain SamplingParams() without the file.
-        Read at each call (a small file), a new object each time. ValueError naming the file
-        if it cannot be read or holds a value SamplingParams refuses."""
-        source = self.config.generation_config
-        if source == "vllm":
-            return SamplingParams()
-        path = Path(self.config.model if source == "auto" else source)
-        if not path.is_file():
-            path = path / "generation_config.json"
-        if not path.is_file():
-            return SamplingParams()
-        from transformers import GenerationConfig
-
-        try:
-            config = GenerationConfig.from_pretrained(
-                str(path.parent), config_file_name=path.name, local_files_only=True
-            )
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path} cannot be read: {exc}") from exc
-        given = config.to_diff_dict()
-        names = {  # generation_config.json -> SamplingParams: what vLLM takes from the model
-            "temperature": "temperature",
-            "top_p": "top_p",
-            "top_k": "top_k",
-            "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty",
-            "max_new_tokens": "max_tokens",
-        }
-        kwargs = {ours: given[theirs] for theirs, ours in names.items() if given.get(theirs) is not None}
-        try:
-            return SamplingParams(**kwargs)
-        except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from exc
