@@ -46,16 +46,16 @@ def mtp_batch(
     tokens: list[list[int]],
     block_size: int,
     device: torch.device,
-    limits: list[int] | None = None,
-    groups: list[KVCacheGroup] | None = None,
+    limits: list[int],
+    groups: list[KVCacheGroup],
     tables: list[list[int]] | None = None,
 ) -> ForwardBatch:
     """The MTP head's input: request b computes positions spans[b] = [start, end) with input
     tokens tokens[b] (position p writes cache slot table[p // BS] * BS + p % BS); its last
-    position gets logits. groups: the model's cache groups (None: one, seq.block_table): the
-    first one's tables page slot_mapping and attn.block_tables (`tables` when given, else a
-    ring's unrolled over the positions below max(end, limits[b]): those mtp_chain writes next),
-    the others' are group_block_tables."""
+    position gets logits. groups: the model's cache groups: the first one's tables page
+    slot_mapping and attn.block_tables (`tables` when given, else a ring's unrolled over the
+    positions below max(end, limits[b]): those mtp_chain writes next), the others' are
+    group_block_tables."""
     if tables is None:
         tables = ring_tables(seqs, spans, block_size, limits, groups)
     bs = block_size
@@ -75,14 +75,13 @@ def mtp_batch(
     def dev(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
-    num_groups = len(groups) if groups is not None else 1
     return ForwardBatch(
         input_ids=dev(input_ids),
         positions=dev(positions),
         slot_mapping=dev(slots),
         attn=AttentionMetadata.build(padded(tables), [e for _, e in spans], [e - s for s, e in spans]),
         logits_indices=dev(logits_indices),
-        group_block_tables=tuple(padded([s.block_tables[g] for s in seqs]) for g in range(1, num_groups)),
+        group_block_tables=tuple(padded([s.block_tables[g] for s in seqs]) for g in range(1, len(groups))),
     )
 
 
@@ -90,15 +89,15 @@ def ring_tables(
     seqs: list[Sequence],
     spans: list[tuple[int, int]],
     block_size: int,
-    limits: list[int] | None = None,
-    groups: list[KVCacheGroup] | None = None,
+    limits: list[int],
+    groups: list[KVCacheGroup],
 ) -> list[list[int]]:
     """Each request's table of the first cache group (seq.block_table; a ring's unrolled over
     the positions below max(end, limits[b]))."""
-    if groups is None or not groups[0].ring_blocks:
+    if not groups[0].ring_blocks:
         return [s.block_table for s in seqs]
     return [
-        ring_table(s.block_table, -(-max(e, limits[b] if limits else e) // block_size))
+        ring_table(s.block_table, -(-max(e, limits[b]) // block_size))
         for b, (s, (_, e)) in enumerate(zip(seqs, spans))
     ]
 

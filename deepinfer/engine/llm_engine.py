@@ -5,9 +5,8 @@ device and launches the forward (a graph replay where one serves it), the host t
 the PREVIOUS step's results (async scheduling: its tokens were copied back while this step's
 forward was queued), and the draw of this step is launched with every request's history up to
 date. Without async scheduling the step's own tokens are processed right away. Steps with
-speculative drafts go through the same loop: the speculative decoder (deepinfer.engine.
-speculative) launches them and processes their results, every token in flight processed
-before one is scheduled; chained verification steps overlap as async steps do.
+drafts take the same loop: the speculative decoder launches them and processes their results
+(every token in flight is processed first); chained verification steps overlap as async ones.
 
 Expert-parallel ranks schedule their step before the status exchange that starts it
 (deepinfer.parallel.rank_sync), where each says how many decode rows it asks for: when every
@@ -41,6 +40,7 @@ from deepinfer.engine.requests import (
     check_model_dir,
     default_sampling_params,
     eos_token_ids,
+    load_tokenizer,
     resolve_max_model_len,
 )
 from deepinfer.engine.sampler import Sampler
@@ -48,8 +48,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.speculative import EagerStep, SpeculativeDecoder, VerifyStep
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.worker import ForwardOutput, Worker, check_model_features
+from deepinfer.engine.worker import ForwardOutput, Worker
 from deepinfer.log import configure_logging
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.expert_parallel import ExpertParallel
@@ -85,6 +84,13 @@ def _backend(config: EngineConfig, expert_parallel: bool) -> Backend:
     return backend
 
 
+def _expert_parallel(config: EngineConfig) -> ExpertParallel | None:
+    """This rank's expert-parallel group (enable_expert_parallel), over torch.distributed."""
+    if not config.enable_expert_parallel:
+        return None
+    return ExpertParallel.from_torch_distributed(2 if config.enable_two_batch_overlap else 1)
+
+
 class LLMEngine:
     """Owns the requests, the scheduler and the output processing; the worker owns the device."""
 
@@ -97,40 +103,32 @@ class LLMEngine:
         configure_logging()
         self.config = config
         logger.info("engine arguments (those not at their defaults): %s", config.changed())
-        ep = config.enable_expert_parallel
-        overlap = 2 if config.enable_two_batch_overlap else 1  # micro-batches per forward
-        self.expert_parallel = ExpertParallel.from_torch_distributed(overlap) if ep else None
+        self.expert_parallel = _expert_parallel(config)
+        ep = self.expert_parallel is not None
         self.backend = backend if backend is not None else _backend(config, ep)
         path = Path(config.model) if model is not None else check_model_dir(config.model)
         if model is None:
             from deepinfer.models.loader import load_model
 
             model = load_model(str(path), self.backend, config.torch_dtype, self.expert_parallel)
-        tok_dir = Path(config.tokenizer) if config.tokenizer is not None else path  # LLM(tokenizer=...)
-        self.tokenizer = Tokenizer(tok_dir) if (tok_dir / "tokenizer.json").is_file() else None
+        self.tokenizer = load_tokenizer(config, path)
         self.model, mc = model, model.config
         self.vocab_size: int = mc.vocab_size
-        self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
+        self.max_model_len = n = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         self.eos_token_ids = eos_token_ids(path, mc, self.tokenizer, self.vocab_size)
-        check_model_features(config, model)
         self.async_scheduling = config.async_scheduling
         self.sampler = Sampler(self.backend, self.eos_token_ids)
-        self.worker = Worker(config, model, self.backend, self.sampler, self.max_model_len, ep)
-        w, prefix_caching = self.worker, config.enable_prefix_caching
-        self.block_manager = GroupedBlockManager(
-            w.kv_groups, w.pool_blocks, config.block_size, prefix_caching
-        )
+        self.worker = w = Worker(config, model, self.backend, self.sampler, n, ep)
+        bs, prefix_caching = config.block_size, config.enable_prefix_caching  # the pools' blocks, on the host
+        self.block_manager = GroupedBlockManager(w.kv_groups, w.pool_blocks, bs, prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.speculative: SpeculativeDecoder | None = None
-        if config.num_speculative_tokens:
-            self.speculative = SpeculativeDecoder(
-                w, self.scheduler, self.sampler, self.outputs, config.num_speculative_tokens,
-                config.min_draft_confidence, self.max_model_len, config.step_token_budget,
-            )  # fmt: skip
-        self.requests = Requests(
-            config, self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids
+        self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, n)
+        self.speculative = (
+            SpeculativeDecoder(w, self.scheduler, self.sampler, self.outputs, n)
+            if config.num_speculative_tokens
+            else None
         )
+        self.requests = Requests(config, self.tokenizer, self.vocab_size, n, self.eos_token_ids)
         self.in_flight: InFlight | None = None  # the last step's results, not yet processed
         self.planned: StepPlan | None = None  # expert parallelism: the next step, scheduled
 
@@ -178,9 +176,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Schedule, launch, process the previous step's results, launch the draw. Returns the
-        sequences that finished (with async scheduling or chained verification steps, those of
-        the previous step)."""
+        """Schedule, launch, process the previous step's results, launch the draw -> the requests
+        that finished (with async scheduling or chained verification steps, the previous step's)."""
         finished, plan = self._plan()
         if plan is None:  # nothing to launch: only results in flight are left
             assert self.in_flight is not None or not self.scheduler.has_unfinished(), (

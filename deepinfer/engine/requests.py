@@ -1,6 +1,7 @@
 """Requests: what a generate call's prompts and sampling parameters become (Sequences), checked
-against the model and the engine's limits, with their seeds and request ids; and the model
-directory's request defaults (EOS ids, generation_config.json's sampling parameters)."""
+against the model and the engine's limits, with their seeds and request ids; and what the
+model directory says of requests (its tokenizer, EOS ids, generation_config.json's sampling
+parameters)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ def completion_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & SEED_MASK
     return _int64(x ^ (x >> 31))
+
+
+def load_tokenizer(config: EngineConfig, model_dir: Path) -> Tokenizer | None:
+    """The tokenizer of config.tokenizer (LLM(tokenizer=...)) or of the model directory, if any."""
+    directory = Path(config.tokenizer) if config.tokenizer is not None else model_dir
+    return Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
 
 
 def resolve_max_model_len(requested: int | None, max_positions: int) -> int:

@@ -134,22 +134,21 @@ class SpeculativeDecoder:
         scheduler: Scheduler,
         sampler: Sampler,
         outputs: OutputProcessor,
-        num_speculative_tokens: int,
-        min_draft_confidence: float,
         max_model_len: int,
-        step_token_budget: int | None = None,
     ) -> None:
-        """step_token_budget: confidence scheduling's cap on a step's tokens (None: every
-        confident draft is verified)."""
+        """The drafts per step, the confidence threshold and confidence scheduling's cap on a
+        step's tokens (step_token_budget; None: every confident draft is verified) are the
+        engine config's speculative_config."""
         self.worker, self.scheduler, self.sampler, self.outputs = worker, scheduler, sampler, outputs
-        self.k = num_speculative_tokens
-        self.min_draft_confidence = min_draft_confidence
+        config = worker.config
+        self.k = config.num_speculative_tokens
+        self.min_draft_confidence = config.min_draft_confidence
         self.max_model_len = max_model_len
         assert worker.proposer is not None
-        self.mtp = worker.config.speculative_method == "mtp"  # its chain writes cache rows ahead
+        self.mtp = config.speculative_method == "mtp"  # its chain writes cache rows ahead
         # the drafter's cache rows past a step's verified ones (the block drafter keeps no cache)
         self.head_rows = worker.proposer.head_rows
-        self.step_token_budget = step_token_budget
+        self.step_token_budget = config.step_token_budget
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
         self.num_steps = 0  # steps that verified or proposed drafts

@@ -153,7 +153,9 @@ class Worker:
         expert_parallel: bool = False,
     ) -> None:
         """Size the KV pools from the memory left once the graphs' pool is set aside (or as
-        config asks), allocate them, capture the graphs."""
+        config asks), allocate them, capture the graphs. ValueError where config asks for
+        what the model cannot do."""
+        check_model_features(config, model)
         self.config, self.model, self.backend, self.sampler = config, model, backend, sampler
         self.block_size = bs = config.block_size
         self.max_model_len = max_model_len
