@@ -328,7 +328,7 @@ class RejectingGrammar:
 
 def plant(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, target: Any, hook: Any) -> None:
     """hook(seq) on the sequence made for the prompt `target`."""
-    real = engine.make_sequence
+    real = engine.requests.make_sequence
 
     def make_sequence(prompt: Any, params: SamplingParams) -> Sequence:
         seq = real(prompt, params)
@@ -336,7 +336,7 @@ def plant(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, target: Any, hook:
             hook(seq)
         return seq
 
-    monkeypatch.setattr(engine, "make_sequence", make_sequence)
+    monkeypatch.setattr(engine.requests, "make_sequence", make_sequence)
 
 
 def check_isolated(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list[Any], hook: Any, k: int) -> None:
