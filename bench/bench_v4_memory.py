@@ -140,7 +140,7 @@ def run_engine(log: list[str]) -> dict[str, Any]:
             num_gpu_blocks_override=cdiv(10_240, BLOCK_SIZE),
         )  # fmt: skip
     engine = llm.llm_engine
-    groups = engine.kv_groups
+    groups = engine.worker.kv_groups
     assert groups is not None
     config = engine.model.config
     seq = engine.make_sequence(
@@ -170,7 +170,7 @@ def run_engine(log: list[str]) -> dict[str, Any]:
         "seconds": round(seconds, 1),
         "all_blocks_free_after": bm.num_free_blocks == bm.num_blocks,
         "max_num_batched_tokens": ENGINE_STEP_TOKENS,
-        "scratch_blocks": engine.ring_scratch_blocks,
+        "scratch_blocks": engine.worker.ring_scratch_blocks,
         "groups": [vars(g) for g in groups],
         "ring_rows": ring_rows,
         "rows": record.rows,

@@ -213,27 +213,23 @@ class LLM:
         sampling_params: one for all prompts, or one per prompt (default: the model's
             generation_config.json, else SamplingParams(); see LLMEngine.default_sampling_params).
         """
-        return self._generate(prompts, sampling_params, use_tqdm)
+        return self._generate(lambda: prompts, sampling_params, use_tqdm)
 
     def _generate(
         self,
-        prompts: PromptType | Seq[PromptType],
+        prompts: Callable[[], PromptType | Seq[PromptType]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        """generate() inside the call it belongs to (chat's too)."""
+        """generate() over the prompts `prompts` returns: an error there fails the call on every
+        expert-parallel rank (LLMEngine.start_call)."""
         if self.data_parallel is not None:
-            prompts, params = self._requests(prompts, sampling_params, self.data_parallel)
-            return self.data_parallel.generate(prompts, params, use_tqdm)
+            dp_prompts, params = self._requests(prompts(), sampling_params, self.data_parallel)
+            return self.data_parallel.generate(dp_prompts, params, use_tqdm)
         engine = self.llm_engine
-        try:
-            prompts, params = self._requests(prompts, sampling_params, engine)
-            seqs = engine.make_sequences(prompts, params)
-        except BaseException as exc:
-            engine.all_ranks(False, exc)  # expert parallelism: the other ranks raise too, naming exc
-            raise
-        if not engine.all_ranks(True):  # raises, naming the rank, where another could not start
-            raise RuntimeError("generate failed on another expert-parallel rank")
+        seqs = engine.start_call(
+            lambda: engine.make_sequences(*self._requests(prompts(), sampling_params, engine))
+        )
         # a request with n > 1 (or best_of) completions runs as that many sequences (seq.group)
         every = [s for seq in seqs for s in seq.group]
         desc = "Processed prompts" if len(every) == len(seqs) else "Processed completions"
@@ -284,12 +280,13 @@ class LLM:
         add_generation_prompt=False), tools (JSON schemas) and chat_template_kwargs (the template's
         own variables, e.g. DeepSeek's thinking switch), as transformers and vLLM do.
         """
-        prompts: list[PromptType] = []
-        try:
+
+        def rendered() -> list[PromptType]:
             tok = self._tokenizer()
             if tok is None:
                 raise ValueError(f"{self._model_name()} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
+            prompts: list[PromptType] = []
             for conv in conversations:
                 text, ids = tok.apply_chat_template(
                     conv,  # type: ignore[arg-type]
@@ -300,8 +297,6 @@ class LLM:
                     chat_template_kwargs=chat_template_kwargs,
                 )
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
-        except BaseException as exc:
-            if self.data_parallel is None:
-                self.llm_engine.all_ranks(False, exc)  # expert parallelism: as a call of generate would
-            raise
-        return self._generate(prompts, sampling_params, use_tqdm)
+            return prompts
+
+        return self._generate(rendered, sampling_params, use_tqdm)

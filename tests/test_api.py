@@ -129,8 +129,8 @@ def test_error_in_a_step_drops_the_call_and_the_engine_recovers(
 ) -> None:
     good = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected = llm.generate(["Hello"], good, use_tqdm=False)[0].outputs[0].token_ids
-    runner = llm.llm_engine.runner
-    real = runner.forward
+    worker = llm.llm_engine.worker
+    real = worker.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -139,7 +139,7 @@ def test_error_in_a_step_drops_the_call_and_the_engine_recovers(
             raise RuntimeError("device fault")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "forward", flaky)
+    monkeypatch.setattr(worker, "forward", flaky)
     with pytest.raises(RuntimeError, match="device fault"):
         llm.generate(["Hello", "The weather"], good, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished()
@@ -253,7 +253,7 @@ def test_logprobs_match_a_float64_softmax_of_the_model_logits(llm: LLM) -> None:
     )
     sched = ref.llm_engine.scheduler
     sched.add(seq)
-    logits = ref.llm_engine.runner.forward(sched.schedule()).logits[0].double()
+    logits = ref.llm_engine.worker.forward(sched.schedule()).logits[0].double()
     logp = torch.log_softmax(logits, dim=-1)
     first = out.logprobs[0]
     top = logp.topk(4)

@@ -241,7 +241,7 @@ def test_v4_model_index_keys_reach_the_lightning_indexer(
             str(root), backend="ascend", dtype="bfloat16", block_size=16, max_model_len=128,
             max_num_batched_tokens=32, max_num_seqs=2, enforce_eager=True,
         )  # fmt: skip
-        groups = llm.llm_engine.kv_groups
+        groups = llm.llm_engine.worker.kv_groups
         assert groups is not None and (groups[-1].name, groups[-1].row_dim) == ("index/4", 128)
         outs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
         if fused:

@@ -23,7 +23,7 @@ import pytest
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.model_runner import graph_buckets, prefill_graph_shapes
+from deepinfer.engine.graphs import graph_buckets, prefill_graph_shapes
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -73,9 +73,9 @@ def outputs(llm: LLM, params: list[SamplingParams], prompts: list[str] = PROMPTS
 
 
 def graph_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Record (batch size, bucket) of every step the runner serves from a graph."""
-    runner = llm.llm_engine.runner
-    real = runner.bucket_for
+    """Record (batch size, bucket) of every step the worker serves from a graph."""
+    graphs = llm.llm_engine.worker.decode_graphs
+    real = graphs.bucket_for
     seen: list[tuple[int, int]] = []
 
     def spy(batch: Any) -> int | None:
@@ -84,7 +84,7 @@ def graph_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, in
             seen.append((len(batch), bucket))
         return bucket
 
-    monkeypatch.setattr(runner, "bucket_for", spy)
+    monkeypatch.setattr(graphs, "bucket_for", spy)
     return seen
 
 
@@ -122,7 +122,7 @@ def test_async_and_graphs_equal_the_plain_engine(
         if not mode["enforce_eager"]:
             assert seen, f"{name}: no step replayed a graph"
             assert any(b < bucket for b, bucket in seen), f"{name}: no step was padded to its bucket"
-            assert llm.llm_engine.runner.num_prefill_graph_steps > 0, f"{name}: no prefill graph step"
+            assert llm.llm_engine.worker.num_prefill_graph_steps > 0, f"{name}: no prefill graph step"
         if "num_gpu_blocks_override" in engine_args:
             assert llm.llm_engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
         if "enable_prefix_caching" in engine_args:
@@ -262,9 +262,9 @@ def one_token_chunks(prompt_logprobs: int | None) -> tuple[list[Any], list[Sampl
 
 def eager_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, when: Callable[[Any], bool]) -> list[int]:
     """Record the size of every one-token-rows step for which when(batch) holds, asserting that
-    the runner served it eagerly (no graph bucket)."""
-    runner = llm.llm_engine.runner
-    real = runner.bucket_for
+    the worker served it eagerly (no graph bucket)."""
+    graphs = llm.llm_engine.worker.decode_graphs
+    real = graphs.bucket_for
     seen: list[int] = []
 
     def spy(batch: Any) -> int | None:
@@ -274,7 +274,7 @@ def eager_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch, when: Callable[[Any],
             seen.append(len(batch))
         return bucket
 
-    monkeypatch.setattr(runner, "bucket_for", spy)
+    monkeypatch.setattr(graphs, "bucket_for", spy)
     return seen
 
 
@@ -370,9 +370,9 @@ def test_graph_buckets_cover_every_batch_size() -> None:
 
 
 def test_enforce_eager_captures_nothing() -> None:
-    assert not make("reference", enforce_eager=True).llm_engine.runner.graphs
+    assert not make("reference", enforce_eager=True).llm_engine.worker.decode_graphs
     llm = make("reference", max_num_seqs=20)
-    assert sorted(llm.llm_engine.runner.graphs) == graph_buckets(20)  # the last bucket, 24, > 20
+    assert sorted(llm.llm_engine.worker.decode_graphs) == graph_buckets(20)  # the last bucket, 24, > 20
     params = SamplingParams(temperature=0.5, seed=1, max_tokens=3, ignore_eos=True)
     assert all(len(r.outputs[0].token_ids) == 3 for r in llm.generate(PROMPTS * 4, params, use_tqdm=False))
 
@@ -395,14 +395,14 @@ def test_prefill_graphs_equal_eager_prefills(backend: str, monkeypatch: pytest.M
     ]
     expected = outputs(make(backend, **BASELINE, **engine_args), params, prompts)
     llm = make(backend, async_scheduling=True, **engine_args)
-    runner = llm.llm_engine.runner
-    assert (1, 16) in runner.prefill_graphs and (8, 128) in runner.prefill_graphs
-    real = runner.prefill_shape_for
+    worker = llm.llm_engine.worker
+    assert (1, 16) in worker.prefill_graphs and (8, 128) in worker.prefill_graphs
+    real = worker.prefill_graphs.shape_for
     served: list[tuple[int, int]] = []
     eager: list[int] = []  # the request count of prefill steps that ran eagerly
 
-    def spy(batch: Any) -> tuple[int, int] | None:
-        shape = real(batch)
+    def spy(batch: Any, max_model_len: int) -> tuple[int, int] | None:
+        shape = real(batch, max_model_len)
         if shape is not None:
             served.append(shape)
             b, q = shape
@@ -412,11 +412,11 @@ def test_prefill_graphs_equal_eager_prefills(backend: str, monkeypatch: pytest.M
             eager.append(len(batch))
         return shape
 
-    monkeypatch.setattr(runner, "prefill_shape_for", spy)
+    monkeypatch.setattr(worker.prefill_graphs, "shape_for", spy)
     assert outputs(llm, params, prompts) == expected
     assert served and eager, (served, eager)  # the 120-token prompt's later chunks ran eagerly
     assert any(b > 1 for b, _ in served)
-    assert runner.num_prefill_graph_steps == len(served)
+    assert worker.num_prefill_graph_steps == len(served)
 
 
 def test_prefill_graph_shapes() -> None:
@@ -426,8 +426,8 @@ def test_prefill_graph_shapes() -> None:
     assert prefill_graph_shapes(2, 1024, 4096) == [(b, q) for b, q in shapes if b <= 2]
     assert max(q for _, q in prefill_graph_shapes(256, 1024, 100)) == 64
     assert prefill_graph_shapes(256, 0, 4096) == []
-    assert not make("reference", max_prefill_graph_tokens=0).llm_engine.runner.prefill_graphs
-    assert not make("reference", enforce_eager=True).llm_engine.runner.prefill_graphs
+    assert not make("reference", max_prefill_graph_tokens=0).llm_engine.worker.prefill_graphs
+    assert not make("reference", enforce_eager=True).llm_engine.worker.prefill_graphs
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -435,7 +435,7 @@ def test_batch_invariant_mode_with_graphs_and_async(backend: str) -> None:
     """batch_invariant=True: a request's tokens AND log-probabilities are bitwise the same alone
     and in batches of other sizes (other buckets, other padding), graphs and async scheduling on."""
     llm = make(backend, dtype="bfloat16", batch_invariant=True)
-    assert llm.llm_engine.runner.graphs and llm.llm_engine.async_scheduling
+    assert llm.llm_engine.worker.decode_graphs and llm.llm_engine.async_scheduling
     p = SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)
 
     def run(prompts: list[str], at: int) -> tuple[list[int], list[list[tuple[int, float]]]]:

@@ -122,7 +122,7 @@ def _faults(directory: str, rank: int, llm: LLM) -> None:
         return wrapped
 
     engine.step = forward(engine.step)  # type: ignore[method-assign]
-    engine.runner.run_idle = forward(engine.runner.run_idle)  # type: ignore[method-assign]
+    engine.worker.idle = forward(engine.worker.idle)  # type: ignore[method-assign]
     generate = llm.generate
 
     def diverging(*args: Any, **kwargs: Any) -> Any:

@@ -105,7 +105,7 @@ def test_outputs_equal_plain_decoding(ckpt: Path, expected: Any, spec: dict[str,
     assert decoder.num_graph_steps > 0  # both drafters' steps verify as graph replays
     # the prompts' prefill steps replayed prefill graphs that keep the hidden states the drafters
     # (and the MTP head's cache) start from
-    assert llm.llm_engine.runner.num_prefill_graph_steps > 0
+    assert llm.llm_engine.worker.num_prefill_graph_steps > 0
 
 
 def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
@@ -122,15 +122,15 @@ def test_scheduled_mixes_plain_graph_steps_and_drafting_steps(
     llm = make(ckpt, speculative_config=spec)
     engine = llm.llm_engine
     replays = {"n": 0}
-    real = engine.runner.bucket_for
+    real = engine.worker.decode_graphs.bucket_for
 
     def spy(batch: Any) -> int | None:
         bucket = real(batch)
         replays["n"] += bucket is not None
         return bucket
 
-    monkeypatch.setattr(engine.runner, "bucket_for", spy)
-    assert engine.async_scheduling and engine.runner.graphs
+    monkeypatch.setattr(engine.worker.decode_graphs, "bucket_for", spy)
+    assert engine.async_scheduling and engine.worker.decode_graphs
     assert run(llm, GREEDY) == expected[0]
     assert replays["n"] > 0 and engine.speculative is not None and engine.speculative.num_steps > 0
     assert engine.num_draft_tokens > 0
@@ -173,13 +173,13 @@ def test_chained_verification_steps_equal_plain_decoding(
         assert engine.speculative is not None
         engine.speculative.overlap = overlap
         launches = {"chained": 0}
-        real = engine.runner.verify_launch
+        real = engine.worker.verify_launch
 
         def count(batch, *args, real=real, launches=launches):  # type: ignore[no-untyped-def]
             launches["chained"] += batch is None
             return real(batch, *args)
 
-        engine.runner.verify_launch = count  # type: ignore[method-assign]
+        engine.worker.verify_launch = count  # type: ignore[method-assign]
         outs.append(run(llm, params))
         chained.append(launches["chained"])
         assert engine.speculative.chain is None and not engine.has_unfinished()
@@ -203,7 +203,7 @@ def test_verification_graphs_at_the_rope_tables_end(
         monkeypatch.setattr(deepseek_model, "SPECULATIVE_PADDING_POSITIONS", padding)
         llm = make(ckpt, max_model_len=512, speculative_config=spec)
         engine = llm.llm_engine
-        assert engine.runner.graphs and bool(engine.runner.verify_graphs) == (padding > 0)
+        assert engine.worker.decode_graphs and bool(engine.worker.verify_graphs) == (padding > 0)
         assert run(llm, GREEDY) == expected[0]
         assert engine.speculative is not None and (engine.speculative.num_graph_steps > 0) == (padding > 0)
         assert engine.num_draft_tokens > 0
@@ -337,7 +337,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
     decoder = engine.speculative
     assert decoder is not None
     seen: list[tuple[list[int], list[int], list[float]]] = []
-    real, real_verify = decoder._keep_confident, engine.runner.verify_launch
+    real, real_verify = decoder._keep_confident, engine.worker.verify_launch
     replays = {"n": 0}
 
     def record(seq, chain):  # type: ignore[no-untyped-def]
@@ -350,7 +350,7 @@ def test_block_drafts_are_the_drafters_greedy_block(
         return real_verify(*args, **kw)
 
     monkeypatch.setattr(decoder, "_keep_confident", record)
-    monkeypatch.setattr(engine.runner, "verify_launch", count)
+    monkeypatch.setattr(engine.worker, "verify_launch", count)
     run(llm, GREEDY[:1] * 4)
     assert len(seen) > 8
     assert (replays["n"] > 0) == (not eager)

@@ -95,8 +95,8 @@ def test_enable_chunked_prefill() -> None:
 
 
 def test_enforce_eager() -> None:
-    assert not tiny_llm(enforce_eager=True).llm_engine.runner.graphs
-    assert tiny_llm(enforce_eager=False).llm_engine.runner.graphs  # the reference backend emulates graphs
+    assert not tiny_llm(enforce_eager=True).llm_engine.worker.decode_graphs
+    assert tiny_llm(enforce_eager=False).llm_engine.worker.decode_graphs  # emulated by the reference backend
     with pytest.raises(ValueError, match="enforce_eager must be True or False"):
         EngineConfig(model="m", enforce_eager="yes")  # type: ignore[arg-type]
 

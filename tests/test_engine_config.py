@@ -30,7 +30,7 @@ def test_kv_pool_from_an_explicit_byte_budget() -> None:
     spec = engine.model.kv_cache_spec(1, 16)
     per_block = spec.bytes_per_token * 16 * engine.model.num_kv_layers
     assert engine.block_manager.num_blocks == 200_000 // per_block
-    assert engine.runner.kv_caches[0].spec.num_blocks == engine.block_manager.num_blocks
+    assert engine.worker.kv_caches[0].spec.num_blocks == engine.block_manager.num_blocks
 
 
 def test_kv_pool_from_memory_info_is_capped_by_what_requests_can_use() -> None:

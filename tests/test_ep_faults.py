@@ -102,14 +102,14 @@ class Faults:
         self.fired_at: float | None = None
         self.steps = 0
         engine = llm.llm_engine
-        runner = engine.runner
+        worker = engine.worker
         moe_layer = engine.model.layers[2]  # layers 1-3 are MoE: layer 2 runs between exchanges
         self._wrap(engine, "make_sequences", "start", at_step=0)
         self._wrap(engine, "step", "before-forward", count=True)
         self._wrap(moe_layer.self_attn, "forward", "mid-forward")
         self._wrap(engine.backend.moe, "fused_moe", "in-experts")
-        self._wrap(runner, "draw", "after-forward")
-        self._wrap(runner, "run_idle", "idle", at_step=0)
+        self._wrap(worker, "draw", "after-forward")
+        self._wrap(worker, "idle", "idle", at_step=0)
 
     def arm(self, point: str) -> None:
         self.point, self.steps, self.fired_at = point, 0, None

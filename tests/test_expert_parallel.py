@@ -215,7 +215,7 @@ def _graph_worker(rank: int, ckpt: str, store: str, out_dir: str, async_scheduli
         args = {**engine_args(), **GRAPH_ARGS, "async_scheduling": async_scheduling}
         llm = LLM(ckpt, enable_expert_parallel=True, **args)
         engine = llm.llm_engine
-        result["buckets"] = sorted(engine.runner.graphs)
+        result["buckets"] = sorted(engine.worker.decode_graphs)
 
         def counted(name: str, real: Any) -> Any:
             def wrapper(*a: Any, **k: Any) -> Any:
@@ -226,7 +226,7 @@ def _graph_worker(rank: int, ckpt: str, store: str, out_dir: str, async_scheduli
 
         for name, kind in (("fixed_exchange", "fixed"), ("dispatch_combine", "sized")):
             setattr(moe_module, name, counted(kind, getattr(moe_module, name)))
-        agree, run_idle = engine._agreed_bucket, engine.runner.run_idle
+        agree, run_idle = engine.worker.agreed_bucket, engine.worker.idle
 
         def agreed(rows: list[int]) -> int | None:
             bucket = agree(rows)
@@ -237,8 +237,8 @@ def _graph_worker(rank: int, ckpt: str, store: str, out_dir: str, async_scheduli
             result["idle"].append(bucket)
             run_idle(bucket)
 
-        engine._agreed_bucket = agreed  # type: ignore[method-assign]
-        engine.runner.run_idle = idle  # type: ignore[method-assign]
+        engine.worker.agreed_bucket = agreed  # type: ignore[method-assign]
+        engine.worker.idle = idle  # type: ignore[method-assign]
         result["tokens"] = [_graph_tokens(llm, call[rank]) for call in GRAPH_CALLS]
         dist.destroy_process_group()
     except Exception:

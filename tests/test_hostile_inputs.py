@@ -435,9 +435,9 @@ def test_seed_minus_one_is_unseeded(llm: LLM) -> None:
     sp.seed = -1  # set after construction: the request still runs unseeded
     assert sp.for_request().seed is None
     engine = llm.llm_engine
-    state = engine._seed_rng.getstate()
+    state = engine.requests._seed_rng.getstate()
     unseeded = llm.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0].token_ids
-    engine._seed_rng.setstate(state)  # the same draw from the engine's seed stream
+    engine.requests._seed_rng.setstate(state)  # the same draw from the engine's seed stream
     plain = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     (none,) = llm.generate(PROMPT, plain, use_tqdm=False)
     assert unseeded == none.outputs[0].token_ids

@@ -90,7 +90,7 @@ def all_blocks_free(llm: LLM) -> bool:
 
 def ring_rows(llm: LLM) -> int:
     """Rows of the per-request ring (window and compressor state)."""
-    groups = llm.llm_engine.kv_groups
+    groups = llm.llm_engine.worker.kv_groups
     assert groups is not None and groups[0].name == "ring"
     return groups[0].ring_blocks * llm.llm_engine.config.block_size
 
@@ -120,8 +120,8 @@ def test_chunks_several_times_the_ring(case: Case, budget: int, preempts: bool) 
     step and 40 blocks of 4 tokens, requests are preempted and recomputed in such chunks too."""
     llm = case.llm(max_num_batched_tokens=budget, max_num_seqs=4, num_gpu_blocks_override=40)
     engine = llm.llm_engine
-    ring = engine.runner.inputs.ring
-    assert ring is not None and engine.ring_scratch_blocks > 0
+    ring = engine.worker.inputs.ring
+    assert ring is not None and engine.worker.ring_scratch_blocks > 0
     longest: list[int] = [0]
     real = ring.tables
 
@@ -169,10 +169,10 @@ def test_decode_graphs_equal_eager(
     outs = {}
     for eager in (True, False):
         llm = case.llm(enforce_eager=eager, **engine_args)
-        runner = llm.llm_engine.runner
-        assert bool(runner.graphs) != eager
+        graphs = llm.llm_engine.worker.decode_graphs
+        assert bool(graphs) != eager
         seen: list[tuple[int, int]] = []
-        real = runner.bucket_for
+        real = graphs.bucket_for
 
         def spy(batch: Any, real: Any = real, seen: list[tuple[int, int]] = seen) -> int | None:
             bucket: int | None = real(batch)
@@ -180,7 +180,7 @@ def test_decode_graphs_equal_eager(
                 seen.append((len(batch), bucket))
             return bucket
 
-        monkeypatch.setattr(runner, "bucket_for", spy)
+        monkeypatch.setattr(graphs, "bucket_for", spy)
         res = llm.generate(prompts, params[::-1], use_tqdm=False)
         outs[eager] = [list(o.outputs[0].token_ids) for o in res]
         if not eager:

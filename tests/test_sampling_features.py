@@ -17,7 +17,7 @@ import torch
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.llm_engine import completion_seed
+from deepinfer.engine.requests import completion_seed
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -311,7 +311,7 @@ def test_bad_words_tokenisation_follows_vllm(llm: LLM) -> None:
         alone = tok.encode(word.lstrip(), add_special_tokens=False)
         spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
         want = [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
-        assert llm.llm_engine._bad_words_token_ids([word]) == want
+        assert llm.llm_engine.requests.bad_words_token_ids([word]) == want
 
 
 def test_bad_words_match_a_float64_oracle(llm: LLM, hf_model: torch.nn.Module) -> None:
@@ -328,7 +328,7 @@ def test_bad_words_match_a_float64_oracle(llm: LLM, hf_model: torch.nn.Module) -
         if tok.encode(text.lstrip(), add_special_tokens=False) == plain[i : i + 2] and text.strip():
             words.append(text)
             break
-    banned_ids = llm.llm_engine._bad_words_token_ids(words)
+    banned_ids = llm.llm_engine.requests.bad_words_token_ids(words)
 
     def ban(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
         for w in banned_ids:

@@ -329,7 +329,7 @@ class RejectingGrammar:
 
 def plant(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, target: Any, hook: Any) -> None:
     """hook(seq) on the sequence made for the prompt `target`."""
-    real = engine.make_sequence
+    real = engine.requests.make_sequence
 
     def make_sequence(prompt: Any, params: SamplingParams) -> Sequence:
         seq = real(prompt, params)
@@ -337,7 +337,7 @@ def plant(monkeypatch: pytest.MonkeyPatch, engine: LLMEngine, target: Any, hook:
             hook(seq)
         return seq
 
-    monkeypatch.setattr(engine, "make_sequence", make_sequence)
+    monkeypatch.setattr(engine.requests, "make_sequence", make_sequence)
 
 
 def check_isolated(

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.model_runner import MAX_VERIFY_GRAPH_BATCH
+from deepinfer.engine.graphs import MAX_VERIFY_GRAPH_BATCH
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import (
@@ -95,7 +95,7 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
     engine = spec.llm_engine
     calls = {"n": 0, "right": 0}
 
-    def oracle(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
+    def oracle(seqs, spans, rows, wants, limits):  # type: ignore[no-untyped-def]
         drafts = []
         for seq, want in zip(seqs, wants):
             full = by_prompt[tuple(seq.prompt_token_ids)]
@@ -111,7 +111,7 @@ def test_right_drafts_are_accepted_and_wrong_ones_rejected(
             drafts.append(chain)
         return drafts
 
-    monkeypatch.setattr(engine.speculative, "propose", oracle)
+    monkeypatch.setattr(engine.worker, "propose", oracle)
     steps = {"n": 0}
     real_step = engine.step
 
@@ -207,13 +207,13 @@ def test_graph_drafts_equal_eager_drafts(mirrored: Path, monkeypatch: pytest.Mon
         assert decoder is not None
         decoder.overlap = overlap
         chained = {"n": 0}
-        real = llm.llm_engine.runner.verify_launch
+        real = llm.llm_engine.worker.verify_launch
 
         def count(batch, *args, real=real, chained=chained):  # type: ignore[no-untyped-def]
             chained["n"] += batch is None
             return real(batch, *args)
 
-        monkeypatch.setattr(llm.llm_engine.runner, "verify_launch", count)
+        monkeypatch.setattr(llm.llm_engine.worker, "verify_launch", count)
         drafts.append(record_drafts(llm, monkeypatch))
         assert run(llm, params) == want
         assert (decoder.num_graph_steps > 0) == (not eager) and (chained["n"] > 0) == overlap
@@ -231,7 +231,7 @@ def test_graph_drafting_writes_the_accepted_rows_only(mirrored: Path) -> None:
     chained drafts' rows below the limit, every other row (rejected drafts, padding, rows past
     the limit, other requests' blocks) untouched."""
     from deepinfer.backend.types import AttentionMetadata
-    from deepinfer.engine.speculative import mtp_drafts
+    from deepinfer.engine.drafters import mtp_drafts
     from deepinfer.models.forward_batch import ForwardBatch
 
     model: Any = load_model(str(mirrored), create_reference_backend(), torch.float32)
@@ -317,8 +317,8 @@ def test_batches_beyond_the_verification_graphs_run_eagerly(
 
     want = outputs(make(mirrored))
     llm = make(mirrored, speculative_config={**SPEC, "num_speculative_tokens": 2})
-    runner = llm.llm_engine.runner
-    real = runner.verify_bucket_for
+    graphs = llm.llm_engine.worker.verify_graphs
+    real = graphs.bucket_for
     seen: list[tuple[int, bool]] = []  # (requests, served by a graph) of every drafting step
 
     def spy(batch: Any) -> tuple[int, int] | None:
@@ -326,7 +326,7 @@ def test_batches_beyond_the_verification_graphs_run_eagerly(
         seen.append((len(batch), graph is not None))
         return graph
 
-    monkeypatch.setattr(runner, "verify_bucket_for", spy)
+    monkeypatch.setattr(graphs, "bucket_for", spy)
     assert outputs(llm) == want
     assert any(b > MAX_VERIFY_GRAPH_BATCH and not g for b, g in seen)
     assert all(b <= MAX_VERIFY_GRAPH_BATCH for b, g in seen if g) and any(g for _, g in seen)
@@ -350,7 +350,7 @@ def test_mtp_steps_run_eagerly_where_graphs_cannot_serve_them(
         monkeypatch.setattr(deepseek_model, "SPECULATIVE_PADDING_POSITIONS", 0 if on_device else 32)
         llm = make(mirrored, speculative_config=spec, **args)
         engine = llm.llm_engine
-        assert engine.runner.graphs and not engine.runner.verify_graphs
+        assert engine.worker.decode_graphs and not engine.worker.verify_graphs
         assert run(llm, GREEDY) == want
         assert engine.speculative is not None and engine.speculative.num_graph_steps == 0
         assert engine.num_accepted_tokens > 0
@@ -363,20 +363,19 @@ def test_confidence_threshold_schedules_only_likely_drafts(
     Eager steps: the test marks the confidences of their proposals."""
     expected = run(make(ckpt), GREEDY)
     spec = make(ckpt, speculative_config={**SPEC, "min_draft_confidence": 0.5}, enforce_eager=True)
-    runner = spec.llm_engine.speculative
-    assert runner is not None
-    real = runner.propose
+    worker = spec.llm_engine.worker
+    real = worker.propose
     confident = {"n": 0, "all": 0}
 
-    def sure_every_other(seqs, spans, rows, wants):  # type: ignore[no-untyped-def]
+    def sure_every_other(seqs, spans, rows, wants, limits):  # type: ignore[no-untyped-def]
         out = []
-        for i, chain in enumerate(real(seqs, spans, rows, wants)):
+        for i, chain in enumerate(real(seqs, spans, rows, wants, limits)):
             confident["all"] += 1
             confident["n"] += i % 2 == 0
             out.append([(d, 0.9 if i % 2 == 0 else 0.1) for d, _ in chain])
         return out
 
-    monkeypatch.setattr(runner, "propose", sure_every_other)
+    monkeypatch.setattr(worker, "propose", sure_every_other)
     assert run(spec, GREEDY) == expected
     assert 0 < spec.llm_engine.num_draft_tokens <= confident["n"] < confident["all"]
 

@@ -60,7 +60,7 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     """The MTP layer's caches are the last rows of the groups its kinds belong to: V4-Flash's
     (sliding window only) one more cache in the ring. Through the engine, a CSA MTP layer's (ring:
     window, compressor and indexer state; entries/4: entries; index/4: indexer keys) are
-    allocated with their groups' pools and kept apart, as runner.mtp_caches."""
+    allocated with their groups' pools and kept apart, as worker.mtp_caches."""
     config = flash_config()
     assert config.v4 is not None
     ratios = config.v4.compress_ratios
@@ -79,11 +79,11 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     )  # fmt: skip
     engine = llm.llm_engine
-    assert engine.kv_groups is not None
-    ring, e4, e8, i4 = engine.kv_groups
+    assert engine.worker.kv_groups is not None
+    ring, e4, e8, i4 = engine.worker.kv_groups
     # D 16: CSA state 4 caches, indexer state (4 x 8 wide) 2; entries and indexer keys 1 each
     assert [g.num_mtp_caches for g in (ring, e4, e8, i4)] == [1 + 4 + 2, 1, 0, 1]
-    assert len(engine.runner.kv_caches) == engine.model.num_kv_layers
+    assert len(engine.worker.kv_caches) == engine.model.num_kv_layers
     pools = [m.num_blocks for m in engine.block_manager.managers]  # type: ignore[union-attr]
     # ring: 7 + 1 + 2 rows -> 3 blocks, 5 tokens a step in place; the step scratch for T tokens a
     # step: T // 4 blocks plus 2 per request of more than 5 tokens; the ring's caches hold it after
@@ -91,10 +91,10 @@ def test_mtp_layer_caches_join_the_groups(tmp_path: Path) -> None:
     c = engine.config
     assert (ring.ring_blocks, ring.ring_step_tokens(4)) == (3, 5)
     t, seqs = c.max_num_batched_tokens, c.max_num_seqs
-    assert (t, seqs) == (64, 16) and engine.ring_scratch_blocks == t // 4 + 2 * min(seqs, t // 6) == 36
-    ring_blocks = pools[0] + engine.ring_scratch_blocks
-    assert [c.spec.num_blocks for c in engine.runner.mtp_caches] == [ring_blocks] * 7 + [pools[1], pools[3]]
-    assert [c.spec.head_dim for c in engine.runner.mtp_caches] == [16] * 8 + [8]  # the key: Di wide
+    assert (t, seqs) == (64, 16) and engine.worker.ring_scratch_blocks == t // 4 + 2 * min(seqs, t // 6) == 36
+    ring_blocks = pools[0] + engine.worker.ring_scratch_blocks
+    assert [c.spec.num_blocks for c in engine.worker.mtp_caches] == [ring_blocks] * 7 + [pools[1], pools[3]]
+    assert [c.spec.head_dim for c in engine.worker.mtp_caches] == [16] * 8 + [8]  # the key: Di wide
 
 
 def test_index_keys_rows_are_di_wide(tmp_path: Path) -> None:
@@ -109,19 +109,19 @@ def test_index_keys_rows_are_di_wide(tmp_path: Path) -> None:
         max_num_batched_tokens=32, max_num_seqs=2,
     )  # fmt: skip
     engine = llm.llm_engine
-    assert engine.kv_groups is not None
-    assert [(g.name, g.row_dim) for g in engine.kv_groups] == [
+    assert engine.worker.kv_groups is not None
+    assert [(g.name, g.row_dim) for g in engine.worker.kv_groups] == [
         ("ring", None),
         ("entries/4", None),
         ("entries/8", None),
         ("index/4", 8),
     ]
-    widths = [c.spec.head_dim for c in engine.runner.kv_caches]
-    first = sum(g.num_caches for g in engine.kv_groups[:-1])
-    assert widths == [16] * first + [8] * engine.kv_groups[-1].num_caches
-    assert engine.kv_groups[-1].num_caches == 1  # one CSA layer
+    widths = [c.spec.head_dim for c in engine.worker.kv_caches]
+    first = sum(g.num_caches for g in engine.worker.kv_groups[:-1])
+    assert widths == [16] * first + [8] * engine.worker.kv_groups[-1].num_caches
+    assert engine.worker.kv_groups[-1].num_caches == 1  # one CSA layer
     # 64 more tokens (16 blocks): 4 more blocks of entries/4 and index/4, 2 of entries/8
-    grown = engine._kv_pool_bytes(32 + 16) - engine._kv_pool_bytes(32)
+    grown = engine.worker.kv_pool_bytes(32 + 16) - engine.worker.kv_pool_bytes(32)
     assert grown == 64 * 4 * (16 // 4 + 16 // 8 + 8 // 4)
 
     config = flash_config()
@@ -276,8 +276,8 @@ def test_engine_request_ring_is_constant(tmp_path: Path, budget: int) -> None:
     for tokens, ring, e4, e8, i4 in seen:
         assert ring == 2
         assert e4 == i4 == cdiv(tokens // 4, 4) and e8 == cdiv(tokens // 8, 4)
-    assert engine.ring_scratch_blocks == scratch_blocks(budget, 2, 4, 1) == budget // 4 + 4
-    assert engine.runner.kv_caches[0].spec.num_blocks == 2 * 2 + engine.ring_scratch_blocks
+    assert engine.worker.ring_scratch_blocks == scratch_blocks(budget, 2, 4, 1) == budget // 4 + 4
+    assert engine.worker.kv_caches[0].spec.num_blocks == 2 * 2 + engine.worker.ring_scratch_blocks
     assert len(seq.output_token_ids) == 20
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -303,9 +303,9 @@ def test_engine_decode_graphs_equal_eager(tmp_path: Path, monkeypatch: pytest.Mo
             str(root), backend=GRAPH_BACKEND, dtype="float32", block_size=4, max_model_len=64,
             max_num_batched_tokens=13, max_num_seqs=4, num_gpu_blocks_override=16, enforce_eager=eager,
         )  # fmt: skip
-        runner = llm.llm_engine.runner
+        graphs = llm.llm_engine.worker.decode_graphs
         seen: list[tuple[int, int]] = []
-        real = runner.bucket_for
+        real = graphs.bucket_for
 
         def spy(batch: Any, real: Any = real, seen: list[tuple[int, int]] = seen) -> int | None:
             bucket: int | None = real(batch)
@@ -313,7 +313,7 @@ def test_engine_decode_graphs_equal_eager(tmp_path: Path, monkeypatch: pytest.Mo
                 seen.append((len(batch), bucket))
             return bucket
 
-        monkeypatch.setattr(runner, "bucket_for", spy)
+        monkeypatch.setattr(graphs, "bucket_for", spy)
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[eager] = [list(r.outputs[0].token_ids) for r in res]
         preempted += llm.llm_engine.scheduler.num_preemptions

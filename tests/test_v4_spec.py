@@ -111,7 +111,7 @@ def test_outputs_equal_plain_decoding(v4: Path, k: int, args: str) -> None:
     assert (run(spec, GREEDY), run(spec, SEEDED)) == plain(v4, args)
     engine = spec.llm_engine
     assert engine.num_draft_tokens > 0 and engine.speculative is not None
-    assert engine.runner.mtp_caches and all_blocks_free(spec)
+    assert engine.worker.mtp_caches and all_blocks_free(spec)
     if args == "preempting":
         assert engine.scheduler.num_preemptions > 0
 
@@ -138,19 +138,18 @@ def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch:
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     def drafts(llm: LLM) -> tuple[list[Any], int]:
-        decoder = llm.llm_engine.speculative
-        assert decoder is not None
+        worker = llm.llm_engine.worker
         seen: list[Any] = []
-        real = decoder.propose
+        real = worker.propose
 
         def spy(*a: Any) -> Any:
             out = real(*a)
             seen.append(out)
             return out
 
-        decoder.propose = spy  # type: ignore[method-assign]
+        worker.propose = spy  # type: ignore[method-assign]
         run(llm, GREEDY)
-        ring = llm.llm_engine.runner.inputs.ring
+        ring = llm.llm_engine.worker.inputs.ring
         assert ring is not None
         return seen, ring.step_tokens
 
@@ -182,21 +181,26 @@ def test_rejections_at_the_ring_edge(tmp_path: Path) -> None:
     want = run(make(ckpt, max_num_batched_tokens=1 + k), GREEDY)
     spec = make(ckpt, k, max_num_batched_tokens=1 + k)
     engine = spec.llm_engine
-    assert engine.kv_groups is not None
-    ring = engine.kv_groups[0].ring_blocks * 4
+    assert engine.worker.kv_groups is not None
+    ring = engine.worker.kv_groups[0].ring_blocks * 4
     assert ring == window + k
     decoder = engine.speculative
     assert decoder is not None
-    real = decoder.step
+    real_launch, real_process = decoder.launch, decoder.process
     seen: list[tuple[int, int, int]] = []  # (first position, drafts, accepted) per verification
+    launched: list[list[tuple[Any, int, int]]] = []  # steps launched, not yet processed
 
-    def step(batch):  # type: ignore[no-untyped-def]
-        starts = [(s, s.num_computed_tokens, nd) for s, nd in zip(batch.seqs, batch.num_draft_tokens)]
-        finished = real(batch)
-        seen.extend((start, nd, s.num_computed_tokens - start - 1) for s, start, nd in starts if nd)
+    def launch(batch):  # type: ignore[no-untyped-def]
+        launched.append([(s, s.num_computed_tokens, nd) for s, nd in zip(batch.seqs, batch.num_draft_tokens)])
+        return real_launch(batch)
+
+    def process(done):  # type: ignore[no-untyped-def]
+        finished = real_process(done)
+        seen.extend((start, nd, s.num_computed_tokens - start - 1) for s, start, nd in launched.pop(0) if nd)
         return finished
 
-    decoder.step = step  # type: ignore[method-assign]
+    decoder.launch = launch  # type: ignore[method-assign]
+    decoder.process = process  # type: ignore[method-assign]
     assert run(spec, GREEDY) == want
     rejected = [(start, nd) for start, nd, a in seen if a < nd]
     full = [start for start, nd in rejected if nd == k]  # the last draft's row: start - window

@@ -161,7 +161,7 @@ NO_MODIFIERS = AttentionModifiers()
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step paged-attention metadata, built once per step by the model runner.
+    """Per-step paged-attention metadata, built once per step by the worker.
 
     Device tensors (on the backend's device):
       block_tables     (B, MB) int32: block ids of each request, in order; unused entries are 0.

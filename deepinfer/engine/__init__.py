@@ -1,1 +1,1 @@
-"""The offline engine: scheduler, KV-cache manager, model runner, sampler, tokenizer, CLI commands."""
+"""The offline engine: scheduler, KV-cache manager, worker, sampler, tokenizer, CLI commands."""

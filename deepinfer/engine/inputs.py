@@ -12,8 +12,8 @@ requests, each padded to q tokens after its own: the prompt chunk it computes). 
 
 Tokens the host does not know yet (async scheduling: the token sampled by the step still on the
 device) are written as placeholders row - max_num_seqs (negative), row being where the previous
-step's sampler put that token in `sampled_ids`; the runner resolves them on the device before the
-embedding (model_runner.resolve_placeholders).
+step's sampler put that token in `sampled_ids`; the worker resolves them on the device before the
+embedding (worker.resolve_placeholders).
 
 A model with several KV cache groups (DeepSeek-V4, KVCacheGroup) gets the first group's slots
 and block tables in slot_mapping / block_tables, a ring's as a table whose column i is ring block
@@ -119,11 +119,12 @@ class StepInputs:
         max_num_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        max_draft_width: int = 0,
-        groups: list[KVCacheGroup] | None = None,
+        max_draft_width: int,
+        groups: list[KVCacheGroup],
     ) -> None:
         """max_draft_width: the most drafts a verification graph step pads a request to (its
-        padding rows sit past the request's last position, up to max_model_len + width)."""
+        padding rows sit past the request's last position, up to max_model_len + width).
+        groups: the model's cache groups (the first one's table is seq.block_table)."""
         self.device = backend.device.device()
         self._device_ops = backend.device  # to_device: the step's one copy
         self.block_size = block_size
@@ -133,15 +134,15 @@ class StepInputs:
         self.max_blocks = -(-(max_model_len + max_draft_width) // block_size)
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
-        self.groups = groups  # None: one group, seq.block_table
-        # a ring group's step scratch: none until the engine sizes the pools (set_ring_scratch)
+        self.groups = groups
+        # a ring group's step scratch: none until the worker sizes the pools (Worker._allocate)
         self.ring: RingScratch | None = None
-        if groups and groups[0].ring_blocks:
+        if groups[0].ring_blocks:
             self.ring = RingScratch(groups[0], block_size, 0, 0)
         rows = max(max_num_tokens, max_num_seqs)
         # block-table columns of each further group in a graph step: at least one, as in an eager
         # step (a ratio above max_model_len holds no entry, and the step still indexes column 0)
-        self.group_mbs = tuple(max(1, g.blocks_for(max_model_len, block_size)) for g in (groups or [])[1:])
+        self.group_mbs = tuple(max(1, g.blocks_for(max_model_len, block_size)) for g in groups[1:])
         _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
@@ -246,10 +247,8 @@ class StepInputs:
         assert bucket is None or copies is None, "graph steps stay within the ring"
         mb = self.max_blocks if bucket is not None else max((len(tb) for tb in tables), default=1)
         mb = max(mb, 1)
-        group_mbs: tuple[int, ...] = ()
-        if bucket is not None:
-            group_mbs = self.group_mbs
-        elif self.groups is not None:
+        group_mbs = self.group_mbs
+        if bucket is None:
             group_mbs = tuple(
                 max([1, *(len(q.block_tables[g]) for q in seqs)]) for g in range(1, len(self.groups))
             )

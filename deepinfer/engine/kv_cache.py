@@ -2,11 +2,11 @@
 
 Every KV cache group gets its own pool tensors (allocated by the backend from the model's
 KVCacheSpec, at the group's row width: KVCacheGroup.cache_spec); a block id names the same block
-in every layer of a group. DeepSeek-V2/V3 have one
-group (full-attention latent caches that grow with the sequence): one BlockManager. DeepSeek-V4
-declares several (deepinfer.models.forward_batch.KVCacheGroup): a ring of a fixed number of
-blocks per request for its per-token caches, and compressed-entry caches growing at 1/m blocks
-per token; GroupedBlockManager keeps one BlockManager per group and allocates in all or none.
+in every layer of a group. A model declares its groups (deepinfer.models.forward_batch.
+KVCacheGroup): DeepSeek-V2/V3 one (full-attention latent caches that grow with the sequence);
+DeepSeek-V4 a ring of a fixed number of blocks per request for its per-token caches, and
+compressed-entry caches growing at 1/m blocks per token. GroupedBlockManager, the engine's,
+keeps one BlockManager per group and allocates in all or none.
 
 Prefix caching: a full block is identified by hash(parent block's hash, its token ids). When a
 request is admitted, the longest run of its leading full blocks found in the cache is reused
@@ -169,19 +169,26 @@ class BlockManager:
 
 
 class GroupedBlockManager:
-    """The blocks of a model with several KV cache groups: one BlockManager per group, group g's
-    blocks in seq.block_tables[g]. A request gets room in every group or in none; a ring group's
-    blocks are taken at its first step and kept until it finishes or is preempted. No prefix
-    caching (the engine refuses it for such models)."""
+    """The blocks of a model's KV cache groups: one BlockManager per group, group g's blocks in
+    seq.block_tables[g]. A request gets room in every group or in none; a ring group's blocks
+    are taken at its first step and kept until it finishes or is preempted. Prefix caching
+    shares the first group's blocks: models that support it have that group only
+    (CausalLM.supports_prefix_caching)."""
 
-    enable_prefix_caching = False
-    num_prefix_hits = 0
-
-    def __init__(self, groups: list[KVCacheGroup], num_blocks: list[int], block_size: int) -> None:
+    def __init__(
+        self,
+        groups: list[KVCacheGroup],
+        num_blocks: list[int],
+        block_size: int,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        assert not enable_prefix_caching or len(groups) == 1, "prefix caching pages one cache group"
         self.groups = groups
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.managers = [
-            BlockManager(n, block_size, group=g, table=i) for i, (g, n) in enumerate(zip(groups, num_blocks))
+            BlockManager(n, block_size, enable_prefix_caching, group=g, table=i)
+            for i, (g, n) in enumerate(zip(groups, num_blocks))
         ]
 
     @property
@@ -193,18 +200,24 @@ class GroupedBlockManager:
     def num_free_blocks(self) -> int:
         return sum(m.num_free_blocks for m in self.managers)
 
+    @property
+    def num_prefix_hits(self) -> int:
+        return self.managers[0].num_prefix_hits
+
     def match_prefix(self, seq: Sequence) -> list[int]:
-        return []
+        return self.managers[0].match_prefix(seq)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
-        """Room for seq's next num_new_tokens tokens in every group; False, changing nothing, if
-        one group lacks free blocks."""
-        assert not prefix, "no prefix caching with several cache groups"
+        """Room for seq's next num_new_tokens tokens (after the first group's `prefix` blocks) in
+        every group; False, changing nothing, if one group lacks free blocks."""
+        first, rest = self.managers[0], self.managers[1:]
         while len(seq.block_tables) < len(self.managers):
             seq.block_tables.append([])
-        if any(m.blocks_needed(seq, num_new_tokens) > m.num_free_blocks for m in self.managers):
+        if any(m.blocks_needed(seq, num_new_tokens) > m.num_free_blocks for m in rest):
             return False
-        for m in self.managers:
+        if not first.allocate(seq, num_new_tokens, prefix):  # all or nothing itself
+            return False
+        for m in rest:
             taken = m.allocate(seq, num_new_tokens)
             assert taken
         return True
@@ -215,7 +228,7 @@ class GroupedBlockManager:
         return min(covered, default=None)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        pass
+        self.managers[0].cache_full_blocks(seq)
 
     def free_sequence(self, seq: Sequence) -> None:
         for m in self.managers:

@@ -12,6 +12,10 @@ decoding, then the most recently admitted) is preempted: its blocks are freed an
 to the front of the queue, to be recomputed (prompt + tokens generated so far) later. Nothing is
 lost and, since the recompute reproduces the same cache and a request's random generator only
 advances when it samples, outputs do not change.
+
+The scheduler is the one writer of a request's progress (num_computed_tokens): on admission,
+preemption, after a step launched (advance) and as a verification step's tokens are accepted
+(advance_token).
 """
 
 from __future__ import annotations
@@ -128,16 +132,24 @@ class Scheduler:
         self.num_preemptions += 1
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """After the step ran: the scheduled tokens are in the cache (a draft's only once it is
-        accepted, see accept_draft)."""
+        """After the step launched: the scheduled tokens are in the cache (a draft's only once it
+        is accepted, see advance_token)."""
         for seq, n, nd in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens):
             seq.num_computed_tokens += n - nd
             self.block_manager.cache_full_blocks(seq)
 
-    def accept_draft(self, seq: Sequence) -> None:
-        """The draft token was sampled: its cache row, written this step, now holds a real token."""
+    def advance_token(self, seq: Sequence) -> None:
+        """One more of seq's tokens is in the cache: a verification graph step's row of its last
+        token (read back from the device), or a draft that was sampled (its cache row, written
+        this step, now holds a real token)."""
         seq.num_computed_tokens += 1
         self.block_manager.cache_full_blocks(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq's next num_tokens positions past its computed ones, taken now where the
+        pool has them (a drafter writes cache rows ahead of the scheduled tokens); False, taking
+        none, where it runs short."""
+        return self.block_manager.allocate(seq, num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """seq is done: drop it (from the queue too, when it was preempted while its last token

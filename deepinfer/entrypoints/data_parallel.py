@@ -222,7 +222,7 @@ def _worker_main(
         engine = llm.llm_engine
         conn.send({
             "vocab_size": engine.vocab_size, "backend": engine.backend.name, "pid": os.getpid(),
-            "graph_buckets": sorted(engine.runner.graphs), "async_scheduling": engine.async_scheduling,
+            "graph_buckets": sorted(engine.worker.decode_graphs), "async_scheduling": engine.async_scheduling,
         })  # fmt: skip
     except BaseException as exc:
         conn.send(_error_reply(exc, rank))

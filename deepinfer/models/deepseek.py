@@ -18,13 +18,14 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import KVCacheSpec, PagedKVCache
 from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
-from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import MLP, Linear, RMSNorm
 from deepinfer.models.moe import MoE
 from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
+    from deepinfer.models.drafter import BlockDrafter
     from deepinfer.models.weights import WeightSource
 
 
@@ -114,8 +115,14 @@ class DeepseekForCausalLM(nn.Module):
 
     forward(batch, kv_caches) -> final hidden states (T, Dm), after the last norm;
     compute_logits(hidden rows) -> (S, V) float32. MTP layers, when the checkpoint has them,
-    run through forward_mtp with their own caches (num_mtp_layers of them).
+    run through forward_mtp with their own caches (num_mtp_layers of them). The engine interface
+    is deepinfer.models.interface.CausalLM.
     """
+
+    supports_graphs = True
+    supports_prefill_graphs = True
+    supports_drafts_with_graphs = True
+    supports_prefix_caching = True
 
     def __init__(
         self,
@@ -134,6 +141,7 @@ class DeepseekForCausalLM(nn.Module):
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        self.drafter: BlockDrafter | None = None  # set by the loader when one is saved beside
         device = backend.device.device()
         # rows past max_position_embeddings serve only speculative steps' padding drafts (up to
         # k positions past max_model_len, outputs discarded), so verification graphs captured at
@@ -152,6 +160,14 @@ class DeepseekForCausalLM(nn.Module):
     def num_mtp_layers(self) -> int:
         """MTP layers loaded (0 when the checkpoint has none, e.g. transformers' saves)."""
         return len(self.mtp)
+
+    def kv_cache_groups(
+        self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
+    ) -> list[KVCacheGroup]:
+        """One full-attention group: a latent cache per layer (then one per MTP layer asked for),
+        one row per token, growing with the sequence."""
+        layers = self.num_kv_layers + mtp_layers
+        return [KVCacheGroup("full", layers, num_mtp_caches=mtp_layers)]
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         """One layer's latent cache: kv_lora_rank normalised latent + qk_rope_head_dim roped key."""

@@ -94,6 +94,7 @@ from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
 
 if TYPE_CHECKING:
+    from deepinfer.models.drafter import BlockDrafter
     from deepinfer.models.weights import WeightSource
 
 
@@ -840,10 +841,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     layer reads; compute_logits(rows) -> (S, V) float32 through the model's StreamHead. The MTP
     layers, when the checkpoint has them, run through forward_mtp (-> streams) and
     compute_mtp_logits, over their own caches: the last num_mtp_caches of each cache group
-    (kv_cache_groups(..., mtp_layers)), paged by the same block tables.
+    (kv_cache_groups(..., mtp_layers)), paged by the same block tables. The engine interface is
+    deepinfer.models.interface.CausalLM.
     """
 
     supports_graphs = True  # decode steps find their closing entries on the device
+    supports_prefill_graphs = False  # its prefill steps page several cache groups (none yet)
+    supports_drafts_with_graphs = False  # its speculative steps run eagerly (no verification graphs yet)
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
@@ -860,6 +864,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = StreamHead(backend, config, v4)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        self.drafter: BlockDrafter | None = None  # set by the loader when one is saved beside
+        self.rope_positions = config.max_position_embeddings  # no padding rows: no verification graphs
         device = backend.device.device()
         # (P, R) [cos | sin] tables: plain rope for sliding-only layers, the compressed branches'
         # own (compress_rope_theta, YaRN when configured) for CSA / HCA layers

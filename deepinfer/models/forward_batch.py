@@ -1,4 +1,4 @@
-"""ForwardBatch: everything one model step needs, built once per step by the model runner; and
+"""ForwardBatch: everything one model step needs, built once per step by the worker; and
 KVCacheGroup, how a model with several kinds of cache (DeepSeek-V4) asks the engine to page them."""
 
 from __future__ import annotations

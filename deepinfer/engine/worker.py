@@ -1,0 +1,668 @@
+"""The worker: the device side of a step, with one owner.
+
+It sizes and allocates the KV pools of every cache group the model declares (a ring group's
+step scratch included), captures and replays the graphs (deepinfer.engine.graphs), owns the step
+inputs and the pinned step buffers, runs the forward and the draw, and calls the drafter after a
+verification forward. The engine keeps requests, scheduling and outputs; it calls
+
+  Worker(config, model, backend, sampler, max_model_len, expert_parallel)
+  forward(batch)          -> ForwardOutput, launched (a graph replay where one serves the batch)
+  draw(launched)          -> SampledStep: the draw and the copy of its tokens to the host, queued
+  verify_launch / verify_read   a verification step's two graph replays, and its results
+  propose(...)            the drafter's proposals after an eager verification forward
+  idle(bucket)            an expert-parallel rank's forward over no tokens
+  rows_asked / agreed_bucket    the expert-parallel ranks' agreement on a step's graph
+
+Decode steps of up to the largest bucket's requests replay graphs padded to the bucket; logits
+processors that need the host (penalties, grammars) run between the forward and the draw. Input
+ids that are placeholders for tokens still on the device (async scheduling) are resolved from
+sampled_ids as the first op of the forward: one gather from the token table, the identity over
+the vocabulary followed by sampled_ids, which a placeholder's negative id reaches from its end
+(resolve_placeholders).
+
+Expert parallelism: a graph step's MoE layers exchange fixed-size buffers with the other ranks
+(ForwardBatch.fixed_exchange), captured in the graph; every rank replays the same bucket at the
+same step (agreed_bucket), an idle rank with every row padding (idle). The ranks capture
+together: each capture's warm-up run exchanges with the others.
+
+A ring cache group (DeepSeek-V4's window and compressor state) keeps a fixed number of rows per
+request; an eager step in which a request computes more tokens than its ring takes runs over
+step-scratch blocks, copied from and back to the ring around the forward (deepinfer.engine.ring).
+
+Prompt log-probabilities need the logits of every prompt position a step computes, not only of
+the sampled rows: steps that compute some run eagerly (or keep their hidden states), and the LM
+head runs over those rows of the step's final hidden states (in chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.config import EngineConfig
+from deepinfer.engine.drafters import (
+    BlockProposer,
+    Drafts,
+    MTPProposer,
+    Proposer,
+    accept_and_draft,
+    chain_next_inputs,
+)
+from deepinfer.engine.graphs import (
+    MAX_VERIFY_GRAPH_BATCH,
+    DecodeGraphs,
+    PendingVerify,
+    PrefillGraphs,
+    VerifyGraphs,
+    VerifyResult,
+    graph_buckets,
+    prefill_graph_shapes,
+)
+from deepinfer.engine.inputs import PreparedStep, StepInputs
+from deepinfer.engine.kv_cache import cdiv, check_kv_pool_fits, fit_blocks, group_pool_blocks, memory_budget
+from deepinfer.engine.output_processor import SampledStep
+from deepinfer.engine.ring import RingScratch, scratch_blocks
+from deepinfer.engine.sampler import (
+    LOGPROB_CHUNK_ELEMENTS,
+    LogprobTensors,
+    PromptLogprobs,
+    Sampler,
+    num_top_logprobs,
+    token_logprobs,
+)
+from deepinfer.engine.scheduler import ScheduledBatch
+from deepinfer.engine.sequence import Sequence
+from deepinfer.models.forward_batch import ForwardBatch
+from deepinfer.models.interface import CausalLM
+from deepinfer.parallel.exchanges import current_log
+from deepinfer.parallel.rank_sync import EAGER
+
+logger = logging.getLogger(__name__)
+
+
+def token_table(vocab_size: int, max_rows: int, device: torch.device) -> torch.Tensor:
+    """(V + R,) int64: [0, 1, .., V - 1 | sampled ids of rows 0 .. R - 1]. The last R entries
+    are the sampler's output (Worker.sampled_ids is that view)."""
+    table = torch.zeros(vocab_size + max_rows, dtype=torch.int64, device=device)
+    table[:vocab_size] = torch.arange(vocab_size, device=device)
+    return table
+
+
+def resolve_placeholders(input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """ids in [0, V) as they are; a placeholder r - R (R = the table's sampled rows, so -R .. -1)
+    -> sampled_ids[r] (the token the previous step sampled in row r, not yet seen by the host):
+    table[ids] in ONE gather, a negative index counting from the table's end. Device only."""
+    return table[input_ids]
+
+
+def check_model_features(config: EngineConfig, model: CausalLM) -> None:
+    """ValueError where the engine arguments ask for what the model cannot do."""
+    method, k = config.speculative_method, config.num_speculative_tokens
+    if method == "mtp" and model.num_mtp_layers < 1:
+        raise ValueError(
+            f"speculative_config asks for MTP drafts but {config.model} has no MTP layer "
+            "(num_nextn_predict_layers is 0, or its weights are missing)"
+        )
+    if method == "dspark" and model.drafter is None:
+        raise ValueError(
+            f"speculative_config asks for the block drafter (method 'dspark') but {config.model} "
+            "has none (no drafter_config.json + drafter.safetensors; train/train_drafter.py makes them)"
+        )
+    if method == "dspark" and model.drafter is not None and k > model.drafter.block_size:
+        raise ValueError(
+            f"speculative_config: num_speculative_tokens={k} exceeds the block drafter's block_size "
+            f"{model.drafter.block_size}"
+        )
+    if config.enable_prefix_caching and not model.supports_prefix_caching:
+        raise ValueError(
+            f"enable_prefix_caching is not supported for {config.model} ({model.config.model_type}): its "
+            "compressed KV entries depend on tokens past the shared prefix; run it with "
+            "enable_prefix_caching=False"
+        )
+
+
+class ForwardOutput(NamedTuple):
+    """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
+    sampling request in batch order, then padding rows), the final hidden states (T, Dm;
+    DeepSeek-V4: its (T, N, Dm) streams) of an eager step (None for a graph replay: they stay
+    inside the graph), and the prompt log-probabilities the step computed (on the device)."""
+
+    step: PreparedStep
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class Worker:
+    """The KV pools, the step inputs and buffers, the graphs, the forward, the draw, the drafter."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: CausalLM,
+        backend: Backend,
+        sampler: Sampler,
+        max_model_len: int,
+        expert_parallel: bool = False,
+    ) -> None:
+        """Size the KV pools from the memory left once the graphs' pool is set aside (or as
+        config asks), allocate them, capture the graphs. ValueError where config asks for
+        what the model cannot do."""
+        check_model_features(config, model)
+        self.config, self.model, self.backend, self.sampler = config, model, backend, sampler
+        self.block_size = bs = config.block_size
+        self.max_model_len = max_model_len
+        self.device = backend.device.device()
+        self.vocab_size: int = model.config.vocab_size
+        self.max_rows = graph_buckets(config.max_num_seqs)[-1]  # max_num_seqs, padded to a bucket
+        self.k = k = config.num_speculative_tokens
+        method = config.speculative_method
+        # A ring group (DeepSeek-V4) holds what a step reads before its first token plus the
+        # 1 + k positions of a verification step (rejected drafts are rewritten in place, never
+        # past a row a later step still reads); a request computing more tokens in a step (a
+        # prefill chunk, a recompute) runs over step-scratch blocks (deepinfer.engine.ring), a
+        # pool sized from the step's token budget. MTP caches are rows of the same groups.
+        self.kv_groups = model.kv_cache_groups(bs, k, 1 if method == "mtp" else 0)
+        ring = self.kv_groups[0]
+        self.ring_scratch_blocks = 0
+        if ring.ring_blocks:  # its long requests compute more than ring_step_tokens each
+            self.ring_scratch_blocks = scratch_blocks(
+                config.max_num_batched_tokens, config.max_num_seqs, bs, ring.ring_step_tokens(bs)
+            )
+        # a verification graph step of the largest verify bucket: B x (1 + K) tokens
+        verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + k)
+        most = max(config.max_num_batched_tokens, verify_rows, config.max_prefill_graph_tokens)
+        self.inputs = StepInputs(backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups)
+        self.token_table = token_table(self.vocab_size, self.max_rows, self.device)
+        self.sampled_ids = self.token_table[self.vocab_size :]  # (R,): placeholders read it
+        self.kv_caches: list[PagedKVCache] = []
+        self.mtp_caches: list[PagedKVCache] = []
+        self.decode_graphs = DecodeGraphs(backend.device)
+        self.prefill_graphs = PrefillGraphs(backend.device)
+        self.verify_graphs = VerifyGraphs(backend.device, k)
+        self.num_prefill_graph_steps = 0  # steps that replayed one
+        self.hidden: torch.Tensor | None = None  # the last forward's that kept them (keep_hidden)
+        buckets, verify_buckets, prefill_shapes = self._graph_plan(expert_parallel)
+        reserve = self._graph_reserve(buckets, verify_buckets, prefill_shapes)
+        self.num_blocks = self._num_kv_blocks(reserve)
+        logger.info(
+            "KV cache: %d tokens (%d blocks of %d), %.1f MiB; %.2f requests of max_model_len=%d at once",
+            self.num_blocks * bs, self.num_blocks, bs, self.kv_pool_bytes(self.num_blocks) / 2**20,
+            self.num_blocks * bs / max_model_len, max_model_len,
+        )  # fmt: skip
+        self.pool_blocks = self._allocate(self.num_blocks)  # per group: the blocks handed out
+        self.proposer = self._proposer()
+        self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
+        if buckets:
+            self._capture(buckets, verify_buckets, prefill_shapes, reserve)
+        # two pinned buffers: a step's tokens land in one while the host reads the other's
+        self._host_tokens = [backend.device.pinned_empty((self.max_rows,), torch.int64) for _ in range(2)]
+        self._host_turn = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def _graph_plan(self, expert_parallel: bool) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """The decode buckets, verification buckets and prefill shapes to capture. Expert-parallel
+        ranks replay graphs together, except in batch-invariant mode: a token's MoE sum is added
+        in another order in a graph step (fixed_exchange) than in an eager one, and which one a
+        step is depends on the others. Short prefill steps replay graphs where the model pages
+        one cache group per sequence and no expert-parallel exchange needs the ranks' agreement
+        (with a speculative decoder the graphs keep the hidden states it drafts from)."""
+        c, model = self.config, self.model
+        use_graphs = not (expert_parallel and c.batch_invariant) and not c.enforce_eager
+        use_graphs = use_graphs and self.backend.capabilities.supports_graphs and model.supports_graphs
+        if c.speculative_method is not None and not model.supports_drafts_with_graphs:
+            use_graphs = False
+        buckets = graph_buckets(c.max_num_seqs) if use_graphs else []
+        shapes: list[tuple[int, int]] = []
+        if buckets and model.supports_prefill_graphs and not expert_parallel:
+            shapes = prefill_graph_shapes(max(buckets), c.max_prefill_graph_tokens, self.max_model_len)
+        return buckets, self._verify_buckets(buckets), shapes
+
+    def _verify_buckets(self, buckets: list[int]) -> list[int]:
+        """The graph buckets whose speculative steps replay verification graphs: those up to
+        MAX_VERIFY_GRAPH_BATCH requests, unless a step's padding drafts (up to k positions past
+        max_model_len) would leave the rope table, or the MTP head's chained drafts need graphs
+        that compute attention lengths and the backend's cannot."""
+        method = self.config.speculative_method
+        if method is None or not buckets:
+            return []
+        positions = self.model.rope_positions
+        if self.max_model_len + self.k > positions:
+            logger.info(
+                "speculative steps run eagerly: max_model_len + num_speculative_tokens (%d) exceeds "
+                "the rope table's %d positions; a smaller max_model_len lets them replay graphs",
+                self.max_model_len + self.k, positions,
+            )  # fmt: skip
+            return []
+        if method == "mtp" and not self.backend.device.graph_lengths_on_device:
+            logger.info(
+                "MTP steps run eagerly: the %s backend's graphs cannot compute attention lengths "
+                "(DeviceOps.graph_lengths_on_device), which the MTP head's chained drafts need",
+                self.backend.name,
+            )
+            return []
+        return [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH]
+
+    def _graph_reserve(
+        self, buckets: list[int], verify_buckets: list[int], prefill_shapes: list[tuple[int, int]]
+    ) -> int:
+        """Graphs hold one forward's activations of the largest bucket (or verify or prefill
+        step) in their pool: the bytes set aside for it."""
+        reserves = [self._step_memory_bytes(max(buckets)) or 0] if buckets else []
+        if verify_buckets:
+            reserves.append(self._step_memory_bytes(max(verify_buckets), self.k) or 0)
+        if prefill_shapes:
+            b, q = max(prefill_shapes, key=lambda s: (s[0] * s[1], s[1]))
+            reserves.append(self._step_memory_bytes(b, q - 1, prefill=True) or 0)
+        return max(reserves, default=0)
+
+    def _step_memory_bytes(self, bucket: int, width: int | None = None, prefill: bool = False) -> int | None:
+        """Device memory one decode forward + draw of `bucket` requests (of 1 + width tokens
+        each: a verification step; with `prefill`, a prefill graph step's forward) takes beyond
+        its inputs (measured on a one-block cache; None where the device has no peak counter)."""
+        dev = self.backend.device
+        dev.synchronize()
+        dev.reset_peak_memory()
+        base = dev.peak_memory_bytes()
+        if base is None:
+            return None
+        spec = self.model.kv_cache_spec(1, self.block_size)
+        caches = self.backend.kv_cache.allocate(spec, self.model.num_kv_layers)
+        real, self.kv_caches = self.kv_caches, caches
+        try:
+            step = self.inputs.prepare(ScheduledBatch(), bucket, width, prefill)
+            _, logits = self.logits(step.forward)
+            if not prefill:
+                out = torch.empty_like(logits[:, 0], dtype=torch.int64)
+                self.sampler.draw(logits, step.sampling, False, out)
+            dev.synchronize()
+            peak = dev.peak_memory_bytes()
+        finally:
+            self.kv_caches = real
+        del caches, step, logits
+        assert peak is not None
+        return peak - base
+
+    def kv_pool_bytes(self, num_blocks: int) -> int:
+        """Device bytes of a KV cache of num_blocks blocks of tokens: each group's pool
+        (group_pool_blocks) at its row width (KVCacheGroup.cache_spec), every cache of it (the
+        MTP head's included), a ring group's step scratch too."""
+        bs, groups = self.block_size, self.kv_groups
+        spec = self.model.kv_cache_spec(1, bs)
+        pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
+        pools[0] += self.ring_scratch_blocks
+        # a block of one cache of group g: BS rows of its own width
+        per_cache: list[int] = [g.cache_spec(spec).bytes_per_token * bs for g in groups]
+        return sum(n * b * g.num_caches for g, n, b in zip(groups, pools, per_cache))
+
+    def _num_kv_blocks(self, graph_reserve: int) -> int:
+        """KV blocks of tokens (each group's pool is sized from this number: group_pool_blocks):
+        as asked, or what the memory share holds once `graph_reserve` bytes are set aside for the
+        graphs' memory pool."""
+        c, bs = self.config, self.block_size
+        free, total = self.backend.device.memory_info()
+        if c.num_gpu_blocks_override is not None:
+            num_blocks = c.num_gpu_blocks_override
+            source = f"num_gpu_blocks_override={num_blocks}"
+        else:
+            if c.kv_cache_memory_bytes is not None:
+                budget = c.kv_cache_memory_bytes
+                source = f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}"
+            else:
+                budget = memory_budget(free - graph_reserve, total, c.gpu_memory_utilization)
+                source = f"gpu_memory_utilization={c.gpu_memory_utilization}"
+            # Never more than every request slot at full length could use.
+            most = c.max_num_seqs * cdiv(self.max_model_len, bs)
+            num_blocks = fit_blocks(budget, self.kv_pool_bytes, most)
+        # Before anything is allocated: the pool in device memory, the block manager in host memory.
+        on_host = self.device.type == "cpu"
+        pool_blocks = (
+            sum(group_pool_blocks(self.kv_groups, num_blocks, c.max_num_seqs)) + self.ring_scratch_blocks
+        )
+        bytes_per_block = cdiv(self.kv_pool_bytes(num_blocks), max(pool_blocks, 1))
+        check_kv_pool_fits(pool_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
+        if num_blocks * bs < self.max_model_len:
+            fixed = self.kv_pool_bytes(0)  # a ring group's per-request-slot caches and scratch
+            beside = f" beside {fixed} bytes of per-request-slot caches (max_num_seqs) and step scratch"
+            raise ValueError(
+                f"the KV cache holds {num_blocks * bs} tokens ({num_blocks} blocks of {bs}, "
+                f"{self.kv_pool_bytes(1) - fixed} bytes each{beside if fixed else ''}), fewer than "
+                f"max_model_len={self.max_model_len}; lower max_model_len, or give the cache more memory "
+                "(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)"
+            )
+        return num_blocks
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """One pool per group, the model's caches in group order (then the MTP head's, apart);
+        the ring group's step scratch after its pool's blocks -> each group's pool blocks."""
+        bs = self.block_size
+        pools = group_pool_blocks(self.kv_groups, num_blocks, self.config.max_num_seqs)
+        for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
+            scratch = self.ring_scratch_blocks if i == 0 else 0
+            spec = group.cache_spec(self.model.kv_cache_spec(n + scratch, bs))
+            caches = self.backend.kv_cache.allocate(spec, group.num_caches)
+            own = group.num_caches - group.num_mtp_caches
+            self.kv_caches += caches[:own]
+            self.mtp_caches += caches[own:]
+            mib = n * bs * spec.bytes_per_token * group.num_caches / 2**20
+            logger.info(
+                "KV cache group %s: %d caches of %d-wide rows, %d blocks, %.1f MiB (a row per %d tokens, "
+                "ring %d blocks)",
+                group.name, group.num_caches, spec.head_dim, n, mib, group.ratio, group.ring_blocks,
+            )  # fmt: skip
+            if scratch:
+                logger.info(
+                    "KV cache group %s/scratch: %d caches, %d blocks, %.1f MiB (steps longer than "
+                    "%d tokens per request)",
+                    group.name, group.num_caches, scratch, mib * scratch / n, group.ring_step_tokens(bs),
+                )  # fmt: skip
+                self.inputs.ring = RingScratch(group, bs, n, scratch)
+        return pools
+
+    def ring_caches(self, mtp: bool = False) -> list[PagedKVCache]:
+        """The ring group's caches: the model's (kv_caches' first ones), or the MTP layers'."""
+        ring = self.kv_groups[0]
+        if not ring.ring_blocks:
+            return []
+        if mtp:
+            return self.mtp_caches[: ring.num_mtp_caches]
+        return self.kv_caches[: ring.num_caches - ring.num_mtp_caches]
+
+    def _proposer(self) -> Proposer | None:
+        """The drafter that proposes a speculative step's drafts (None without one)."""
+        method, model = self.config.speculative_method, self.model
+        if method == "dspark" and model.drafter is not None:
+            return BlockProposer(model.drafter, model)
+        if method == "mtp":
+            return MTPProposer(
+                model, self.backend, self.mtp_caches, self.block_size, self.k, self.kv_groups,
+                self.inputs.ring, self.ring_caches(mtp=True),
+            )  # fmt: skip
+        return None
+
+    def _capture(
+        self, buckets: list[int], verify_buckets: list[int], shapes: list[tuple[int, int]], reserve: int
+    ) -> None:
+        """Capture the decode graphs, then the verification and prefill graphs in their pool."""
+        dev = self.backend.device
+        counts = dev.peak_memory_bytes() is not None
+        free_before, _ = dev.memory_info()
+        start = time.perf_counter()
+
+        def prepare(bucket: int, width: int | None, prefill: bool) -> PreparedStep:
+            return self.inputs.prepare(ScheduledBatch(), bucket, width, prefill)
+
+        self.decode_graphs.capture(
+            buckets, prepare, self.logits, self.sampler.draw, self.vocab_size, self.sampled_ids
+        )
+        pool, logits = self.decode_graphs.pool(), self.decode_graphs.logits
+        if verify_buckets and pool is not None and self.proposer is not None:
+            accept = functools.partial(accept_and_draft, self.proposer.graph_draft())
+            chain = functools.partial(chain_next_inputs, self.block_size, self.config.min_draft_confidence)
+            self.verify_graphs.capture(
+                verify_buckets, prepare, self.logits, self.sampler.draw, accept, chain, pool, self.vocab_size,
+                self.model.embed_tokens,
+            )  # fmt: skip
+        if shapes and pool is not None and logits is not None:
+            hidden = None
+            if self.config.speculative_method is not None:  # the drafter's: kept
+                size = (max(b * q for b, q in shapes), self.model.config.hidden_size)
+                hidden = torch.zeros(size, dtype=self.model.embed_tokens.dtype, device=self.device)
+            self.prefill_graphs.capture(shapes, prepare, self.logits, logits, pool, hidden)
+        dev.synchronize()
+        if counts:
+            self.graph_memory_bytes = max(free_before - dev.memory_info()[0], 0)
+        logger.info(
+            "captured decode graphs for %d batch sizes up to %d%s%s in %.1f s: %.0f MiB (%.0f MiB reserved)",
+            len(self.decode_graphs), max(buckets),
+            f", verification graphs for {len(self.verify_graphs)} (batch, drafts) shapes"
+            if self.verify_graphs else "",
+            f", prefill graphs for {len(self.prefill_graphs)} (requests, tokens) shapes"
+            if self.prefill_graphs else "",
+            time.perf_counter() - start, self.graph_memory_bytes / 2**20, reserve / 2**20,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the forward
+
+    def logits(
+        self, fb: ForwardBatch, out: torch.Tensor | None = None, every_row: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
+        fb.logits_indices), written into `out` when given. every_row: the step's logits rows are
+        its tokens in order (a decode graph step), so no row gather."""
+        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.token_table))
+        hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm), or V4's (T, N, Dm)
+        rows = hidden if every_row else hidden[fb.logits_indices]
+        logits: torch.Tensor = self.model.compute_logits(rows, out)
+        return hidden, logits
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ScheduledBatch, bucket: int | None = None, eager: bool = False, keep_hidden: bool = False
+    ) -> ForwardOutput:
+        """Launch one step's forward (before the scheduler counts its tokens as computed): a graph
+        replay for a decode batch that fits a bucket, or for a short prefill step that fits a
+        prefill graph, unless `eager` (expert-parallel ranks that agreed on eager forwards).
+        `bucket`: the graph to replay (the one the expert-parallel ranks agreed on); default:
+        the decode graphs' choice. keep_hidden: the step's hidden states are returned (T, Dm,
+        packed as the eager forward's) and kept (self.hidden, for the drafter): eager, or a
+        prefill graph that keeps them; the prompt log-probabilities' rows are taken first then,
+        as any step that serves the batch returns them."""
+        assert not (keep_hidden and bucket is not None), "decode graphs keep no hidden states"
+        spans = prompt_logprob_spans(batch) if keep_hidden else None
+        out = self._launch(
+            batch, bucket, eager or (keep_hidden and self.prefill_graphs.hidden is None), keep_hidden
+        )
+        if spans is None:  # a step with prompt log-probabilities runs eagerly: its hidden states are here
+            spans = prompt_logprob_spans(batch)
+        if spans:
+            assert out.hidden is not None, "a step with prompt log-probabilities replayed a graph"
+            out = out._replace(prompt_logprobs=self.prompt_logprobs(spans, out.hidden))
+        if keep_hidden:
+            self.hidden = out.hidden
+        return out
+
+    def _launch(
+        self, batch: ScheduledBatch, bucket: int | None, eager: bool, keep_hidden: bool
+    ) -> ForwardOutput:
+        if not eager and bucket is None:
+            bucket = None if keep_hidden else self.decode_graphs.bucket_for(batch)
+            shape = self.prefill_graphs.shape_for(batch, self.max_model_len) if bucket is None else None
+            if shape is not None:
+                return self._prefill_graph(batch, shape, keep_hidden)
+        if eager:
+            bucket = None
+        step = self.inputs.prepare(batch, bucket)
+        if bucket is None:
+            copies = step.ring_copies
+            if copies is not None:  # step scratch: ring -> scratch, the forward, scratch -> ring
+                copies.before(self.backend, self.ring_caches())
+            hidden, logits = self.logits(step.forward)
+            if copies is not None:
+                copies.after(self.backend, self.ring_caches())
+            return ForwardOutput(step, logits, hidden)
+        assert self.decode_graphs.logits is not None and len(batch) <= bucket
+        self._replay(bucket)
+        return ForwardOutput(step, self.decode_graphs.logits[:bucket], None)
+
+    def _prefill_graph(
+        self, batch: ScheduledBatch, shape: tuple[int, int], keep_hidden: bool
+    ) -> ForwardOutput:
+        logits = self.decode_graphs.logits
+        assert logits is not None
+        step = self.inputs.prepare(batch, shape[0], shape[1] - 1, prefill=True)
+        self.prefill_graphs[shape].replay()
+        self.num_prefill_graph_steps += 1
+        hidden = None
+        if keep_hidden:  # request i's rows start at i * q: packed again
+            assert self.prefill_graphs.hidden is not None
+            rows, q = self.prefill_graphs.hidden, shape[1]
+            parts = [rows[i * q : i * q + n] for i, n in enumerate(batch.num_new_tokens)]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return ForwardOutput(step, logits[: len(step.sampling_seqs)], hidden)
+
+    def _replay(self, bucket: int) -> None:
+        """Replay the forward graph of `bucket`; its MoE exchanges (expert parallelism) all ran."""
+        self.decode_graphs[bucket].replay()
+        log = current_log()
+        if log is not None:
+            log.replayed()
+
+    @torch.inference_mode()
+    def prompt_logprobs(
+        self, spans: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
+    ) -> PromptLogprobs:
+        """Device: the log-probabilities of the prompt positions `spans` (prompt_logprob_spans)
+        from the step's final hidden states (T, Dm): the LM head over those rows, in chunks of
+        rows, the raw log-softmax, the prompt token's value and rank and the top-k."""
+        rows = torch.cat([hidden[r : r + count] for _, _, count, r in spans])  # (R, Dm)
+        targets: list[int] = []
+        for seq, first, count, _ in spans:
+            targets.extend(seq.prompt_token_ids[first : first + count])
+        target = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        k = max(num_top_logprobs(seq.params.prompt_logprobs, self.vocab_size) for seq, *_ in spans)
+        chunk = max(1, LOGPROB_CHUNK_ELEMENTS // self.vocab_size)
+        parts = [
+            token_logprobs(self.model.compute_logits(rows[i : i + chunk]), target[i : i + chunk], k)
+            for i in range(0, rows.shape[0], chunk)
+        ]
+        values = LogprobTensors([], *(torch.cat(t) for t in zip(*parts)))
+        return PromptLogprobs([(seq, first, count) for seq, first, count, _ in spans], values)
+
+    # ------------------------------------------------------------------ the draw
+
+    @torch.inference_mode()
+    def draw(self, out: ForwardOutput) -> SampledStep | None:
+        """Logits processors (with every history up to date), the draw into sampled_ids (a
+        persistent view the next step's placeholders read), and the copy of the tokens (and of
+        the step's prompt log-probabilities) to the host, all queued without waiting for the
+        device. None: the step samples nothing and computed no prompt log-probabilities."""
+        step, logits, seqs = out.step, out.logits, out.step.sampling_seqs
+        if not seqs and out.prompt_logprobs is None:
+            return None
+        pinned = self.backend.device.pinned_empty
+        host, lp_host = self._host_tokens[self._host_turn][:0], None
+        if seqs:
+            raw = logits
+            if self.sampler.needs_processing(seqs):
+                if any(s.needs_logprob for s in seqs):
+                    raw = logits.clone()  # log-probabilities come from the raw logits
+                self.sampler.process_logits(logits, seqs)
+            rows, greedy = step.num_rows, all(s.params.greedy for s in seqs)
+            if step.bucket is not None:
+                self.decode_graphs.draws[(step.bucket, greedy)].replay()
+            else:
+                self.sampler.draw(logits, step.sampling, greedy, self.sampled_ids[:rows])
+            tokens = self.sampled_ids[:rows]
+            for row, seq in enumerate(seqs):
+                if not seq.is_finished:
+                    seq.num_pending, seq.pending_row = 1, row
+            lp = self.sampler.logprobs(raw, seqs, tokens)
+            host = self._host_tokens[self._host_turn][: tokens.shape[0]]
+            self._host_turn ^= 1
+            self.backend.device.to_host(tokens, host)
+            lp_host = lp.to_host(pinned) if lp is not None else None
+        prompt = out.prompt_logprobs
+        ready = self.backend.device.new_event()
+        ready.record()
+        return SampledStep(seqs, host, lp_host, ready, prompt.to_host(pinned) if prompt is not None else None)
+
+    # ------------------------------------------------------------------ speculative steps
+
+    @torch.inference_mode()
+    def verify_launch(
+        self, batch: ScheduledBatch | None, bucket: int, width: int, greedy: bool, rows: int
+    ) -> PendingVerify:
+        """Launch one verification step (two graph replays) and the copy of its results to the
+        host, without waiting. batch None: a chained step, whose inputs the previous step of the
+        same (bucket, width) wrote on the device. `rows`: the real requests."""
+        if batch is not None:
+            self.inputs.prepare(batch, bucket, width)
+        return self.verify_graphs.launch(bucket, width, greedy, rows)
+
+    def verify_read(self, pending: PendingVerify) -> VerifyResult:
+        """Wait for a launched verification step's results."""
+        return self.verify_graphs.read(pending)
+
+    def set_chain_limits(self, limits: list[int], budget: int) -> None:
+        """The cache-write limits and the draft budget of the next verification steps
+        (VerifyGraphs.set_limits)."""
+        self.verify_graphs.set_limits(limits, budget)
+
+    def propose(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+        limits: list[int],
+    ) -> list[Drafts]:
+        """The drafter's proposals after an eager forward that kept its hidden states
+        (Proposer.propose)."""
+        assert self.proposer is not None and self.hidden is not None
+        return self.proposer.propose(seqs, spans, hidden_rows, num_drafts, limits, self.hidden)
+
+    # ------------------------------------------------------------------ expert parallelism
+
+    def rows_asked(self, batch: ScheduledBatch | None) -> int:
+        """Before the status exchange, a rank's planned step (None: idle) -> the rows it asks for:
+        its decode batch size where a graph serves it, 0 for no forward of its own, EAGER for a
+        step that needs eager forwards (or on a rank without graphs)."""
+        if not self.decode_graphs:
+            return EAGER
+        if batch is None or len(batch) == 0:  # idle, or only tokens in flight
+            return 0
+        return len(batch) if self.decode_graphs.bucket_for(batch) is not None else EAGER
+
+    def agreed_bucket(self, rows: list[int]) -> int | None:
+        """The graph bucket every expert-parallel rank replays this step, from every rank's rows
+        (each rank decides the same); None: eager forwards (some rank's step needs them, or no
+        rank has a forward of its own)."""
+        if EAGER in rows or max(rows) == 0:
+            return None
+        return self.decode_graphs.smallest(max(rows))
+
+    @torch.inference_mode()
+    def idle(self, bucket: int | None = None) -> None:
+        """A forward pass over no tokens: with expert parallelism a rank without requests still
+        takes part in every MoE layer's exchange while the other ranks step. `bucket`: the graph
+        step the ranks agreed on, replayed with every row padding; None: an eager forward."""
+        if bucket is not None:
+            self.inputs.prepare(ScheduledBatch(), bucket)
+            self._replay(bucket)
+            return
+        empty = torch.zeros((0,), dtype=torch.int64, device=self.device)
+        tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        fb = ForwardBatch(
+            input_ids=empty, positions=empty, slot_mapping=empty,
+            attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
+        )  # fmt: skip
+        self.model.forward(fb, self.kv_caches)
+
+
+def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:
+    """Before the step's scheduled tokens count as computed: the prompt positions whose
+    log-probability the step's hidden states give, as (seq, first position, count, hidden row
+    of the token before it), and marks them launched (seq.prompt_logprob_pos). Position p
+    (0 < p < prompt length) is the step's if it computes position p - 1."""
+    spans = []
+    row = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        if seq.wants_prompt_logprobs:
+            start = seq.num_computed_tokens
+            first = seq.prompt_logprob_pos
+            assert first > start, "a prompt position's logits were skipped (prefix cache?)"
+            last = min(start + n, seq.num_prompt_tokens - 1)
+            if last >= first:
+                spans.append((seq, first, last - first + 1, row + first - 1 - start))
+                seq.prompt_logprob_pos = last + 1
+        row += n
+    return spans
