@@ -2,12 +2,16 @@
 # (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
 """Helpers shared by the kernels: interpreter workarounds and small launch utilities.
 
-Under TRITON_INTERPRET=1 (CI on a CPU) three interpreter defects are worked around, all only in
+Under TRITON_INTERPRET=1 (CI on a CPU) four interpreter defects are worked around, all only in
 that mode (the compiled path is untouched):
   * tl.dot on bfloat16 / float16 operands returns garbage: operands are upcast to float32 first.
   * float32 -> float8e4nv conversion drops the carry when rounding reaches the next binade
     (1.95 -> 1.0): values are rounded to the e4m3 grid in float32 before the cast.
   * float32 -> bfloat16 conversion truncates: `to_dtype` rounds to nearest even in float32 first.
+  * tl.dot is NumPy's BLAS matmul, whose rounding of an output row depends on the row's place in
+    the tile on some CPUs (OpenBLAS's AVX2 kernels): `_patch_interpreter_dot` multiplies row by
+    row, so that a row's product depends on its own operands only, as an MMA's does on a GPU
+    (the batch-invariance tests compare a row alone with the same row in a batch, bit for bit).
 And libdevice (extern calls) does not run in the interpreter: `log` / `log1p` use NumPy's there
 and libdevice's (within an ulp, like torch's) on the GPU.
 """
@@ -203,5 +207,39 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_dot() -> None:
+    """Make the interpreter's tl.dot row-independent: the product of a (..., M, K) tile and a
+    (..., K, N) tile is computed as M products of one row each (the same BLAS call for every
+    row, wherever it sits in the tile). Interpreter mode only."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_deepinfer_patched", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = a.data.shape[-2]
+        if rows == 1:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        parts = [
+            original(
+                self,
+                interpreter.TensorHandle(a.data[..., i : i + 1, :], a.dtype),
+                b,
+                interpreter.TensorHandle(d.data[..., i : i + 1, :], d.dtype),
+                input_precision,
+                max_num_imprecise_acc,
+            ).data
+            for i in range(rows)
+        ]
+        return interpreter.TensorHandle(np.concatenate(parts, axis=-2), d.dtype.scalar)
+
+    create_dot._deepinfer_patched = True  # type: ignore[attr-defined]
+    builder.create_dot = create_dot
+
+
 if INTERPRET:
     _patch_interpreter_index()
+    _patch_interpreter_dot()
