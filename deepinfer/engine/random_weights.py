@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.fp4 import E8M0_BIAS
 from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.ops import Backend
@@ -56,6 +57,7 @@ class RandomReader:
         self.location: dict[str, str] = {}
         self.std = std
         self.fp8, self.fp4_experts = fp8, fp4_experts
+        self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.generator = torch.Generator(device=device).manual_seed(seed)  # draws on the device
 
     def has(self, name: str) -> bool:

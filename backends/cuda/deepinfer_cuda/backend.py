@@ -10,23 +10,27 @@ MLA's cache write (norm + rope + store) in one, MLA's query (rope + per-head pro
 in one, the sampling noise in one; DeepSeek-V4's mHC weights (Sinkhorn included), mixes and head
 collapse in one each, its lightning indexer (scores, then top-k) and compressed attention (window
 rows + compressed entries + sinks) in Triton.
-DEEPINFER_CUDA_UNFUSED=1, read when the backend is created, switches those back to the composed
+DEEPINFER_CUDA_UNFUSED=1 switches those back to the composed
 paths they replace (routing in torch as the reference computes it, the torch sort and a torch
 tile table per GEMM, write_mla_kv, mla_query and exponential_noise as the contract's defaults,
 which run through this backend's own rms_norm / rope / write_kv / batched_linear and the
 reference hash; the V4 ops as the contract's reference defaults) so that a benchmark can measure
 what the fusion buys. Results agree within each op's contract either way.
+
+Switches (deepinfer.envs, docs/environment.md): create_cuda_backend reads them once, from the
+environment or the snapshot it is given, and each part keeps the values it uses; a launch reads
+none, so a backend and the graphs it captured keep the switches it was created with.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.fp8 import FP8_DTYPE
 from deepinfer.backend.host import HostEvent, HostStream, host_memory_info
 from deepinfer.backend.ops import (
@@ -62,77 +66,6 @@ from deepinfer_cuda.kernels import v4 as v4_k
 from deepinfer_cuda.kernels.moe import sort_by_expert
 from deepinfer_cuda.plugin import interpreting
 
-UNFUSED_ENV = "DEEPINFER_CUDA_UNFUSED"
-
-
-def fused_from_env() -> bool:
-    """False when DEEPINFER_CUDA_UNFUSED is set (to anything but 0): the composed paths."""
-    return os.environ.get(UNFUSED_ENV, "0") in ("", "0")
-
-
-MOE_DECODE_ENV = "DEEPINFER_CUDA_MOE_DECODE"
-
-
-def moe_decode_from_env() -> bool:
-    """False when DEEPINFER_CUDA_MOE_DECODE=0: decode-sized MoE layers take the grouped path too."""
-    return os.environ.get(MOE_DECODE_ENV, "1") != "0"
-
-
-MOE_EARLY_ENV = "DEEPINFER_CUDA_MOE_EARLY"
-
-
-def moe_early_from_env() -> bool:
-    """False when DEEPINFER_CUDA_MOE_EARLY=0: the decode MoE kernels' shared-expert copies wait
-    for the router like the routed ones (CudaMoe._shared_early)."""
-    return os.environ.get(MOE_EARLY_ENV, "1") != "0"
-
-
-EARLY_INPUTS_ENV = "DEEPINFER_CUDA_EARLY_INPUTS"
-
-
-def early_inputs_from_env() -> bool:
-    """False when DEEPINFER_CUDA_EARLY_INPUTS=0: the decode step's MLA kernels read the step's
-    inputs (positions, slots, lengths, block tables) and the cache rows of earlier steps only
-    after waiting for the previous kernel (kernels/mla.py early_inputs, kernels/attention.py
-    early_cache)."""
-    return os.environ.get(EARLY_INPUTS_ENV, "1") != "0"
-
-
-ARGMAX_ENV = "DEEPINFER_CUDA_ARGMAX"
-
-
-def argmax_from_env() -> bool:
-    """False when DEEPINFER_CUDA_ARGMAX=0: the greedy draw takes the contract's two reductions
-    instead of the one-launch kernel (kernels/small.argmax)."""
-    return os.environ.get(ARGMAX_ENV, "1") != "0"
-
-
-WIDE_QUERY_ENV = "DEEPINFER_CUDA_WIDE_QUERY"
-
-
-def query_rows_from_env() -> int:
-    """The most rows for which MLA's query takes its 16-row decode tiles and writes the cache in
-    the same launch: mla.DECODE_MAX_T, or 64 (the limit before it) when DEEPINFER_CUDA_WIDE_QUERY=0."""
-    return mla_k.DECODE_MAX_T if os.environ.get(WIDE_QUERY_ENV, "1") != "0" else 64
-
-
-KERNEL_COPIES_ENV = "DEEPINFER_CUDA_KERNEL_COPIES"
-
-
-def kernel_copies_from_env() -> bool:
-    """False when DEEPINFER_CUDA_KERNEL_COPIES=0: the step's small host copies (the sampled
-    tokens, the step inputs) by the copy engine (CudaDevice.to_host / to_device)."""
-    return os.environ.get(KERNEL_COPIES_ENV, "1") != "0"
-
-
-SKINNY_ENV = "DEEPINFER_CUDA_SKINNY"
-
-
-def skinny_from_env() -> bool:
-    """False when DEEPINFER_CUDA_SKINNY=0: decode-sized float linears stay on cuBLAS."""
-    return os.environ.get(SKINNY_ENV, "1") != "0"
-
-
 # --------------------------------------------------------------------------- device / memory
 
 
@@ -149,11 +82,12 @@ class CudaGraphRunner(GraphRunner):
 class CudaDevice(DeviceOps):
     graph_lengths_on_device = True  # the kernels read lengths on the device (host ones: bounds)
 
-    def __init__(self, options: BackendOptions, device: torch.device, kernel_copies: bool = True) -> None:
+    def __init__(self, options: BackendOptions, device: torch.device, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
         self._device = device
         self._is_cuda = device.type == "cuda"
-        self.kernel_copies = kernel_copies  # to_host / to_device by small.copy_words
+        # to_host / to_device by small.copy_words
+        self.kernel_copies = not env.cuda_unfused and env.cuda_kernel_copies
 
     def device(self) -> torch.device:
         return self._device
@@ -238,9 +172,10 @@ class CudaDevice(DeviceOps):
 class CudaKVCache(KVCacheOps):
     """The contract's default layout, (NB, BS, D) per layer, written by Triton kernels."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True) -> None:
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
-        self.fused = fused
+        self.fused = not env.cuda_unfused
+        self.pdl = env.cuda_pdl
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
@@ -263,7 +198,7 @@ class CudaKVCache(KVCacheOps):
         t = _cache_tensor(cache)
         args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
         if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
-            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args)
+            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args, pdl=self.pdl)
         else:
             super().write_mla_kv(cache, kv, *args)
 
@@ -287,12 +222,14 @@ class CudaAttention(AttentionOps):
     (kernels/mla.py); DeepSeek-V4's compressed attention and lightning indexer in kernels/v4.py
     (unfused: the contract's defaults)."""
 
-    def __init__(
-        self, options: BackendOptions, fused: bool = True, query_rows: int = mla_k.DECODE_MAX_T
-    ) -> None:
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
-        self.fused = fused
-        self.query_rows = query_rows  # mla_query_and_cache's one launch up to this many rows
+        self.fused = not env.cuda_unfused
+        # mla_query_and_cache's one launch up to this many rows (64: the limit before 128-row tiles)
+        self.query_rows = mla_k.DECODE_MAX_T if env.cuda_wide_query else 64
+        self.early_inputs = env.cuda_early_inputs  # the decode step's MLA kernels (kernels/mla.py)
+        self.pdl = env.cuda_pdl
+        self.vendor = env.cuda_vendor  # FlashMLA where installed (deepinfer_cuda.vendor)
 
     def decode(
         self,
@@ -307,7 +244,7 @@ class CudaAttention(AttentionOps):
         if not meta.is_decode_only:
             raise ValueError("decode attention needs exactly one query token per request")
         kv = _cache_tensor(cache)
-        if not self.batch_invariant and modifiers.is_plain:
+        if self.vendor and not self.batch_invariant and modifiers.is_plain:
             out = vendor.flash_mla_decode(q, kv, meta, scale=scale, v_dim=v_dim)
             if out is not None:
                 return out
@@ -349,7 +286,7 @@ class CudaAttention(AttentionOps):
             and w_uv.dtype == q.dtype
             and v_dim <= cache.spec.head_dim
             and gemm_k.skinny_merge_ok(q.shape[0], w_uv)
-            and not vendor.flash_mla_available()
+            and not (self.vendor and vendor.flash_mla_available())
         )
         if not fits:
             return super().mla_decode_and_uv(
@@ -357,11 +294,11 @@ class CudaAttention(AttentionOps):
             )
         o = attn_k.mla_attention_partials(  # the model's decode step: its metadata and older rows
             q, _cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
-            early_cache=early_inputs_from_env(),
+            early_cache=self.early_inputs, pdl=self.pdl,
         )  # fmt: skip
         if isinstance(o, torch.Tensor):
             return gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
-        return gemm_k.skinny_merge_matmul(o.part, o.lse, o.splits, q.shape[0], w_uv)
+        return gemm_k.skinny_merge_matmul(o.part, o.lse, o.splits, q.shape[0], w_uv, pdl=self.pdl)
 
     def _run(
         self,
@@ -380,6 +317,7 @@ class CudaAttention(AttentionOps):
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
             split_size=attn_k.invariant_split(self.options.max_model_len) if self.batch_invariant else None,
+            pdl=self.pdl,
         )  # fmt: skip
 
     def mla_query(
@@ -396,8 +334,9 @@ class CudaAttention(AttentionOps):
         if not self.fused or not mla_k.supported(q_nope, q_pe, w_uk):
             return super().mla_query(q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved)
         return mla_k.mla_query(
-            q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant
-        )
+            q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant,
+            pdl=self.pdl,
+        )  # fmt: skip
 
     def mla_query_and_cache(
         self,
@@ -427,7 +366,7 @@ class CudaAttention(AttentionOps):
         write = mla_k.CacheWrite(t, kv, kv_norm_weight, eps, slot_mapping)
         return mla_k.mla_query(  # the model's step: positions and slots are its step inputs
             q_nope, q_pe, w_uk, positions, cos_sin_cache, interleaved, batch_invariant=self.batch_invariant,
-            write=write, early_inputs=early_inputs_from_env(), decode_max_t=self.query_rows,
+            write=write, early_inputs=self.early_inputs, decode_max_t=self.query_rows, pdl=self.pdl,
         )  # fmt: skip
 
     def compressed_attention(
@@ -452,7 +391,7 @@ class CudaAttention(AttentionOps):
             q, _cache_tensor(cache), _cache_tensor(compressed), meta, scale=scale, ratio=ratio,
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, compressed_block_tables=compressed_block_tables,
-            batch_invariant=self.batch_invariant,
+            batch_invariant=self.batch_invariant, pdl=self.pdl,
         )  # fmt: skip
 
     def indexer_topk(
@@ -477,11 +416,15 @@ class CudaAttention(AttentionOps):
 
 
 class CudaGemm(GemmOps):
-    def __init__(self, options: BackendOptions, fused: bool = True, skinny: bool = True) -> None:
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
-        self.fused = fused
+        self.fused = not env.cuda_unfused
         # decode-sized float linears on kernels/gemm.skinny_matmul (outside batch-invariant mode)
-        self.skinny = fused and skinny and not self.batch_invariant
+        self.skinny = self.fused and env.cuda_skinny and not self.batch_invariant
+        self.pdl = env.cuda_pdl
+        self.vendor = env.cuda_vendor  # DeepGEMM where installed (deepinfer_cuda.vendor)
+        # the batch-invariant matmul's tiles, where a benchmark pins them (else by M)
+        self.invariant_tile = gemm_k.invariant_setting(env.cuda_invariant_tile)
 
     def _tiles(self, group_sizes: torch.Tensor, rows: int, fp8: bool) -> gemm_k.TileTable | None:
         """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
@@ -496,9 +439,9 @@ class CudaGemm(GemmOps):
         mode uses the fixed-tile Triton matmul instead (cuBLAS may change kernel, and reduction
         order, with M)."""
         if self.batch_invariant:
-            return gemm_k.matmul(x, weight, bias)
+            return gemm_k.matmul(x, weight, bias, self.invariant_tile)
         if self.skinny and bias is None and x.dim() == 2 and gemm_k.skinny_pays(x, weight):
-            return gemm_k.skinny_matmul(x, weight)
+            return gemm_k.skinny_matmul(x, weight, pdl=self.pdl)
         return torch.nn.functional.linear(x, weight, bias)
 
     def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -507,10 +450,10 @@ class CudaGemm(GemmOps):
         batch-invariant mode: the fixed-tile Triton matmul over every group in one launch (each
         row's result independent of M)."""
         if self.batch_invariant:
-            return gemm_k.batched_matmul(x, weight)
+            return gemm_k.batched_matmul(x, weight, self.invariant_tile)
         if self.skinny and gemm_k.skinny_pays(x, weight):
             out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
-            return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1))
+            return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1), pdl=self.pdl)
         return torch.bmm(x, weight.transpose(1, 2))
 
     def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -524,7 +467,7 @@ class CudaGemm(GemmOps):
         weight_scale: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        if not self.batch_invariant:
+        if self.vendor and not self.batch_invariant:
             out = vendor.deep_gemm_fp8(xq, x_scale, weight, weight_scale, out_dtype)
             if out is not None:
                 return out
@@ -578,11 +521,14 @@ class CudaMoe(MoeOps):
     grouped GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
     torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True, decode: bool = True) -> None:
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
-        self.fused = fused
-        self.decode = fused and decode  # kernels/moe.decode_moe for a few tokens
-        self.early = moe_early_from_env()
+        self.fused = not env.cuda_unfused
+        self.decode = self.fused and env.cuda_moe_decode  # kernels/moe.decode_moe for a few tokens
+        # its tiles where a benchmark pins them (else decode_config's by size), and its copy limit
+        self.decode_tiles, self.max_copies = moe_k.decode_setting(env.cuda_moe_decode_tiles)
+        self.early = env.cuda_moe_early
+        self.pdl = env.cuda_pdl
         # The last one-launch routing: (x, ids) by weak reference, its shared experts S and E + S.
         # fused_moe on that very x and ids may start the shared copies early.
         self._routed: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, int] | None = None
@@ -591,7 +537,7 @@ class CudaMoe(MoeOps):
         """Decode sizes (outside batch-invariant mode): one Triton launch on x as it is; else the
         contract's x.float() and a float32 linear."""
         if self._router_gemv(x, weight):
-            return moe_k.router_logits(x, weight)
+            return moe_k.router_logits(x, weight, pdl=self.pdl)
         return super().router_logits(x, weight)
 
     def route(
@@ -618,7 +564,9 @@ class CudaMoe(MoeOps):
         same bits as router_logits + route); else those two."""
         self._routed = None
         if self._router_gemv(x, gate_weight):
-            weights, ids = moe_k.select_experts(x, gate_weight, config, correction_bias, hash_ids)
+            weights, ids = moe_k.select_experts(
+                x, gate_weight, config, correction_bias, hash_ids, pdl=self.pdl
+            )
             s = config.shared_experts
             self._routed = (weakref.ref(x), weakref.ref(ids), s, gate_weight.shape[0] + s)
             return weights, ids
@@ -684,19 +632,22 @@ class CudaMoe(MoeOps):
         """Like the default composition, but the first GEMM reads token rows straight from x
         through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
         counts and the tile table for both GEMMs) -> GEMM -> silu_and_mul -> GEMM -> combine.
-        Up to moe_k.DECODE_MAX_COPIES token copies, outside batch-invariant mode (the two paths
-        round alike but reduce in different tiles, so a row's bits would change with T at the
-        limit), for unquantised experts: kernels/moe.decode_moe, two launches (up with
-        silu_and_mul, down with the combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
+        Up to max_copies token copies (moe_k.DECODE_MAX_COPIES unless pinned), outside
+        batch-invariant mode (the two paths round alike but reduce in different tiles, so a row's
+        bits would change with T at the limit), for unquantised experts: kernels/moe.decode_moe,
+        two launches (up with silu_and_mul, down with the combine), no sort;
+        DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
-        small = ids.numel() <= moe_k.DECODE_MAX_COPIES
+        small = ids.numel() <= self.max_copies
         shared = self._shared_early(x, ids, w13)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
             # bf16 / float32 experts (FP8: slower)
-            return moe_k.decode_moe(x, weights, ids, w13, w2, shared_experts=shared)
+            return moe_k.decode_moe(
+                x, weights, ids, w13, w2, config=self.decode_tiles, shared_experts=shared, pdl=self.pdl
+            )
         cfg = self._config(ids.numel(), w13_scale, ids.device)
         a = self._align(ids, w13.shape[0], cfg.block_m)
         y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
@@ -764,13 +715,14 @@ class CudaSmall(SmallOps):
     mHC ops), bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
     vocabulary, already a handful of device kernels)."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True, argmax: bool = True) -> None:
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
-        self.fused = fused
-        self.argmax_kernel = fused and argmax
+        self.fused = not env.cuda_unfused
+        self.argmax_kernel = self.fused and env.cuda_argmax
+        self.pdl = env.cuda_pdl
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return small_k.rms_norm(x, weight, eps)[0]
+        return small_k.rms_norm(x, weight, eps, pdl=self.pdl)[0]
 
     def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One launch (kernels/small.argmax) where fused; else the contract's two reductions."""
@@ -782,7 +734,7 @@ class CudaSmall(SmallOps):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel: the sum in float32, normalised before its rounding to x's dtype."""
-        y, h = small_k.rms_norm(x, weight, eps, residual)
+        y, h = small_k.rms_norm(x, weight, eps, residual, pdl=self.pdl)
         assert h is not None
         return y, h
 
@@ -882,21 +834,23 @@ def capabilities_for(device: torch.device) -> Capabilities:
     )
 
 
-def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
+def create_cuda_backend(options: BackendOptions | None = None, env: envs.Env | None = None) -> Backend:
+    """The cuda Backend on options.device_index; `env`: the switches (default: read from the
+    environment now, deepinfer.envs), which its parts keep."""
     options = options or BackendOptions()
+    env = envs.read() if env is None else env
     device = cuda_device(options)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    fused = fused_from_env()
     return Backend(
         name="cuda",
         options=options,
         capabilities=capabilities_for(device),
-        device=CudaDevice(options, device, fused and kernel_copies_from_env()),
-        kv_cache=CudaKVCache(options, fused),
-        attention=CudaAttention(options, fused, query_rows_from_env()),
-        gemm=CudaGemm(options, fused, skinny_from_env()),
-        moe=CudaMoe(options, fused, moe_decode_from_env()),
+        device=CudaDevice(options, device, env),
+        kv_cache=CudaKVCache(options, env),
+        attention=CudaAttention(options, env),
+        gemm=CudaGemm(options, env),
+        moe=CudaMoe(options, env),
         collectives=CudaCollectives(options, device),
-        small=CudaSmall(options, fused, argmax_from_env()),
+        small=CudaSmall(options, env),
     )
