@@ -335,9 +335,9 @@ TEST_SUBPROCESS_TIMEOUT = Switch(
     audience="test",
     read_when="when that test module is collected",
 )
-NPU_SIM_SOC = Switch(
+SIMULATED_SOC = Switch(
     name="DEEPINFER_NPU_SIM_SOC",
-    attr="npu_sim_soc",
+    attr="simulated_soc",
     kind="int",
     default=220,
     meaning="the SoC the torch_npu CPU simulation pretends to be (220-225 A2, 250-255 A3, 260 Ascend 950)",
@@ -367,7 +367,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_VENDOR,
     TEST_BACKEND,
     TEST_SUBPROCESS_TIMEOUT,
-    NPU_SIM_SOC,
+    SIMULATED_SOC,
 )
 BY_NAME: dict[str, Switch] = {s.name: s for s in SWITCHES}
 
@@ -397,7 +397,7 @@ class Env:
     cuda_vendor: bool
     test_backend: str | None
     test_subprocess_timeout: float
-    npu_sim_soc: int
+    simulated_soc: int
 
 
 assert [f.name for f in fields(Env)] == [s.attr for s in SWITCHES], "Env and SWITCHES list the same fields"

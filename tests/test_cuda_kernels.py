@@ -35,6 +35,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     import triton
     import triton.language as tl
     from deepinfer_cuda import backend as cuda_backend
+    from deepinfer_cuda.gemm import CudaGemm
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import mla as mla_k
@@ -42,6 +43,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.kernels import small as small_k
     from deepinfer_cuda.kernels import v4 as v4_k
     from deepinfer_cuda.kernels.moe import sort_by_expert
+    from deepinfer_cuda.kv_cache import cache_tensor
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -299,7 +301,7 @@ def test_attention_early_cache_gives_the_same_bits(
         dtype=torch.bfloat16, gen=gen, rope_dim=64,
     )  # fmt: skip
     q = torch.randn((sum(query_lens), 16, 576), generator=gen).to(torch.bfloat16).to(DEV)
-    kv = cuda_backend._cache_tensor(batch.cache)
+    kv = cache_tensor(batch.cache)
 
     def run(early: bool) -> list[torch.Tensor]:
         out = attn_k.mla_attention_partials(
@@ -1088,7 +1090,7 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(gemm_k, "skinny_matmul", spy)
     w = torch.randn((24, 64)).to(torch.bfloat16).to(DEV)
-    gemm = cuda_backend.CudaGemm(BackendOptions())
+    gemm = CudaGemm(BackendOptions())
     for rows in (1, gemm_k.SKINNY_MAX_M, gemm_k.SKINNY_MAX_M + 1):
         x = torch.randn((rows, 64)).to(torch.bfloat16).to(DEV)
         torch.testing.assert_close(gemm.linear(x, w).float(), (x.float() @ w.float().T), rtol=2e-2, atol=5e-2)
@@ -1102,7 +1104,7 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
     monkeypatch.setattr(gemm_k, "SKINNY_MAX_WEIGHT_BYTES", w.numel() * 2 - 1)  # a larger weight: cuBLAS
     gemm.linear(x[:1], w)
     assert len(calls) == 3
-    cuda_backend.CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
+    CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
     monkeypatch.setenv(envs.CUDA_SKINNY.name, "0")
     cuda_backend.create_cuda_backend(BackendOptions()).gemm.linear(x[:1], w)
     assert len(calls) == 3, "batch-invariant mode and DEEPINFER_CUDA_SKINNY=0 keep the other paths"

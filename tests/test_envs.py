@@ -88,7 +88,7 @@ def test_values_parse_or_name_the_variable() -> None:
     assert not env.cuda_pdl and env.cuda_unfused and env.log_level == "INFO"
     assert env.model_unfused == frozenset(envs.MODEL_FUSIONS)
     assert env.cuda_invariant_tile == (16, 64, 128, 4, 3)
-    assert env.npu_sim_soc == 260 and env.test_subprocess_timeout == 5.0
+    assert env.simulated_soc == 260 and env.test_subprocess_timeout == 5.0
     cases = {
         "DEEPINFER_CUDA_SKINNY": ("maybe", "expected 1 or 0"),
         "DEEPINFER_LOG_LEVEL": ("LOUD", "is not a log level; choose one of DEBUG"),

@@ -27,7 +27,7 @@ def check(cond: bool, op: str, constraint: str, detail: str = "") -> None:
 
 @dataclass
 class SimState:
-    soc_version: int = envs.NPU_SIM_SOC.default
+    soc_version: int = envs.SIMULATED_SOC.default
     device_count: int = 1
     current_device: int = 0
 
@@ -46,7 +46,7 @@ def install(soc_version: int | None = None, device_count: int = 1) -> ModuleType
 
     from . import mc2, runtime, torch_npu_sim
 
-    STATE.soc_version = soc_version if soc_version is not None else envs.read().npu_sim_soc
+    STATE.soc_version = soc_version if soc_version is not None else envs.read().simulated_soc
     STATE.device_count = device_count
     if not installed():
         _saved["torch_npu"] = sys.modules.get("torch_npu")
