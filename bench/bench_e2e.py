@@ -118,21 +118,23 @@ from typing import Any
 
 import torch
 
+from deepinfer import envs
+
 REPO = Path(__file__).resolve().parents[1]
 T0 = time.time()
-CUDA_UNFUSED = "DEEPINFER_CUDA_UNFUSED"  # read by the cuda backend when it is created
-MOE_DECODE = "DEEPINFER_CUDA_MOE_DECODE"  # 0: the cuda backend's decode-sized MoE kernels off
-SKINNY = "DEEPINFER_CUDA_SKINNY"  # 0: decode-sized float linears on cuBLAS, not the skinny kernel
-PDL = "DEEPINFER_CUDA_PDL"  # 0: the cuda backend's kernels launched the ordinary way
-MOE_EARLY = "DEEPINFER_CUDA_MOE_EARLY"  # 0: the shared experts' copies wait for the router
-EARLY_INPUTS = "DEEPINFER_CUDA_EARLY_INPUTS"  # 0: MLA's decode kernels read step inputs after the wait
-ARGMAX = "DEEPINFER_CUDA_ARGMAX"  # 0: the greedy draw as the contract's two reductions
-WIDE_QUERY = "DEEPINFER_CUDA_WIDE_QUERY"  # 0: MLA's query in 16-row tiles up to 64 rows, not 128
-KERNEL_COPIES = "DEEPINFER_CUDA_KERNEL_COPIES"  # 0: the step's small host copies by the copy engine
-MOE_DECODE_TILES = "DEEPINFER_CUDA_MOE_DECODE_TILES"  # the decode MoE kernels' tiles, at every size
-MODEL_UNFUSED = "DEEPINFER_MODEL_UNFUSED"  # read by deepinfer.models.layers.fusion_enabled
-# the ablations that set one of the cuda backend's variables, read when the backend is created or
-# a graph captured: (row key, variable, value); "0" switches a feature off
+CUDA_UNFUSED = envs.CUDA_UNFUSED.name  # read by the cuda backend when it is created
+MOE_DECODE = envs.CUDA_MOE_DECODE.name  # 0: the cuda backend's decode-sized MoE kernels off
+SKINNY = envs.CUDA_SKINNY.name  # 0: decode-sized float linears on cuBLAS, not the skinny kernel
+PDL = envs.CUDA_PDL.name  # 0: the cuda backend's kernels launched the ordinary way
+MOE_EARLY = envs.CUDA_MOE_EARLY.name  # 0: the shared experts' copies wait for the router
+EARLY_INPUTS = envs.CUDA_EARLY_INPUTS.name  # 0: MLA's decode kernels read step inputs after the wait
+ARGMAX = envs.CUDA_ARGMAX.name  # 0: the greedy draw as the contract's two reductions
+WIDE_QUERY = envs.CUDA_WIDE_QUERY.name  # 0: MLA's query in 16-row tiles up to 64 rows, not 128
+KERNEL_COPIES = envs.CUDA_KERNEL_COPIES.name  # 0: the step's small host copies by the copy engine
+MOE_DECODE_TILES = envs.CUDA_MOE_DECODE_TILES.name  # the decode MoE kernels' tiles, at every size
+MODEL_UNFUSED = envs.MODEL_UNFUSED.name  # read when a model is loaded (CheckpointReader.unfused)
+# the ablations that set one of the cuda backend's variables, read when the backend is created
+# (deepinfer.envs): (row key, variable, value); "0" switches a feature off
 SWITCHES_OFF = [
     ("no_decode_moe", MOE_DECODE, "0"),
     ("no_skinny", SKINNY, "0"),
@@ -358,6 +360,7 @@ class StateDictReader:
         self.fp8_dtype = torch.float8_e4m3fn
         self.location = dict.fromkeys(state, "<memory>")
         self._read: set[str] = set()
+        self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
 
     def has(self, name: str) -> bool:
         return name in self.state
@@ -1563,17 +1566,10 @@ def switch_keys(value: str) -> list[str]:
 
 
 def backend_reads_env(name: str, var: str) -> bool:
-    """Whether the backend package's source mentions `var` (a guard against an ablation that
-    silently changes nothing)."""
-    from deepinfer.backend.registry import BackendRegistry
-
-    with contextlib.suppress(Exception):
-        info = BackendRegistry.discover().info(name)
-        module = sys.modules.get(getattr(info.factory, "__module__", ""))
-        if module is not None and module.__file__:
-            root = Path(module.__file__).parent
-            return any(var in p.read_text(errors="ignore") for p in root.rglob("*.py"))
-    return False
+    """Whether backend `name` reads `var` (deepinfer.envs says which backend reads each switch): a
+    guard against an ablation that silently changes nothing."""
+    switch = envs.BY_NAME.get(var)
+    return switch is not None and switch.backend == name
 
 
 KERNEL_TABLE_HEAD = [

@@ -122,6 +122,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e as e2e  # the helpers this script shares with the V2 benchmark
 
+from deepinfer import envs
 from deepinfer.models.loader import CheckpointReader, MissingTensorError
 from deepinfer.testing.transformers_ties import stable_indexer_topk
 
@@ -151,6 +152,7 @@ class StateDictSource(CheckpointReader):
         self.root, self.device = Path("<memory>"), device
         self.allow_fp8, self.backend_name = allow_fp8, backend
         self.check_weights = False  # made here, finite
+        self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.fp8_dtype = torch.float8_e4m3fn
         self.files, self.index_map, self._handles = [], {}, {}
         self.state = state

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on the device: bench/bench_e2e.py (deepinfer only, no extras) once per environment setting,
-# each in its own process (settings such as DEEPINFER_CUDA_MOE_DECODE_TILES are read at import),
+# each in its own process (every DEEPINFER_* switch is read when the backend or model is created),
 # after an optional conformance subset (CONF_K). The tok/s lines of every run are printed; logs
 # and e2e files in $OUT/sweep/<n>.
 #   usage: OUT=dir SETTINGS="VAR=VALUE;VAR=VALUE VAR2=VALUE2;..." [CONF_K=filter] \

@@ -14,13 +14,11 @@ from the defaults, the weights' load time, the KV-cache size in tokens, graph ca
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from deepinfer import envs
+
 LOGGER_NAME = "deepinfer"
-LEVEL_ENV = "DEEPINFER_LOG_LEVEL"
-CONFIGURE_ENV = "DEEPINFER_CONFIGURE_LOGGING"
-LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 FORMAT = "%(levelname)s %(asctime)s [%(module)s] %(message)s"
 
 
@@ -39,25 +37,15 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
-def env_level() -> int | None:
-    """The level DEEPINFER_LOG_LEVEL names, None if unset; ValueError if it names none."""
-    name = os.environ.get(LEVEL_ENV, "").strip().upper()
-    if not name:
-        return None
-    if name not in LEVELS:
-        raise ValueError(
-            f"{LEVEL_ENV}={os.environ[LEVEL_ENV]!r} is not a log level; choose one of {', '.join(LEVELS)}"
-        )
-    return int(getattr(logging, name))
-
-
 def configure_logging(default_level: str | None = None) -> logging.Logger:
     """Set up the "deepinfer" logger; cheap, and safe to call again (the engine calls it).
 
     The level is DEEPINFER_LOG_LEVEL when set, else default_level when given (the CLI passes
-    INFO), else WARNING at the first call and left as it is afterwards."""
+    INFO), else WARNING at the first call and left as it is afterwards. Reads the environment
+    (deepinfer.envs) at each call; ValueError when a DEEPINFER_* variable has a bad value."""
     logger = logging.getLogger(LOGGER_NAME)
-    if os.environ.get(CONFIGURE_ENV, "1").strip().lower() in ("0", "false", "no"):
+    env = envs.read()
+    if not env.configure_logging:
         return logger
     first = not any(isinstance(h, _StderrHandler) for h in logger.handlers)
     if first:
@@ -65,9 +53,8 @@ def configure_logging(default_level: str | None = None) -> logging.Logger:
         handler.setFormatter(logging.Formatter(FORMAT, datefmt="%m-%d %H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
-    level = env_level()
-    if level is None and default_level is not None:
-        level = int(getattr(logging, default_level))
+    name = env.log_level or default_level
+    level = None if name is None else int(getattr(logging, name))
     if level is None and first:
         level = logging.WARNING
     if level is not None:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from tiny_model import TINY
 
-from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams, envs
 from deepinfer.engine.graphs import graph_buckets, prefill_graph_shapes
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 
@@ -90,7 +90,7 @@ def graph_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, in
 
 # cuda under the Triton interpreter (tests/test_cuda_interpret.py), or on a GPU with
 # DEEPINFER_TEST_BACKEND=cuda (ci/gpu_check.sh: real CUDA graphs)
-BACKENDS = [os.environ.get("DEEPINFER_TEST_BACKEND") or ("cuda" if INTERPRET else "reference")]
+BACKENDS = [envs.read().test_backend or ("cuda" if INTERPRET else "reference")]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

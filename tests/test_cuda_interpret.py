@@ -27,8 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from deepinfer import envs
+
 REPO = Path(__file__).resolve().parents[1]
-SUBPROCESS_TIMEOUT = float(os.environ.get("DEEPINFER_TEST_SUBPROCESS_TIMEOUT", "2400"))
+SUBPROCESS_TIMEOUT = envs.read().test_subprocess_timeout
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or importlib.util.find_spec("deepinfer_cuda") is None,
@@ -38,7 +40,7 @@ pytestmark = pytest.mark.skipif(
 
 def _run(args: list[str], timeout: float = SUBPROCESS_TIMEOUT) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("DEEPINFER_BACKEND", None)
+    env.pop(envs.BACKEND.name, None)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,

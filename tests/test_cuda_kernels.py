@@ -35,6 +35,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     import triton
     import triton.language as tl
     from deepinfer_cuda import backend as cuda_backend
+    from deepinfer_cuda.gemm import CudaGemm
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import mla as mla_k
@@ -42,6 +43,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.kernels import small as small_k
     from deepinfer_cuda.kernels import v4 as v4_k
     from deepinfer_cuda.kernels.moe import sort_by_expert
+    from deepinfer_cuda.kv_cache import cache_tensor
 
     @triton.jit  # type: ignore[untyped-decorator]
     def _mix32_probe(x_ptr, y_ptr, N, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -50,6 +52,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
 
 
+from deepinfer import envs  # noqa: E402
 from deepinfer.backend.types import (  # noqa: E402
     AttentionMetadata,
     AttentionModifiers,
@@ -298,7 +301,7 @@ def test_attention_early_cache_gives_the_same_bits(
         dtype=torch.bfloat16, gen=gen, rope_dim=64,
     )  # fmt: skip
     q = torch.randn((sum(query_lens), 16, 576), generator=gen).to(torch.bfloat16).to(DEV)
-    kv = cuda_backend._cache_tensor(batch.cache)
+    kv = cache_tensor(batch.cache)
 
     def run(early: bool) -> list[torch.Tensor]:
         out = attn_k.mla_attention_partials(
@@ -810,10 +813,12 @@ def test_router_select_experts_in_a_graph_and_the_backend_paths(
     calls: list[int] = []
     one_launch = moe_k.select_experts
     monkeypatch.setattr(moe_k, "ROUTER_GEMV_MAX_TOKENS", 4)  # interpreter-sized
-    monkeypatch.setattr(moe_k, "select_experts", lambda x, *a: calls.append(x.shape[0]) or one_launch(x, *a))
+    monkeypatch.setattr(
+        moe_k, "select_experts", lambda x, *a, **kw: calls.append(x.shape[0]) or one_launch(x, *a, **kw)
+    )
     plain = cuda_backend.create_cuda_backend(BackendOptions())
     invariant = cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True))
-    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    monkeypatch.setenv(envs.CUDA_UNFUSED.name, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
     limit = moe_k.ROUTER_GEMV_MAX_TOKENS
     rows = torch.randn((limit + 1, 96), generator=gen).to(torch.bfloat16)
@@ -836,9 +841,9 @@ def test_router_select_experts_in_a_graph_and_the_backend_paths(
 def test_unfused_switch(gen: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """DEEPINFER_CUDA_UNFUSED=1 at creation: the composed paths, with the same results (the MoE
     layer bit for bit: same sort, same tile table, same kernels)."""
-    monkeypatch.setenv(cuda_backend.MOE_DECODE_ENV, "0")  # the grouped path at every size
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE.name, "0")  # the grouped path at every size
     fused = cuda_backend.create_cuda_backend(BackendOptions())
-    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    monkeypatch.setenv(envs.CUDA_UNFUSED.name, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
     parts = ("moe", "kv_cache", "small", "attention")  # attention: DeepSeek-V4's ops
     assert all(getattr(fused, p).fused for p in parts) and not any(getattr(unfused, p).fused for p in parts)
@@ -1029,8 +1034,8 @@ def test_argmax_and_query_switches(gen: torch.Generator, monkeypatch: pytest.Mon
     monkeypatch.setattr(small_k, "argmax", spy)
     default = cuda_backend.create_cuda_backend(BackendOptions())
     assert default.attention.query_rows == mla_k.DECODE_MAX_T == 128
-    monkeypatch.setenv(cuda_backend.ARGMAX_ENV, "0")
-    monkeypatch.setenv(cuda_backend.WIDE_QUERY_ENV, "0")
+    monkeypatch.setenv(envs.CUDA_ARGMAX.name, "0")
+    monkeypatch.setenv(envs.CUDA_WIDE_QUERY.name, "0")
     off = cuda_backend.create_cuda_backend(BackendOptions())
     assert off.attention.query_rows == 64
     assert torch.equal(off.small.argmax(logits), default.small.argmax(logits))
@@ -1063,7 +1068,7 @@ def test_small_host_copies_by_kernel(gen: torch.Generator, monkeypatch: pytest.M
     device.to_host(src, host)
     device.synchronize()
     assert torch.equal(host, src.cpu()) and calls == [21]
-    monkeypatch.setenv(cuda_backend.KERNEL_COPIES_ENV, "0")
+    monkeypatch.setenv(envs.CUDA_KERNEL_COPIES.name, "0")
     off = cuda_backend.create_cuda_backend(BackendOptions()).device
     off.to_device(host, dst)
     off.synchronize()
@@ -1077,13 +1082,15 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
     calls: list[tuple[int, ...]] = []
     real = gemm_k.skinny_matmul
 
-    def spy(x: torch.Tensor, w: torch.Tensor, out: Any = None, config: Any = None) -> torch.Tensor:
+    def spy(
+        x: torch.Tensor, w: torch.Tensor, out: Any = None, config: Any = None, pdl: bool = True
+    ) -> torch.Tensor:
         calls.append(tuple(x.shape))
-        return real(x, w, out, config)
+        return real(x, w, out, config, pdl)
 
     monkeypatch.setattr(gemm_k, "skinny_matmul", spy)
     w = torch.randn((24, 64)).to(torch.bfloat16).to(DEV)
-    gemm = cuda_backend.CudaGemm(BackendOptions())
+    gemm = CudaGemm(BackendOptions())
     for rows in (1, gemm_k.SKINNY_MAX_M, gemm_k.SKINNY_MAX_M + 1):
         x = torch.randn((rows, 64)).to(torch.bfloat16).to(DEV)
         torch.testing.assert_close(gemm.linear(x, w).float(), (x.float() @ w.float().T), rtol=2e-2, atol=5e-2)
@@ -1097,15 +1104,16 @@ def test_linear_takes_the_skinny_kernel_at_decode_sizes(monkeypatch: pytest.Monk
     monkeypatch.setattr(gemm_k, "SKINNY_MAX_WEIGHT_BYTES", w.numel() * 2 - 1)  # a larger weight: cuBLAS
     gemm.linear(x[:1], w)
     assert len(calls) == 3
-    cuda_backend.CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
-    monkeypatch.setenv(cuda_backend.SKINNY_ENV, "0")
+    CudaGemm(BackendOptions(batch_invariant=True)).linear(x[:1], w)
+    monkeypatch.setenv(envs.CUDA_SKINNY.name, "0")
     cuda_backend.create_cuda_backend(BackendOptions()).gemm.linear(x[:1], w)
     assert len(calls) == 3, "batch-invariant mode and DEEPINFER_CUDA_SKINNY=0 keep the other paths"
 
 
 def test_pdl_only_on_sm90_and_later_and_off_with_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Programmatic dependent launch: on CUDA devices of compute capability 9 or more, never on the
-    CPU (the interpreter), off with DEEPINFER_CUDA_PDL=0 (the ablation bench_e2e measures)."""
+    CPU (the interpreter), off with DEEPINFER_CUDA_PDL=0 (the ablation bench_e2e measures), which
+    the backend reads when it is created and every part passes to its launches."""
     from deepinfer_cuda.kernels import common
 
     cuda = torch.device("cuda", 0)
@@ -1113,9 +1121,24 @@ def test_pdl_only_on_sm90_and_later_and_off_with_the_switch(monkeypatch: pytest.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     assert common.pdl_enabled(cuda)
     assert not common.pdl_enabled(torch.device("cpu"))
-    monkeypatch.setenv(common.PDL_ENV, "0")
-    assert not common.pdl_enabled(cuda)
-    monkeypatch.setenv(common.PDL_ENV, "1")
+    assert not common.pdl_enabled(cuda, False)
+    on = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setenv(envs.CUDA_PDL.name, "0")
+    off = cuda_backend.create_cuda_backend(BackendOptions())
+    parts = ("kv_cache", "attention", "gemm", "moe", "small")
+    assert all(getattr(on, p).pdl for p in parts) and not any(getattr(off, p).pdl for p in parts)
+    switches: list[bool] = []
+    real = small_k.pdl_enabled
+
+    def spy(device: torch.device, switch: bool = True) -> bool:
+        switches.append(switch)
+        return real(device, switch)
+
+    monkeypatch.setattr(small_k, "pdl_enabled", spy)
+    x, w = torch.randn((2, 8), device=DEV), torch.ones(8, device=DEV)
+    on.small.rms_norm(x, w, 1e-6)
+    off.small.rms_norm(x, w, 1e-6)
+    assert switches == [True, False], "the backend's switch reaches the launch"
     capability[0] = (8, 0)
     assert not common.pdl_enabled(cuda), "Ampere has no programmatic dependent launch"
     capability[0] = (10, 0)
@@ -1255,7 +1278,7 @@ def test_mla_query_fused_and_unfused(gen: torch.Generator, monkeypatch: pytest.M
 
     monkeypatch.setattr(mla_k, "mla_query", counted)
     fused = cuda_backend.create_cuda_backend(BackendOptions())
-    monkeypatch.setenv(cuda_backend.UNFUSED_ENV, "1")
+    monkeypatch.setenv(envs.CUDA_UNFUSED.name, "1")
     unfused = cuda_backend.create_cuda_backend(BackendOptions())
     q_nope, q_pe, w_uk, positions, table = _mla_query_inputs(gen, 9, 4, 32, 48, 8, torch.bfloat16)
     args = (q_nope, q_pe, w_uk, positions, table, True)
@@ -1588,7 +1611,7 @@ def test_fused_moe_starts_shared_experts_early_only_right_after_their_routing(
     weights, ids = backend.moe.select_experts(x, gate, config)
     backend.moe.fused_moe(x, weights, ids.clone(), w13, w2)  # not the routed ids
     backend.moe.fused_moe(x, weights, ids, w13, w2)  # a second call: no routing just before
-    monkeypatch.setenv(cuda_backend.MOE_EARLY_ENV, "0")
+    monkeypatch.setenv(envs.CUDA_MOE_EARLY.name, "0")
     backend = cuda_backend.create_cuda_backend(BackendOptions())
     weights, ids = backend.moe.select_experts(x, gate, config)
     backend.moe.fused_moe(x, weights, ids, w13, w2)
@@ -1611,27 +1634,31 @@ def test_fused_moe_takes_the_decode_path_by_size_switch_and_mode(
         return y
 
     monkeypatch.setattr(moe_k, "decode_moe", counted)
-    backend = cuda_backend.create_cuda_backend(BackendOptions())
-    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
-    y = backend.moe.fused_moe(*args)
+
+    def moe(options: BackendOptions, max_copies: int = 12) -> Any:
+        part = cuda_backend.create_cuda_backend(options).moe
+        part.max_copies = max_copies  # the limit its creation read (DECODE_MAX_COPIES unless pinned)
+        return part
+
+    y = moe(BackendOptions()).fused_moe(*args)
     assert calls == [1]
     assert_bitwise_equal(y.cpu(), real(*args).cpu(), what="fused_moe through the decode path")
-    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 11)
-    backend.moe.fused_moe(*args)
-    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
+    moe(BackendOptions(), max_copies=11).fused_moe(*args)
     fp8_args, _ = _decode_moe_case(gen, 4, True)
-    backend.moe.fused_moe(*fp8_args)  # FP8 experts: the grouped path (the decode kernels measured slower)
-    monkeypatch.setattr(moe_k, "DECODE_MAX_COPIES", 12)
-    cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True)).moe.fused_moe(*args)
-    monkeypatch.setenv(cuda_backend.MOE_DECODE_ENV, "0")
-    cuda_backend.create_cuda_backend(BackendOptions()).moe.fused_moe(*args)
+    moe(BackendOptions()).fused_moe(*fp8_args)  # FP8 experts: the grouped path (decode kernels: slower)
+    moe(BackendOptions(batch_invariant=True)).fused_moe(*args)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE.name, "0")
+    moe(BackendOptions()).fused_moe(*args)
     assert calls == [1]
 
-    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,256,8,3,16,512,4,4,0,48")
-    assert moe_k._decode_setting() == (moe_k.DecodeConfig(64, 256, 8, 3, 16, 512, 4, 4, False), 48)
-    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,256")
+    monkeypatch.delenv(envs.CUDA_MOE_DECODE.name)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, "64,256,8,3,16,512,4,4,0,48")
+    pinned = cuda_backend.create_cuda_backend(BackendOptions()).moe
+    tiles = moe_k.DecodeConfig(64, 256, 8, 3, 16, 512, 4, 4, False)
+    assert (pinned.decode_tiles, pinned.max_copies) == (tiles, 48)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, "64,256")
     with pytest.raises(ValueError, match="UP_N,UP_K"):
-        moe_k._decode_setting()
+        cuda_backend.create_cuda_backend(BackendOptions())
 
 
 def test_decode_tiles_follow_the_copies_unless_pinned(
@@ -1639,17 +1666,31 @@ def test_decode_tiles_follow_the_copies_unless_pinned(
 ) -> None:
     """decode_config: one token's copies (up to ONE_TOKEN_COPIES) take ONE_TOKEN_CONFIG, more take
     DecodeConfig() (on a GPU; the interpreter's own wide tiles here), and the env variable, read
-    at each launch, pins every size; the one-token tiles agree with the others within rounding."""
+    when the backend is created, pins every size; the one-token tiles agree with the others
+    within rounding."""
     args, expected = _decode_moe_case(gen, 1, False)
     y = moe_k.decode_moe(*args, config=moe_k.ONE_TOKEN_CONFIG)
     torch.testing.assert_close(y.cpu().double(), expected, rtol=2e-3, atol=2e-3)
     other = moe_k.decode_moe(*args, config=moe_k.DecodeConfig())
     torch.testing.assert_close(y.cpu(), other.cpu(), rtol=1e-5, atol=1e-5)
 
-    monkeypatch.delenv(moe_k.DECODE_TILES_ENV, raising=False)
+    monkeypatch.delenv(envs.CUDA_MOE_DECODE_TILES.name, raising=False)
     monkeypatch.setattr(moe_k, "INTERPRET", False)
     one, more = moe_k.ONE_TOKEN_COPIES, moe_k.ONE_TOKEN_COPIES + 1
     assert moe_k.decode_config(one) == moe_k.ONE_TOKEN_CONFIG != moe_k.DecodeConfig()
     assert moe_k.decode_config(more) == moe_k.DecodeConfig()
-    monkeypatch.setenv(moe_k.DECODE_TILES_ENV, "64,128,4,3,64,128,4,3,1,32")
-    assert moe_k.decode_config(one) == moe_k.decode_config(more) == moe_k.DecodeConfig()
+    assert cuda_backend.create_cuda_backend(BackendOptions()).moe.decode_tiles is None  # by size
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, "64,128,4,3,64,128,4,3,1,32")
+    pinned = cuda_backend.create_cuda_backend(BackendOptions()).moe
+    configs: list[moe_k.DecodeConfig | None] = []
+    real = moe_k.decode_moe
+
+    def spy(*a: Any, config: moe_k.DecodeConfig | None = None, **kw: Any) -> torch.Tensor:
+        configs.append(config)
+        y: torch.Tensor = real(*a, config=config, **kw)
+        return y
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    for tokens in (1, 4):  # 3 copies (one token's tiles by size) and 12 (the larger steps')
+        pinned.fused_moe(*_decode_moe_case(gen, tokens, False)[0])
+    assert configs == [moe_k.DecodeConfig()] * 2

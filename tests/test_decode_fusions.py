@@ -4,7 +4,7 @@
    weights (MLAttention.qkv_a_proj), its output split by views;
 2. the shared experts as S more experts of the routed experts' grouped GEMM (MoE, with
    RouterConfig.shared_experts).
-DEEPINFER_MODEL_UNFUSED switches them off (both: 1, or by name).
+DEEPINFER_MODEL_UNFUSED switches them off (both: 1, or by name), read when a model is loaded.
 
 Each must give the unfused model's logits (float32 rounding) and remove backend ops from every
 decode step; the ops the model calls are counted here, per layer.
@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
-from deepinfer.models.layers import UNFUSED_ENV, fusion_enabled
+from deepinfer.models.layers import fusion_enabled
 from deepinfer.models.loader import load_model
 from deepinfer.models.moe import MoE
 from deepinfer.reference.backend import create_reference_backend
@@ -114,7 +115,7 @@ def test_fusions_keep_the_logits_and_remove_ops(
     cfg, fp8 = CASES[name]
     root = _checkpoint(tmp_path, cfg, fp8)
     fused_logits, fused_ops, model = _run(root, create_reference_backend())
-    monkeypatch.setenv(UNFUSED_ENV, "1")
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "1")
     plain_logits, plain_ops, plain = _run(root, create_reference_backend())
     if fp8:  # the sums' float32 rounding differs, and downstream an activation may then round to
         # the next e4m3 value (steps of 2^-4): 0.3% seen; unrelated logits differ by ~140%
@@ -166,12 +167,17 @@ def test_shared_experts_fuse_in_batch_invariant_mode(tmp_path: Path) -> None:
 
 
 def test_model_fusions_switched_off_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(UNFUSED_ENV, "shared_experts")
-    assert fusion_enabled("qkv_a") and not fusion_enabled("shared_experts")
-    monkeypatch.setenv(UNFUSED_ENV, "qkv_a, shared_experts")
-    assert not fusion_enabled("qkv_a") and not fusion_enabled("shared_experts")
-    monkeypatch.setenv(UNFUSED_ENV, "0")
-    assert fusion_enabled("qkv_a") and fusion_enabled("shared_experts")
-    monkeypatch.setenv(UNFUSED_ENV, "shared")
+    def enabled(name: str) -> bool:
+        return fusion_enabled(name, envs.read().model_unfused)  # as load_model reads it
+
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "shared_experts")
+    assert enabled("qkv_a") and not enabled("shared_experts")
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "qkv_a, shared_experts")
+    assert not enabled("qkv_a") and not enabled("shared_experts")
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "0")
+    assert enabled("qkv_a") and enabled("shared_experts")
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "all")
+    assert not enabled("qkv_a") and not enabled("shared_experts")
+    monkeypatch.setenv(envs.MODEL_UNFUSED.name, "shared")
     with pytest.raises(ValueError, match="unknown shared; name any of qkv_a, shared_experts"):
-        fusion_enabled("qkv_a")
+        enabled("qkv_a")

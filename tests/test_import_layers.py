@@ -30,8 +30,12 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 # Lowest first; a module belongs to the layer of its longest matching prefix and may import
 # modules of its own layer or lower ones.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # the contract and its reference backend (optional ops default to the reference's)
-    ("contract", ("deepinfer.log", "deepinfer.config", "deepinfer.backend", "deepinfer.reference")),
+    # the switch table (deepinfer.envs) and the contract with its reference backend (optional ops
+    # default to the reference's)
+    (
+        "contract",
+        ("deepinfer.envs", "deepinfer.log", "deepinfer.config", "deepinfer.backend", "deepinfer.reference"),
+    ),
     ("parallel", ("deepinfer.parallel",)),  # expert parallelism over the contract's collectives
     ("models", ("deepinfer.models",)),
     ("engine", ("deepinfer.engine",)),

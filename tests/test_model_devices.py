@@ -12,19 +12,19 @@ DEEPINFER_REFERENCE_DEVICE set to an accelerator (the GPU CI does).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from models_util import rel_err
 
+from deepinfer import envs
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import DEVICE_ENV, create_reference_backend
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 from deepinfer.testing.paged_runner import PagedRunner
 
-DEVICE = os.environ.get(DEVICE_ENV, "cpu")
+DEVICE = envs.read().reference_device
 
 PROMPTS = {0: [3, 17, 42, 5, 99, 64, 7], 1: list(range(20, 45))}
 

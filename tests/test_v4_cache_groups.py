@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, envs
 from deepinfer.engine.kv_cache import GroupedBlockManager, cdiv, fit_blocks, group_pool_blocks
 from deepinfer.engine.ring import scratch_blocks
 from deepinfer.engine.scheduler import Scheduler
@@ -286,7 +286,7 @@ def test_engine_request_ring_is_constant(tmp_path: Path, budget: int) -> None:
 # cuda under the Triton interpreter (tests/test_cuda_interpret.py), or on a GPU with
 # DEEPINFER_TEST_BACKEND=cuda (real CUDA graphs)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-GRAPH_BACKEND = os.environ.get("DEEPINFER_TEST_BACKEND") or ("cuda" if INTERPRET else "reference")
+GRAPH_BACKEND = envs.read().test_backend or ("cuda" if INTERPRET else "reference")
 
 
 def test_engine_decode_graphs_equal_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

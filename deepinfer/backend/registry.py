@@ -23,7 +23,6 @@ and a backend that must not be picked by itself says explicit_only=True.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -31,13 +30,14 @@ from typing import TYPE_CHECKING, cast
 
 import pluggy
 
+from deepinfer import envs
 from deepinfer.backend.hookspecs import ENTRY_POINT_GROUP, FALLBACK, PROJECT, BackendHookSpecs, BackendInfo
 from deepinfer.backend.types import Availability, BackendOptions
 
 if TYPE_CHECKING:
     from deepinfer.backend.ops import Backend
 
-ENV_VAR = "DEEPINFER_BACKEND"
+ENV_VAR = envs.BACKEND.name
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 
@@ -175,7 +175,7 @@ class BackendRegistry:
     def select(self, name: str | None = None) -> BackendInfo:
         """Apply the selection rule; `name` None or "auto" defers to DEEPINFER_BACKEND, then auto."""
         if name in (None, "auto"):
-            name = os.environ.get(ENV_VAR) or "auto"
+            name = envs.read().backend or "auto"
         if name != "auto":
             info = self.info(name)
             avail = self.availability(name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -234,11 +233,12 @@ def resolve_engine_config(config: EngineConfig, config_file: Path | None = None)
 
 def backend_choice_reason(requested: str) -> str:
     """Why the selection rule (deepinfer.backend.registry) picked the backend it did."""
+    from deepinfer import envs
     from deepinfer.backend.registry import ENV_VAR, BackendRegistry
 
     if requested not in (None, "auto"):
         return f"asked for (backend={requested!r})"
-    env = os.environ.get(ENV_VAR)
+    env = envs.read().backend
     if env and env != "auto":
         return f"asked for ({ENV_VAR}={env})"
     registry = BackendRegistry.discover()  # probes never initialise a device

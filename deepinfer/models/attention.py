@@ -106,7 +106,7 @@ class MLAttention(nn.Module):
             self.q_a_layernorm.load(reader, f"{prefix}.q_a_layernorm.weight", dtype)
             self.q_b_proj.load(reader, f"{prefix}.q_b_proj", dtype)
         self.kv_a_proj_with_mqa.load(reader, f"{prefix}.kv_a_proj_with_mqa", dtype)
-        if fusion_enabled("qkv_a"):
+        if fusion_enabled("qkv_a", reader.unfused):
             q_a = self.q_proj if self.q_lora_rank is None else self.q_a_proj
             self.qkv_a_proj = concat_linears(self.backend, [q_a, self.kv_a_proj_with_mqa])
         self.kv_a_layernorm.load(reader, f"{prefix}.kv_a_layernorm.weight", dtype)

@@ -6,7 +6,6 @@ name prefix DeepSeek publishes); until then they live on the meta device.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,27 +13,18 @@ from torch import nn
 
 from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.ops import Backend
+from deepinfer.envs import MODEL_FUSIONS
 
 if TYPE_CHECKING:
     from deepinfer.models.weights import WeightSource
 
 
-UNFUSED_ENV = "DEEPINFER_MODEL_UNFUSED"
-MODEL_FUSIONS = ("qkv_a", "shared_experts")
-
-
-def fusion_enabled(name: str) -> bool:
-    """Whether the model-level fusion `name` (one of MODEL_FUSIONS) is on. DEEPINFER_MODEL_UNFUSED
-    switches fusions off when a model is built: a comma-separated list of names, or 1 / all for
-    every one (benchmarks measure what each buys)."""
-    value = {v.strip().lower() for v in os.environ.get(UNFUSED_ENV, "").split(",")} - {"", "0"}
-    unknown = value - {*MODEL_FUSIONS, "1", "all"}
-    if unknown:
-        raise ValueError(
-            f"{UNFUSED_ENV}={os.environ[UNFUSED_ENV]!r}: unknown {', '.join(sorted(unknown))}; "
-            f"name any of {', '.join(MODEL_FUSIONS)}, or 1 / all"
-        )
-    return not value & {name, "1", "all"}
+def fusion_enabled(name: str, unfused: frozenset[str]) -> bool:
+    """Whether the model-level fusion `name` (one of envs.MODEL_FUSIONS) is on, given the fusions
+    a load leaves out (CheckpointReader.unfused: DEEPINFER_MODEL_UNFUSED, read by load_model, so
+    that benchmarks measure what each buys)."""
+    assert name in MODEL_FUSIONS, name
+    return name not in unfused
 
 
 def _placeholder() -> torch.Tensor:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from deepinfer import envs
 from deepinfer.backend.fp4 import E8M0_NAN, e8m0_to_float
 from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.fp8 import FP8_DTYPE, dequantize_weight, weight_scale_shape
@@ -63,7 +64,7 @@ SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 32 * 2**20
 # Floating dtypes a checkpoint may store a non-FP8 weight in (cast to the model dtype on load).
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-SKIP_CHECK_ENV = "DEEPINFER_SKIP_WEIGHT_CHECK"
+SKIP_CHECK_ENV = envs.SKIP_WEIGHT_CHECK.name
 # A linear's scales, by DeepSeek's names: `weight_scale_inv` (V3; also transformers'), `scale` (V4)
 SCALE_SUFFIXES = ("weight_scale_inv", "scale")
 # safetensors dtypes of packed MXFP4 weights (two e2m1 values a byte; F4 counts values, not bytes)
@@ -102,11 +103,6 @@ class Fp8NotSupportedError(CheckpointError):
 
 class NonFiniteWeightError(CheckpointError):
     """A weight holds NaN or Inf (or FP8 NaN encodings)."""
-
-
-def weight_check_enabled() -> bool:
-    """False when DEEPINFER_SKIP_WEIGHT_CHECK is set to 1 / true / yes."""
-    return os.environ.get(SKIP_CHECK_ENV, "").strip().lower() not in ("1", "true", "yes")
 
 
 def _index_of(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -206,10 +202,12 @@ class CheckpointReader:
         allow_fp8: bool,
         backend_name: str,
         check_weights: bool = True,
+        unfused: frozenset[str] = frozenset(),
     ) -> None:
         self.root, self.device = root, device
         self.allow_fp8, self.backend_name = allow_fp8, backend_name
         self.check_weights = check_weights
+        self.unfused = unfused  # the model-level fusions this load leaves out (layers.fusion_enabled)
         self.fp8_dtype = FP8_DTYPE
         self.files = self._list_files()
         self._handles: dict[str, Any] = {}
@@ -597,12 +595,13 @@ def load_model(
     if dtype not in backend.capabilities.dtypes:
         supported = ", ".join(str(d).replace("torch.", "") for d in backend.capabilities.dtypes)
         raise ValueError(f"backend {backend.name!r} does not support dtype {dtype}; supported: {supported}")
+    env = envs.read()  # DEEPINFER_SKIP_WEIGHT_CHECK, DEEPINFER_MODEL_UNFUSED
     if check_weights is None:
-        check_weights = weight_check_enabled()
+        check_weights = not env.skip_weight_check
 
     device = backend.device.device()
     with CheckpointReader(
-        root, device, backend.capabilities.supports_fp8, backend.name, check_weights
+        root, device, backend.capabilities.supports_fp8, backend.name, check_weights, env.model_unfused
     ) as reader:
         _preflight(config, reader, backend, expert_parallel)
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM

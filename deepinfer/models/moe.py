@@ -103,7 +103,7 @@ class MoE(nn.Module):
         shared = self.num_shared * self.inter
         self.shared_experts: MLP | None = MLP(backend, config.hidden_size, shared) if shared else None
         # shared experts as experts E .. E + S - 1 of w13 / w2 (module docstring); final at load
-        self.fuse_shared = shared > 0 and ep is None and fusion_enabled("shared_experts")
+        self.fuse_shared = shared > 0 and ep is None
 
     def forward(self, x: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). fixed_exchange (expert parallelism): every rank runs this layer
@@ -171,6 +171,7 @@ class MoE(nn.Module):
                 f"{prefix}.experts.{self.local.start}.gate_proj.weight_scale_inv"
             )
             shared_fp8 = reader.has(f"{prefix}.shared_experts.gate_proj.weight_scale_inv")
+            self.fuse_shared &= fusion_enabled("shared_experts", reader.unfused)
             self.fuse_shared &= routed_fp8 == shared_fp8 and (not shared_fp8 or inter % FP8_BLOCK == 0)
             if self.fuse_shared:
                 shared = self._shared_as_experts(reader, f"{prefix}.shared_experts", dtype)

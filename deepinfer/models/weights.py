@@ -32,6 +32,12 @@ class WeightSource(Protocol):
         ...
 
     @property
+    def unfused(self) -> frozenset[str]:
+        """The model-level fusions this load leaves out (layers.fusion_enabled; load_model reads
+        them from DEEPINFER_MODEL_UNFUSED)."""
+        ...
+
+    @property
     def location(self) -> Mapping[str, str]:
         """Every tensor name the source holds -> where it is stored (a file name, for messages).
         A source that makes tensors up on demand holds none: optional parts (MTP layers) are

@@ -6,11 +6,11 @@ same code elsewhere, e.g. as the baseline in GPU benchmarks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.host import host_memory_info
 from deepinfer.backend.ops import (
     AttentionOps,
@@ -35,7 +35,7 @@ from deepinfer.backend.types import (
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import gemm as ref_gemm
 
-DEVICE_ENV = "DEEPINFER_REFERENCE_DEVICE"
+DEVICE_ENV = envs.REFERENCE_DEVICE.name
 
 
 class ReferenceDevice(DeviceOps):
@@ -103,8 +103,7 @@ CAPABILITIES = Capabilities(
 
 
 def reference_device(options: BackendOptions) -> torch.device:
-    name = os.environ.get(DEVICE_ENV, "cpu")
-    device = torch.device(name)
+    device = torch.device(envs.read().reference_device)
     if device.type != "cpu" and device.index is None:
         device = torch.device(device.type, options.device_index)
     return device

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
-from deepinfer import __version__
+from deepinfer import __version__, envs
 from deepinfer.backend.hookspecs import BackendInfo, hookimpl
 from deepinfer.backend.types import Availability, BackendOptions
 
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def _probe() -> Availability:
-    device = os.environ.get("DEEPINFER_REFERENCE_DEVICE", "cpu")
+    device = envs.read().reference_device
     return Availability(True, f"plain PyTorch on {device}")
 
 

@@ -27,19 +27,19 @@ not apply to the claims ("not applicable: ..."). Anything else is NOT GREEN, wit
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import NoReturn
 
 import pytest
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import BackendError, BackendRegistry
 from deepinfer.backend.types import BackendOptions
 from deepinfer.testing.helpers import registry_with, seed_from
 
-HEAVY_ENV = "DEEPINFER_CONFORMANCE_HEAVY"
+HEAVY_ENV = envs.CONFORMANCE_HEAVY.name
 
 # Every float dtype a backend may claim; tests parametrised by `dtype` skip the unclaimed ones.
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -84,7 +84,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--deepinfer-heavy",
         action="store_true",
-        default=os.environ.get(HEAVY_ENV, "") not in ("", "0"),
+        default=envs.read().conformance_heavy,
         help=f"also run the heavy (larger) cases; also {HEAVY_ENV}=1",
     )
     group.addoption("--deepinfer-seed", type=int, default=0, help="offset added to every test's seed")

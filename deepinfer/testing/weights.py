@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.fp4 import E8M0_BIAS
 from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.fp8 import FP8_BLOCK, FP8_DTYPE
@@ -121,6 +122,7 @@ class RandomSource:
         self.location: dict[str, str] = {}  # made up on demand: none held
         self.present, self.record = set(present), record
         self.fp8, self.fp4_experts = fp8, fp4_experts
+        self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.tensors: dict[str, torch.Tensor] = {}
 

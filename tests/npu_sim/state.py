@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-SOC_ENV = "DEEPINFER_NPU_SIM_SOC"  # 220-225 A2, 250-255 A3, 260 Ascend 950
-DEFAULT_SOC = 220
+from deepinfer import envs
 
 
 class SimError(RuntimeError):
@@ -29,7 +27,7 @@ def check(cond: bool, op: str, constraint: str, detail: str = "") -> None:
 
 @dataclass
 class SimState:
-    soc_version: int = DEFAULT_SOC
+    soc_version: int = envs.SIMULATED_SOC.default
     device_count: int = 1
     current_device: int = 0
 
@@ -48,7 +46,7 @@ def install(soc_version: int | None = None, device_count: int = 1) -> ModuleType
 
     from . import mc2, runtime, torch_npu_sim
 
-    STATE.soc_version = soc_version if soc_version is not None else int(os.environ.get(SOC_ENV, DEFAULT_SOC))
+    STATE.soc_version = soc_version if soc_version is not None else envs.read().simulated_soc
     STATE.device_count = device_count
     if not installed():
         _saved["torch_npu"] = sys.modules.get("torch_npu")

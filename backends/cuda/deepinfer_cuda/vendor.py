@@ -1,7 +1,8 @@
 """Optional vendor kernels (FlashMLA, DeepGEMM), used through the same contract when installed.
 
-Each adapter returns None when its library is missing, the GPU or the call does not fit, or
-DEEPINFER_CUDA_VENDOR=0; the caller then runs the Triton kernel, which computes the same op.
+Each adapter returns None when its library is missing or the GPU or the call does not fit; the
+caller then runs the Triton kernel, which computes the same op. With DEEPINFER_CUDA_VENDOR=0 (read
+when the backend is created) the backend's parts never call them.
 None of these libraries was installed on the GPUs this backend was measured on, so this code
 has not run: it follows the libraries' documented APIs and the conformance suite is what must
 vouch for it on a machine that has them. DeepEP serves collectives.expert_exchange
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import warnings
 from types import ModuleType
 from typing import Any
@@ -21,14 +21,11 @@ import torch
 
 from deepinfer.backend.types import AttentionMetadata
 
-ENV = "DEEPINFER_CUDA_VENDOR"
 _broken: set[str] = set()
 
 
 @functools.cache
 def _module(name: str) -> ModuleType | None:
-    if os.environ.get(ENV, "1") == "0":
-        return None
     try:
         return importlib.import_module(name)
     except Exception:
@@ -45,7 +42,7 @@ def _disable(name: str, exc: Exception) -> None:
 
 
 def flash_mla_available() -> bool:
-    """Whether flash_mla_decode may serve a call (FlashMLA installed, not switched off, not broken)."""
+    """Whether flash_mla_decode may serve a call (FlashMLA installed, not broken)."""
     return _module("flash_mla") is not None and "flash_mla" not in _broken
 
 

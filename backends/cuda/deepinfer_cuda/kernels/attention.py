@@ -553,6 +553,7 @@ def mla_attention(
     batch_invariant: bool = False,
     config: AttentionConfig | None = None,
     split_size: int | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
 
@@ -561,16 +562,17 @@ def mla_attention(
     picked here and each program cuts its own range (adaptive splits, module docstring). The
     launch grid comes from the host lengths in `meta` (max query and KV length): a CUDA graph
     captured with this op replays that grid, so capture with metadata whose maxima cover every
-    step replayed."""
+    step replayed. pdl: launch with PDL where the device has it (common.pdl_enabled)."""
     out = mla_attention_partials(
         q, kv, meta, scale=scale, v_dim=v_dim, latent_dim=latent_dim, window=window, sinks=sinks,
         topk_indices=topk_indices, batch_invariant=batch_invariant, config=config, split_size=split_size,
+        pdl=pdl,
     )  # fmt: skip
     if isinstance(out, torch.Tensor):
         return out
     merged = torch.empty((q.shape[0], q.shape[1], v_dim), dtype=q.dtype, device=q.device)
     rows = INVARIANT_COMBINE_ROWS if batch_invariant else 1
-    combine_splits(out.part, out.lse, sinks, merged, q.shape[1], out.splits, v_dim, rows)
+    combine_splits(out.part, out.lse, sinks, merged, q.shape[1], out.splits, v_dim, rows, pdl)
     return merged
 
 
@@ -589,6 +591,7 @@ def mla_attention_partials(
     config: AttentionConfig | None = None,
     split_size: int | None = None,
     early_cache: bool = False,
+    pdl: bool = True,
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
@@ -660,7 +663,7 @@ def mla_attention_partials(
         part = torch.empty((t * h * max_splits, block_dv), dtype=torch.float32, device=q.device)
         lse = torch.empty((t * h * max_splits,), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q * h, cfg.block_m), batch, max_splits)
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_enabled(q.device, pdl)
     _mla_attention_kernel[grid](
         q, kv, k_desc, kr_desc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         sinks if sinks is not None else q, allow if allow is not None else q,
@@ -689,6 +692,7 @@ def combine_splits(
     max_splits: int,
     v_dim: int,
     rows_per_program: int = 1,
+    pdl: bool = True,
 ) -> None:
     """Merge split-KV partials into out (T, H, >= v_dim): part (T*H*max_splits, next_pow2(v_dim))
     normalised partial outputs and lse (T*H*max_splits,) their log2-sum-exps (-inf: empty), row
@@ -698,7 +702,7 @@ def combine_splits(
     block_dv = part.shape[1]
     cols = min(COMBINE_COLS, block_dv)
     n_rows = out.shape[0] * h
-    pdl = pdl_enabled(out.device)
+    pdl = pdl_enabled(out.device, pdl)
     _combine_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(v_dim, cols))](
         part, lse, sinks if sinks is not None else lse, out,
         n_rows, h, max_splits, v_dim, out.stride(0), out.stride(1),

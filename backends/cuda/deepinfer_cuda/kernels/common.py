@@ -41,18 +41,15 @@ def num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-PDL_ENV = "DEEPINFER_CUDA_PDL"
-
-
 def pdl_supported(device: torch.device) -> bool:
     """Whether launches may use programmatic dependent launch (SM90+; never in the interpreter)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_enabled(device: torch.device) -> bool:
+def pdl_enabled(device: torch.device, switch: bool = True) -> bool:
     """Whether the decode path's kernels launch with programmatic dependent launch (PDL) here:
-    pdl_supported, unless DEEPINFER_CUDA_PDL=0 (read at each launch, so graphs captured under it
-    keep the ordinary launches).
+    pdl_supported, and `switch`, the launch's `pdl` argument (the cuda backend passes its
+    DEEPINFER_CUDA_PDL, read when the backend is created; graphs keep the launches they captured).
 
     The protocol, the same in every kernel launched this way (`launch_pdl=PDL`, the kernel's
     PDL constexpr): the kernel may start while the previous kernel on the stream still runs, and
@@ -68,7 +65,7 @@ def pdl_enabled(device: torch.device) -> bool:
     back has finished. That successor may then also load, before its own wait, what those
     kernels wrote and nothing since rewrites: the decode up kernel its shared experts' rows of x
     (written before the router), the decode down kernel the expert ids (the router's)."""
-    return pdl_supported(device) and os.environ.get(PDL_ENV, "1") != "0"
+    return switch and pdl_supported(device)
 
 
 @triton.jit

@@ -12,7 +12,6 @@ adds the chunk sums in the same order), so a row's result never depends on M. Sc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -402,21 +401,22 @@ SPLIT_BELOW_TILES_PER_SM = 2
 SPLIT_MAX_M = 64
 
 
+def invariant_setting(pinned: tuple[int, ...] | None) -> GemmConfig | None:
+    """The one tile DEEPINFER_CUDA_INVARIANT_TILE's value (BM, BN, BK, WARPS, STAGES) fixes for the
+    batch-invariant matmul at every M (benchmarks: the cuda backend passes it as `config`); None
+    where it is unset (_invariant_tile's by M)."""
+    if pinned is None:
+        return None
+    bm, bn, bk, warps, stages = pinned
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
 def _invariant_tile(m: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
     """The batch-invariant matmul's tiles for M rows. Every choice reduces K in BLOCK_K = 128
     steps; on an H200 (SM90) the tiles below gave bit-identical rows for every M (MMA shape,
     warps and stages apart: bench/bench_invariant_tiles.py --bits, 2026-12-01), so the tile
     follows M there. Elsewhere (another MMA generation, unchecked) one tile serves every M.
-    DEEPINFER_CUDA_INVARIANT_TILE="BM,BN,BK,WARPS,STAGES" fixes one for every M (benchmarks)."""
-    value = os.environ.get("DEEPINFER_CUDA_INVARIANT_TILE")
-    if value:
-        try:
-            bm, bn, bk, warps, stages = (int(v) for v in value.split(","))
-        except ValueError:
-            raise ValueError(
-                f"DEEPINFER_CUDA_INVARIANT_TILE={value!r}: expected BM,BN,BK,WARPS,STAGES"
-            ) from None
-        return GemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+    invariant_setting pins one for every M (benchmarks)."""
     if dtype == torch.float32 or not is_sm90(device):  # float32 (IEEE products, unchecked) or not SM90
         return GemmConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4)
     # the fastest of five tilings per M for V2-Lite's linears in CUDA graphs on an H200
@@ -642,11 +642,16 @@ def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_matmul(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None, config: SkinnyConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T -> (M, N), or batched x (G, M, K) @ weight (G, N, K)^T ->
     (G, M, N), for M <= SKINNY_MAX_M (decode sizes), in one launch. `out` (any strides, the
-    result's shape) receives it: MLA writes its per-head products straight into (T, H, Vh)."""
+    result's shape) receives it: MLA writes its per-head products straight into (T, H, Vh).
+    pdl: launch with PDL where the config and the device allow it (common.pdl_enabled)."""
     if not skinny_ok(x, weight) or x.dim() != weight.dim() or x.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"skinny_matmul: x (.., M <= {SKINNY_MAX_M}, K) and weight (.., N, K) of one float16 or "
@@ -659,7 +664,7 @@ def skinny_matmul(
     if out is None:
         out = torch.empty((*x.shape[:-2], m, weight.shape[-2]), dtype=x.dtype, device=x.device)
     strides = (x.stride(0) if batched else 0, x.stride(-2))
-    return _launch_skinny(x, strides, None, 0, weight, out, g, m, k, batched, config or SKINNY_CONFIG)
+    return _launch_skinny(x, strides, None, 0, weight, out, g, m, k, batched, config or SKINNY_CONFIG, pdl)
 
 
 def skinny_merge_ok(tokens: int, weight: torch.Tensor) -> bool:
@@ -675,14 +680,15 @@ def skinny_merge_ok(tokens: int, weight: torch.Tensor) -> bool:
 
 
 def skinny_merge_matmul(
-    part: torch.Tensor, lse: torch.Tensor, splits: int, tokens: int, weight: torch.Tensor
+    part: torch.Tensor, lse: torch.Tensor, splits: int, tokens: int, weight: torch.Tensor, pdl: bool = True
 ) -> torch.Tensor:
     """Attention's split-KV partials merged and multiplied per head in one launch: x[t, h] (K,) is
     head h of token t merged from its `splits` partials (attention.SplitPartials: part
     (T*G*splits, >= K) float32, lse (T*G*splits,), row (t*G + h)*splits + s) and rounded to the
     weight's dtype, as combine_splits would store it; -> (T, G, N) = x[:, g] @ weight[g]^T for
     weight (G, N, K), in the weight's dtype. The merge is combine_splits' in one pass (a running
-    maximum), so the result may differ from the two launches by the rounding of x."""
+    maximum), so the result may differ from the two launches by the rounding of x. pdl: as
+    skinny_matmul's."""
     g, n, k = weight.shape
     if not skinny_merge_ok(tokens, weight) or part.dim() != 2 or part.shape[1] < k:
         raise ValueError(
@@ -698,8 +704,9 @@ def skinny_merge_matmul(
         )
     out = torch.empty((tokens, g, n), dtype=weight.dtype, device=weight.device)
     return _launch_skinny(
-        part, (0, part.stride(0)), lse, splits, weight, out.transpose(0, 1), g, tokens, k, True, SKINNY_CONFIG
-    ).transpose(0, 1)
+        part, (0, part.stride(0)), lse, splits, weight, out.transpose(0, 1), g, tokens, k, True,
+        SKINNY_CONFIG, pdl,
+    ).transpose(0, 1)  # fmt: skip
 
 
 def _launch_skinny(
@@ -714,6 +721,7 @@ def _launch_skinny(
     k: int,
     batched: bool,
     cfg: SkinnyConfig,
+    pdl: bool,
 ) -> torch.Tensor:
     """_skinny_kernel for G products of M rows over K, into `out` (G, M, N) or (M, N); x's
     (group, row) strides; lse: MERGE, x the attention partials and `splits` per row."""
@@ -728,7 +736,7 @@ def _launch_skinny(
         split = max(1, min(steps, cfg.programs_per_sm * num_sms(x.device) // (tiles * g)))
         k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # no empty range
-    pdl = cfg.pdl and pdl_enabled(x.device)
+    pdl = cfg.pdl and pdl_enabled(x.device, pdl)
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
     _skinny_kernel[(tiles, g, split)](

@@ -170,6 +170,7 @@ def mla_query(
     write: CacheWrite | None = None,
     early_inputs: bool = False,
     decode_max_t: int = DECODE_MAX_T,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q_nope (T, H, N), q_pe (T, H, R) (strided views are fine), w_uk (H, C, N), positions (T,),
     cos_sin_cache (P, R) rows [cos | sin] -> (T, H, C + R) in q_nope's dtype, one launch, no host
@@ -179,7 +180,8 @@ def mla_query(
     early_inputs: the caller promises that positions and the write's slot mapping were written
     before the forward's first kernel (a model's step inputs): under programmatic dependent
     launch the tail programs read them while the previous kernel still runs. decode_max_t: the
-    most rows that take the decode tile (query_tile)."""
+    most rows that take the decode tile (query_tile). pdl: launch with PDL where the device has it
+    (common.pdl_enabled)."""
     if q_nope.dim() != 3 or q_pe.dim() != 3 or w_uk.dim() != 3:
         raise ValueError(
             f"mla_query: q_nope (T, H, N), q_pe (T, H, R), w_uk (H, C, N), got {tuple(q_nope.shape)}, "
@@ -210,7 +212,7 @@ def mla_query(
         if write is not None:
             write_mla_kv(
                 write.cache, write.kv, c, write.norm_weight, write.eps, positions, cos_sin_cache,
-                interleaved, write.slot_mapping,
+                interleaved, write.slot_mapping, pdl,
             )  # fmt: skip
         return out
     qn = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
@@ -218,7 +220,7 @@ def mla_query(
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     cfg = tile or query_tile(t, batch_invariant, decode_max_t)
     grid = (triton.cdiv(t, cfg.block_t), h, triton.cdiv(c, cfg.block_c) + (1 if r or write else 0))
-    pdl = pdl_enabled(q_nope.device)
+    pdl = pdl_enabled(q_nope.device, pdl)
     if write is not None:
         kv = write.kv if write.kv.stride(-1) == 1 else write.kv.contiguous()
         cache, kvw, slots, eps = write.cache, write.norm_weight.contiguous(), write.slot_mapping, write.eps

@@ -23,7 +23,6 @@ on T, K and E only: no host sync, graph-safe.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -339,10 +338,13 @@ def _check_gate(x: torch.Tensor, weight: torch.Tensor, what: str) -> None:
         )
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: RouterTile | None = None) -> torch.Tensor:
+def router_logits(
+    x: torch.Tensor, weight: torch.Tensor, tile: RouterTile | None = None, pdl: bool = True
+) -> torch.Tensor:
     """x (T, D) float, weight (E, D) float32 -> (T, E) float32 in one launch (decode sizes: each
     program reads the tile's block_e experts' rows, so even one token spreads over E / block_e
-    programs); tile: default router_tile(T)."""
+    programs); tile: default router_tile(T). pdl: launch with PDL where the device has it
+    (common.pdl_enabled)."""
     _check_gate(x, weight, "router_logits")
     t, d = x.shape
     e = weight.shape[0]
@@ -351,7 +353,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: RouterTile | None
     if t == 0 or e == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
+    pdl = pdl_enabled(x.device, pdl) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     _router_logits_kernel[(t, triton.cdiv(e, tile.block_e))](
         x, weight, out, e, d, x.stride(0), weight.stride(0), out.stride(0),
@@ -372,13 +374,14 @@ def select_experts(
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
     tile: RouterTile | None = None,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """route(router_logits(x, weight), config, correction_bias, hash_ids) in ONE launch, the same
     bits for the same tile (default router_tile(T)): grid (T, E / block_e) of router_logits'
     programs writing the logits to a (T, E)
     scratch; the last program of each token row to finish (a per-row ticket, taken acq_rel)
     routes that row. Rows route in parallel, so T only adds programs. x (T, D) float, weight
-    (E, D) float32 -> (weights (T, K + S) float32, ids (T, K + S) int32)."""
+    (E, D) float32 -> (weights (T, K + S) float32, ids (T, K + S) int32). pdl: as router_logits'."""
     _check_gate(x, weight, "select_experts")
     t, d = x.shape
     e = weight.shape[0]
@@ -388,7 +391,7 @@ def select_experts(
     if t == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
-    pdl = pdl_enabled(x.device) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
+    pdl = pdl_enabled(x.device, pdl) and weight.stride(-1) == 1  # a copy made here is no weight to prefetch
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     _select_experts_kernel[(t, triton.cdiv(e, tile.block_e))](
@@ -601,7 +604,6 @@ class DecodeConfig:
     fused_combine: bool = True
 
 
-DECODE_TILES_ENV = "DEEPINFER_CUDA_MOE_DECODE_TILES"
 # The most token copies (T * K, shared experts included) sent to the decode kernels. Each copy
 # streams its expert's rows itself, so an expert that several tokens pick is read several times
 # (from L2 when they run together) where the grouped GEMM reads it once in a 16-row tile: the
@@ -627,38 +629,23 @@ ONE_TOKEN_COPIES = 8
 ONE_TOKEN_CONFIG = DecodeConfig(down_n=32, down_stages=5)
 
 
-def _decode_setting() -> tuple[DecodeConfig | None, int]:
-    """The decode tiles and copy limit: DEEPINFER_CUDA_MOE_DECODE_TILES="UP_N,UP_K,UP_WARPS,
-    UP_STAGES,DOWN_N,DOWN_K,DOWN_WARPS,DOWN_STAGES,FUSED_COMBINE,MAX_COPIES" replaces both
-    (bench/bench_moe_decode.py prints the best); the tiles None where it is unset."""
-    value = os.environ.get(DECODE_TILES_ENV)
-    if not value:
+def decode_setting(pinned: tuple[int, ...] | None) -> tuple[DecodeConfig | None, int]:
+    """The decode tiles and copy limit of DEEPINFER_CUDA_MOE_DECODE_TILES's value (UP_N, UP_K,
+    UP_WARPS, UP_STAGES, DOWN_N, DOWN_K, DOWN_WARPS, DOWN_STAGES, FUSED_COMBINE, MAX_COPIES:
+    bench/bench_moe_decode.py prints the best), which replaces both at every size; unset (None):
+    no tiles (decode_config's by size) and DECODE_MAX_COPIES."""
+    if pinned is None:
         return None, DECODE_MAX_COPIES
-    try:
-        up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages, fused, max_copies = (
-            int(v) for v in value.split(",")
-        )
-    except ValueError:
-        raise ValueError(
-            f"{DECODE_TILES_ENV}={value!r}: expected UP_N,UP_K,UP_WARPS,UP_STAGES,"
-            "DOWN_N,DOWN_K,DOWN_WARPS,DOWN_STAGES,FUSED_COMBINE,MAX_COPIES (integers)"
-        ) from None
+    up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages, fused, max_copies = pinned
     tiles = (up_n, up_k, up_warps, up_stages, down_n, down_k, down_warps, down_stages)
     return DecodeConfig(*tiles, fused_combine=bool(fused)), max_copies
 
 
-DECODE_MAX_COPIES = _decode_setting()[1]
-
-
 def decode_config(copies: int) -> DecodeConfig:
-    """The tiles of a launch of `copies` token copies: DEEPINFER_CUDA_MOE_DECODE_TILES's where it
-    is set (read at each launch, so a graph captured under it keeps them), else ONE_TOKEN_CONFIG
-    up to ONE_TOKEN_COPIES copies and DecodeConfig() above. The Triton interpreter (CPU CI) pays
-    per program, not per byte: there 128-column tiles keep the engine tests' decode steps near the
-    grouped path's time."""
-    tiles = _decode_setting()[0]
-    if tiles is not None:
-        return tiles
+    """The tiles of a launch of `copies` token copies where none are pinned (decode_setting):
+    ONE_TOKEN_CONFIG up to ONE_TOKEN_COPIES copies and DecodeConfig() above. The Triton
+    interpreter (CPU CI) pays per program, not per byte: there 128-column tiles keep the engine
+    tests' decode steps near the grouped path's time."""
     if INTERPRET:
         return DecodeConfig(up_n=128, down_n=128)
     return ONE_TOKEN_CONFIG if copies <= ONE_TOKEN_COPIES else DecodeConfig()
@@ -855,6 +842,7 @@ def decode_moe(
     w2_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
     shared_experts: int = 0,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """fused_moe for a few tokens in two launches (three without the fused combine), no sort:
     x (T, Dm), weights / ids (T, K) -> (T, Dm) in x's dtype. w13 (E, 2I, Dm), w2 (E, Dm, I);
@@ -863,7 +851,8 @@ def decode_moe(
     shared_experts = S: the last S columns of ids are experts E - S .. E - 1 in every row, and x
     was whole before the kernel launched just before this call began (select_experts' one-launch
     router on the same x, which signals its dependents after its wait): those copies then compute
-    while that kernel still runs (_decode_up_kernel)."""
+    while that kernel still runs (_decode_up_kernel). config: the tiles (default decode_config's
+    for the launch's copies); pdl: as router_logits'."""
     t, k = ids.shape
     cfg = config or decode_config(t * k)
     e, two_i, h = w13.shape
@@ -896,7 +885,7 @@ def decode_moe(
     counts = torch.empty((t * down_tiles if cfg.fused_combine else 1,), dtype=torch.int32, device=x.device)
     zero_block = next_pow2(triton.cdiv(t * down_tiles, copies), 1) if cfg.fused_combine else 0
     ieee = x.dtype == torch.float32
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_enabled(x.device, pdl)
     _decode_up_kernel[(copies, triton.cdiv(inter, cfg.up_n))](
         x, w13, s13, ids, act, counts, inter, h, k, counts.numel(), e,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,

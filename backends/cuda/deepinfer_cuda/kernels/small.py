@@ -55,9 +55,14 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = norm(x [+ residual]) * weight; returns (y, x + residual or None), both in x's dtype."""
+    """y = norm(x [+ residual]) * weight; returns (y, x + residual or None), both in x's dtype.
+    pdl: launch with PDL where the device has it (common.pdl_enabled)."""
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     d = x.shape[-1]
@@ -68,7 +73,7 @@ def rms_norm(
     h = torch.empty_like(x2) if residual is not None else None
     r2 = _rows(residual) if residual is not None else None
     if x2.shape[0] and d:
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_enabled(x.device, pdl)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2 if r2 is not None else x2, weight, y, h if h is not None else y, d, eps,
             x2.stride(0), r2.stride(0) if r2 is not None else 0,
@@ -459,11 +464,12 @@ def write_mla_kv(
     cos_sin_cache: torch.Tensor,
     interleaved: bool,
     slot_mapping: torch.Tensor,
+    pdl: bool = True,
 ) -> None:
     """MLA's cache write in one launch, one program per token (graph-safe: no host sync).
     cache (NB, BS, C + R) contiguous; kv (T, C + R), the raw kv_a output (a strided view is fine);
     C = latent_dim; norm_weight (C,); positions, slot_mapping (T,) int (slot -1: skip the row);
-    cos_sin_cache (P, R) float rows [cos | sin] (unused when R = 0)."""
+    cos_sin_cache (P, R) float rows [cos | sin] (unused when R = 0). pdl: as rms_norm's."""
     check_mla_kv_write(cache, kv, latent_dim, norm_weight, positions, cos_sin_cache, slot_mapping)
     t, d = kv.shape
     c, r = latent_dim, d - latent_dim
@@ -471,7 +477,7 @@ def write_mla_kv(
         return
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    pdl = pdl_enabled(kv.device)
+    pdl = pdl_enabled(kv.device, pdl)
     _write_mla_kv_kernel[(t,)](
         kv, norm_weight.contiguous(), positions, cs, slot_mapping, cache, c, r // 2, eps,
         kv.stride(0), positions.stride(0), cs.stride(0), slot_mapping.stride(0), d,

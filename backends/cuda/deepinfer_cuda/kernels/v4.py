@@ -675,12 +675,14 @@ def compressed_attention(
     batch_invariant: bool = False,
     config: attn_k.AttentionConfig | None = None,
     split_tiles: int | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D) in q's dtype: one softmax over each query's window rows of the
     token cache kv (NB, BS, >= D) and its compressed entries in ckv (NBc, BSc, >= D) (all visible,
     or those of topk_indices (T, Kt)), sinks (H,) float32 in the denominator. K = V.
     split_tiles: tiles per split (None: batch-invariant mode INVARIANT_SPLIT_TILES, else adaptive).
-    The grid comes from the host lengths (upper bounds in a replayed graph)."""
+    The grid comes from the host lengths (upper bounds in a replayed graph). pdl: the split
+    merge's launch (attention.combine_splits)."""
     t, h, d = q.shape
     if kv.shape[-1] < d or ckv.shape[-1] < d:
         raise ValueError(
@@ -741,5 +743,5 @@ def compressed_attention(
         IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
-        attn_k.combine_splits(part, lse, sinks, out, h, max_splits, d)
+        attn_k.combine_splits(part, lse, sinks, out, h, max_splits, d, pdl=pdl)
     return out

@@ -1,0 +1,109 @@
+"""The GEMM part: dense, skinny (decode sizes), batch-invariant, FP8 and grouped GEMMs."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import envs
+from deepinfer.backend.fp8 import FP8_DTYPE
+from deepinfer.backend.ops import GemmOps
+from deepinfer.backend.types import BackendOptions
+from deepinfer_cuda import vendor
+from deepinfer_cuda.kernels import gemm as gemm_k
+from deepinfer_cuda.kernels import moe as moe_k
+
+
+class CudaGemm(GemmOps):
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
+        super().__init__(options)
+        self.fused = not env.cuda_unfused
+        # decode-sized float linears on kernels/gemm.skinny_matmul (outside batch-invariant mode)
+        self.skinny = self.fused and env.cuda_skinny and not self.batch_invariant
+        self.pdl = env.cuda_pdl
+        self.vendor = env.cuda_vendor  # DeepGEMM where installed (deepinfer_cuda.vendor)
+        # the batch-invariant matmul's tiles, where a benchmark pins them (else by M)
+        self.invariant_tile = gemm_k.invariant_setting(env.cuda_invariant_tile)
+
+    def _tiles(self, group_sizes: torch.Tensor, rows: int, fp8: bool) -> gemm_k.TileTable | None:
+        """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
+        if not self.fused:
+            return None
+        cfg = gemm_k.grouped_config(rows, fp8, self.batch_invariant, group_sizes.device)
+        return moe_k.tile_table(group_sizes, rows, cfg.block_m)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Up to SKINNY_MAX_M rows and SKINNY_MAX_WEIGHT_BYTES of weight: the skinny Triton GEMM
+        (its weight loads overlap the previous kernel); else cuBLAS through torch. Batch-invariant
+        mode uses the fixed-tile Triton matmul instead (cuBLAS may change kernel, and reduction
+        order, with M)."""
+        if self.batch_invariant:
+            return gemm_k.matmul(x, weight, bias, self.invariant_tile)
+        if self.skinny and bias is None and x.dim() == 2 and gemm_k.skinny_pays(x, weight):
+            return gemm_k.skinny_matmul(x, weight, pdl=self.pdl)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def batched_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """cuBLAS bmm, or the skinny GEMM at decode sizes, its (G, M, N) result a view of an (M, G, N)
+        tensor (MLA transposes it back to (T, H, Vh) and flattens the heads without a copy);
+        batch-invariant mode: the fixed-tile Triton matmul over every group in one launch (each
+        row's result independent of M)."""
+        if self.batch_invariant:
+            return gemm_k.batched_matmul(x, weight, self.invariant_tile)
+        if self.skinny and gemm_k.skinny_pays(x, weight):
+            out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+            return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1), pdl=self.pdl)
+        return torch.bmm(x, weight.transpose(1, 2))
+
+    def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+        return gemm_k.quantize_fp8(x, block)
+
+    def fp8_gemm(
+        self,
+        xq: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if self.vendor and not self.batch_invariant:
+            out = vendor.deep_gemm_fp8(xq, x_scale, weight, weight_scale, out_dtype)
+            if out is not None:
+                return out
+        return gemm_k.fp8_gemm(
+            xq, x_scale, weight, weight_scale, out_dtype, batch_invariant=self.batch_invariant
+        )
+
+    def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        return gemm_k.grouped_gemm(
+            x, weight, group_sizes, out_dtype=x.dtype, batch_invariant=self.batch_invariant,
+            tiles=self._tiles(group_sizes, x.shape[0], False),
+        )  # fmt: skip
+
+    def grouped_gemm_fp8(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(f"grouped_gemm_fp8 takes float8_e4m3fn weights, got {weight.dtype}")
+        xq, xs = gemm_k.quantize_fp8(x)
+        return gemm_k.grouped_gemm(
+            xq, weight, group_sizes, out_dtype=x.dtype, x_scale=xs, weight_scale=weight_scale.float(),
+            batch_invariant=self.batch_invariant, tiles=self._tiles(group_sizes, x.shape[0], True),
+        )  # fmt: skip
+
+    def grouped_gemm_fp4(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        group_sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
+        the product in x's dtype (SM90 has no FP4 tensor cores)."""
+        return gemm_k.grouped_gemm_fp4(
+            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant,
+            tiles=self._tiles(group_sizes, x.shape[0], False),
+        )  # fmt: skip

@@ -1,0 +1,56 @@
+"""The KV-cache part: the contract's (NB, BS, D) layout per layer, written by Triton kernels;
+cache_tensor checks that layout for the other parts."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import envs
+from deepinfer.backend.ops import KVCacheOps
+from deepinfer.backend.types import BackendOptions, PagedKVCache
+from deepinfer_cuda.kernels import small as small_k
+
+
+class CudaKVCache(KVCacheOps):
+    """The contract's default layout, (NB, BS, D) per layer, written by Triton kernels."""
+
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
+        super().__init__(options)
+        self.fused = not env.cuda_unfused
+        self.pdl = env.cuda_pdl
+
+    def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
+        small_k.write_kv(cache_tensor(cache), kv, slot_mapping)
+
+    def write_mla_kv(
+        self,
+        cache: PagedKVCache,
+        kv: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One Triton kernel (norm + rope + cast + store; replaces two contiguous copies, the
+        norm, the rope, a cat and the store). Unfused, or a cache dtype the kernel does not
+        round like torch: the contract's composition (this backend's rms_norm, rope, write_kv)."""
+        t = cache_tensor(cache)
+        args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
+        if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
+            small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args, pdl=self.pdl)
+        else:
+            super().write_mla_kv(cache, kv, *args)
+
+
+def cache_tensor(cache: PagedKVCache) -> torch.Tensor:
+    """The (NB, BS, D) tensor of the reference layout, which this backend keeps."""
+    t = cache.tensors[0]
+    spec = cache.spec
+    if len(cache.tensors) != 1 or tuple(t.shape) != (spec.num_blocks, spec.block_size, spec.head_dim):
+        raise ValueError("the CUDA backend expects the (num_blocks, block_size, head_dim) cache layout")
+    if not t.is_contiguous():
+        raise ValueError("the KV cache tensor must be contiguous")
+    return t

@@ -1,0 +1,105 @@
+"""The small-ops part: norms, rope, activations, DeepSeek-V4's mHC and pooling ops, the token
+bitmask, the greedy draw and the sampling noise."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer import envs
+from deepinfer.backend.ops import SmallOps
+from deepinfer.backend.types import BackendOptions
+from deepinfer_cuda.kernels import small as small_k
+from deepinfer_cuda.kernels import v4 as v4_k
+
+
+class CudaSmall(SmallOps):
+    """Triton rms_norm, rope, silu_and_mul (and DeepSeek-V4's clamped one, compressor pooling and
+    mHC ops), bitmask and the sampling noise; sampling stays in torch (sort-based top-k / top-p over the
+    vocabulary, already a handful of device kernels)."""
+
+    def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
+        super().__init__(options)
+        self.fused = not env.cuda_unfused
+        self.argmax_kernel = self.fused and env.cuda_argmax
+        self.pdl = env.cuda_pdl
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return small_k.rms_norm(x, weight, eps, pdl=self.pdl)[0]
+
+    def argmax(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One launch (kernels/small.argmax) where fused; else the contract's two reductions."""
+        if self.argmax_kernel and logits.dim() == 2 and logits.dtype == torch.float32 and logits.shape[1]:
+            return small_k.argmax(logits, out)
+        return super().argmax(logits, out)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel: the sum in float32, normalised before its rounding to x's dtype."""
+        y, h = small_k.rms_norm(x, weight, eps, residual, pdl=self.pdl)
+        assert h is not None
+        return y, h
+
+    def rope(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        interleaved: bool,
+    ) -> torch.Tensor:
+        return small_k.rope(x, positions, cos_sin_cache, interleaved)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return small_k.silu_and_mul(x)
+
+    def clamped_silu_and_mul(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        return small_k.clamped_silu_and_mul(x, limit)
+
+    def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return small_k.gated_pool(kv, gate)
+
+    def hc_pre(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch (kernels/v4.py: split mix product, then Sinkhorn in registers)."""
+        if not self.fused:
+            return super().hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return v4_k.hc_pre(
+            streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant=self.batch_invariant
+        )
+
+    def hc_post(
+        self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().hc_post(y, streams, post, comb)
+        return v4_k.hc_post(y, streams, post, comb)
+
+    def hc_head(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().hc_head(streams, fn, base, scale, norm_eps, hc_eps)
+        return v4_k.hc_head(streams, fn, base, scale, norm_eps, hc_eps, batch_invariant=self.batch_invariant)
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        small_k.apply_token_bitmask(logits, bitmask)
+
+    def exponential_noise(self, seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """One Triton kernel (the reference's hash, bit for bit; -log within float32 rounding)."""
+        if not self.fused:  # the contract's default (the reference hash in torch ops)
+            return super().exponential_noise(seeds, offsets, vocab_size)
+        return small_k.exponential_noise(seeds, offsets, vocab_size)
