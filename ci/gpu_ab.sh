@@ -9,7 +9,8 @@
 #      (greedy and seeded tokens under every engine mode; a random V4 checkpoint written once by
 #      the old tree, read by both), then the comparison of the two token files;
 #   2. with bench_e2e.py arguments: bench/bench_e2e.py on the old tree, then on the new one.
-#   usage: OUT=dir bash ci/gpu_ab.sh [bench_e2e.py arguments]
+# NEW_TGZ=.ab/new.tgz (made the same way) takes "new" from that tarball instead of the tree.
+#   usage: OUT=dir [NEW_TGZ=...] bash ci/gpu_ab.sh [bench_e2e.py arguments]
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -21,6 +22,12 @@ echo "install rc=$?"
 rm -rf /tmp/old && mkdir -p /tmp/old && tar -C /tmp/old -xzf .ab/old.tgz && cp -r model /tmp/old/
 cp ci/gpu_tokens.py /tmp/old/ci/  # the same driver for both trees (public API only)
 OLD_PATH=/tmp/old:/tmp/old/backends/cuda
+NEW_TREE=$PWD NEW_PATH=""
+if [ -n "${NEW_TGZ:-}" ]; then
+  rm -rf /tmp/new && mkdir -p /tmp/new && tar -C /tmp/new -xzf "$NEW_TGZ" && cp -r model /tmp/new/
+  cp ci/gpu_tokens.py /tmp/new/ci/
+  NEW_TREE=/tmp/new NEW_PATH=/tmp/new:/tmp/new/backends/cuda
+fi
 start=$SECONDS
 
 tokens() {  # name, tree, PYTHONPATH ('' for the installed tree)
@@ -30,7 +37,7 @@ tokens() {  # name, tree, PYTHONPATH ('' for the installed tree)
 }
 (cd /tmp/old && PYTHONPATH=$OLD_PATH python3 ci/gpu_tokens.py --write-v4 /tmp/v4) > "$OUT/write_v4.log" 2>&1
 tokens old /tmp/old "$OLD_PATH" &
-tokens new "$PWD" "" &
+tokens new "$NEW_TREE" "$NEW_PATH" &
 timeout "${ENGINE_TIMEOUT:-200}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py \
   -q -rfs -p no:cacheprovider > "$OUT/engine_tests.log" 2>&1 &
 if [ "${CONF:-1}" = 1 ]; then
@@ -57,6 +64,6 @@ bench() {  # name, tree, PYTHONPATH, bench_e2e.py arguments
 }
 if [ $# -gt 0 ]; then
   bench old /tmp/old "$OLD_PATH" "$@"
-  bench new "$PWD" "" "$@"
+  bench new "$NEW_TREE" "$NEW_PATH" "$@"
 fi
 tar -C "$OUT" -czf "$RESULT/ab.tgz" . && cp "$OUT/tokens_compare.txt" "$RESULT/" && rm -rf "$OUT"
