@@ -133,6 +133,17 @@ def skinny_from_env() -> bool:
     return os.environ.get(SKINNY_ENV, "1") != "0"
 
 
+V4_DECODE_ENV = "DEEPINFER_CUDA_V4_DECODE"
+
+
+def v4_decode_from_env() -> bool:
+    """False when DEEPINFER_CUDA_V4_DECODE=0: the published DeepSeek-V4 format's decode kernels
+    off (FP8 linears and the grouped FP8 wo_a at decode sizes on the skinny kernel, MXFP4 experts
+    on the decode MoE kernels, the MXFP4 grouped GEMM's nibble-pair decode), so that a benchmark
+    can run the paths they replace in the same process tree."""
+    return os.environ.get(V4_DECODE_ENV, "1") != "0"
+
+
 # --------------------------------------------------------------------------- device / memory
 
 
@@ -477,11 +488,16 @@ class CudaAttention(AttentionOps):
 
 
 class CudaGemm(GemmOps):
-    def __init__(self, options: BackendOptions, fused: bool = True, skinny: bool = True) -> None:
+    def __init__(
+        self, options: BackendOptions, fused: bool = True, skinny: bool = True, v4_decode: bool = True
+    ) -> None:
         super().__init__(options)
         self.fused = fused
         # decode-sized float linears on kernels/gemm.skinny_matmul (outside batch-invariant mode)
         self.skinny = fused and skinny and not self.batch_invariant
+        # ... and FP8 ones on its FP8 flag (skinny_fp8_matmul); the MXFP4 grouped GEMM's pair decode
+        self.v4_decode = v4_decode
+        self.skinny_fp8 = self.skinny and v4_decode
 
     def _tiles(self, group_sizes: torch.Tensor, rows: int, fp8: bool) -> gemm_k.TileTable | None:
         """The tile table in one launch (None, unfused: grouped_gemm computes it in torch)."""
@@ -489,6 +505,34 @@ class CudaGemm(GemmOps):
             return None
         cfg = gemm_k.grouped_config(rows, fp8, self.batch_invariant, group_sizes.device)
         return moe_k.tile_table(group_sizes, rows, cfg.block_m)
+
+    # ----- DeepSeek-V4's published format at decode sizes (DEEPINFER_CUDA_V4_DECODE)
+
+    def linear_fp8(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Up to gemm.SKINNY_FP8_MAX_M rows (outside batch-invariant mode): ONE launch, the skinny
+        kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded before the wait); else
+        the contract's quantize_fp8 + fp8_gemm."""
+        fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_ok(x, weight, weight_scale)
+        if self.skinny_fp8 and fits:
+            return gemm_k.skinny_fp8_matmul(x, weight, weight_scale)
+        return super().linear_fp8(x, weight, weight_scale, bias)
+
+    def batched_linear_fp8(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode sizes: one skinny FP8 launch over the G groups, read from x's strided view and
+        written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N) without a copy);
+        else the contract's grouped_gemm_fp8."""
+        if self.skinny_fp8 and gemm_k.skinny_fp8_ok(x, weight, weight_scale):
+            out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+            return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, out.transpose(0, 1))
+        return super().batched_linear_fp8(x, weight, weight_scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Up to SKINNY_MAX_M rows and SKINNY_MAX_WEIGHT_BYTES of weight: the skinny Triton GEMM
@@ -562,9 +606,12 @@ class CudaGemm(GemmOps):
     ) -> torch.Tensor:
         """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
         the product in x's dtype (SM90 has no FP4 tensor cores)."""
+        pairs = self.v4_decode
+        cfg = gemm_k.grouped_fp4_config(x.shape[0], self.batch_invariant, x.device, pairs)
+        tiles = moe_k.tile_table(group_sizes, x.shape[0], cfg.block_m) if self.fused else None
         return gemm_k.grouped_gemm_fp4(
-            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant,
-            tiles=self._tiles(group_sizes, x.shape[0], False),
+            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant, tiles=tiles,
+            pairs=pairs, config=cfg,
         )  # fmt: skip
 
 
@@ -578,10 +625,13 @@ class CudaMoe(MoeOps):
     grouped GEMM; the weighted combine in Triton. Unfused (DEEPINFER_CUDA_UNFUSED=1): the reference's
     torch routing, the torch sort and a torch tile table per GEMM, as before the fusion."""
 
-    def __init__(self, options: BackendOptions, fused: bool = True, decode: bool = True) -> None:
+    def __init__(
+        self, options: BackendOptions, fused: bool = True, decode: bool = True, v4_decode: bool = True
+    ) -> None:
         super().__init__(options)
         self.fused = fused
         self.decode = fused and decode  # kernels/moe.decode_moe for a few tokens
+        self.fp4_decode = fused and v4_decode  # ... MXFP4 experts too (DEEPINFER_CUDA_V4_DECODE)
         self.early = moe_early_from_env()
         # The last one-launch routing: (x, ids) by weak reference, its shared experts S and E + S.
         # fused_moe on that very x and ids may start the shared copies early.
@@ -666,10 +716,13 @@ class CudaMoe(MoeOps):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
+        if w13.dtype == torch.uint8:  # MXFP4: the contract's composition over grouped_gemm_fp4
+            return super().experts(x_sorted, counts, w13, w2, w13_scale, w2_scale, swiglu_limit)
         cfg = self._config(x_sorted.shape[0], w13_scale, x_sorted.device)
         tiles = moe_k.tile_table(counts, x_sorted.shape[0], cfg.block_m) if self.fused else None
-        return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, gather=None)
+        return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, None, swiglu_limit)
 
     def fused_moe(
         self,
@@ -680,6 +733,7 @@ class CudaMoe(MoeOps):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         """Like the default composition, but the first GEMM reads token rows straight from x
         through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
@@ -687,19 +741,27 @@ class CudaMoe(MoeOps):
         Up to moe_k.DECODE_MAX_COPIES token copies, outside batch-invariant mode (the two paths
         round alike but reduce in different tiles, so a row's bits would change with T at the
         limit), for unquantised experts: kernels/moe.decode_moe, two launches (up with
-        silu_and_mul, down with the combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
+        silu_and_mul, down with the combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off.
+        MXFP4 experts (DeepSeek-V4): decode_moe's GEMV kernels up to moe_k.FP4_DECODE_MAX_COPIES
+        copies (DEEPINFER_CUDA_V4_DECODE=0 turns them off); above, the contract's composition
+        over grouped_gemm_fp4."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
         small = ids.numel() <= moe_k.DECODE_MAX_COPIES
         shared = self._shared_early(x, ids, w13)
+        limit = swiglu_limit
+        if w13.dtype == torch.uint8:  # MXFP4
+            if self.fp4_decode and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES:
+                return moe_k.decode_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, swiglu_limit=limit)
+            return super().fused_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, limit)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
             # bf16 / float32 experts (FP8: slower)
-            return moe_k.decode_moe(x, weights, ids, w13, w2, shared_experts=shared)
+            return moe_k.decode_moe(x, weights, ids, w13, w2, shared_experts=shared, swiglu_limit=limit)
         cfg = self._config(ids.numel(), w13_scale, ids.device)
         a = self._align(ids, w13.shape[0], cfg.block_m)
-        y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
+        y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, a.token, limit)
         return small_k.weighted_combine(y, a.src_to_dst, weights)
 
     def _config(self, rows: int, w13_scale: torch.Tensor | None, device: torch.device) -> gemm_k.GemmConfig:
@@ -717,7 +779,11 @@ class CudaMoe(MoeOps):
         w13_scale: torch.Tensor | None,
         w2_scale: torch.Tensor | None,
         gather: torch.Tensor | None,
+        limit: float | None = None,
     ) -> torch.Tensor:
+        def act(h: torch.Tensor) -> torch.Tensor:
+            return small_k.silu_and_mul(h) if limit is None else small_k.clamped_silu_and_mul(h, limit)
+
         if (w13_scale is None) != (w2_scale is None):
             raise ValueError("FP8 experts need both w13_scale and w2_scale")
         rows = gather.shape[0] if gather is not None else x.shape[0]
@@ -732,9 +798,9 @@ class CudaMoe(MoeOps):
             )  # fmt: skip
 
         if w13_scale is None or w2_scale is None:
-            return gemm(small_k.silu_and_mul(gemm(x, w13, None, None, gather)), w2, None, None)
+            return gemm(act(gemm(x, w13, None, None, gather)), w2, None, None)
         xq, xs = gemm_k.quantize_fp8(x)  # per-token quantisation commutes with the row gather
-        aq, a_s = gemm_k.quantize_fp8(small_k.silu_and_mul(gemm(xq, w13, xs, w13_scale.float(), gather)))
+        aq, a_s = gemm_k.quantize_fp8(act(gemm(xq, w13, xs, w13_scale.float(), gather)))
         return gemm(aq, w2, a_s, w2_scale.float())
 
 
@@ -895,8 +961,8 @@ def create_cuda_backend(options: BackendOptions | None = None) -> Backend:
         device=CudaDevice(options, device, fused and kernel_copies_from_env()),
         kv_cache=CudaKVCache(options, fused),
         attention=CudaAttention(options, fused, query_rows_from_env()),
-        gemm=CudaGemm(options, fused, skinny_from_env()),
-        moe=CudaMoe(options, fused, moe_decode_from_env()),
+        gemm=CudaGemm(options, fused, skinny_from_env(), v4_decode_from_env()),
+        moe=CudaMoe(options, fused, moe_decode_from_env(), v4_decode_from_env()),
         collectives=CudaCollectives(options, device),
         small=CudaSmall(options, fused, argmax_from_env()),
     )
