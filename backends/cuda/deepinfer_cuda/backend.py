@@ -631,7 +631,9 @@ class CudaMoe(MoeOps):
         super().__init__(options)
         self.fused = fused
         self.decode = fused and decode  # kernels/moe.decode_moe for a few tokens
-        self.fp4_decode = fused and v4_decode  # ... MXFP4 experts too (DEEPINFER_CUDA_V4_DECODE)
+        # MXFP4 experts on decode_moe too; off (DEEPINFER_CUDA_V4_DECODE=0), DeepSeek-V4's MoE
+        # (the calls with swiglu_limit) takes the contract's composition, as before V4 used fused_moe
+        self.v4_decode = v4_decode
         self.early = moe_early_from_env()
         # The last one-launch routing: (x, ids) by weak reference, its shared experts S and E + S.
         # fused_moe on that very x and ids may start the shared copies early.
@@ -743,8 +745,8 @@ class CudaMoe(MoeOps):
         limit), for unquantised experts: kernels/moe.decode_moe, two launches (up with
         silu_and_mul, down with the combine), no sort; DEEPINFER_CUDA_MOE_DECODE=0 turns it off.
         MXFP4 experts (DeepSeek-V4): decode_moe's GEMV kernels up to moe_k.FP4_DECODE_MAX_COPIES
-        copies (DEEPINFER_CUDA_V4_DECODE=0 turns them off); above, the contract's composition
-        over grouped_gemm_fp4."""
+        copies; above, the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0:
+        every call with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
@@ -752,8 +754,9 @@ class CudaMoe(MoeOps):
         small = ids.numel() <= moe_k.DECODE_MAX_COPIES
         shared = self._shared_early(x, ids, w13)
         limit = swiglu_limit
-        if w13.dtype == torch.uint8:  # MXFP4
-            if self.fp4_decode and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES:
+        if w13.dtype == torch.uint8 or (limit is not None and not self.v4_decode):  # MXFP4, or V4 off
+            fits = self.fused and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES
+            if self.v4_decode and fits:
                 return moe_k.decode_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, swiglu_limit=limit)
             return super().fused_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, limit)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
