@@ -70,7 +70,7 @@ class Timer:
             return (time.perf_counter() - t) * 1e3
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+        return float(do_bench(fn, warmup=10, rep=100, return_mode="median"))
 
     def graph(self, step: Callable[[], object]) -> float:
         """Median ms of one replay of a CUDA graph of `step` (the call itself in --smoke mode)."""
