@@ -257,6 +257,19 @@ CUDA_SKINNY = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_V4_DECODE = Switch(
+    name="DEEPINFER_CUDA_V4_DECODE",
+    attr="cuda_v4_decode",
+    kind="flag",
+    default=True,
+    meaning=(
+        "0: DeepSeek-V4's FP8 linears and MXFP4 experts on the paths before its decode kernels (no "
+        "FP8 skinny GEMM, no MXFP4 decode MoE kernels, no nibble-pair decode in the MXFP4 grouped GEMM)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
 CUDA_PDL = Switch(
     name="DEEPINFER_CUDA_PDL",
     attr="cuda_pdl",
@@ -361,6 +374,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_WIDE_QUERY,
     CUDA_KERNEL_COPIES,
     CUDA_SKINNY,
+    CUDA_V4_DECODE,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
@@ -391,6 +405,7 @@ class Env:
     cuda_wide_query: bool
     cuda_kernel_copies: bool
     cuda_skinny: bool
+    cuda_v4_decode: bool
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None

@@ -558,9 +558,11 @@ def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)[None]  # (1, N, K/2)
     scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 4, dtype=torch.uint8).view(1, n, 2)
     x = torch.eye(k)  # row i picks column i of W^T: y = W^T exactly
-    y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), torch.tensor([k], device=DEV))
     want = fp4.dequantize_weight(packed[0], scales[0]).T
-    assert torch.equal(y.cpu(), want), (y.cpu() - want).abs().max()
+    for pairs in (True, False):  # the nibble-pair decode and the per-element one it replaced
+        sizes = torch.tensor([k], device=DEV)
+        y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), sizes, pairs=pairs)
+        assert torch.equal(y.cpu(), want), (pairs, (y.cpu() - want).abs().max())
 
 
 def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
@@ -1694,3 +1696,176 @@ def test_decode_tiles_follow_the_copies_unless_pinned(
     for tokens in (1, 4):  # 3 copies (one token's tiles by size) and 12 (the larger steps')
         pinned.fused_moe(*_decode_moe_case(gen, tokens, False)[0])
     assert configs == [moe_k.DecodeConfig()] * 2
+
+
+# --------------------------------------------------------------------------- DeepSeek-V4's published format
+
+
+def fp8_weights(shape: tuple[int, ...], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 weights with power-of-two (UE8M0) block scales, stacked over a leading axis."""
+    from deepinfer.backend.fp8 import quantize_weight
+
+    k = shape[-1]
+    w = torch.randn(shape, generator=gen) * k**-0.5
+    parts = [quantize_weight(p, ue8m0=True) for p in w.reshape(-1, *shape[-2:])]
+    q = torch.stack([p[0].view(torch.uint8) for p in parts]).view(torch.float8_e4m3fn)
+    return q.view(shape).to(DEV), torch.stack([p[1] for p in parts]).view(*shape[:-2], *parts[0][1].shape).to(
+        DEV
+    )
+
+
+def fp8_linear_oracle(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    xq, xs = ref_gemm.quantize_fp8(x.cpu().double())
+    return ref_gemm.fp8_gemm(xq, xs, w.cpu(), s.cpu(), torch.float64)
+
+
+@pytest.mark.parametrize("m", [1, 5, 20])
+def test_skinny_fp8_matmul_against_float64(gen: torch.Generator, m: int) -> None:
+    """linear_fp8 at decode sizes in one launch: x quantised per row and 128 columns in the kernel,
+    the e4m3 slab dequantised in registers, K split over slabs (K = 640: the last one partial),
+    N = 200 a partial scale-block row; 20 rows take the 32-row x^T operand. Batched over groups
+    from a strided x into a strided out (the grouped wo_a). Against the reference's quantise +
+    fp8_gemm in float64; tickets left at zero; bad inputs named."""
+    k, n, g = 640, 200, 3
+    w, s = fp8_weights((n, k), gen)
+    x = torch.randn((m, k), generator=gen).to(torch.bfloat16).to(DEV)
+    cfgs = [None, gemm_k.SkinnyConfig(block_n=32, block_k=128, num_warps=4, slab=256, pdl=True)]
+    for cfg in cfgs:
+        y = gemm_k.skinny_fp8_matmul(x, w, s, config=cfg)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        want = fp8_linear_oracle(x, w, s)
+        torch.testing.assert_close(y.cpu().double(), want, rtol=6e-2, atol=6e-2)
+        assert float((y.cpu().double() - want).norm() / want.norm()) < 0.015
+    assert not gemm_k._SKINNY_TICKETS.get(DEV, 1).any(), "a tile's ticket was left counted"
+    wg, sg = fp8_weights((g, 256, 256), gen)
+    xg = torch.randn((m, g, 256), generator=gen).to(torch.bfloat16).to(DEV).transpose(0, 1)  # (G, M, K)
+    out = torch.empty((m, g, 256), dtype=torch.bfloat16, device=DEV)
+    gemm_k.skinny_fp8_matmul(xg, wg, sg, out.transpose(0, 1))
+    for i in range(g):
+        want = fp8_linear_oracle(xg[i], wg[i], sg[i])
+        torch.testing.assert_close(out[:, i].cpu().double(), want, rtol=6e-2, atol=6e-2)
+        assert float((out[:, i].cpu().double() - want).norm() / want.norm()) < 0.015
+    with pytest.raises(ValueError, match="skinny_fp8_matmul"):
+        gemm_k.skinny_fp8_matmul(torch.zeros((65, k), dtype=torch.bfloat16, device=DEV), w, s)
+    with pytest.raises(ValueError, match="skinny_fp8_matmul"):
+        gemm_k.skinny_fp8_matmul(x, w, s[:, :2])
+
+
+def test_fp8_linears_take_the_skinny_kernel_at_decode_sizes(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CudaGemm.linear_fp8 and batched_linear_fp8: the skinny FP8 kernel up to SKINNY_FP8_MAX_M rows,
+    the contract's quantise + fp8_gemm (grouped_gemm_fp8) above, in batch-invariant mode and with
+    DEEPINFER_CUDA_V4_DECODE=0; results agree within the FP8 budget either way."""
+    calls: list[int] = []
+    real = gemm_k.skinny_fp8_matmul
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[-2])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_k, "skinny_fp8_matmul", spy)
+    w, s = fp8_weights((128, 256), gen)
+    wg, sg = fp8_weights((2, 128, 256), gen)
+    on = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setenv(envs.CUDA_V4_DECODE.name, "0")
+    off = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.delenv(envs.CUDA_V4_DECODE.name)
+    invariant = cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True))
+    for m, taken in ((1, True), (64, True), (65, False)):
+        x = torch.randn((m, 256), generator=gen).to(torch.bfloat16).to(DEV)
+        xg = torch.randn((2, m, 256), generator=gen).to(torch.bfloat16).to(DEV)
+        for b, expect in ((on, taken), (off, False), (invariant, False)):
+            calls.clear()
+            y = b.gemm.linear_fp8(x, w, s)
+            yg = b.gemm.batched_linear_fp8(xg, wg, sg)
+            assert calls == ([m, m] if expect else []), (m, b is on, calls)
+            torch.testing.assert_close(y.cpu().double(), fp8_linear_oracle(x, w, s), rtol=0.12, atol=0.12)
+            assert yg.shape == (2, m, 128)
+            for i in range(2):
+                want = fp8_linear_oracle(xg[i], wg[i], sg[i])
+                torch.testing.assert_close(yg[i].cpu().double(), want, rtol=0.12, atol=0.12)
+
+
+def mxfp4_experts(
+    e: int, dm: int, inter: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from deepinfer.backend import fp4
+
+    p13, s13 = fp4.quantize_weight(torch.randn((e, 2 * inter, dm), generator=gen) * dm**-0.5)
+    p2, s2 = fp4.quantize_weight(torch.randn((e, dm, inter), generator=gen) * inter**-0.5)
+    return p13.to(DEV), p2.to(DEV), s13.to(DEV), s2.to(DEV)
+
+
+def clamped_moe_oracle(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w: tuple[torch.Tensor, ...], limit: float
+) -> torch.Tensor:
+    from deepinfer.backend import fp4
+
+    p13, p2, s13, s2 = (t.cpu() for t in w)
+    d13, d2 = fp4.dequantize_weight(p13, s13, torch.float64), fp4.dequantize_weight(p2, s2, torch.float64)
+    inter = d2.shape[2]
+    out = torch.zeros((x.shape[0], d2.shape[1]), dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = x[t].cpu().double() @ d13[e].T
+            a = torch.nn.functional.silu(h[:inter].clamp(max=limit)) * h[inter:].clamp(-limit, limit)
+            out[t] += float(weights[t, k]) * (a @ d2[e].T)
+    return out
+
+
+def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
+    """decode_moe's FP4 flag: MXFP4 w13 / w2 read as GEMV rows (both nibbles of each byte, a scale
+    per 32 values; Dm = 96 and I = 80 leave partial steps and scale groups), the clamped SwiGLU
+    between, the fused combine; against float64 on the dequantised weights. On a GPU also
+    V4-Flash's widths (Dm 4096, I 2048) with the default tiles."""
+    limit = 0.6
+    sizes = [(6, 96, 80, 3, 2)] + ([(8, 4096, 2048, 2, 6)] if GPU and not INTERPRET else [])
+    for e, dm, inter, t, k in sizes:
+        w = mxfp4_experts(e, dm, inter, gen)
+        x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+        weights = torch.rand((t, k), generator=gen).to(DEV)
+        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit)
+        want = clamped_moe_oracle(x, weights, ids, w, limit)
+        assert y.shape == (t, dm) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+        cfg = dataclasses.replace(moe_k.FP4_DECODE_CONFIG, fused_combine=False)  # the third launch
+        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg)
+        torch.testing.assert_close(y3.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CudaMoe.fused_moe on MXFP4 experts: decode_moe up to FP4_DECODE_MAX_COPIES token copies, the
+    contract's composition over grouped_gemm_fp4 above it, in batch-invariant mode and with
+    DEEPINFER_CUDA_V4_DECODE=0 (whose grouped GEMM then decodes element by element); every path
+    within bf16 rounding of float64."""
+    calls: list[int] = []
+    real = moe_k.decode_moe
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    e, dm, inter, k, limit = 8, 64, 48, 2, 0.8
+    w = mxfp4_experts(e, dm, inter, gen)
+    on = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.setenv(envs.CUDA_V4_DECODE.name, "0")
+    off = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.delenv(envs.CUDA_V4_DECODE.name)
+    invariant = cuda_backend.create_cuda_backend(BackendOptions(batch_invariant=True))
+    most = moe_k.FP4_DECODE_MAX_COPIES // k
+    for t in (1, most, most + 1):
+        x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+        weights = torch.rand((t, k), generator=gen).to(DEV)
+        want = clamped_moe_oracle(x, weights, ids, w, limit)
+        for b, expect in ((on, t <= most), (off, False), (invariant, False)):
+            calls.clear()
+            y = b.moe.fused_moe(x, weights, ids, *w[:2], *w[2:], swiglu_limit=limit)
+            assert calls == ([t] if expect else []), (t, calls)
+            torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))

@@ -535,6 +535,18 @@ class GemmOps(_Part):
         y = self.fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
         return y if bias is None else y + bias
 
+    def batched_linear_fp8(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    ) -> torch.Tensor:
+        """One FP8 product per group: x (G, M, K) float (may be a strided view), weight (G, N, K)
+        e4m3 with block scales (G, ceil(N/128), ceil(K/128)) -> (G, M, N) in x's dtype, out[g] =
+        linear_fp8(x[g], weight[g], weight_scale[g]). DeepSeek-V4's grouped output projection
+        (wo_a). Default: grouped_gemm_fp8 over the G * M rows, M a group."""
+        g, m, k = x.shape
+        sizes = torch.full((g,), m, dtype=torch.int64, device=x.device)
+        y = self.grouped_gemm_fp8(x.reshape(g * m, k), weight, weight_scale, sizes)
+        return y.view(g, m, weight.shape[1])
+
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """Rows sorted by group: x (M, K), weight (E, N, K), group_sizes (E,) int64 summing to M.
         Rows of group e are multiplied by weight[e]^T -> (M, N) in x's dtype.
@@ -587,7 +599,13 @@ class GemmOps(_Part):
 class MoeOps(_Part):
     """Routing, token permutation and expert compute for fine-grained MoE. All optional.
 
-    Expert weights are stored fused: w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I) = down.
+    Expert weights are stored fused: w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I) = down, in one
+    of three formats: floating point (no scales); FP8 e4m3 with block scales w13_scale
+    (E, ceil(2I/128), ceil(Dm/128)), w2_scale (E, ceil(Dm/128), ceil(I/128)); MXFP4 (uint8
+    weights, deepinfer.backend.fp4: w13 (E, 2I, Dm/2), w2 (E, Dm, I/2), UE8M0 scale bytes
+    (E, 2I, ceil(Dm/32)), (E, Dm, ceil(I/32)); DeepSeek-V4's routed experts).
+    swiglu_limit (DeepSeek-V4): the activation between the products is
+    small.clamped_silu_and_mul(h, swiglu_limit) instead of small.silu_and_mul(h).
     Token ids into the permuted buffer are TOKEN-MAJOR: source row s = t * K + k.
     """
 
@@ -649,18 +667,26 @@ class MoeOps(_Part):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
-        """Expert MLP over expert-sorted rows: grouped_gemm(w13) -> silu_and_mul -> grouped_gemm(w2).
-        x_sorted (M, Dm), counts (E,) -> (M, Dm). FP8 (e4m3 weights, block scales) when scales given.
-        Default: this backend's gemm.grouped_gemm (or grouped_gemm_fp8) and small.silu_and_mul."""
-        if (w13_scale is None) != (w2_scale is None):
-            raise ValueError("FP8 experts need both w13_scale and w2_scale")
+        """Expert MLP over expert-sorted rows: grouped_gemm(w13) -> silu_and_mul (clamped at
+        swiglu_limit where given) -> grouped_gemm(w2). x_sorted (M, Dm), counts (E,) -> (M, Dm),
+        the weights in any of the formats above. Default: this backend's gemm.grouped_gemm (or
+        grouped_gemm_fp8, grouped_gemm_fp4) and small.silu_and_mul (or clamped_silu_and_mul)."""
+        if (w13_scale is None) != (w2_scale is None) or (w13.dtype == torch.uint8 and w13_scale is None):
+            raise ValueError("FP8 and MXFP4 experts need both w13_scale and w2_scale")
         gemm, small = self.backend.gemm, self.backend.small
+
+        def act(h: torch.Tensor) -> torch.Tensor:
+            if swiglu_limit is None:
+                return small.silu_and_mul(h)
+            return small.clamped_silu_and_mul(h, swiglu_limit)
+
         if w13_scale is not None and w2_scale is not None:
-            h = gemm.grouped_gemm_fp8(x_sorted, w13, w13_scale, counts)
-            return gemm.grouped_gemm_fp8(small.silu_and_mul(h), w2, w2_scale, counts)
+            grouped = gemm.grouped_gemm_fp4 if w13.dtype == torch.uint8 else gemm.grouped_gemm_fp8
+            return grouped(act(grouped(x_sorted, w13, w13_scale, counts)), w2, w2_scale, counts)
         h = gemm.grouped_gemm(x_sorted, w13, counts)
-        return gemm.grouped_gemm(small.silu_and_mul(h), w2, counts)
+        return gemm.grouped_gemm(act(h), w2, counts)
 
     def fused_moe(
         self,
@@ -671,11 +697,15 @@ class MoeOps(_Part):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         """The routed-expert output of a MoE layer: x (T, Dm), weights/ids (T, K) -> (T, Dm).
         Default: this part's permute, experts and unpermute."""
         x_sorted, src_to_dst, counts = self.permute(x, ids, w13.shape[0])
-        y = self.experts(x_sorted, counts, w13, w2, w13_scale, w2_scale)
+        if swiglu_limit is None:  # (backends may override experts without the argument)
+            y = self.experts(x_sorted, counts, w13, w2, w13_scale, w2_scale)
+        else:
+            y = self.experts(x_sorted, counts, w13, w2, w13_scale, w2_scale, swiglu_limit=swiglu_limit)
         return self.unpermute(y, src_to_dst, weights)
 
 

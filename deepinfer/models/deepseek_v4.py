@@ -70,8 +70,8 @@ published V4 checkpoints: the linears FP8 e4m3 with a UE8M0 scale per 128x128 bl
 except the compressors' projections, the indexer's weights_proj and the router (stored_in_fp8);
 the routed experts MXFP4 (deepinfer.backend.fp4; V4-Flash-Base: FP8); embedding, head, norms
 and mixing parameters in bf16 / float32. FP8 linears run through gemm.linear_fp8, FP8 wo_a
-through gemm.grouped_gemm_fp8 (one group per output group), the experts through
-gemm.grouped_gemm_fp4 (or grouped_gemm_fp8).
+through gemm.batched_linear_fp8 (one product per output group), the routed experts through
+moe.fused_moe with the clamped SwiGLU (MXFP4 or FP8 experts: grouped_gemm_fp4 / _fp8 by default).
 """
 
 from __future__ import annotations
@@ -539,15 +539,13 @@ class V4Attention(nn.Module):
 
     def _grouped_output(self, per_group: torch.Tensor) -> torch.Tensor:
         """(G, T, H*D/G) -> (G, T, o_lora_rank), group g through rows [g*r, (g+1)*r) of wo_a.
-        FP8: the groups are the experts of one grouped GEMM of T rows each, with each group's
-        (r/128, Kb) scale blocks (load keeps wo_a FP8 only when r is a multiple of 128)."""
-        gemm, g, t, k = self.backend.gemm, *per_group.shape
+        FP8: gemm.batched_linear_fp8 with each group's (r/128, Kb) scale blocks (load keeps wo_a
+        FP8 only when r is a multiple of 128)."""
+        gemm, g, k = self.backend.gemm, per_group.shape[0], per_group.shape[2]
         w, scale = self.wo_a.weight.view(g, self.o_rank, k), self.wo_a.weight_scale_inv
         if scale is None:
             return gemm.batched_linear(per_group, w)
-        sizes = torch.full((g,), t, dtype=torch.int64, device=per_group.device)
-        y = gemm.grouped_gemm_fp8(per_group.reshape(g * t, k), w, scale.view(g, -1, scale.shape[-1]), sizes)
-        return y.view(g, t, self.o_rank)
+        return gemm.batched_linear_fp8(per_group, w, scale.view(g, -1, scale.shape[-1]))
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
@@ -609,23 +607,12 @@ class V4MoE(nn.Module):
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, hash_ids=hash_ids)
         else:
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, correction_bias=self.bias)
-        x_sorted, src_to_dst, counts = moe.permute(x, ids, self.num_experts)
-        h = small.clamped_silu_and_mul(self._experts(x_sorted, self.w13, self.w13_scale, counts), self.limit)
-        routed = moe.unpermute(self._experts(h, self.w2, self.w2_scale, counts), src_to_dst, weights)
+        routed = moe.fused_moe(
+            x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale, swiglu_limit=self.limit
+        )
         shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
         out: torch.Tensor = routed + shared
         return out
-
-    def _experts(
-        self, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, counts: torch.Tensor
-    ) -> torch.Tensor:
-        """Expert-sorted rows x (M, K) through w's groups -> (M, N), in w's format."""
-        gemm = self.backend.gemm
-        if scale is None:
-            return gemm.grouped_gemm(x, w, counts)
-        if w.dtype == torch.uint8:  # packed MXFP4
-            return gemm.grouped_gemm_fp4(x, w, scale, counts)
-        return gemm.grouped_gemm_fp8(x, w, scale, counts)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts

@@ -136,7 +136,10 @@ class AscendMoe(MoeOps):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
+        if swiglu_limit is not None or w13.dtype == torch.uint8:  # DeepSeek-V4: the contract's composition
+            return super().experts(x_sorted, counts, w13, w2, w13_scale, w2_scale, swiglu_limit)
         if (w13_scale is None) != (w2_scale is None):
             raise ValueError("FP8 experts need both w13_scale and w2_scale")
         if w13_scale is not None and w2_scale is not None:

@@ -19,6 +19,9 @@ class CudaGemm(GemmOps):
         self.fused = not env.cuda_unfused
         # decode-sized float linears on kernels/gemm.skinny_matmul (outside batch-invariant mode)
         self.skinny = self.fused and env.cuda_skinny and not self.batch_invariant
+        # ... and FP8 ones on its FP8 flag (skinny_fp8_matmul); the MXFP4 grouped GEMM's pair decode
+        self.v4_decode = env.cuda_v4_decode
+        self.skinny_fp8 = self.skinny and self.v4_decode
         self.pdl = env.cuda_pdl
         self.vendor = env.cuda_vendor  # DeepGEMM where installed (deepinfer_cuda.vendor)
         # the batch-invariant matmul's tiles, where a benchmark pins them (else by M)
@@ -30,6 +33,34 @@ class CudaGemm(GemmOps):
             return None
         cfg = gemm_k.grouped_config(rows, fp8, self.batch_invariant, group_sizes.device)
         return moe_k.tile_table(group_sizes, rows, cfg.block_m)
+
+    # ----- DeepSeek-V4's published format at decode sizes (DEEPINFER_CUDA_V4_DECODE)
+
+    def linear_fp8(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Up to gemm.SKINNY_FP8_MAX_M rows (outside batch-invariant mode): ONE launch, the skinny
+        kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded before the wait); else
+        the contract's quantize_fp8 + fp8_gemm."""
+        fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_ok(x, weight, weight_scale)
+        if self.skinny_fp8 and fits:
+            return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, pdl=self.pdl)
+        return super().linear_fp8(x, weight, weight_scale, bias)
+
+    def batched_linear_fp8(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    ) -> torch.Tensor:
+        """Decode sizes: one skinny FP8 launch over the G groups, read from x's strided view and
+        written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N) without a copy);
+        else the contract's grouped_gemm_fp8."""
+        if self.skinny_fp8 and gemm_k.skinny_fp8_ok(x, weight, weight_scale):
+            out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+            return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, out.transpose(0, 1), pdl=self.pdl)
+        return super().batched_linear_fp8(x, weight, weight_scale)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Up to SKINNY_MAX_M rows and SKINNY_MAX_WEIGHT_BYTES of weight: the skinny Triton GEMM
@@ -103,7 +134,10 @@ class CudaGemm(GemmOps):
     ) -> torch.Tensor:
         """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
         the product in x's dtype (SM90 has no FP4 tensor cores)."""
+        pairs = self.v4_decode
+        cfg = gemm_k.grouped_fp4_config(x.shape[0], self.batch_invariant, x.device, pairs)
+        tiles = moe_k.tile_table(group_sizes, x.shape[0], cfg.block_m) if self.fused else None
         return gemm_k.grouped_gemm_fp4(
-            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant,
-            tiles=self._tiles(group_sizes, x.shape[0], False),
+            x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant, tiles=tiles,
+            pairs=pairs, config=cfg,
         )  # fmt: skip

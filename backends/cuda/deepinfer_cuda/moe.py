@@ -27,6 +27,9 @@ class CudaMoe(MoeOps):
         super().__init__(options)
         self.fused = not env.cuda_unfused
         self.decode = self.fused and env.cuda_moe_decode  # kernels/moe.decode_moe for a few tokens
+        # MXFP4 experts on decode_moe too; off (DEEPINFER_CUDA_V4_DECODE=0), DeepSeek-V4's MoE
+        # (the calls with swiglu_limit) takes the contract's composition, as before V4 used fused_moe
+        self.v4_decode = env.cuda_v4_decode
         # its tiles where a benchmark pins them (else decode_config's by size), and its copy limit
         self.decode_tiles, self.max_copies = moe_k.decode_setting(env.cuda_moe_decode_tiles)
         self.early = env.cuda_moe_early
@@ -116,10 +119,13 @@ class CudaMoe(MoeOps):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
+        if w13.dtype == torch.uint8:  # MXFP4: the contract's composition over grouped_gemm_fp4
+            return super().experts(x_sorted, counts, w13, w2, w13_scale, w2_scale, swiglu_limit)
         cfg = self._config(x_sorted.shape[0], w13_scale, x_sorted.device)
         tiles = moe_k.tile_table(counts, x_sorted.shape[0], cfg.block_m) if self.fused else None
-        return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, gather=None)
+        return self._mlp(x_sorted, counts, tiles, cfg, w13, w2, w13_scale, w2_scale, None, swiglu_limit)
 
     def fused_moe(
         self,
@@ -130,6 +136,7 @@ class CudaMoe(MoeOps):
         w2: torch.Tensor,
         w13_scale: torch.Tensor | None = None,
         w2_scale: torch.Tensor | None = None,
+        swiglu_limit: float | None = None,
     ) -> torch.Tensor:
         """Like the default composition, but the first GEMM reads token rows straight from x
         through the sorted ids (no permuted copy of x). Fused: route -> align (one launch: sort,
@@ -138,21 +145,34 @@ class CudaMoe(MoeOps):
         batch-invariant mode (the two paths round alike but reduce in different tiles, so a row's
         bits would change with T at the limit), for unquantised experts: kernels/moe.decode_moe,
         two launches (up with silu_and_mul, down with the combine), no sort;
-        DEEPINFER_CUDA_MOE_DECODE=0 turns it off."""
+        DEEPINFER_CUDA_MOE_DECODE=0 turns it off.
+        MXFP4 experts (DeepSeek-V4): decode_moe's GEMV kernels up to moe_k.FP4_DECODE_MAX_COPIES
+        copies; above, the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0:
+        every call with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
             )
         small = ids.numel() <= self.max_copies
         shared = self._shared_early(x, ids, w13)
+        limit = swiglu_limit
+        if w13.dtype == torch.uint8 or (limit is not None and not self.v4_decode):  # MXFP4, or V4 off
+            fits = self.fused and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES
+            if self.v4_decode and fits:
+                return moe_k.decode_moe(
+                    x, weights, ids, w13, w2, w13_scale, w2_scale, config=self.decode_tiles, pdl=self.pdl,
+                    swiglu_limit=limit,
+                )  # fmt: skip
+            return super().fused_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, limit)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
             # bf16 / float32 experts (FP8: slower)
             return moe_k.decode_moe(
-                x, weights, ids, w13, w2, config=self.decode_tiles, shared_experts=shared, pdl=self.pdl
-            )
+                x, weights, ids, w13, w2, config=self.decode_tiles, shared_experts=shared, pdl=self.pdl,
+                swiglu_limit=limit,
+            )  # fmt: skip
         cfg = self._config(ids.numel(), w13_scale, ids.device)
         a = self._align(ids, w13.shape[0], cfg.block_m)
-        y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, gather=a.token)
+        y = self._mlp(x, a.counts, a.tiles, cfg, w13, w2, w13_scale, w2_scale, a.token, limit)
         return small_k.weighted_combine(y, a.src_to_dst, weights)
 
     def _config(self, rows: int, w13_scale: torch.Tensor | None, device: torch.device) -> gemm_k.GemmConfig:
@@ -170,7 +190,11 @@ class CudaMoe(MoeOps):
         w13_scale: torch.Tensor | None,
         w2_scale: torch.Tensor | None,
         gather: torch.Tensor | None,
+        limit: float | None = None,
     ) -> torch.Tensor:
+        def act(h: torch.Tensor) -> torch.Tensor:
+            return small_k.silu_and_mul(h) if limit is None else small_k.clamped_silu_and_mul(h, limit)
+
         if (w13_scale is None) != (w2_scale is None):
             raise ValueError("FP8 experts need both w13_scale and w2_scale")
         rows = gather.shape[0] if gather is not None else x.shape[0]
@@ -185,7 +209,7 @@ class CudaMoe(MoeOps):
             )  # fmt: skip
 
         if w13_scale is None or w2_scale is None:
-            return gemm(small_k.silu_and_mul(gemm(x, w13, None, None, gather)), w2, None, None)
+            return gemm(act(gemm(x, w13, None, None, gather)), w2, None, None)
         xq, xs = gemm_k.quantize_fp8(x)  # per-token quantisation commutes with the row gather
-        aq, a_s = gemm_k.quantize_fp8(small_k.silu_and_mul(gemm(xq, w13, xs, w13_scale.float(), gather)))
+        aq, a_s = gemm_k.quantize_fp8(act(gemm(xq, w13, xs, w13_scale.float(), gather)))
         return gemm(aq, w2, a_s, w2_scale.float())

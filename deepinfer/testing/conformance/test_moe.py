@@ -10,7 +10,7 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.reference import moe as ref_moe
-from deepinfer.testing.helpers import oracle, quantized_weight, randn, router_margin
+from deepinfer.testing.helpers import mxfp4_weight, oracle, quantized_weight, randn, router_margin
 from deepinfer.testing.tolerances import assert_close, index_locator
 
 V3 = RouterConfig(
@@ -472,3 +472,55 @@ def test_fused_moe_edge_routing(
     expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
     assert y.dtype == dtype and y.shape == x.shape
     assert_close(y, expected, dtype, what="fused_moe", fp8_act=is_fp8)
+
+
+def clamped_experts_oracle(
+    x_sorted: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """float64 expert MLPs with DeepSeek-V4's SwiGLU: silu(min(gate, limit)) * clamp(up, +-limit)."""
+    out = x_sorted.new_zeros((x_sorted.shape[0], w2.shape[1]))
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        h = x_sorted[start : start + n] @ w13[e].T
+        gate, up = h.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        out[start : start + n] = act @ w2[e].T
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("quant", ["float", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 9, 30])
+def test_fused_moe_clamped_swiglu(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, quant: str, tokens: int
+) -> None:
+    """DeepSeek-V4's routed experts: fused_moe with swiglu_limit (clamped SwiGLU between the two
+    products), float or MXFP4 weights (packed e2m1, UE8M0 scales per 32 values; Dm and I even);
+    1, 9 and 30 tokens of top-3 over 8 experts cover decode-sized and grouped paths. The limit
+    (0.75) clamps a good share of the O(1) gate and up values; experts() alike on the sorted rows."""
+    from deepinfer.testing.conformance.test_gemm import mxfp4_oracle
+
+    dev = backend.device.device()
+    experts, top_k, dm, inter, limit = 8, 3, 64, 48, 0.75
+    if quant == "mxfp4":
+        w13, s13 = mxfp4_weight((experts, 2 * inter, dm), dev, gen, dm**-0.5)
+        w2, s2 = mxfp4_weight((experts, dm, inter), dev, gen, inter**-0.5)
+        r13, r2 = mxfp4_oracle(w13, s13, dm), mxfp4_oracle(w2, s2, inter)
+        scales: tuple[torch.Tensor | None, torch.Tensor | None] = (s13, s2)
+    else:
+        w13, w2, *_ = expert_weights(experts, dm, inter, dtype, dev, gen, False)
+        r13, r2, scales = oracle(w13), oracle(w2), (None, None)
+    x = randn((tokens, dm), dtype, dev, gen)
+    ids = random_ids(tokens, top_k, experts, gen).to(dev)
+    weights = torch.rand((tokens, top_k), generator=gen).to(dev)
+    y = backend.moe.fused_moe(x, weights, ids, w13, w2, *scales, swiglu_limit=limit)
+    x_sorted, src_to_dst, counts = ref_moe.permute(oracle(x), ids.cpu(), experts)
+    h = clamped_experts_oracle(x_sorted, counts, r13, r2, limit)
+    expected = ref_moe.unpermute(h, src_to_dst, oracle(weights))
+    assert y.dtype == dtype and y.shape == x.shape
+    case = f"{quant} weights, T={tokens} E={experts} top-{top_k}, Dm={dm} I={inter}, limit {limit}"
+    where = index_locator(tuple(y.shape), ("token", "column"))
+    assert_close(y, expected, dtype, what="fused_moe (clamped SwiGLU)", locate=where, case=case)
+    xs = x_sorted.to(dtype).to(dev)
+    z = backend.moe.experts(xs, counts.to(dev), w13, w2, *scales, swiglu_limit=limit)
+    assert_close(z, h, dtype, what="experts (clamped SwiGLU)", case=case)

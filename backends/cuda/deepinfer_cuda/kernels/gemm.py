@@ -490,6 +490,17 @@ class SkinnyConfig:
 SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT_BYTES = 32 * 2**20
 SKINNY_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
+# FP8 weights (linear_fp8, DeepSeek's 128 x 128 block-scaled e4m3) take the skinny kernel up to
+# this many rows, whatever their size: the path it replaces is not cuBLAS but a quantisation
+# launch and the Triton block-scaled GEMM with 64 x 64 tiles (fp8_config), which at M = 1 wastes
+# 63 of its 64 rows and reads the weight in K steps of 128 with no PDL overlap. The x^T operand
+# takes BLOCK_M = next_pow2(M) >= 16 rows (the MMA's N side), so 64 rows are still one tile.
+SKINNY_FP8_MAX_M = 64
+# 64 rows x 512 columns of e4m3 (32 KiB, half the bf16 slab's bytes) per program, loaded before
+# the wait; above 16 rows the x^T operand (512 x BLOCK_M) grows, so the slab halves to keep both
+# operands in registers.
+SKINNY_FP8_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
+SKINNY_FP8_WIDE_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=256, pdl=True)
 # Split-KV partials merged per step of skinny_merge_matmul (a (MERGE_SPLITS, slab) float32 load).
 MERGE_SPLITS = 16
 
@@ -552,12 +563,27 @@ def _merged_rows_t(
 
 
 @triton.jit
+def _fp8_round_trip_t(xt, SLAB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """x^T (SLAB, BLOCK_M) float32 -> the values each row's 128-column groups take once quantised
+    to e4m3 with scale amax / 448 (gemm.quantize_fp8's format), dequantised again in float32. The
+    quotient is a product by the scale's reciprocal, which may put a value that sits on a tie on
+    the neighbouring code (the FP8 budget of the contract allows it): a division per element
+    would cost about as much as decoding the weights."""
+    blocks = tl.reshape(xt, (SLAB // 128, 128, BLOCK_M))
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(blocks), 1), 1e-10), 448.0)  # (SLAB/128, BLOCK_M)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = tl.minimum(tl.maximum(blocks * inv[:, None, :], -448.0), 448.0)
+    q = to_e4m3(q).to(tl.float32) * scale[:, None, :]
+    return tl.reshape(q, (SLAB, BLOCK_M))
+
+
+@triton.jit
 def _skinny_kernel(
-    x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, lse_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
-    stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on,
+    x_ptr, w_ptr, out_ptr, ws_ptr, tickets_ptr, lse_ptr, wscale_ptr, M, N, K, K_SPLIT, NUM_SPLITS,
+    stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on, stride_sg, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     SLAB: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """out (M, N) = x (M, K) @ w (N, K)^T for M <= BLOCK_M, with the operands swapped: each
     program multiplies BLOCK_N weight rows by x^T (BLOCK_K, BLOCK_M), so the MMA's wide side is
@@ -569,7 +595,15 @@ def _skinny_kernel(
     another at the end of the kernel).
     MERGE (SLAB only): x is attention's split-KV partials (x_ptr the partials, stride_xm their
     row stride, lse_ptr their log2-sum-exps, NUM_SPLITS per row), merged as they are read and
-    rounded to the weight's dtype, as attention's combine stores them."""
+    rounded to the weight's dtype, as attention's combine stores them.
+    FP8 (SLAB only): w e4m3 with one float32 scale per 128 x 128 block (wscale, (G, N/128, K/128),
+    strides stride_sg, stride_sn, unit along K), x in out's dtype, quantised per row and 128
+    columns in the program as linear_fp8 quantises it (_fp8_round_trip_t); both operands are
+    dequantised in registers to out's dtype (the weight exactly where its scales are powers of
+    two, as DeepSeek-V4's UE8M0 scales are; else rounded once, far inside the FP8 budget) and
+    multiplied there. BLOCK_N divides 128, so a program's rows share one row of scale blocks and
+    its slab spans SLAB / 128 of them: SLAB scale loads (L1 broadcasts), not one per weight.
+    Half the weight bytes of bf16 for the same MMA, and the slab still loads before the wait."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     s = tl.program_id(2)
@@ -583,6 +617,10 @@ def _skinny_kernel(
         launch_dependents(PDL)  # the next kernel may start launching
         ks = s * SLAB + tl.arange(0, SLAB)
         w = tl.load(w_rows + ks[None, :], mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)
+        if FP8:  # (BLOCK_N, SLAB) e4m3 -> out's dtype, times the slab's SLAB / 128 block scales
+            scale_row = wscale_ptr + g * stride_sg + ((pid_n * BLOCK_N) // 128) * stride_sn
+            w_s = tl.load(scale_row + ks // 128, mask=ks < K, other=0.0)
+            w = (w.to(tl.float32) * w_s[None, :]).to(out_ptr.dtype.element_ty)
         wait_for_previous(PDL)  # the weights do not depend on the previous kernel; x does
         if MERGE:
             xt = _merged_rows_t(
@@ -591,6 +629,8 @@ def _skinny_kernel(
             ).to(w.dtype)  # fmt: skip
         else:
             xt = tl.load(x_cols + ks[:, None], mask=(rm[None, :] < M) & (ks[:, None] < K), other=0.0)
+            if FP8:
+                xt = _fp8_round_trip_t(xt.to(tl.float32), SLAB, BLOCK_M).to(w.dtype)
         acc = mma(w, xt, acc, False)
     else:
         launch_dependents(PDL)
@@ -667,6 +707,63 @@ def skinny_matmul(
     return _launch_skinny(x, strides, None, 0, weight, out, g, m, k, batched, config or SKINNY_CONFIG, pdl)
 
 
+def skinny_fp8_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether skinny_fp8_matmul serves x (.., M, K) float @ weight (.., N, K) e4m3: bfloat16 or
+    float16 x, 0 < M <= SKINNY_FP8_MAX_M, unit strides along K, and the block-scale shape
+    (.., ceil(N/128), ceil(K/128))."""
+    n, k = weight.shape[-2:]
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == FP8_DTYPE
+        and x.dim() == weight.dim() == weight_scale.dim()
+        and x.shape[-1] == k
+        and 0 < x.shape[-2] <= SKINNY_FP8_MAX_M
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+        and tuple(weight_scale.shape[-2:]) == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK))
+    )
+
+
+def skinny_fp8_config(m: int) -> SkinnyConfig:
+    """The FP8 skinny tiles for M rows (SKINNY_FP8_CONFIG up to 16 rows, then the narrower slab)."""
+    return SKINNY_FP8_CONFIG if m <= 16 else SKINNY_FP8_WIDE_CONFIG
+
+
+def skinny_fp8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """linear_fp8 at decode sizes in one launch: x (M, K) bf16 / fp16 quantised per row and 128
+    columns inside the kernel, weight (N, K) e4m3 with float32 block scales (ceil(N/128),
+    ceil(K/128)) -> (M, N) in x's dtype; or batched x (G, M, K) (any strides but unit along K),
+    weight (G, N, K), scales (G, ceil(N/128), ceil(K/128)) -> (G, M, N) (DeepSeek-V4's grouped
+    wo_a). `out` (any strides, the result's shape) receives it. pdl: as skinny_matmul's."""
+    if not skinny_fp8_ok(x, weight, weight_scale):
+        raise ValueError(
+            f"skinny_fp8_matmul: x (.., M <= {SKINNY_FP8_MAX_M}, K) bfloat16 / float16, weight (.., N, K) "
+            f"float8_e4m3fn and scales (.., ceil(N/128), ceil(K/128)), unit stride along K; got "
+            f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, {tuple(weight_scale.shape)}"
+        )
+    batched = x.dim() == 3
+    if batched and not (x.shape[0] == weight.shape[0] == weight_scale.shape[0]):
+        raise ValueError(f"skinny_fp8_matmul: {x.shape[0]} groups of x, {weight.shape[0]} of the weight")
+    g = x.shape[0] if batched else 1
+    m, k = x.shape[-2:]
+    cfg = config or skinny_fp8_config(m)
+    if not cfg.slab or cfg.slab % SCALE_BLOCK or SCALE_BLOCK % cfg.block_n:
+        raise ValueError(f"skinny_fp8_matmul: slab a multiple of 128 and block_n dividing 128, got {cfg}")
+    if out is None:
+        out = torch.empty((*x.shape[:-2], m, weight.shape[-2]), dtype=x.dtype, device=x.device)
+    strides = (x.stride(0) if batched else 0, x.stride(-2))
+    scale = weight_scale.float()
+    scale = scale if scale.stride(-1) == 1 else scale.contiguous()
+    return _launch_skinny(x, strides, None, 0, weight, out, g, m, k, batched, cfg, pdl, scale)
+
+
 def skinny_merge_ok(tokens: int, weight: torch.Tensor) -> bool:
     """Whether skinny_merge_matmul serves `tokens` rows against weight (G, N, K): skinny_ok's
     sizes and dtypes, and the configured SKINNY_CONFIG loads whole slabs (the merge's place)."""
@@ -722,9 +819,11 @@ def _launch_skinny(
     batched: bool,
     cfg: SkinnyConfig,
     pdl: bool,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """_skinny_kernel for G products of M rows over K, into `out` (G, M, N) or (M, N); x's
-    (group, row) strides; lse: MERGE, x the attention partials and `splits` per row."""
+    (group, row) strides; lse: MERGE, x the attention partials and `splits` per row;
+    weight_scale: FP8 weights' block scales (unit stride along K)."""
     n = weight.shape[-2]
     if n == 0 or g == 0:
         return out
@@ -739,12 +838,17 @@ def _launch_skinny(
     pdl = cfg.pdl and pdl_enabled(x.device, pdl)
     ws = torch.empty((split, g, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     tickets = _SKINNY_TICKETS.get(x.device, g * tiles) if split > 1 else out
+    fp8 = weight_scale is not None
+    scale_strides = (0, 0)
+    if weight_scale is not None:
+        scale_strides = (weight_scale.stride(0) if batched else 0, weight_scale.stride(-2))
     _skinny_kernel[(tiles, g, split)](
-        x, weight, out, ws, tickets, lse if lse is not None else x, m, n, k, k_split, splits,
+        x, weight, out, ws, tickets, lse if lse is not None else x, weight_scale if fp8 else x,
+        m, n, k, k_split, splits,
         x_strides[0], x_strides[1], weight.stride(0) if batched else 0, weight.stride(-2),
-        out.stride(0) if batched else 0, out.stride(-2), out.stride(-1),
-        BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1, SLAB=cfg.slab,
-        MERGE=lse is not None, BLOCK_S=MERGE_SPLITS, PDL=pdl, SPLITS=split,
+        out.stride(0) if batched else 0, out.stride(-2), out.stride(-1), *scale_strides,
+        BLOCK_M=next_pow2(m) if fp8 else 16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split > 1,
+        SLAB=cfg.slab, MERGE=lse is not None, BLOCK_S=MERGE_SPLITS, PDL=pdl, SPLITS=split, FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
@@ -946,14 +1050,63 @@ def _e2m1_tile(w_ptr, s_ptr, grp, rn, k, N, K, stride_we, stride_wn, stride_se, 
 
 
 @triton.jit
+def e8m0_scale(s):
+    """UE8M0 bytes (int32) -> float32 2^(s - 127), written into the exponent bits (s = 0: the
+    subnormal 2^-127)."""
+    return tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def e2m1_pair(byte, scale):
+    """Packed MXFP4 bytes (int32 tile) and their scales (float32, same shape) -> the float32
+    values of the low and the high nibble (elements 2j and 2j + 1 of byte j), exactly.
+    Each code's 3 magnitude bits go to float32 bits 22..24 and its sign to bit 31: read as a
+    float32, that is the e2m1 magnitude times 2^-126 for every code (0.5 becomes the subnormal
+    2^-127, which the product below keeps: no flush-to-zero on these multiplies), so two
+    products (2^126, exact, then the power-of-two scale) give the value. About 7 integer and
+    float operations per value where the arithmetic decode (_e2m1_tile) takes about 15, and the
+    byte is loaded once for both its values."""
+    b = byte.to(tl.uint32)
+    lo = ((b & 7) << 22) | ((b & 8) << 28)
+    hi = ((b & 0x70) << 18) | ((b & 0x80) << 24)
+    lo_v = lo.to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale
+    hi_v = hi.to(tl.float32, bitcast=True) * 8.507059173023462e37 * scale
+    return lo_v, hi_v
+
+
+@triton.jit
+def fp4_scales(s_rows, g0, NG, rows_ok, R: tl.constexpr, BLOCK_G: tl.constexpr, AXIS: tl.constexpr):
+    """The float32 scales of 16 * BLOCK_G packed bytes of each row, broadcast to one per byte:
+    s_rows points at the UE8M0 bytes of R rows (AXIS = 1: a (R, 1) column of row pointers, result
+    (R, 16 * BLOCK_G); AXIS = 0: a (1, R) row of them, result (16 * BLOCK_G, R)), groups
+    g0 .. g0 + BLOCK_G - 1 of NG (32 values, 16 bytes each). Loaded once per group and
+    broadcast in registers, rather than one load per weight."""
+    gs = g0 + tl.arange(0, BLOCK_G)
+    if AXIS == 1:
+        s = tl.load(s_rows + gs[None, :], mask=rows_ok & (gs[None, :] < NG), other=127).to(tl.int32)
+        sc = e8m0_scale(s)  # (R, BLOCK_G)
+        return tl.reshape(tl.broadcast_to(sc[:, :, None], (R, BLOCK_G, 16)), (R, BLOCK_G * 16))
+    else:
+        s = tl.load(s_rows + gs[:, None], mask=rows_ok & (gs[:, None] < NG), other=127).to(tl.int32)
+        sc = e8m0_scale(s)  # (BLOCK_G, R)
+        return tl.reshape(tl.broadcast_to(sc[:, None, :], (BLOCK_G, 16, R)), (BLOCK_G * 16, R))
+
+
+@triton.jit
 def _grouped_fp4_kernel(
     a_ptr, w_ptr, s_ptr, c_ptr, tile_group_ptr, tile_rows_ptr, N, K,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):  # fmt: skip
     """C rows [start, end) of one tile = A rows @ dequant(W[group])^T; A is not quantised, the
     weights are dequantised in float32 (exact) and cast to A's dtype (exact: 2 significant bits
-    times a power of two) for the product, accumulated in float32."""
+    times a power of two) for the product, accumulated in float32.
+    PAIRS: each K step loads the (BLOCK_K / 2, BLOCK_N) packed bytes once, decodes both nibbles
+    (e2m1_pair) with one scale load per 32 values (fp4_scales), and multiplies the even and the
+    odd columns of A by the low and the high nibbles' tiles: two products of BLOCK_K / 2, no
+    interleave in registers. Else (DEEPINFER_CUDA_V4_DECODE=0, the path before) the arithmetic
+    decode of each element of a (BLOCK_K, BLOCK_N) tile, its byte and scale loaded per element."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(tile_rows_ptr + 2 * pid_t)
@@ -967,13 +1120,50 @@ def _grouped_fp4_kernel(
     rk = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + rk[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & (rk[None, :] < K - k0), other=0.0)
-        b = _e2m1_tile(w_ptr, s_ptr, grp, rn, k0 + rk, N, K, stride_we, stride_wn, stride_se, stride_sn)
-        acc = mma(a, b.to(a.dtype), acc, IEEE)
-        a_ptrs += BLOCK_K
+    if PAIRS:
+        rj = tl.arange(0, BLOCK_K // 2)  # bytes of a step: values 2j (low nibble) and 2j + 1
+        n_ok = rn[None, :] < N
+        w_cols = w_ptr + grp * stride_we + rn[None, :].to(tl.int64) * stride_wn  # (1, BLOCK_N)
+        s_cols = s_ptr + grp * stride_se + rn[None, :].to(tl.int64) * stride_sn
+        a_even = a_ptr + rows[:, None].to(tl.int64) * stride_am + 2 * rj[None, :]
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 // 2 + rj
+            byte = tl.load(w_cols + j[:, None], mask=n_ok & (j[:, None] < K // 2), other=0)
+            scale = fp4_scales(s_cols, k0 // 32, tl.cdiv(K, 32), n_ok, BLOCK_N, BLOCK_K // 32, 0)
+            lo, hi = e2m1_pair(byte.to(tl.int32), scale)  # (BLOCK_K / 2, BLOCK_N) each
+            a_mask = row_ok[:, None] & (2 * rj[None, :] < K - k0)
+            a0 = tl.load(a_even + k0, mask=a_mask, other=0.0)
+            a1 = tl.load(a_even + k0 + 1, mask=a_mask, other=0.0)
+            acc = mma(a0, lo.to(a0.dtype), acc, IEEE)
+            acc = mma(a1, hi.to(a1.dtype), acc, IEEE)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (rk[None, :] < K - k0), other=0.0)
+            b = _e2m1_tile(w_ptr, s_ptr, grp, rn, k0 + rk, N, K, stride_we, stride_wn, stride_se, stride_sn)
+            acc = mma(a, b.to(a.dtype), acc, IEEE)
+            a_ptrs += BLOCK_K
     c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + rn[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
+
+
+def grouped_fp4_config(
+    rows: int, batch_invariant: bool, device: torch.device | None = None, pairs: bool = True
+) -> GemmConfig:
+    """Tiles of the MXFP4 grouped GEMM. block_m follows grouped_config (so one tile table serves
+    both), BLOCK_K is 128 for every row count (64 packed bytes of each weight row, 4 scales, per
+    step; the order of a row's sums then never changes with the rows, as batch-invariant mode
+    needs). Decode sizes keep the float path's 16 x 64 tiles; prefill takes 128-wide N tiles, 8
+    warps at 64 and 128 rows (the weight decode, not the MMA, is the per-step work, and it is
+    spread over more threads), 3 stages. pairs=False: the tiles of the path before
+    (grouped_config's, BLOCK_K 64), for DEEPINFER_CUDA_V4_DECODE=0."""
+    base = grouped_config(rows, False, batch_invariant, device)
+    if not pairs:
+        return base
+    if batch_invariant and not is_sm90(device):
+        return GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if base.block_m <= 16:
+        return GemmConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return GemmConfig(block_m=base.block_m, block_n=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def grouped_gemm_fp4(
@@ -984,12 +1174,14 @@ def grouped_gemm_fp4(
     *,
     batch_invariant: bool = False,
     tiles: TileTable | None = None,
+    pairs: bool = True,
+    config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """Rows of x (M, K) sorted by group times the dequantised MXFP4 weight[group]^T: weight
     (E, N, K/2) uint8 packed e2m1, weight_scale (E, N, ceil(K/32)) uint8 UE8M0 (the format of
-    deepinfer.backend.fp4) -> (M, N) in x's dtype. x is not quantised. The tiles are the float
-    grouped GEMM's (grouped_config(rows, False, ...): BLOCK_K 64, two scales per step); tiles:
-    a precomputed tile table for that block_m."""
+    deepinfer.backend.fp4) -> (M, N) in x's dtype. x is not quantised. Tiles: grouped_fp4_config
+    (`config`, benchmarks, replaces them); tiles: a precomputed tile table for that block_m.
+    pairs: the kernel's nibble-pair decode (False: the per-element decode it replaced)."""
     e, n, half_k = weight.shape
     k = x.shape[-1]
     if weight.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
@@ -1009,8 +1201,10 @@ def grouped_gemm_fp4(
         return out
     if k == 0:
         return out.zero_()
-    cfg = grouped_config(rows, False, batch_invariant, x.device)
-    if tiles is None:
+    cfg = config or grouped_fp4_config(rows, batch_invariant, x.device, pairs)
+    if pairs and (cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1)):
+        raise ValueError(f"grouped_gemm_fp4: block_k must be a power of two >= 32, got {cfg.block_k}")
+    if tiles is None or tiles.block_m != cfg.block_m:
         tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
     else:
         tile_group, tile_rows, n_tiles = tiles.group, tiles.rows, tiles.num_tiles
@@ -1021,7 +1215,7 @@ def grouped_gemm_fp4(
         x, weight, weight_scale, out, tile_group, tile_rows, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
         out.stride(0), IEEE=x.dtype == torch.float32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIRS=pairs,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

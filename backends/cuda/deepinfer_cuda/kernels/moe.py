@@ -41,7 +41,7 @@ from deepinfer_cuda.kernels.common import (
     to_e4m3,
     wait_for_previous,
 )
-from deepinfer_cuda.kernels.gemm import TileTable
+from deepinfer_cuda.kernels.gemm import TileTable, e2m1_pair, fp4_scales
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -629,6 +629,22 @@ ONE_TOKEN_COPIES = 8
 ONE_TOKEN_CONFIG = DecodeConfig(down_n=32, down_stages=5)
 
 
+# MXFP4 experts (DeepSeek-V4's routed experts, packed e2m1 with UE8M0 scales per 32 values):
+# the decode kernels take a copy's weight rows as GEMV rows, no MMA (_fp4_rows_dot): 32 rows of
+# 128 values (64 bytes each, one 16-byte vector per thread) per step, 3 steps in flight, so up
+# (6 copies x 2048 / 32 = 384 programs at V4-Flash's one token) and down (6 x 4096 / 32 = 768)
+# each keep 3 x 4 KiB (gate and up) or 3 x 2 KiB in flight per program. The path they replace
+# is permute, two grouped GEMMs with the SwiGLU between them and unpermute: 6 launches.
+FP4_DECODE_CONFIG = DecodeConfig(
+    up_n=32, up_k=128, up_warps=4, up_stages=3, down_n=32, down_k=128, down_warps=4, down_stages=3
+)
+# The most token copies sent to the MXFP4 decode kernels (V4-Flash: 6 per token, so up to 10
+# tokens). Each copy reads its expert's bytes itself: at 64 tokens (384 copies over 256 experts)
+# the grouped path reads each touched expert once in 16-row tiles instead. bench/bench_v4_decode.py
+# times both at 1, 8 and 64 tokens.
+FP4_DECODE_MAX_COPIES = 64
+
+
 def decode_setting(pinned: tuple[int, ...] | None) -> tuple[DecodeConfig | None, int]:
     """The decode tiles and copy limit of DEEPINFER_CUDA_MOE_DECODE_TILES's value (UP_N, UP_K,
     UP_WARPS, UP_STAGES, DOWN_N, DOWN_K, DOWN_WARPS, DOWN_STAGES, FUSED_COMBINE, MAX_COPIES:
@@ -649,6 +665,33 @@ def decode_config(copies: int) -> DecodeConfig:
     if INTERPRET:
         return DecodeConfig(up_n=128, down_n=128)
     return ONE_TOKEN_CONFIG if copies <= ONE_TOKEN_COPIES else DecodeConfig()
+
+
+@triton.jit
+def _fp4_rows_dot(
+    x_row, w_rows, s_rows, K, n_ok,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """(BLOCK_N,) float32: the row x_row[0 : K] (K even) times BLOCK_N MXFP4 weight rows, w_rows
+    (BLOCK_N, 1) pointers at each row's packed bytes, s_rows at its UE8M0 bytes (rows where n_ok).
+    A GEMV, not an MMA: one token copy has one row, and the 15 zero rows of a 16-row MMA tile
+    would need the decoded weights staged through shared memory for nothing. Per step a
+    (BLOCK_N, BLOCK_K / 2) byte tile (16-byte vectors along each row), its BLOCK_K / 32 scales per
+    row broadcast in registers, both nibbles decoded (gemm.e2m1_pair) and multiplied by x's even
+    and odd columns into a (BLOCK_N, BLOCK_K / 2) float32 partial, reduced once at the end."""
+    rj = tl.arange(0, BLOCK_K // 2)
+    ng = tl.cdiv(K, 32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        j = k0 // 2 + rj
+        j_ok = j < K // 2
+        byte = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
+        scale = fp4_scales(s_rows, k0 // 32, ng, n_ok[:, None], BLOCK_N, BLOCK_K // 32, 1)
+        lo, hi = e2m1_pair(byte.to(tl.int32), scale)
+        x0 = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+        acc += lo * x0[None, :] + hi * x1[None, :]
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -677,13 +720,18 @@ def _row_operand(row_ptr, k0, K, rm, rk, FP8: tl.constexpr):
 @triton.jit
 def _decode_up_kernel(
     x_ptr, w_ptr, ws_ptr, ids_ptr, act_ptr, count_ptr, I, H, K_IDS, NUM_COUNTS, NUM_EXPERTS,
-    stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act,
+    stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act, limit,
     FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP4: tl.constexpr, CLAMP: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Copy c, columns n of one tile: act[c, n] = silu(gate) * up, gate and up rounded to act's
-    dtype first (what the grouped GEMM stores before silu_and_mul). Programs (c, 0) also zero
-    ZERO_BLOCK of the down kernel's counters each (the launch before it, on the same stream).
+    dtype first (what the grouped GEMM stores before silu_and_mul); CLAMP: DeepSeek-V4's SwiGLU,
+    gate clamped above and up on both sides at `limit` (small.clamped_silu_and_mul's order).
+    FP4: MXFP4 w13 (E, 2I, H/2) packed with UE8M0 scales (E, 2I, H/32), by _fp4_rows_dot (row 0
+    of the (BLOCK_M, BLOCK_N) accumulators holds the result, as the MMA path leaves it).
+    Programs (c, 0) also zero ZERO_BLOCK of the down kernel's counters each (the launch before
+    it, on the same stream).
     PDL: the routed experts' ids come from the router, the previous kernel: their copies wait for
     it first. SHARED = S > 0: the last S ids of each token are always experts NUM_EXPERTS - S ..
     NUM_EXPERTS - 1 (the shared experts the router appends), and the router lets this kernel
@@ -710,25 +758,38 @@ def _decode_up_kernel(
     up_ptrs = gate_ptrs + I * stride_wn
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        a, a_s = _row_operand(x_ptr + t * stride_x, k0, H, rm, rk, FP8)
-        w_mask = n_ok[None, :] & (rk[:, None] < H - k0)
-        g = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        if FP8:  # as the grouped kernel: each step's product times the row scale, then the weight's
-            s_ptrs = ws_ptr + e * stride_wse + k0 // BLOCK_K
-            g_s = tl.load(s_ptrs + (rn // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
-            u_s = tl.load(s_ptrs + ((rn + I) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
-            gate += mma(a, g, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * g_s[None, :]
-            up += mma(a, u, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * u_s[None, :]
-        else:
-            gate = mma(a, g, gate, IEEE)
-            up = mma(a, u, up, IEEE)
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+    if FP4:  # gate rows n, up rows I + n of the packed w13[e] and of its scales
+        w_rows = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn
+        s_rows = ws_ptr + e * stride_wse + rn[:, None].to(tl.int64) * stride_wsn
+        x_row = x_ptr + t * stride_x
+        g_v = _fp4_rows_dot(x_row, w_rows, s_rows, H, n_ok, BLOCK_N, BLOCK_K, STAGES)
+        u_v = _fp4_rows_dot(x_row, w_rows + I * stride_wn, s_rows + I * stride_wsn, H, n_ok, BLOCK_N,
+                            BLOCK_K, STAGES)  # fmt: skip
+        gate = tl.where(rm[:, None] == 0, g_v[None, :], 0.0)
+        up = tl.where(rm[:, None] == 0, u_v[None, :], 0.0)
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            a, a_s = _row_operand(x_ptr + t * stride_x, k0, H, rm, rk, FP8)
+            w_mask = n_ok[None, :] & (rk[:, None] < H - k0)
+            g = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            u = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            if FP8:  # as the grouped kernel: each step's product times the row scale, then the weight's
+                s_ptrs = ws_ptr + e * stride_wse + k0 // BLOCK_K
+                g_s = tl.load(s_ptrs + (rn // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+                u_s = tl.load(s_ptrs + ((rn + I) // BLOCK_K) * stride_wsn, mask=n_ok, other=0.0)
+                gate += mma(a, g, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * g_s[None, :]
+                up += mma(a, u, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), False) * a_s * u_s[None, :]
+            else:
+                gate = mma(a, g, gate, IEEE)
+                up = mma(a, u, up, IEEE)
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
     dtype = act_ptr.dtype.element_ty
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
     act = gate / (1.0 + tl.exp(-gate)) * up  # small.silu_and_mul's float32 formula
     wait_for_previous(PDL)  # (again for a routed copy: returns at once) nothing stored before it
     launch_dependents(PDL)  # after the wait: the down kernel loads ids and weights before its own
@@ -777,6 +838,7 @@ def _decode_down_kernel(
     stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
     FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP4: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """Copy c, output columns n of one tile: y[c, n] = act[c] . w2[e, n] in out's dtype; COMBINE:
     then the token's last program on this tile writes out[t, n] (counter (t, tile), zeroed by the
@@ -794,21 +856,29 @@ def _decode_down_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < H
-    w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I), other=0.0)  # K step 0
-    wait_for_previous(PDL)
-    launch_dependents(PDL)
-    acc = _down_step(
-        a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, 0, I, rm, rn, rk, n_ok, stride_wsn,
-        tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FP8, IEEE, BLOCK_K,
-    )  # fmt: skip
-    for k0 in range(BLOCK_K, I, BLOCK_K):
-        w_ptrs += BLOCK_K
-        b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I - k0), other=0.0)
+    if FP4:  # MXFP4 w2 (E, H, I/2), scales (E, H, I/32): the GEMV rows of _fp4_rows_dot
+        wait_for_previous(PDL)
+        launch_dependents(PDL)
+        w_rows = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn
+        s_rows = ws_ptr + e * stride_wse + rn[:, None].to(tl.int64) * stride_wsn
+        v = _fp4_rows_dot(a_ptr + c * stride_a, w_rows, s_rows, I, n_ok, BLOCK_N, BLOCK_K, STAGES)
+        acc = tl.where(rm[:, None] == 0, v[None, :], 0.0)
+    else:
+        w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I), other=0.0)  # K step 0
+        wait_for_previous(PDL)
+        launch_dependents(PDL)
         acc = _down_step(
-            a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, k0, I, rm, rn, rk, n_ok, stride_wsn,
-            acc, FP8, IEEE, BLOCK_K,
+            a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, 0, I, rm, rn, rk, n_ok, stride_wsn,
+            tl.zeros([BLOCK_M, BLOCK_N], tl.float32), FP8, IEEE, BLOCK_K,
         )  # fmt: skip
+        for k0 in range(BLOCK_K, I, BLOCK_K):
+            w_ptrs += BLOCK_K
+            b = tl.load(w_ptrs, mask=n_ok[None, :] & (rk[:, None] < I - k0), other=0.0)
+            acc = _down_step(
+                a_ptr + c * stride_a, ws_ptr + e * stride_wse, b, k0, I, rm, rn, rk, n_ok, stride_wsn,
+                acc, FP8, IEEE, BLOCK_K,
+            )  # fmt: skip
     ptrs = y_ptr + c * stride_y + rm[:, None] * 0 + rn[None, :]
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] == 0) & n_ok[None, :])
     if COMBINE:
@@ -843,33 +913,48 @@ def decode_moe(
     config: DecodeConfig | None = None,
     shared_experts: int = 0,
     pdl: bool = True,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """fused_moe for a few tokens in two launches (three without the fused combine), no sort:
     x (T, Dm), weights / ids (T, K) -> (T, Dm) in x's dtype. w13 (E, 2I, Dm), w2 (E, Dm, I);
     FP8: e4m3 weights with w13_scale (E, 2I/128, Dm/128) and w2_scale (E, Dm/128, I/128), x and
-    the activations quantised per token and 128 channels inside the kernels.
+    the activations quantised per token and 128 channels inside the kernels;
+    MXFP4: packed uint8 w13 (E, 2I, Dm/2), w2 (E, Dm, I/2) with UE8M0 bytes w13_scale
+    (E, 2I, Dm/32), w2_scale (E, Dm, I/32), nothing quantised (FP4_DECODE_CONFIG's GEMV tiles).
+    swiglu_limit: DeepSeek-V4's clamped SwiGLU between the two products.
     shared_experts = S: the last S columns of ids are experts E - S .. E - 1 in every row, and x
     was whole before the kernel launched just before this call began (select_experts' one-launch
     router on the same x, which signals its dependents after its wait): those copies then compute
     while that kernel still runs (_decode_up_kernel). config: the tiles (default decode_config's
-    for the launch's copies); pdl: as router_logits'."""
+    for the launch's copies; MXFP4 outside the interpreter: FP4_DECODE_CONFIG); pdl: as
+    router_logits'."""
     t, k = ids.shape
-    cfg = config or decode_config(t * k)
+    fp4 = w13.dtype == torch.uint8
+    if fp4 and not INTERPRET:
+        cfg = config or FP4_DECODE_CONFIG
+    else:
+        cfg = config or decode_config(t * k)
     e, two_i, h = w13.shape
+    h = 2 * h if fp4 else h
     inter = two_i // 2
-    if w2.shape != (e, h, inter):
-        raise ValueError(f"decode_moe: w2 must be {(e, h, inter)}, got {tuple(w2.shape)}")
+    if x.shape[-1] != h or w2.shape != (e, h, inter // 2 if fp4 else inter):
+        raise ValueError(
+            f"decode_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit "
+            f"(E, 2I, Dm{'/2' if fp4 else ''}) and (E, Dm, I{'/2' if fp4 else ''})"
+        )
     if not 0 <= shared_experts <= min(k, e):
         raise ValueError(f"decode_moe: shared_experts={shared_experts} must lie in [0, min(K={k}, E={e})]")
-    if (w13_scale is None) != (w2_scale is None):
-        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    if (w13_scale is None) != (w2_scale is None) or (fp4 and w13_scale is None):
+        raise ValueError("quantised experts need both w13_scale and w2_scale")
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
         return out
     if k == 0 or inter == 0:
         return out.zero_()
-    fp8 = w13_scale is not None
+    fp8 = w13_scale is not None and not fp4
     up_k, down_k = (128, 128) if fp8 else (cfg.up_k, cfg.down_k)
+    if fp4 and (up_k < 32 or up_k & (up_k - 1) or down_k < 32 or down_k & (down_k - 1)):
+        raise ValueError(f"decode_moe: MXFP4 steps must be powers of two >= 32 values, got {cfg}")
     copies = t * k
     # a copy of x made here (the launch just before the up kernel's) is not whole before its wait
     shared = shared_experts if x.stride(-1) == 1 else 0
@@ -877,8 +962,13 @@ def decode_moe(
     ids = ids.reshape(-1).contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    s13 = w13_scale.float().contiguous() if w13_scale is not None else x
-    s2 = w2_scale.float().contiguous() if w2_scale is not None else x
+    if fp4:  # UE8M0 bytes, read as they are
+        assert w13_scale is not None and w2_scale is not None
+        s13, s2 = w13_scale.view(torch.uint8).contiguous(), w2_scale.view(torch.uint8).contiguous()
+    else:
+        s13 = w13_scale.float().contiguous() if w13_scale is not None else x
+        s2 = w2_scale.float().contiguous() if w2_scale is not None else x
+    scaled = fp8 or fp4
     act = torch.empty((copies, inter), dtype=x.dtype, device=x.device)
     y = torch.empty((copies, h), dtype=x.dtype, device=x.device)
     down_tiles = triton.cdiv(h, cfg.down_n)
@@ -888,20 +978,22 @@ def decode_moe(
     pdl = pdl_enabled(x.device, pdl)
     _decode_up_kernel[(copies, triton.cdiv(inter, cfg.up_n))](
         x, w13, s13, ids, act, counts, inter, h, k, counts.numel(), e,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-        act.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if scaled else 0,
+        s13.stride(1) if scaled else 0, act.stride(0), float(swiglu_limit or 0.0),
         FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, SHARED=shared,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        PDL=pdl, num_warps=cfg.up_warps, num_stages=cfg.up_stages, launch_pdl=pdl,
+        PDL=pdl, FP4=fp4, CLAMP=swiglu_limit is not None, STAGES=cfg.up_stages,
+        num_warps=cfg.up_warps, num_stages=cfg.up_stages, launch_pdl=pdl,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
     _decode_down_kernel[(copies, down_tiles)](
         act, w2, s2, ids, w, y, out, counts, h, inter, k, e,
-        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        y.stride(0), out.stride(0),
+        act.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if scaled else 0,
+        s2.stride(1) if scaled else 0, y.stride(0), out.stride(0),
         FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine, SHARED=shared,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.down_n, BLOCK_K=down_k,
-        PDL=pdl, num_warps=cfg.down_warps, num_stages=cfg.down_stages, launch_pdl=pdl,
+        PDL=pdl, FP4=fp4, STAGES=cfg.down_stages,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not cfg.fused_combine:
         block = min(1024, next_pow2(h))
