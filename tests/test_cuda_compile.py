@@ -238,7 +238,7 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
         dict(HAS_SINKS=False, BLOCK_DV=512, BLOCK_S=16, BLOCK_C=128, ROWS=1, PDL=pdl),
     )  # fmt: skip
-    skinny = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, BLOCK_S=16, PDL=pdl)
+    skinny = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, SLAB=512, BLOCK_S=16, PDL=pdl, FP8=False)
     ptx["skinny"] = compile_sm90(
         gemm_k._skinny_kernel,
         {"x_ptr": bf16, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32, "lse_ptr": bf16},
@@ -249,6 +249,12 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         {"x_ptr": f32, "w_ptr": bf16, "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32, "lse_ptr": f32},
         skinny | dict(MERGE=True, SPLIT=False, SPLITS=1), num_warps=8,
     )  # fmt: skip
+    ptx["skinny_fp8"] = compile_sm90(  # DeepSeek-V4's FP8 linears: e4m3 weights, 128 x 128 block scales
+        gemm_k._skinny_kernel,
+        {"x_ptr": bf16, "w_ptr": "*fp8e4nv", "out_ptr": bf16, "ws_ptr": f32, "tickets_ptr": i32,
+         "lse_ptr": bf16, "wscale_ptr": f32},
+        skinny | dict(MERGE=False, SPLITS=4, FP8=True), num_warps=8,
+    )  # fmt: skip
     ptx["select_experts"] = compile_sm90(
         moe_k._select_experts_kernel,
         {a: f32 for a in ("gate_ptr", "logits_ptr", "bias_ptr", "w_ptr")}
@@ -256,17 +262,29 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         moe_k._route_args(1, 64, RouterConfig("softmax", top_k=6, shared_experts=2), None, None)
         | dict(BLOCK_E=moe_k.ROUTER_FEW_TILE.block_e, BLOCK_D=moe_k.ROUTER_FEW_TILE.block_d, PDL=pdl),
     )  # fmt: skip
-    tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=pdl)
+    tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=pdl, FP4=False, STAGES=3)
+    up_types = {"x_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "act_ptr": bf16,
+                "count_ptr": i32, "limit": "fp32"}  # fmt: skip
+    down_types = {"a_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "wt_ptr": f32, "y_ptr": bf16,
+                  "out_ptr": bf16, "count_ptr": i32}  # fmt: skip
     ptx["decode_up"] = compile_sm90(
-        moe_k._decode_up_kernel,
-        {"x_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "act_ptr": bf16, "count_ptr": i32},
-        tiles | dict(ZERO_BLOCK=4, SHARED=2),
-    )  # fmt: skip
+        moe_k._decode_up_kernel, up_types, tiles | dict(ZERO_BLOCK=4, SHARED=2, CLAMP=False)
+    )
     ptx["decode_down"] = compile_sm90(
-        moe_k._decode_down_kernel,
-        {"a_ptr": bf16, "w_ptr": bf16, "ws_ptr": f32, "ids_ptr": i32, "wt_ptr": f32, "y_ptr": bf16,
-         "out_ptr": bf16, "count_ptr": i32},
-        tiles | dict(COMBINE=True, SHARED=2, K_IDS=8),
+        moe_k._decode_down_kernel, down_types, tiles | dict(COMBINE=True, SHARED=2, K_IDS=8)
+    )
+    # DeepSeek-V4's experts: MXFP4 weights (two values a byte), UE8M0 scale bytes, clamped SwiGLU
+    fp4 = moe_k.FP4_DECODE_CONFIG
+    fp4_types = {"w_ptr": "*u8", "ws_ptr": "*u8"}
+    fp4_tiles = tiles | dict(FP4=True, BLOCK_K=fp4.up_k)
+    ptx["decode_up_fp4"] = compile_sm90(
+        moe_k._decode_up_kernel, up_types | fp4_types,
+        fp4_tiles | dict(BLOCK_N=fp4.up_n, STAGES=fp4.up_stages, ZERO_BLOCK=4, SHARED=0, CLAMP=True),
+    )  # fmt: skip
+    ptx["decode_down_fp4"] = compile_sm90(
+        moe_k._decode_down_kernel, down_types | fp4_types,
+        fp4_tiles | dict(BLOCK_N=fp4.down_n, BLOCK_K=fp4.down_k, STAGES=fp4.down_stages, COMBINE=True,
+                         SHARED=0, K_IDS=6),
     )  # fmt: skip
     return ptx
 
