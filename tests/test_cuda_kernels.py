@@ -1754,9 +1754,10 @@ def test_skinny_fp8_matmul_against_float64(gen: torch.Generator, m: int) -> None
 def test_fp8_linears_take_the_skinny_kernel_at_decode_sizes(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """CudaGemm.linear_fp8 and batched_linear_fp8: the skinny FP8 kernel up to SKINNY_FP8_MAX_M rows,
-    the contract's quantise + fp8_gemm (grouped_gemm_fp8) above, in batch-invariant mode and with
-    DEEPINFER_CUDA_V4_DECODE=0; results agree within the FP8 budget either way."""
+    """CudaGemm.linear_fp8 and batched_linear_fp8: the skinny FP8 kernel up to SKINNY_FP8_MAX_M rows
+    and SKINNY_FP8_MAX_WEIGHT_BYTES, the contract's quantise + fp8_gemm (grouped_gemm_fp8) above,
+    in batch-invariant mode and with DEEPINFER_CUDA_V4_DECODE=0; results agree within the FP8
+    budget either way."""
     calls: list[int] = []
     real = gemm_k.skinny_fp8_matmul
 
@@ -1785,6 +1786,15 @@ def test_fp8_linears_take_the_skinny_kernel_at_decode_sizes(
             for i in range(2):
                 want = fp8_linear_oracle(xg[i], wg[i], sg[i])
                 torch.testing.assert_close(yg[i].cpu().double(), want, rtol=0.12, atol=0.12)
+    # a weight above the byte limit (each of the 2 groups is under it, the pair is not)
+    monkeypatch.setattr(gemm_k, "SKINNY_FP8_MAX_WEIGHT_BYTES", w.numel())
+    x = torch.randn((1, 256), generator=gen).to(torch.bfloat16).to(DEV)
+    calls.clear()
+    y = on.gemm.linear_fp8(x, w, s)
+    yg = on.gemm.batched_linear_fp8(x.expand(2, 1, 256), wg, sg)
+    assert calls == [1], calls  # the single weight at the limit only
+    torch.testing.assert_close(y.cpu().double(), fp8_linear_oracle(x, w, s), rtol=0.12, atol=0.12)
+    torch.testing.assert_close(yg[1].cpu().double(), fp8_linear_oracle(x, wg[1], sg[1]), rtol=0.12, atol=0.12)
 
 
 def mxfp4_experts(

@@ -43,7 +43,7 @@ class CudaGemm(GemmOps):
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Up to gemm.SKINNY_FP8_MAX_M rows (outside batch-invariant mode): ONE launch, the skinny
+        """Up to gemm.SKINNY_FP8_MAX_M rows and SKINNY_FP8_MAX_WEIGHT_BYTES: ONE launch, the skinny
         kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded before the wait); else
         the contract's quantize_fp8 + fp8_gemm."""
         fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_ok(x, weight, weight_scale)

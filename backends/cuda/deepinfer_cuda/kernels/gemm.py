@@ -491,14 +491,21 @@ SKINNY_MAX_M = 8
 SKINNY_MAX_WEIGHT_BYTES = 32 * 2**20
 SKINNY_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
 # FP8 weights (linear_fp8, DeepSeek's 128 x 128 block-scaled e4m3) take the skinny kernel up to
-# this many rows, whatever their size: the path it replaces is not cuBLAS but a quantisation
-# launch and the Triton block-scaled GEMM with 64 x 64 tiles (fp8_config), which at M = 1 wastes
-# 63 of its 64 rows and reads the weight in K steps of 128 with no PDL overlap. The x^T operand
-# takes BLOCK_M = next_pow2(M) >= 16 rows (the MMA's N side), so 64 rows are still one tile.
+# this many rows and SKINNY_FP8_MAX_WEIGHT_BYTES: the path it replaces is a quantisation launch
+# and the Triton block-scaled GEMM (fp8_config), about 17 us whatever the size at decode rows.
+# The x^T operand takes BLOCK_M = next_pow2(M) >= 16 rows (the MMA's N side), so 64 rows are
+# still one tile. The kernel dequantises both operands in registers and runs near 500 GB/s, so
+# it wins only where that fixed cost dominates: on an H200 (bench/results/
+# 2026-12-03_H200_v4_published_decode) V4-Flash's wq_a (4 MiB) 9.4 / 14.4 us at M = 1 / 64
+# against 17.6 / 18.1, wkv (2 MiB) 7.1 / 8.5 against 17.4 / 17.7; but wq_b and wo_b (32 MiB)
+# 68 against 18 and 31 us, the shared experts (8, 16 MiB) 17 and 34 against 11 and 18.
 SKINNY_FP8_MAX_M = 64
+SKINNY_FP8_MAX_WEIGHT_BYTES = 4 * 2**20
 # 64 rows x 512 columns of e4m3 (32 KiB, half the bf16 slab's bytes) per program, loaded before
 # the wait; above 16 rows the x^T operand (512 x BLOCK_M) grows, so the slab halves to keep both
-# operands in registers.
+# operands in registers. One row: 256 columns and 4 warps, measured in the same run at 4.8 us
+# (wq_a) and 3.8 us (wkv) against 9.4 and 7.1 with the 16-row tiles.
+SKINNY_FP8_ONE_ROW_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=4, slab=256, pdl=True)
 SKINNY_FP8_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=512, pdl=True)
 SKINNY_FP8_WIDE_CONFIG = SkinnyConfig(block_n=64, block_k=128, num_warps=8, slab=256, pdl=True)
 # Split-KV partials merged per step of skinny_merge_matmul (a (MERGE_SPLITS, slab) float32 load).
@@ -709,11 +716,12 @@ def skinny_matmul(
 
 def skinny_fp8_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether skinny_fp8_matmul serves x (.., M, K) float @ weight (.., N, K) e4m3: bfloat16 or
-    float16 x, 0 < M <= SKINNY_FP8_MAX_M, unit strides along K, and the block-scale shape
-    (.., ceil(N/128), ceil(K/128))."""
+    float16 x, 0 < M <= SKINNY_FP8_MAX_M, at most SKINNY_FP8_MAX_WEIGHT_BYTES of weight (every
+    group), unit strides along K, and the block-scale shape (.., ceil(N/128), ceil(K/128))."""
     n, k = weight.shape[-2:]
     return (
         x.dtype in (torch.bfloat16, torch.float16)
+        and weight.numel() * weight.element_size() <= SKINNY_FP8_MAX_WEIGHT_BYTES
         and weight.dtype == FP8_DTYPE
         and x.dim() == weight.dim() == weight_scale.dim()
         and x.shape[-1] == k
@@ -725,7 +733,9 @@ def skinny_fp8_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 
 
 def skinny_fp8_config(m: int) -> SkinnyConfig:
-    """The FP8 skinny tiles for M rows (SKINNY_FP8_CONFIG up to 16 rows, then the narrower slab)."""
+    """The FP8 skinny tiles for M rows (one row, up to 16, then the narrower slab)."""
+    if m == 1:
+        return SKINNY_FP8_ONE_ROW_CONFIG
     return SKINNY_FP8_CONFIG if m <= 16 else SKINNY_FP8_WIDE_CONFIG
 
 
