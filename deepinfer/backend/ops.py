@@ -875,6 +875,28 @@ class SmallOps(_Part):
         Default: the reference."""
         return ref_v4.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant)
 
+    def hc_mixes(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hc_pre's three mixes without applying pre: (pre (T, N), post (T, N), comb (T, N, N))
+        float32, exactly as hc_pre defines them. DeepSeek-V4.1's shifted hyper-connections apply
+        a sublayer's pre mix to the streams after it (hc_collapse). Default: the reference."""
+        return ref_v4.hc_mixes(
+            streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, self.batch_invariant
+        )
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """sum_n pre[t, n] * streams[t, n]: streams (T, N, Dm), pre (T, N) float32 -> (T, Dm) in
+        streams' dtype, computed in float32 (hc_pre's collapse). Default: the reference."""
+        return ref_v4.hc_collapse(streams, pre)
+
     def hc_post(
         self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:

@@ -18,16 +18,20 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4")
+if TYPE_CHECKING:
+    from deepinfer.models.config_v41 import V41Config
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v4", "deepseek_v41")
 # Known DeepSeek generations this version cannot run yet: model_type -> name for the message.
 NOT_YET_SUPPORTED = {
     "deepseek_v32": "DeepSeek-V3.2 (sparse attention with a lightning indexer)",
-    "deepseek_v4_1": "DeepSeek-V4.1-Flash",
 }
+# Names DeepSeek never used, refused with the one it did use.
+MISNAMED = {"deepseek_v4_1": "deepseek_v41"}
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,6 +220,7 @@ class ModelConfig:
     quantization: Fp8Config | None = None
     torch_dtype: torch.dtype = torch.bfloat16
     v4: V4Config | None = None  # DeepSeek-V4's own fields (model_type deepseek_v4), else None
+    v41: V41Config | None = None  # DeepSeek-V4.1's own fields (model_type deepseek_v41), else None
 
     @property
     def qk_head_dim(self) -> int:
@@ -423,6 +428,15 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         v4 = _parse_v4(raw)
         _check_token_ids(v4)
         return v4
+    if model_type == "deepseek_v41":
+        from deepinfer.models.config_v41 import parse_v41
+
+        return parse_v41(raw)
+    if model_type in MISNAMED:
+        raise ModelConfigError(
+            f"model_type {model_type!r} is not DeepSeek's name; DeepSeek-V4.1 configs say "
+            f"{MISNAMED[model_type]!r}, with the text model's fields under 'text_config'"
+        )
     if model_type in NOT_YET_SUPPORTED:
         raise ModelConfigError(
             f"{NOT_YET_SUPPORTED[model_type]} (model_type {model_type!r}) is not yet supported; "

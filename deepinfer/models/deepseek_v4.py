@@ -98,12 +98,12 @@ if TYPE_CHECKING:
     from deepinfer.models.weights import WeightSource
 
 
-def _load_f32(reader: WeightSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def load_f32(reader: WeightSource, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Norm weights, sinks, biases and mixing parameters stay float32 (as transformers keeps them)."""
     return reader.get(name, shape, torch.float32)
 
 
-def _rope_tail(
+def rope_tail(
     backend: Backend, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
     """Interleaved rope on the last R channels of x (T, H, D); table (P, R) [cos | sin].
@@ -122,6 +122,17 @@ def _rope_tail(
 def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
     """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
     return x.view(*x.shape[:-1], -1, 2).flip(-1).flatten(-2)
+
+
+def grouped_output(backend: Backend, wo_a: Linear, o_rank: int, per_group: torch.Tensor) -> torch.Tensor:
+    """The grouped low-rank output: (G, T, H*D/G) -> (G, T, o_rank), group g through rows
+    [g*r, (g+1)*r) of wo_a. FP8: gemm.batched_linear_fp8 with each group's (r/128, Kb) scale
+    blocks (load keeps wo_a FP8 only when r is a multiple of 128)."""
+    gemm, g, k = backend.gemm, per_group.shape[0], per_group.shape[2]
+    w, scale = wo_a.weight.view(g, o_rank, k), wo_a.weight_scale_inv
+    if scale is None:
+        return gemm.batched_linear(per_group, w)
+    return gemm.batched_linear_fp8(per_group, w, scale.view(g, -1, scale.shape[-1]))
 
 
 def stored_in_fp8(prefix: str) -> bool:
@@ -391,14 +402,14 @@ class Compressor(nn.Module):
             gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
         gate = gate.masked_fill(~entries.present[..., None], float("-inf"))
         pooled = small.rms_norm(small.gated_pool(kv, gate), self.norm.weight, self.norm.eps)  # (W, width)
-        pooled = _rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
+        pooled = rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
         out.write(self.backend, pooled, entries.out_slots)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.wkv.load(reader, f"{prefix}.wkv", dtype)
         self.wgate.load(reader, f"{prefix}.wgate", dtype)
-        self.norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.width,))
-        self.ape = _load_f32(reader, f"{prefix}.ape", (self.ratio, self.wkv.out_features))
+        self.norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.width,))
+        self.ape = load_f32(reader, f"{prefix}.ape", (self.ratio, self.wkv.out_features))
 
 
 class Indexer(nn.Module):
@@ -432,7 +443,7 @@ class Indexer(nn.Module):
         key_entries = None if entries is None else dataclasses.replace(entries, out_slots=entries.key_slots)
         self.compressor(x, batch, key_entries, state, keys, table)
         q = self.wq_b(q_residual).view(-1, self.heads, self.dim)  # (T, Hi, Di)
-        q = _rope_tail(self.backend, q, batch.positions, table)
+        q = rope_tail(self.backend, q, batch.positions, table)
         weights = self.weights_proj(x).float() * self.heads**-0.5  # (T, Hi)
         meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
         return self.backend.attention.indexer_topk(
@@ -504,8 +515,8 @@ class V4Attention(nn.Module):
         backend, t, pos = self.backend, x.shape[0], batch.positions
         q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora_rank)
         q = self.wq_b(q_residual).view(t, self.heads, self.dim)
-        q = _rope_tail(backend, backend.small.rms_norm(q, self.ones, self.eps), pos, table)  # (T, H, D)
-        kv = _rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
+        q = rope_tail(backend, backend.small.rms_norm(q, self.ones, self.eps), pos, table)  # (T, H, D)
+        kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
         backend.kv_cache.write_kv(caches.window, kv, batch.slot_mapping)
 
         scale = self.dim**-0.5
@@ -530,7 +541,7 @@ class V4Attention(nn.Module):
             )  # fmt: skip
         # V = K carries the keys' rotation: rotating the output back by its own position leaves
         # each entry's contribution a function of the relative distance.
-        o = _rope_tail(backend, o, pos, table, inverse=True)
+        o = rope_tail(backend, o, pos, table, inverse=True)
         # Grouped output: G groups of H/G heads, each (H*D/G) -> o_lora_rank, then one mix to Dm.
         per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
         grouped = self._grouped_output(per_group).transpose(0, 1)  # (T, G, o_lora_rank)
@@ -538,14 +549,7 @@ class V4Attention(nn.Module):
         return out
 
     def _grouped_output(self, per_group: torch.Tensor) -> torch.Tensor:
-        """(G, T, H*D/G) -> (G, T, o_lora_rank), group g through rows [g*r, (g+1)*r) of wo_a.
-        FP8: gemm.batched_linear_fp8 with each group's (r/128, Kb) scale blocks (load keeps wo_a
-        FP8 only when r is a multiple of 128)."""
-        gemm, g, k = self.backend.gemm, per_group.shape[0], per_group.shape[2]
-        w, scale = self.wo_a.weight.view(g, self.o_rank, k), self.wo_a.weight_scale_inv
-        if scale is None:
-            return gemm.batched_linear(per_group, w)
-        return gemm.batched_linear_fp8(per_group, w, scale.view(g, -1, scale.shape[-1]))
+        return grouped_output(self.backend, self.wo_a, self.o_rank, per_group)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
@@ -556,9 +560,9 @@ class V4Attention(nn.Module):
             # so wo_a is dequantised (as DeepSeek's own inference code keeps it, in bf16)
             self.wo_a.weight = dequantize_weight(self.wo_a.weight, scale).to(dtype)
             self.wo_a.weight_scale_inv = None
-        self.q_norm.weight = _load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
-        self.kv_norm.weight = _load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
-        self.attn_sink = _load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+        self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
+        self.kv_norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
+        self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
         if self.compressor is not None:
             self.compressor.load(reader, f"{prefix}.compressor", dtype)
         if self.indexer is not None:
@@ -575,10 +579,10 @@ class V4MoE(nn.Module):
     products of x and the float32 gate (moe.select_experts), as V2 / V3's; transformers' V4 takes
     them in the model dtype, which in bfloat16 rounds the logits before routing."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, hashed: bool) -> None:
+    def __init__(self, backend: Backend, config: ModelConfig, swiglu_limit: float, hashed: bool) -> None:
         super().__init__()
         c = config
-        self.backend, self.hashed, self.limit = backend, hashed, v4.swiglu_limit
+        self.backend, self.hashed, self.limit = backend, hashed, swiglu_limit
         self.num_experts, self.hidden, self.inter = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.router = RouterConfig(
             scoring=c.scoring_func,  # type: ignore[arg-type]
@@ -616,11 +620,11 @@ class V4MoE(nn.Module):
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts
-        self.gate_weight = _load_f32(reader, f"{prefix}.gate.weight", (e, dm))
+        self.gate_weight = load_f32(reader, f"{prefix}.gate.weight", (e, dm))
         if self.hashed:
             self.tid2eid = reader.get_ids(f"{prefix}.gate.tid2eid", (vocab_size, self.router.top_k), e)
         else:
-            self.bias = _load_f32(reader, f"{prefix}.gate.bias", (e,))
+            self.bias = load_f32(reader, f"{prefix}.gate.bias", (e,))
 
         self._load_experts(reader, f"{prefix}.experts", dtype)
         sp = f"{prefix}.shared_experts"
@@ -673,10 +677,12 @@ class V4MoE(nn.Module):
 class HyperConnection(nn.Module):
     """mHC around one block: its (pre, post, comb) weights come from the N streams themselves."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config) -> None:
+    def __init__(
+        self, backend: Backend, config: ModelConfig, hc_mult: int, hc_eps: float, iters: int
+    ) -> None:
         super().__init__()
-        self.backend, self.n, self.dm = backend, v4.hc_mult, config.hidden_size
-        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, v4.hc_eps, v4.hc_sinkhorn_iters
+        self.backend, self.n, self.dm = backend, hc_mult, config.hidden_size
+        self.norm_eps, self.hc_eps, self.iters = config.rms_norm_eps, hc_eps, iters
         for name in ("fn", "base", "scale"):
             self.register_buffer(name, torch.empty(0, device="meta"))
 
@@ -688,9 +694,9 @@ class HyperConnection(nn.Module):
 
     def load(self, reader: WeightSource, prefix: str) -> None:
         k = (2 + self.n) * self.n
-        self.fn = _load_f32(reader, f"{prefix}_fn", (k, self.n * self.dm))
-        self.base = _load_f32(reader, f"{prefix}_base", (k,))
-        self.scale = _load_f32(reader, f"{prefix}_scale", (3,))
+        self.fn = load_f32(reader, f"{prefix}_fn", (k, self.n * self.dm))
+        self.base = load_f32(reader, f"{prefix}_base", (k,))
+        self.scale = load_f32(reader, f"{prefix}_scale", (3,))
 
 
 class V4Block(nn.Module):
@@ -706,9 +712,10 @@ class V4Block(nn.Module):
         self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.attn = V4Attention(backend, config, v4, self.ratio)
         self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
-        self.ffn = V4MoE(backend, config, v4, hashed)
-        self.hc_attn = HyperConnection(backend, config, v4)
-        self.hc_ffn = HyperConnection(backend, config, v4)
+        self.ffn = V4MoE(backend, config, v4.swiglu_limit, hashed)
+        hc = (v4.hc_mult, v4.hc_eps, v4.hc_sinkhorn_iters)
+        self.hc_attn = HyperConnection(backend, config, *hc)
+        self.hc_ffn = HyperConnection(backend, config, *hc)
 
     def forward(
         self,
@@ -729,8 +736,8 @@ class V4Block(nn.Module):
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm = (self.attn_norm.dim,)
-        self.attn_norm.weight = _load_f32(reader, f"{prefix}.attn_norm.weight", dm)
-        self.ffn_norm.weight = _load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
+        self.attn_norm.weight = load_f32(reader, f"{prefix}.attn_norm.weight", dm)
+        self.ffn_norm.weight = load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
         self.attn.load(reader, f"{prefix}.attn", dtype)
         self.ffn.load(reader, f"{prefix}.ffn", dtype, vocab_size)
         self.hc_attn.load(reader, f"{prefix}.hc_attn")
@@ -763,11 +770,11 @@ class StreamHead(nn.Module):
 
     def load(self, reader: WeightSource, norm: str, names: tuple[str, str, str]) -> None:
         """norm: its norm weight's name; names: those of fn, base and scale."""
-        self.norm.weight = _load_f32(reader, norm, (self.dm,))
+        self.norm.weight = load_f32(reader, norm, (self.dm,))
         for attr, name, shape in zip(
             ("fn", "base", "scale"), names, ((self.n, self.n * self.dm), (self.n,), (1,))
         ):
-            setattr(self, attr, _load_f32(reader, name, shape))
+            setattr(self, attr, load_f32(reader, name, shape))
 
 
 class V4MTPLayer(nn.Module):
@@ -807,8 +814,8 @@ class V4MTPLayer(nn.Module):
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm = (self.enorm.dim,)
-        self.enorm.weight = _load_f32(reader, f"{prefix}.enorm.weight", dm)
-        self.hnorm.weight = _load_f32(reader, f"{prefix}.hnorm.weight", dm)
+        self.enorm.weight = load_f32(reader, f"{prefix}.enorm.weight", dm)
+        self.hnorm.weight = load_f32(reader, f"{prefix}.hnorm.weight", dm)
         self.e_proj.load(reader, f"{prefix}.e_proj", dtype)
         self.h_proj.load(reader, f"{prefix}.h_proj", dtype)
         self.block.load(reader, prefix, dtype, vocab_size)

@@ -50,6 +50,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.drafter import has_drafter, load_drafter
 from deepinfer.models.hub import checkpoint_file
 from deepinfer.parallel.expert_parallel import ExpertParallel
@@ -467,7 +468,9 @@ def _preflight(
     """Check the sizes that decide allocations against the checkpoint and the device before
     anything is built, so that an impossible config.json is an error, not an out-of-memory kill."""
     c, root = config, reader.root
-    if c.v4 is not None:  # DeepSeek-V4 names its tensors differently; its loader checks them
+    if (
+        c.v4 is not None or c.v41 is not None
+    ):  # V4 / V4.1 name their tensors differently; their loaders check them
         return
     embed = "model.embed_tokens.weight"
     if reader.has(embed) and reader.shape_of(embed) != (c.vocab_size, c.hidden_size):
@@ -563,8 +566,8 @@ def load_model(
     dtype: torch.dtype | None = None,
     expert_parallel: ExpertParallel | None = None,
     check_weights: bool | None = None,
-) -> DeepseekForCausalLM | DeepseekV4ForCausalLM:
-    """Load a DeepSeek-V2 / V3 / R1 / V4 checkpoint directory onto `backend`.
+) -> DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
+    """Load a DeepSeek-V2 / V3 / R1 / V4 / V4.1 checkpoint directory onto `backend`.
 
     expert_parallel: read only this rank's routed experts (see deepinfer.models.moe).
 
@@ -604,8 +607,12 @@ def load_model(
         root, device, backend.capabilities.supports_fp8, backend.name, check_weights, env.model_unfused
     ) as reader:
         _preflight(config, reader, backend, expert_parallel)
-        model: DeepseekForCausalLM | DeepseekV4ForCausalLM
-        if config.v4 is not None:
+        model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
+        if config.v41 is not None:
+            if expert_parallel is not None:
+                raise ValueError("expert parallelism is not supported for DeepSeek-V4.1 yet")
+            model = DeepseekV41ForCausalLM(config, backend, dtype)
+        elif config.v4 is not None:
             if expert_parallel is not None:
                 raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
             model = DeepseekV4ForCausalLM(config, backend, dtype)

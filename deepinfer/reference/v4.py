@@ -26,7 +26,7 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
-def hc_pre(
+def hc_mixes(
     streams: torch.Tensor,
     fn: torch.Tensor,
     base: torch.Tensor,
@@ -36,7 +36,7 @@ def hc_pre(
     sinkhorn_iters: int,
     batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams (T, N, Dm) -> (collapsed (T, Dm) in streams' dtype, post (T, N), comb (T, N, N))."""
+    """streams (T, N, Dm) -> (pre (T, N), post (T, N), comb (T, N, N)), float32."""
     t, n, _ = streams.shape
     flat = _unweighted_rms(streams.flatten(1).float(), norm_eps)
     mix = gemm.mm(flat, fn.float().T, batch_invariant)  # (T, (2+N)N)
@@ -51,8 +51,28 @@ def hc_pre(
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre[..., None] * streams.float()).sum(dim=1)
-    return collapsed.to(streams.dtype), post, comb
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_n pre[:, n] * streams[:, n]: (T, N, Dm), (T, N) -> (T, Dm) in streams' dtype, float32
+    sums in stream order."""
+    return (pre.float()[..., None] * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams (T, N, Dm) -> (collapsed (T, Dm) in streams' dtype, post (T, N), comb (T, N, N))."""
+    pre, post, comb = hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant)
+    return hc_collapse(streams, pre), post, comb
 
 
 def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

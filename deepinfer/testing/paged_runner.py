@@ -16,6 +16,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.forward_batch import ForwardBatch
 
 
@@ -97,7 +98,7 @@ class PagedRunner:
 
     def __init__(
         self,
-        model: DeepseekForCausalLM | DeepseekV4ForCausalLM,
+        model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM,
         backend: Backend,
         num_blocks: int = 64,
         block_size: int = 4,

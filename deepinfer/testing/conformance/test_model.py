@@ -34,6 +34,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import RouterConfig
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
@@ -57,7 +58,7 @@ def _model_tolerance(dtype: torch.dtype, fp8: bool) -> Tolerance:
 
 
 def _run(
-    model: DeepseekForCausalLM | DeepseekV4ForCausalLM, backend: Backend, forced: list[dict[int, int]] | None
+    model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM, backend: Backend, forced: list[dict[int, int]] | None
 ) -> tuple[list[torch.Tensor], list[dict[int, int]]]:
     """Chunked prefill (logits of every row), then DECODE_STEPS decode steps feeding `forced`
     tokens (request -> token), or the greedy tokens when None. -> (float64 CPU logits per step,

@@ -1,0 +1,588 @@
+"""DeepSeek-V4.1 (V4.1-Flash), text model, in the paper's order: caches -> attention (sliding
+window, C1 / C2 main entries, sparse indexer, grouped output) -> shared state across layers and
+YOCO -> MoE -> block with (shifted) hyper-connections -> model. Written only against the backend
+contract; the parts V4 has too (the MoE, the grouped output, the hyper-connection weights, the
+entry bookkeeping, the paged wide caches) are V4's (deepinfer.models.deepseek_v4).
+
+Symbols: T tokens in the step, H heads, D head_dim (one K = V head), R rotated tail of D,
+N hc_mult streams, Dm hidden, m compression ratio (1 or 2), Hi / Di indexer heads / head width,
+G o_groups.
+
+Every layer attends to a sliding window of its own K = V rows (sinks in the denominator).
+A compressed layer (ratio m) adds main entries: C1 (m = 1) one per token,
+c_p = rope(norm(W_A x_p)); C2 (m = 2) one per token pair, c_j = rope(norm(sum_t softmax_t(z_t) v_t))
+over t in {2j, 2j+1}, [z | v] = [W_gate x | W_A x] per channel; entry j is visible from position
+(j+1)m - 1 on. A sparse indexer keeps index_topk entries per query: score
+sum_h w_h relu(q_h . k_s), index keys k_s = rope(k_norm(W_k c_s^pre)) from the entry before its
+rope. Attention is one softmax over the window's rows and the kept entries.
+
+Sharing (config_v41.SharingTopology): a layer whose KV source is another layer attends that
+layer's entries and computes none; an index-key consumer scores its source's keys with its own
+queries; a top-k consumer uses its source's picks. YOCO: from the first C1 layer on (the decoder
+half), KV-source layers compute their entries from one shared hidden state h*, the first decoder
+layer's attention input, so the decoder's long-range memory depends on h* alone.
+
+Hyper-connections: shifted (hc_shifted, default): sublayer k's input applies the pre mix that
+sublayer k-1 computed from its own input streams (the first reads stream 0), and after the last
+sublayer its pre mix collapses the streams (no HC head). Unshifted: V4's mHC with a head.
+
+Caches (paged by the engine, D-wide rows but the index keys' Di):
+  window      one row per token, every layer (the ring);
+  state       C2 KV sources: [W_A x | W_gate x] per token (2D), what the pair closing in a
+              later step pools (the ring);
+  entries/m   KV sources of ratio m: row j holds entry j;
+  index/m     index-key sources of ratio m: row j holds entry j's key (Di wide).
+The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one position back).
+
+Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
+a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights). Not yet: the
+FP8 32 x 32 + MXFP4 format, Engram, the DSpark draft layers, the vision tower; their configs
+are refused with an error naming the part (DeepseekV41ForCausalLM.__init__, load_weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
+from deepinfer.models.config import ModelConfig
+from deepinfer.models.config_v41 import V41Config
+from deepinfer.models.deepseek_v4 import (
+    HyperConnection,
+    LayerCaches,
+    NewEntries,
+    V4MoE,
+    WideCache,
+    grouped_output,
+    load_f32,
+    rope_tail,
+)
+from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
+from deepinfer.models.layers import Linear, RMSNorm
+from deepinfer.models.rope import cos_sin_cache
+from deepinfer.models.weights import WeightSource
+
+if TYPE_CHECKING:
+    from deepinfer.models.drafter import BlockDrafter
+
+# --------------------------------------------------------------------------- caches
+
+
+def layer_cache_kinds(v41: V41Config, layer: int) -> list[tuple[str, int]]:
+    """(kind, row width) of layer `layer`'s own caches, in LayerCaches order."""
+    ratio, topo, d = v41.compress_ratios[layer], v41.sharing, v41.head_dim
+    kinds = [("window", d)]
+    if ratio and topo.kv[layer] == layer:
+        kinds.append(("compressed", d))
+        if ratio == 2:
+            kinds.append(("state", 2 * d))
+    if ratio and topo.index_k[layer] == layer:
+        kinds.append(("index_keys", v41.index_head_dim))
+    return kinds
+
+
+def _group_key(kind: str, ratio: int) -> tuple[int, int]:
+    """(0, 0) the ring; (1, m) the entries of ratio m; (2, m) the index keys of ratio m."""
+    if kind in ("window", "state"):
+        return (0, 0)
+    return (2, ratio) if kind == "index_keys" else (1, ratio)
+
+
+def ring_lookback(v41: V41Config) -> int:
+    """Positions before a step's first token that it reads: window - 1 (the first query's keys),
+    1 for a C2 pair whose first token came in the step before."""
+    return max(v41.sliding_window - 1, 1 if 2 in v41.compress_ratios else 0)
+
+
+def cache_layout(v41: V41Config) -> tuple[list[dict[str, tuple[int, int, int]]], dict[tuple[int, int], int]]:
+    """Per layer, kind -> (first, end, width) in the flat cache list laid out group by group
+    (ring, entries by ratio, index keys by ratio), layer by layer within a group; and the number
+    of caches of each group."""
+    d = v41.head_dim
+    kinds = [layer_cache_kinds(v41, i) for i in range(len(v41.compress_ratios))]
+    out: list[dict[str, tuple[int, int, int]]] = [{} for _ in kinds]
+    counts: dict[tuple[int, int], int] = {}
+    at = 0
+    keys = sorted({_group_key(k, v41.compress_ratios[i]) for i, ks in enumerate(kinds) for k, _ in ks})
+    for key in keys:
+        for i, layer_kinds in enumerate(kinds):
+            for kind, width in layer_kinds:
+                if _group_key(kind, v41.compress_ratios[i]) == key:
+                    n = WideCache.count(width, v41.index_head_dim if key[0] == 2 else d)
+                    out[i][kind] = (at, at + n, width)
+                    counts[key] = counts.get(key, 0) + n
+                    at += n
+    return out, counts
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class StepState:
+    """What one forward carries from layer to layer (DeepSeek's cross-layer runtime): h* (YOCO's
+    shared hidden), each KV source's entries closing in this step before their rope (the index
+    keys' input), each index source's top-k picks."""
+
+    shared_hidden: torch.Tensor | None = None
+    pre_rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class MainEntries(nn.Module):
+    """A KV source's main compressor: C1 c = norm(W_A x) per token; C2 c = norm(gated pool of a
+    token pair's W_A x under W_gate x); stored after the tail's rope at the entry's first token's
+    position."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, ratio: int, width: int) -> None:
+        super().__init__()
+        self.backend, self.ratio, self.width = backend, ratio, width
+        self.wkv = Linear(backend, config.hidden_size, width)
+        self.wgate = Linear(backend, config.hidden_size, width) if ratio == 2 else None
+        self.norm = RMSNorm(backend, width, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        entries: NewEntries | None,
+        state: WideCache | None,
+        out: WideCache,
+        table: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Stores the entries closing in this step (for C2, after this step's projections went
+        to `state`); returns them before the rope (W, width), None when none close."""
+        small = self.backend.small
+        if self.wgate is None:  # C1: one entry per token, the step's tokens in order
+            if entries is None:
+                return None
+            if entries.out_slots.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"C1 entries: {entries.out_slots.shape[0]} close in a step of {x.shape[0]} tokens; "
+                    "every token closes one (padded steps are not supported)"
+                )
+            pre = self.norm(self.wkv(x))  # (T, D)
+        else:
+            assert state is not None
+            state.write(self.backend, torch.cat([self.wkv(x), self.wgate(x)], dim=-1), batch.slot_mapping)
+            if entries is None:
+                return None
+            w, span = entries.state_slots.shape
+            rows = state.read(self.backend, entries.state_slots.reshape(-1)).view(w, span, -1)
+            kv, gate = rows[..., : self.width], rows[..., self.width :].float()
+            gate = gate.masked_fill(~entries.present[..., None], float("-inf"))
+            pre = self.norm(small.gated_pool(kv, gate))  # (W, D)
+        roped = rope_tail(self.backend, pre[:, None], entries.positions, table)[:, 0]
+        out.write(self.backend, roped, entries.out_slots)
+        result: torch.Tensor = pre
+        return result
+
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
+        self.wkv.load(reader, f"{prefix}.wkv", dtype)
+        if self.wgate is not None:
+            self.wgate.load(reader, f"{prefix}.wgate", dtype)
+        self.norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.width,))
+
+
+class SparseIndexer(nn.Module):
+    """An index source's indexer: queries from the attention's q_lora residual, weights from its
+    input; keys (index-key sources) from the main entries before their rope."""
+
+    def __init__(
+        self, backend: Backend, config: ModelConfig, v41: V41Config, ratio: int, has_keys: bool
+    ) -> None:
+        super().__init__()
+        assert config.q_lora_rank is not None
+        self.backend, self.ratio = backend, ratio
+        self.heads, self.dim, self.topk = v41.index_n_heads, v41.index_head_dim, v41.index_topk
+        self.wq_b = Linear(backend, config.q_lora_rank, self.heads * self.dim)
+        self.weights_proj = Linear(backend, config.hidden_size, self.heads)
+        self.has_keys = has_keys
+        self.wk = Linear(backend, v41.head_dim, self.dim)
+        self.k_norm = RMSNorm(backend, self.dim, config.rms_norm_eps)
+
+    def write_keys(
+        self, pre_rope: torch.Tensor | None, entries: NewEntries | None, keys: WideCache, table: torch.Tensor
+    ) -> None:
+        """Index keys of the entries closing in this step -> `keys` at entries.key_slots."""
+        if pre_rope is None or entries is None:
+            return
+        k = self.k_norm(self.wk(pre_rope))[:, None]  # (W, 1, Di)
+        keys.write(
+            self.backend, rope_tail(self.backend, k, entries.positions, table)[:, 0], entries.key_slots
+        )
+
+    def select(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        batch: ForwardBatch,
+        keys: WideCache,
+        key_tables: torch.Tensor | None,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """-> (T, index_topk) int32 entry ids per query, -1 unused (lower id first among ties).
+        The scores' positive scale factors do not change the picks; the contract's scale is
+        Di^-0.5 on q . k."""
+        q = rope_tail(
+            self.backend, self.wq_b(q_residual).view(-1, self.heads, self.dim), batch.positions, table
+        )
+        weights = self.weights_proj(x).float()  # (T, Hi)
+        meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
+        return self.backend.attention.indexer_topk(
+            q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
+        )
+
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
+        self.wq_b.load(reader, f"{prefix}.wq_b", dtype)
+        self.weights_proj.load(reader, f"{prefix}.weights_proj", dtype)
+        if self.has_keys:
+            self.wk.load(reader, f"{prefix}.wk", dtype)
+            self.k_norm.weight = load_f32(reader, f"{prefix}.k_norm.weight", (self.dim,))
+        else:  # an index source scoring another layer's keys: its own key projection is unused
+            for name in (f"{prefix}.wk.weight", f"{prefix}.wk.scale", f"{prefix}.k_norm.weight"):
+                if reader.has(name):
+                    reader.skip(name)
+
+
+class V41Attention(nn.Module):
+    """Shared K = V MQA with partial rope, sinks, a sliding window, and for compressed layers the
+    main entries (own or a source's) picked by a sparse indexer (own or a source's); the grouped
+    low-rank output projection. No per-head query norm."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int) -> None:
+        super().__init__()
+        c, d, topo = config, v41.head_dim, v41.sharing
+        assert c.q_lora_rank is not None
+        self.backend, self.layer = backend, layer
+        self.ratio = v41.compress_ratios[layer]
+        self.heads, self.dim, self.window = c.num_attention_heads, d, v41.sliding_window
+        self.groups, self.o_rank = v41.o_groups, v41.o_lora_rank
+        self.kv_source, self.index_source = topo.kv[layer], topo.index[layer]
+        self.decoder = layer >= v41.n_prefill_layer
+        self.wq_a = Linear(backend, c.hidden_size, c.q_lora_rank)
+        self.q_norm = RMSNorm(backend, c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(backend, c.q_lora_rank, self.heads * d)
+        self.wkv = Linear(backend, c.hidden_size, d)
+        self.kv_norm = RMSNorm(backend, d, c.rms_norm_eps)
+        self.wo_a = Linear(backend, self.heads * d // self.groups, self.groups * self.o_rank)
+        self.wo_b = Linear(backend, self.groups * self.o_rank, c.hidden_size)
+        self.register_buffer("attn_sink", torch.empty(0, device="meta"))  # (H,) float32
+        own_kv = self.ratio and self.kv_source == layer
+        self.compressor = MainEntries(backend, c, self.ratio, d) if own_kv else None
+        own_index = self.ratio and self.index_source == layer
+        has_keys = bool(self.ratio) and topo.index_k[layer] == layer
+        self.indexer = SparseIndexer(backend, c, v41, self.ratio, has_keys) if own_index else None
+        self.has_keys = has_keys
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        caches: LayerCaches,
+        entries: NewEntries | None,
+        table: torch.Tensor,
+        step: StepState,
+    ) -> torch.Tensor:
+        """x (T, Dm) the normed attention input -> (T, Dm). caches: this layer's window, its KV
+        source's entries and its index-key source's keys (LayerCaches)."""
+        backend, t, pos = self.backend, x.shape[0], batch.positions
+        q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora_rank)
+        q = rope_tail(backend, self.wq_b(q_residual).view(t, self.heads, self.dim), pos, table)
+        kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
+        backend.kv_cache.write_kv(caches.window, kv, batch.slot_mapping)
+        scale = self.dim**-0.5
+        if not self.ratio:
+            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink)
+            attend = backend.attention.decode if batch.attn.is_decode_only else backend.attention.prefill
+            o = attend(q, caches.window, batch.attn, scale=scale, v_dim=self.dim, modifiers=mods)
+        else:
+            assert caches.compressed is not None
+            if self.compressor is not None:
+                if self.decoder and step.shared_hidden is None:
+                    step.shared_hidden = x  # h*: the decoder half's first layer's attention input
+                source = step.shared_hidden if self.decoder else x
+                assert source is not None
+                step.pre_rope[self.layer] = self.compressor(
+                    source, batch, entries, caches.state, caches.compressed, table
+                )
+            if self.has_keys:
+                assert self.indexer is not None and caches.index_keys is not None
+                pre = step.pre_rope.get(self.kv_source)
+                self.indexer.write_keys(pre, entries, caches.index_keys, table)
+            if self.indexer is not None:
+                assert caches.index_keys is not None
+                step.topk[self.layer] = self.indexer.select(
+                    x, q_residual, batch, caches.index_keys, caches.key_tables, table
+                )
+            topk = step.topk[self.index_source]
+            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
+            o = backend.attention.compressed_attention(
+                q, caches.window, caches.compressed.caches[0], batch.attn, scale=scale, ratio=self.ratio,
+                modifiers=mods, compressed_block_tables=caches.entry_tables,
+            )  # fmt: skip
+        o = rope_tail(backend, o, pos, table, inverse=True)  # V = K carries the keys' rotation
+        per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
+        grouped = grouped_output(backend, self.wo_a, self.o_rank, per_group).transpose(0, 1)
+        out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
+        return out
+
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
+        self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
+        self.kv_norm.weight = load_f32(reader, f"{prefix}.kv_norm.weight", (self.dim,))
+        self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+        if self.compressor is not None:
+            self.compressor.load(reader, f"{prefix}.compressor", dtype)
+        if self.indexer is not None:
+            self.indexer.load(reader, f"{prefix}.indexer", dtype)
+
+
+# --------------------------------------------------------------------------- block and model
+
+
+class V41Block(nn.Module):
+    """Attention then MoE, each between hyper-connection mixes: streams (T, N, Dm) in and out.
+    Shifted: the pre mix each sublayer applies is the previous sublayer's (passed in, passed on)."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int) -> None:
+        super().__init__()
+        self.backend, self.shifted, self.ratio = backend, v41.hc_shifted, v41.compress_ratios[layer]
+        self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.attn = V41Attention(backend, config, v41, layer)
+        self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.ffn = V4MoE(backend, config, v41.swiglu_limit, hashed=False)
+        hc = (v41.hc_mult, v41.hc_eps, v41.hc_sinkhorn_iters)
+        self.hc_attn = HyperConnection(backend, config, *hc)
+        self.hc_ffn = HyperConnection(backend, config, *hc)
+
+    def _pre(
+        self, hc: HyperConnection, streams: torch.Tensor, pre: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(sublayer input, post, comb, the pre mix the next sublayer applies (shifted only))."""
+        small = self.backend.small
+        if not self.shifted:
+            x, post, comb = hc.pre(streams)
+            return x, post, comb, None
+        assert pre is not None
+        nxt, post, comb = small.hc_mixes(streams, hc.fn, hc.base, hc.scale, hc.norm_eps, hc.hc_eps, hc.iters)
+        return small.hc_collapse(streams, pre), post, comb, nxt
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre: torch.Tensor | None,
+        batch: ForwardBatch,
+        caches: LayerCaches,
+        entries: NewEntries | None,
+        table: torch.Tensor,
+        step: StepState,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        small = self.backend.small
+        x, post, comb, pre = self._pre(self.hc_attn, streams, pre)
+        a = self.attn(self.attn_norm(x), batch, caches, entries, table, step)
+        streams = small.hc_post(a, streams, post, comb)
+        x, post, comb, pre = self._pre(self.hc_ffn, streams, pre)
+        f = self.ffn(self.ffn_norm(x), batch.input_ids)
+        return small.hc_post(f, streams, post, comb), pre
+
+    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+        dm = (self.attn_norm.dim,)
+        self.attn_norm.weight = load_f32(reader, f"{prefix}.attn_norm.weight", dm)
+        self.ffn_norm.weight = load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
+        self.attn.load(reader, f"{prefix}.attn", dtype)
+        if reader.has(f"{prefix}.ffn.gate.bias_vl"):  # image tokens' routing bias: no images here
+            reader.skip(f"{prefix}.ffn.gate.bias_vl")
+        self.ffn.load(reader, f"{prefix}.ffn", dtype, vocab_size)
+        self.hc_attn.load(reader, f"{prefix}.hc_attn")
+        self.hc_ffn.load(reader, f"{prefix}.hc_ffn")
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The DeepSeek-V4.1 text decoder over its paged caches (cache_layout: the ring, the entry
+    groups, the index-key groups). forward(batch, kv_caches) -> the final hidden states (T, Dm),
+    the streams already collapsed (shifted: by the last sublayer's pre mix; else the HC head);
+    compute_logits(rows) -> (S, V) float32. The engine interface is models.interface.CausalLM."""
+
+    supports_graphs = True  # decode steps find their closing entries on the device
+    supports_prefill_graphs = False
+    supports_drafts_with_graphs = False
+    supports_prefix_caching = False  # a block's entries depend on the tokens after it (C2)
+
+    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+        super().__init__()
+        v41 = config.v41
+        if v41 is None:
+            raise ValueError(f"DeepseekV41ForCausalLM needs a deepseek_v41 config, got {config.model_type!r}")
+        if v41.engram is not None:
+            raise NotImplementedError(
+                "DeepSeek-V4.1's Engram layers (text_config.engram_layer_ids "
+                f"{list(v41.engram.layer_ids)}) are not implemented yet"
+            )
+        if v41.sharing.candidate is not None:
+            raise NotImplementedError(
+                "DeepSeek-V4.1's candidate-block selection (text_config.candidate_source_layer_id "
+                f"{v41.sharing.candidate}) is not implemented yet"
+            )
+        if config.quantization is not None:
+            raise NotImplementedError(
+                "DeepSeek-V4.1 in its published FP8 (32 x 32 blocks) + MXFP4 format is not loaded yet; "
+                "bfloat16 and float32 checkpoints are"
+            )
+        self.config, self.v41, self.backend, self.dtype = config, v41, backend, dtype
+        self.drafter: BlockDrafter | None = None
+        n = config.num_hidden_layers
+        self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
+        self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
+        self.layers = nn.ModuleList(V41Block(backend, config, v41, i) for i in range(n))
+        self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):  # unshifted only
+            self.register_buffer(name, torch.empty(0, device="meta"))
+        device = backend.device.device()
+        for name, rope in (("main_rope", config.rope), ("compress_rope", v41.compress_rope)):
+            table = cos_sin_cache(rope, v41.rope_dim, config.max_position_embeddings, device)
+            self.register_buffer(name, table, persistent=False)
+        self._slices, self._counts = cache_layout(v41)
+        self._group_keys = sorted(set(self._counts) - {(0, 0)})
+
+    @property
+    def rope_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def num_mtp_layers(self) -> int:
+        """0: the DSpark draft layers are not loaded yet."""
+        return 0
+
+    @property
+    def num_kv_layers(self) -> int:
+        return sum(self._counts.values())
+
+    def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
+        return KVCacheSpec(num_blocks, block_size, self.v41.head_dim, 0, self.dtype)
+
+    def kv_cache_groups(
+        self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
+    ) -> list[KVCacheGroup]:
+        """The ring (ring_lookback + 1 + max_backtrack positions, whole blocks), then the entry
+        groups by ratio, then the index-key groups by ratio (rows Di wide)."""
+        if mtp_layers:
+            raise ValueError("DeepSeek-V4.1's draft layers are not loaded; no MTP caches to hold")
+        lookback = ring_lookback(self.v41)
+        ring = -(-(lookback + 1 + max_backtrack) // block_size)
+        groups = [KVCacheGroup("ring", self._counts[(0, 0)], ring_blocks=ring, ring_lookback=lookback)]
+        for kind, m in self._group_keys:
+            if kind == 1:
+                groups.append(KVCacheGroup(f"entries/{m}", self._counts[(kind, m)], ratio=m))
+            else:
+                groups.append(
+                    KVCacheGroup(
+                        f"index/{m}", self._counts[(kind, m)], ratio=m, row_dim=self.v41.index_head_dim
+                    )
+                )
+        return groups
+
+    def _layer_caches(
+        self, kv_caches: Sequence[PagedKVCache], tables: dict[tuple[int, int], torch.Tensor]
+    ) -> list[LayerCaches]:
+        """Each layer's window, and its KV source's entries (and state) and index-key source's
+        keys, wherever they sit."""
+        own = [
+            {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
+            for layer in self._slices
+        ]
+        topo, out = self.v41.sharing, []
+        for i, ratio in enumerate(self.v41.compress_ratios):
+            window = own[i]["window"].caches[0]
+            if not ratio:
+                out.append(LayerCaches(window))
+                continue
+            src, keys = own[topo.kv[i]], own[topo.index_k[i]]
+            entry_tables, key_tables = tables.get((1, ratio)), tables.get((2, ratio))
+            out.append(
+                LayerCaches(
+                    window, compressed=src["compressed"], state=src.get("state"),
+                    index_keys=keys["index_keys"], entry_tables=entry_tables, key_tables=key_tables,
+                )
+            )  # fmt: skip
+        return out
+
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
+        """(T, Dm) final hidden states of every token in the batch."""
+        v41, small = self.v41, self.backend.small
+        if batch.attn.max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
+                f"({self.config.max_position_embeddings})"
+            )
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        keys = self._group_keys
+        tables = dict(zip(keys, batch.group_block_tables or [batch.attn.block_tables] * len(keys)))
+        block_size = kv_caches[0].spec.block_size
+        entries = {
+            m: NewEntries.build(batch, m, False, block_size, tables[(1, m)], tables.get((2, m)))
+            for m in sorted(set(v41.compress_ratios) - {0})
+        }
+        caches = self._layer_caches(kv_caches, tables)
+        x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
+        streams = x[:, None, :].expand(-1, v41.hc_mult, -1).contiguous()  # (T, N, Dm)
+        pre: torch.Tensor | None = None
+        if v41.hc_shifted:  # the first sublayer reads stream 0
+            pre = torch.zeros(x.shape[0], v41.hc_mult, dtype=torch.float32, device=x.device)
+            pre[:, 0] = 1.0
+        step = StepState()
+        for block, layer_caches in zip(self.layers, caches):
+            ratio = cast(V41Block, block).ratio
+            table = self.compress_rope if ratio else self.main_rope
+            streams, pre = block(streams, pre, batch, layer_caches, entries.get(ratio), table, step)
+        if pre is not None:
+            return small.hc_collapse(streams, pre)
+        c = self.config
+        return small.hc_head(
+            streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, v41.hc_eps
+        )
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (S, Dm) rows of forward's output -> logits (S, V) float32."""
+        logits = self.backend.gemm.linear(self.norm(hidden), self.lm_head)
+        return logits.float() if out is None else out.copy_(logits)
+
+    def forward_mtp(
+        self, batch: ForwardBatch, hidden: torch.Tensor, kv_caches: Sequence[PagedKVCache], depth: int = 0
+    ) -> torch.Tensor:
+        raise ValueError("DeepSeek-V4.1's DSpark draft layers are not loaded yet")
+
+    def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        raise ValueError("DeepSeek-V4.1's DSpark draft layers are not loaded yet")
+
+    def load_weights(self, reader: WeightSource) -> None:
+        """DeepSeek's names, with or without a `model.` prefix; the draft layers' (mtp.*) and the
+        vision tower's tensors are left unread (marked skipped) until those parts load."""
+        c, v41, dtype = self.config, self.v41, self.dtype
+        root = "model." if reader.has("model.embed.weight") else ""
+        shape = (c.vocab_size, c.hidden_size)
+        self.embed_tokens = reader.get(f"{root}embed.weight", shape, dtype)
+        for i, layer in enumerate(self.layers):
+            cast(V41Block, layer).load(reader, f"{root}layers.{i}", dtype, c.vocab_size)
+        self.norm.weight = load_f32(reader, f"{root}norm.weight", (c.hidden_size,))
+        if not v41.hc_shifted:
+            n = v41.hc_mult
+            self.hc_head_fn = load_f32(reader, f"{root}hc_head_fn", (n, n * c.hidden_size))
+            self.hc_head_base = load_f32(reader, f"{root}hc_head_base", (n,))
+            self.hc_head_scale = load_f32(reader, f"{root}hc_head_scale", (1,))
+        self.lm_head = (
+            self.embed_tokens if c.tie_word_embeddings else reader.get(f"{root}head.weight", shape, dtype)
+        )
+        for name in list(reader.location):
+            plain = name.removeprefix("model.")
+            if plain.startswith(("mtp.", "vision_pipeline.", "image_")):
+                reader.skip(name)
