@@ -337,7 +337,7 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(T, E) -> (T, k) entry ids, best first, ties to the lower id, -1 for missing (-inf scores)."""
     order = torch.sort(-scores, dim=-1, stable=True).indices[:, :k]
     picked = scores.gather(1, order)
-    out = torch.where(torch.isfinite(picked), order, torch.full_like(order, -1))
+    out = torch.where(picked > -math.inf, order, torch.full_like(order, -1))
     if out.shape[1] < k:
         out = F.pad(out, (0, k - out.shape[1]), value=-1)
     return out
@@ -350,7 +350,7 @@ def candidate_blocks(scores: torch.Tensor, block: int, n_blocks: int) -> torch.T
     nb = -(-E // block)
     padded = F.pad(scores, (0, nb * block - E), value=-math.inf)
     best = padded.view(T, nb, block).amax(-1)
-    visible_entries = torch.isfinite(scores).sum(-1)
+    visible_entries = (scores > -math.inf).sum(-1)
     last = (visible_entries + block - 1) // block - 1
     rows = torch.nonzero(last >= 0).squeeze(-1)
     best[rows, last[rows]] = math.inf
