@@ -33,6 +33,14 @@ Semantics fixed here (DeepSeek engine defaults, `DEEPINFER_YOCO_PREFILL_TRUNCATI
 - Index score: `sum_h w_h * relu(q_h . k)` with `w = weights_proj(x)` as is: DeepSeek's runtime
   passes the raw projection to the kernel (`index_attn.py`), no softmax scale and no head-count
   factor (a positive factor would not change the top-k anyway).
+- Engram hash multipliers are bounded by `engram_compressed_vocab_size` (falling back to
+  `vocab_size`); DeepSeek's loader recomputes that size from tokenizer.json. The `wkv` output is
+  `hc_mult` keys followed by one value (TileKernels `engram_gate_fwd`).
+
+Not from DeepSeek's source (kernels not in the sdist; taken from TileKernels' torch references or
+chosen): the Sinkhorn / split-mix formulas, the MoE weight normalisation without an epsilon, the
+tie order of every top-k. Not modelled: FP8/FP4 rounding of weights, KV and index K; YOCO prefill
+truncation (`compact` / `mask`); image tokens (`ffn.gate.bias_vl`, Engram image mask); DFlash layers.
 """
 
 from __future__ import annotations
