@@ -1,0 +1,183 @@
+"""Tiny random DeepSeek-V4.1 checkpoints in DeepSeek's schema, for the float64 oracle and model tests.
+
+`tiny_v41_config(...)` gives a config.json dict (top level `model_type: deepseek_v41`, the model in
+`text_config`, a `quantization_config` and `vision_config` as DeepSeek's loader expects);
+`random_v41_tensors(config, seed)` the float32 tensors under DeepSeek's HF names with the shapes
+`v41_oracle.expected_tensor_shapes` lists; `write_v41_checkpoint(directory, config, tensors)` writes
+config.json + model.safetensors. The weights are float (no FP8 / FP4 twins yet).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.testing.v41_oracle import V41Config, expected_tensor_shapes
+
+
+def tiny_v41_config(
+    *,
+    layers: int = 4,
+    ratios: list[int] | None = None,
+    hidden: int = 32,
+    heads: int = 4,
+    head_dim: int = 24,
+    rope_dim: int = 8,
+    window: int = 4,
+    index_topk: int = 3,
+    index_heads: int = 2,
+    index_head_dim: int = 16,
+    kv_source_layer_ids: list[int] | None = None,
+    index_source_layer_ids: list[int] | None = None,
+    index_k_source_layer_ids: list[int] | None = None,
+    candidate_source_layer_id: int | None = None,
+    candidate_topk_blocks: int = 8,
+    candidate_block_size: int = 2,
+    engram: bool = False,
+    engram_layer_ids: list[int] | None = None,
+    hc_shifted: bool = True,
+    hc_mult: int = 2,
+    yarn: bool = True,
+    vocab: int = 64,
+    **text_overrides: Any,
+) -> dict[str, Any]:
+    """A tiny V4.1 config. Default ratios [0, 2, 1, 1, ...]: window layer, C2, then the C1 YOCO half.
+    Sharing lists default to "every compressed layer is its own source"."""
+    ratios = list(ratios) if ratios is not None else [0, 2] + [1] * (layers - 2)
+    if len(ratios) != layers:
+        raise ValueError(f"ratios has {len(ratios)} entries for {layers} layers")
+    compressed = [i for i, r in enumerate(ratios) if r] or [0]
+    own = list(range(compressed[0], layers))
+    text: dict[str, Any] = {
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": 0,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "num_attention_heads": heads,
+        "head_dim": head_dim,
+        "qk_rope_head_dim": rope_dim,
+        "q_lora_rank": 16,
+        "o_lora_rank": 12,
+        "o_groups": 2,
+        "sliding_window": window,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": (
+            {
+                "type": "yarn",
+                "original_max_position_embeddings": 16,
+                "factor": 4.0,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            }
+            if yarn
+            else None
+        ),
+        "compress_ratios": ratios,
+        "index_topk": index_topk,
+        "index_n_heads": index_heads,
+        "index_head_dim": index_head_dim,
+        "index_source_layer_ids": index_source_layer_ids if index_source_layer_ids is not None else own,
+        "kv_source_layer_ids": kv_source_layer_ids if kv_source_layer_ids is not None else own,
+        "candidate_source_layer_id": candidate_source_layer_id,
+        "candidate_topk_blocks": candidate_topk_blocks,
+        "candidate_block_size": candidate_block_size,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "swiglu_limit": 3.0,
+        "hc_mult": hc_mult,
+        "hc_eps": 1e-6,
+        "hc_sinkhorn_iters": 20,
+        "hc_shifted": hc_shifted,
+        "use_fp4_sparse_kv": True,
+    }
+    if index_k_source_layer_ids is not None:
+        text["index_k_source_layer_ids"] = index_k_source_layer_ids
+    if engram:
+        text |= {
+            "engram_layer_ids": engram_layer_ids if engram_layer_ids is not None else [0],
+            "engram_max_ngram_size": 3,
+            "engram_vocab_size": 40,
+            "engram_n_heads": 2,
+            "engram_head_dim": 8,
+            "engram_compressed_vocab_size": vocab,
+            "engram_pad_token_id": 2,
+        }
+    text |= text_overrides
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "pad_token_id": 2,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "image_token_id": vocab - 1,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "expert_dtype": "fp4",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+        },
+        "vision_config": {"hidden_size": 16, "downsample_ratio": 2, "patch_size": 14, "max_image_tokens": 16},
+        "text_config": text,
+    }
+
+
+def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """float32 tensors for every name the text model reads, scaled so activations stay O(1):
+    projections ~ N(0, 1/fan_in), norm weights ~ 1, HC logits of order 1, sinks and biases small."""
+    cfg = V41Config.from_dict(config)
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensor_shapes(cfg).items():
+        if name.endswith(("norm.weight", "q_weight", "k_weight")):
+            t = 1.0 + 0.1 * randn(*shape)
+        elif name.endswith("_fn"):  # (k, n*H): mixes of order 1 after the RMS normalisation
+            t = randn(*shape) * (2.0 / shape[1] ** 0.5)
+        elif name.endswith("_base"):
+            t = 0.5 * randn(*shape)
+        elif name.endswith("_scale"):
+            t = 0.5 + torch.rand(*shape, generator=g, dtype=torch.float64)
+        elif name.endswith(("attn_sink", "gate.bias")):
+            t = 0.3 * randn(*shape)
+        elif name.endswith("embed.weight"):
+            t = randn(*shape)
+        elif name == "head.weight":
+            t = randn(*shape) * (1.0 / shape[1] ** 0.5)
+        else:  # a linear layer (out, in)
+            t = randn(*shape) * (1.0 / shape[1] ** 0.5)
+        out[name] = t.float()
+    return out
+
+
+def write_v41_checkpoint(
+    directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> Path:
+    """config.json + model.safetensors in `directory` (created); returns the directory."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
