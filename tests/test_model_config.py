@@ -82,12 +82,11 @@ def test_v2_router_normalises_or_scales() -> None:
     assert (rc.renormalize, rc.routed_scaling_factor) == (False, 16.0)
 
 
-def test_v4_1_config_is_refused_as_not_yet_supported() -> None:
+def test_v3_2_config_is_refused_as_not_yet_supported() -> None:
     with pytest.raises(
-        ModelConfigError,
-        match=r"not yet supported; supported model types: deepseek_v2, deepseek_v3, deepseek_v4",
+        ModelConfigError, match=r"DeepSeek-V3.2 .* is not yet supported; supported model types: "
     ):
-        ModelConfig.from_file(MODEL_DIR / "deepseek-v4.1-flash")
+        ModelConfig.from_dict({"model_type": "deepseek_v32"})
 
 
 def test_v4_flash_config_parses() -> None:

@@ -122,6 +122,23 @@ def cache_layout(v41: V41Config) -> tuple[list[dict[str, tuple[int, int, int]]],
     return out, counts
 
 
+def _c1_entries(entries: NewEntries, batch: ForwardBatch) -> NewEntries:
+    """C1's entries are the step's tokens, one each, in the batch's order; a token that writes no
+    cache row (slot -1: a graph step's padding, whose block tables point at block 0, which a real
+    request may own) stores no entry and no index key either."""
+    if entries.out_slots.shape[0] != batch.slot_mapping.shape[0]:
+        raise ValueError(
+            f"C1 entries: {entries.out_slots.shape[0]} close in a step of {batch.slot_mapping.shape[0]} "
+            "tokens; every token closes one"
+        )
+    writes = batch.slot_mapping >= 0
+    return dataclasses.replace(
+        entries,
+        out_slots=torch.where(writes, entries.out_slots, -1),
+        key_slots=torch.where(writes, entries.key_slots, -1),
+    )
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -163,12 +180,7 @@ class MainEntries(nn.Module):
         if self.wgate is None:  # C1: one entry per token, the step's tokens in order
             if entries is None:
                 return None
-            if entries.out_slots.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"C1 entries: {entries.out_slots.shape[0]} close in a step of {x.shape[0]} tokens; "
-                    "every token closes one (padded steps are not supported)"
-                )
-            pre = self.norm(self.wkv(x))  # (T, D)
+            pre = self.norm(self.wkv(x))  # (T, D): entry w is token w's (_c1_entries)
         else:
             assert state is not None
             state.write(self.backend, torch.cat([self.wkv(x), self.wgate(x)], dim=-1), batch.slot_mapping)
@@ -532,6 +544,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             m: NewEntries.build(batch, m, False, block_size, tables[(1, m)], tables.get((2, m)))
             for m in sorted(set(v41.compress_ratios) - {0})
         }
+        if entries.get(1) is not None:
+            entries[1] = _c1_entries(cast(NewEntries, entries[1]), batch)
         caches = self._layer_caches(kv_caches, tables)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         streams = x[:, None, :].expand(-1, v41.hc_mult, -1).contiguous()  # (T, N, Dm)

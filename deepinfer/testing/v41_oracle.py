@@ -329,7 +329,7 @@ def hc_post(R: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.
 def pool_pairs(z: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """C2 pooling: (T, D) gate logits and values -> (T // 2, D), per-channel softmax over each pair."""
     e = z.shape[0] // 2
-    zz, vv = z[: 2 * e].view(e, 2, -1), v[: 2 * e].view(e, 2, -1)
+    zz, vv = z[: 2 * e].view(e, 2, z.shape[1]), v[: 2 * e].view(e, 2, v.shape[1])
     return (zz.softmax(dim=1) * vv).sum(dim=1)
 
 

@@ -58,7 +58,9 @@ def _model_tolerance(dtype: torch.dtype, fp8: bool) -> Tolerance:
 
 
 def _run(
-    model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM, backend: Backend, forced: list[dict[int, int]] | None
+    model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM,
+    backend: Backend,
+    forced: list[dict[int, int]] | None,
 ) -> tuple[list[torch.Tensor], list[dict[int, int]]]:
     """Chunked prefill (logits of every row), then DECODE_STEPS decode steps feeding `forced`
     tokens (request -> token), or the greedy tokens when None. -> (float64 CPU logits per step,

@@ -116,6 +116,28 @@ def test_hc_pre_post_head(
     assert_close(got, torch.einsum("tn,tnd->td", pre, s64), dtype, what="hc_head")
 
 
+@pytest.mark.parametrize("tokens,n,dm", [(0, 4, 16), (1, 4, 64), (9, 3, 40), (37, 2, 300)])
+def test_hc_mixes_and_collapse(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, n: int, dm: int
+) -> None:
+    """DeepSeek-V4.1's shifted hyper-connections: the three mixes without applying pre, and the
+    collapse of the streams by a pre mix computed elsewhere (the sublayer before)."""
+    dev, iters = backend.device.device(), 20
+    streams = randn((tokens, n, dm), dtype, dev, gen)
+    fn = randn(((2 + n) * n, n * dm), torch.float32, dev, gen, 0.3)
+    base = randn(((2 + n) * n,), torch.float32, dev, gen, 0.5)
+    scale = 1 + randn((3,), torch.float32, dev, gen, 0.3)
+    pre, post, comb = backend.small.hc_mixes(streams, fn, base, scale, 1e-6, 1e-6, iters)
+    s64 = oracle(streams)
+    want_c, want_p, want_m = _hc_oracle(s64, oracle(fn), oracle(base), oracle(scale), iters)
+    assert_close(post, want_p, torch.float32, what="hc_mixes post")
+    assert_close(comb, want_m, torch.float32, what="hc_mixes comb")
+    assert_close(backend.small.hc_collapse(streams, pre), want_c, dtype, what="hc_collapse(hc_mixes pre)")
+    other = torch.rand((tokens, n), generator=gen, dtype=torch.float32).to(dev)  # another sublayer's mix
+    want = torch.einsum("tn,tnd->td", oracle(other), s64)
+    assert_close(backend.small.hc_collapse(streams, other), want, dtype, what="hc_collapse")
+
+
 # --------------------------------------------------------------------------- indexer and attention
 
 
