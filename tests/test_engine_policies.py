@@ -6,11 +6,15 @@ against the rule as stated (docs/policies.md lists them):
   (BlockManager); checked by hand and against a brute-force model of the rule under random load;
 - preemption: preempted requests go back to the FRONT of the waiting queue, the
   higher-priority victim first, and resume before requests that never ran (vLLM's behaviour);
+- sampling: penalties on the raw logits, then temperature, top-k, top-p over the top-k
+  survivors renormalised, min-p relative to the best token: the probabilities and the draws of
+  the engine's sampler against a float64 brute force, for several parameter sets;
 - the data-parallel gather: outputs in prompt order whichever rank answers first.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -18,12 +22,18 @@ from multiprocessing import Pipe
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+import torch
+
+from deepinfer.backend.registry import get_backend
 from deepinfer.engine.kv_cache import BlockManager
+from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.sequence import Sequence
 from deepinfer.entrypoints import data_parallel
 from deepinfer.entrypoints.data_parallel import DataParallelEngine, balance
+from deepinfer.reference import small as ref_small
 
 # --------------------------------------------------------------------------- KV block reuse
 
@@ -222,6 +232,168 @@ def test_preempted_requests_resume_at_the_front_of_the_queue() -> None:
     assert (b.num_preemptions, c.num_preemptions, sched.num_preemptions) == (1, 1, 2)
     sched.finish(a)
     assert step() == [("b", 8), ("c", 8), ("d", 4)]  # the victims first, in priority order
+
+
+# --------------------------------------------------------------------------- sampling
+
+VOCAB = 24
+# (parameters, prompt, output so far): penalties count the prompt (repetition) and the output
+SAMPLING_SETS: list[dict[str, Any]] = [
+    {"temperature": 1.0},
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 1.3, "top_k": 8, "top_p": 0.6},
+    {"temperature": 0.8, "min_p": 0.1},
+    {"temperature": 1.5, "top_p": 0.75, "repetition_penalty": 0.8},
+    {"temperature": 0.9, "top_k": 10, "top_p": 0.9, "min_p": 0.05, "repetition_penalty": 1.3,
+     "frequency_penalty": 0.4, "presence_penalty": 0.2},
+    {"temperature": 0.5, "top_k": 12, "top_p": 0.8, "min_p": 0.02, "frequency_penalty": -0.3,
+     "presence_penalty": 0.5},
+    {"temperature": 2.0, "top_k": 6, "top_p": 0.7, "min_p": 0.3, "frequency_penalty": 0.8},
+    {"temperature": 0.0, "repetition_penalty": 1.5, "frequency_penalty": 1.0},  # greedy, penalised
+]  # fmt: skip
+PROMPT, OUTPUT = [3, 5, 5, 8, 13, 21], [1, 3, 3, 3, 8, 17, 0]
+
+
+def brute_force(
+    logits: list[float],
+    p: dict[str, Any],
+    *,
+    top_p_before_renorm: bool = False,
+    penalties_after_temperature: bool = False,
+    min_p_before_temperature: bool = False,
+) -> tuple[list[float], float]:
+    """The distribution of one row in float64, from the rule as stated (SamplingParams, the
+    sample op), and its smallest distance to a filter's threshold. The keyword flags build a
+    variant in another order, to show the cases tell the orders apart."""
+    t, k = p.get("temperature", 1.0), p.get("top_k", 0)
+    top_p, min_p = p.get("top_p", 1.0), p.get("min_p", 0.0)
+    rep, freq, pres = (p.get(n, d) for n, d in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                                                ("presence_penalty", 0.0)))  # fmt: skip
+
+    def penalise(x: list[float]) -> list[float]:
+        x = list(x)
+        for v in set(PROMPT + OUTPUT):
+            x[v] = x[v] / rep if x[v] > 0 else x[v] * rep
+        for v in set(OUTPUT):
+            x[v] -= freq * OUTPUT.count(v) + pres
+        return x
+
+    def softmax(x: dict[int, float]) -> dict[int, float]:
+        m = max(x.values())
+        e = {v: math.exp(z - m) for v, z in x.items()}
+        total = sum(e.values())
+        return {v: q / total for v, q in e.items()}
+
+    x = list(logits) if penalties_after_temperature else penalise(logits)
+    if t == 0:
+        best = max(range(VOCAB), key=lambda v: (x[v], -v))
+        return [float(v == best) for v in range(VOCAB)], math.inf
+    z = [v / t for v in x]
+    if penalties_after_temperature:
+        z = penalise(z)
+    order = sorted(range(VOCAB), key=lambda v: -z[v])
+    full = softmax(dict(enumerate(z)))
+    kept = order[:k] if 0 < k < VOCAB else order
+    q = softmax({v: z[v] for v in kept})  # the top-k survivors, renormalised
+    mass = full if top_p_before_renorm else q
+    margin, before, by_p = math.inf, 0.0, []
+    for v in kept:  # the smallest prefix whose mass reaches top_p
+        if top_p < 1.0:
+            margin = min(margin, abs(before - top_p))
+            if before >= top_p:
+                break
+        by_p.append(v)
+        before += mass[v]
+    ratio = softmax(dict(enumerate(x))) if min_p_before_temperature else q
+    best = max(ratio[v] for v in kept)
+    by_min_p = set()
+    for v in kept:
+        if min_p > 0:
+            margin = min(margin, abs(ratio[v] / best - min_p))
+        if ratio[v] >= min_p * best:
+            by_min_p.add(v)
+    final = softmax({v: z[v] for v in by_p if v in by_min_p})
+    return [final.get(v, 0.0) for v in range(VOCAB)], margin
+
+
+@pytest.fixture(scope="module")
+def sampling_rows() -> tuple[torch.Tensor, list[Sequence]]:
+    """(S, V) float32 logits, one row per parameter set, and their sequences (seeded)."""
+    gen = torch.Generator().manual_seed(40)  # every filter threshold clear by 2e-3 (asserted below)
+    logits = torch.randn((len(SAMPLING_SETS), VOCAB), generator=gen)
+    seqs = []
+    for i, p in enumerate(SAMPLING_SETS):
+        s = Sequence(f"r{i}", None, PROMPT, SamplingParams(seed=100 + i, **p), 100 + i)
+        s.token_ids.extend(OUTPUT)
+        seqs.append(s)
+    return logits, seqs
+
+
+def test_sampling_probabilities_match_a_float64_brute_force(
+    sampling_rows: tuple[torch.Tensor, list[Sequence]],
+) -> None:
+    """The engine's processors (penalties) then the backend's filters: exactly the brute-force
+    distribution (to float32 rounding) for every parameter set. Each order variant (top-p over
+    the whole distribution instead of the top-k survivors, penalties after temperature, min-p
+    before temperature) differs from it somewhere, so the cases pin the order."""
+    logits, seqs = sampling_rows
+    sampler = Sampler(get_backend("reference"), eos_token_ids=[0])
+    processed = logits.clone()
+    sampler.process_logits(processed, seqs)
+    ps = [s.params for s in seqs]
+    got = ref_small.sampling_probs(
+        processed,
+        torch.tensor([p.temperature for p in ps]),
+        torch.tensor([p.top_k for p in ps]),
+        torch.tensor([p.top_p for p in ps]),
+        torch.tensor([p.min_p for p in ps]),
+    ).double()
+    orders = ["top_p_before_renorm", "penalties_after_temperature", "min_p_before_temperature"]
+    variants = dict.fromkeys(orders, 0.0)
+    for r, p in enumerate(SAMPLING_SETS):
+        row = logits[r].double().tolist()
+        want, margin = brute_force(row, p)
+        assert margin > 1e-3, f"set {r} {p}: a filter threshold within {margin:.1e}: pick other logits"
+        if p.get("temperature", 1.0) > 0:
+            torch.testing.assert_close(got[r], torch.tensor(want, dtype=torch.float64), rtol=0, atol=2e-6,
+                                       msg=lambda m, r=r, p=p: f"set {r} {p}: {m}")  # fmt: skip
+        for name in variants:
+            other, _ = brute_force(row, p, **{name: True})
+            variants[name] = max(variants[name], max(abs(a - b) for a, b in zip(other, want)))
+    assert all(d > 1e-3 for d in variants.values()), variants  # 500 times the tolerance
+
+
+def test_sampled_tokens_are_the_exponential_race_over_the_brute_force_distribution(
+    sampling_rows: tuple[torch.Tensor, list[Sequence]],
+) -> None:
+    """Sampler.sample_now (processors, then the reference backend's sample op) over 300 positions
+    of each row: every token is argmax(p / noise) with p the float64 brute force and noise the
+    request's (seed, position) Exp(1) draws, wherever the race is not within 1e-4 of a tie; the
+    greedy row takes the penalised argmax."""
+    logits, seqs = sampling_rows
+    n = 300
+    sampler = Sampler(get_backend("reference"), eos_token_ids=[0])
+    rows = torch.repeat_interleave(logits, n, dim=0)
+    batch = [s for s in seqs for _ in range(n)]
+    offsets = list(range(n)) * len(seqs)
+    tokens, _ = sampler.sample_now(rows, batch, offsets)
+    seeds = torch.tensor([s.seed for s in batch])
+    noise = ref_small.exponential_noise(seeds, torch.tensor(offsets), VOCAB).double()
+    for r, p in enumerate(SAMPLING_SETS):
+        want = torch.tensor(brute_force(logits[r].double().tolist(), p)[0], dtype=torch.float64)
+        race = want / noise[r * n : (r + 1) * n]  # (n, V)
+        top2 = race.topk(2, dim=-1).values
+        clear = top2[:, 0] > top2[:, 1] * (1 + 1e-4)
+        expected = race.argmax(dim=-1)
+        drawn = torch.tensor(tokens[r * n : (r + 1) * n])
+        assert int(clear.sum()) >= 0.95 * n
+        wrong = ((drawn != expected) & clear).nonzero().flatten().tolist()
+        assert not wrong, (
+            f"set {r} {p}: positions {wrong[:8]} drew {drawn[wrong[:8]].tolist()}, the race over the "
+            f"brute-force distribution gives {expected[wrong[:8]].tolist()}"
+        )
+        if p.get("temperature", 1.0) > 0:
+            assert len(set(drawn.tolist())) > 1, f"set {r} {p}: never sampled more than one token"
 
 
 # --------------------------------------------------------------------------- data parallelism
