@@ -28,10 +28,12 @@ from deepinfer.backend import (
     Backend,
     BackendInfo,
     BackendOptions,
+    MoeOps,
     SmallOps,
     hookimpl,
 )
 from deepinfer.reference import attention as ref_attention
+from deepinfer.reference import moe as ref_moe
 from deepinfer.reference import small as ref_small
 from deepinfer.reference.backend import (
     ReferenceAttention,
@@ -94,6 +96,34 @@ class RmsNormWithoutEps(SmallOps):
         h = x.float()
         y = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True)) * weight.float()  # the bug: no eps
         return y.to(x.dtype)
+
+
+class RmsNormEpsDoubled(SmallOps):
+    def rms_norm(self, x, weight, eps):  # type: ignore[no-untyped-def]
+        return ref_small.rms_norm(x, weight, 2 * eps)  # the bug: eps read twice
+
+
+class RouterTopkTies(MoeOps):
+    """Selection by torch.topk, whose tie order is unspecified (the reference's before the tie
+    rule was stated): right on every untied score."""
+
+    def route(self, logits, config, correction_bias=None, hash_ids=None):  # type: ignore[no-untyped-def]
+        scores = ref_moe.scores_of(logits, config.scoring)
+        if hash_ids is not None:
+            return super().route(logits, config, correction_bias, hash_ids)
+        sel = scores if correction_bias is None else scores + correction_bias.float()
+        if config.num_groups > 1:
+            t, e = sel.shape
+            groups = sel.view(t, config.num_groups, e // config.num_groups)
+            if config.group_score == "top2_sum":
+                group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = groups.amax(dim=-1)
+            keep = group_scores.topk(config.topk_groups, dim=-1).indices
+            mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+            sel = groups.masked_fill(mask[..., None], float("-inf")).view(t, e)
+        ids = sel.topk(config.top_k, dim=-1).indices.to(torch.int32)
+        return super().route(logits, config, correction_bias, ids)  # weights at those experts
 
 
 class NoOpCollectives(ReferenceCollectives):
@@ -228,6 +258,14 @@ MUTANT_LIST = [
     Mutant(
         "rms-eps", "small", RmsNormWithoutEps, "rms_norm", ("test_rms_norm_zero_and_tiny_rows",),
         "rms_norm gave NaN/inf on rows of magnitude [0.0",
+    ),
+    Mutant(
+        "rms-eps-doubled", "small", RmsNormEpsDoubled, "rms_norm", ("test_rms_norm_eps_magnitudes",),
+        "rms_norm y", ("eps=",),
+    ),
+    Mutant(
+        "router-ties", "moe", RouterTopkTies, "test_route", ("test_route_tied_scores",),
+        "tied scores chose experts", ("row 0: ", "stage breaks ties differently"),
     ),
     Mutant(
         "collectives", "collectives", lambda o: NoOpCollectives(o, torch.device("cpu")), "collectives",

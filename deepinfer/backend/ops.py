@@ -626,7 +626,9 @@ class MoeOps(_Part):
         (S = config.shared_experts, usually 0: the pairs (E + s, 1.0) follow the K routed ones).
         correction_bias (E,) float32 changes selection only. hash_ids (T, K) fixes the selection
         (hash routing by token id); weights still come from the scores at those experts. The
-        order of the K + S pairs within a row is free. Default: the reference (torch ops)."""
+        order of the K + S pairs within a row is free; the SET is fixed, ties included: equal
+        group scores keep the lower group id, equal selection scores pick the lower expert id
+        (RouterConfig). Default: the reference (torch ops)."""
         return ref_moe.route(logits, config, correction_bias, hash_ids)
 
     def select_experts(

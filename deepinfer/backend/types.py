@@ -262,6 +262,10 @@ class RouterConfig:
     biased scores) are eligible. Weights are the UNBIASED scores at the chosen experts,
     divided by their sum when `renormalize`, then times `routed_scaling_factor`.
 
+    Ties: among equal group scores the lower group id is kept, among equal selection scores the
+    lower expert id is chosen (a top2_sum group whose best score is tied sums that score twice).
+    Exact ties are common (equal logits, a token whose hidden state is zero).
+
     shared_experts = S > 0 appends S always-chosen experts to every row: ids E .. E + S - 1
     (E = the logits' width) with weight exactly 1.0, neither renormalised nor scaled. A model
     that holds its shared MLP as S more experts after the routed ones (w13 / w2 with E + S

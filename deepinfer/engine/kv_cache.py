@@ -45,7 +45,13 @@ class BlockManager:
 
     With a `group` (one of several, see GroupedBlockManager) it fills seq.block_tables[table]
     with the blocks that group needs (KVCacheGroup.blocks_for); else seq.block_table, one block
-    per block_size tokens."""
+    per block_size tokens.
+
+    Reuse order (what a prefix cache evicts first): free blocks form one queue; a fresh pool
+    holds ids 0 .. N-1 in order, a freed block joins its tail (a sequence's blocks from its last
+    to its first) and a new block comes from its head: the least recently freed block is reused
+    first (FIFO), a cached prompt is evicted from its last block back, and a prefix hit on a free
+    cached block takes it out of the queue until it is freed again (tests/test_engine_policies.py)."""
 
     def __init__(
         self,

@@ -20,8 +20,15 @@ def scores_of(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     raise ValueError(f"unknown router scoring {scoring!r}; expected softmax, sigmoid or sqrtsoftplus")
 
 
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of each row of x, ties to the lower index (a stable sort by
+    descending value: torch.topk's tie order is unspecified)."""
+    return x.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def select_experts(sel: torch.Tensor, config: RouterConfig) -> torch.Tensor:
-    """Group-limited top-k over selection scores sel (T, E) -> ids (T, K) int64."""
+    """Group-limited top-k over selection scores sel (T, E) -> ids (T, K) int64; equal group
+    scores go to the lower group id, equal selection scores to the lower expert id."""
     t, e = sel.shape
     if config.num_groups > 1:
         groups = sel.view(t, config.num_groups, e // config.num_groups)
@@ -29,10 +36,10 @@ def select_experts(sel: torch.Tensor, config: RouterConfig) -> torch.Tensor:
             group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
         else:
             group_scores = groups.amax(dim=-1)
-        keep = group_scores.topk(config.topk_groups, dim=-1).indices
+        keep = _top(group_scores, config.topk_groups)
         group_mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
         sel = groups.masked_fill(group_mask[..., None], float("-inf")).view(t, e)
-    return sel.topk(config.top_k, dim=-1).indices
+    return _top(sel, config.top_k)
 
 
 def route(

@@ -116,6 +116,20 @@ def filter_logits(
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution `sample` draws from: softmax(filter_logits(logits / T)) (B, V) float32;
+    rows with temperature <= 0 (greedy) are filtered at T = 1 (sample takes their argmax)."""
+    greedy = temperature <= 0
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    return torch.softmax(filter_logits(scaled, top_k, top_p, min_p), dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -125,8 +139,6 @@ def sample(
     exp_noise: torch.Tensor,
 ) -> torch.Tensor:
     logits = logits.float()
-    greedy = temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    probs = torch.softmax(filter_logits(scaled, top_k, top_p, min_p), dim=-1)
-    sampled = (probs / exp_noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    probs = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    sampled = (probs / exp_noise).argmax(dim=-1)  # the exponential race: a draw from probs
+    return torch.where(temperature <= 0, logits.argmax(dim=-1), sampled)

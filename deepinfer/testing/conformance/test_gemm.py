@@ -159,6 +159,32 @@ def test_fp8_gemm(
     )
 
 
+# (M, K, N, the K block whose scales are perturbed): one K block (K = 128), the last of three
+FP8_SCALE_CASES = [(5, 128, 136, 0), (7, 384, 256, 2), (130, 384, 256, 1)]
+
+
+@pytest.mark.parametrize("case", FP8_SCALE_CASES, ids=lambda c: f"{ids(c[:3])}-kblock{c[3]}")
+def test_fp8_gemm_one_block_scale_perturbed(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, case: tuple[int, ...]
+) -> None:
+    """One weight block scale times 8 (N block 1, K block j) and one activation scale times 1/4
+    (row 1, K block j): random scales are all alike, so only scales that differ show a backend
+    that reads a block's scale from the wrong place (the first K block's, the last one's). The
+    failure names the block."""
+    m, k, n, j = case
+    dev = backend.device.device()
+    xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen))
+    wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5)
+    ws[1, j] *= 8.0
+    xs[1, j] *= 0.25
+    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype)
+    expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
+    what = (
+        f"fp8_gemm, weight scale of block (N block 1, K block {j}) x8 and x scale (row 1, K block {j}) x1/4"
+    )
+    assert_close(y, expected, dtype, what=what, locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}")
+
+
 @pytest.mark.parametrize("shape", ALIGNED_FP8_SHAPES, ids=lambda s: "aligned-" + ids(s))
 def test_fp8_gemm_aligned(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]

@@ -524,3 +524,121 @@ def test_fused_moe_clamped_swiglu(
     xs = x_sorted.to(dtype).to(dev)
     z = backend.moe.experts(xs, counts.to(dev), w13, w2, *scales, swiglu_limit=limit)
     assert_close(z, h, dtype, what="experts (clamped SwiGLU)", case=case)
+
+
+# Routers fed exactly tied scores: (config, experts, with a correction bias)
+TIE_ROUTERS = {
+    "softmax_greedy": (RouterConfig("softmax", top_k=6), 64, False),
+    "sigmoid_bias_no_groups": (RouterConfig("sigmoid", top_k=4, renormalize=True), 24, True),
+    "softmax_group_max": (V2, 32, False),
+    "sigmoid_top2_sum_bias": (V3, 64, True),
+    "sqrtsoftplus_bias": (V4, 40, True),
+}
+
+
+def tied_logits(tokens: int, config: RouterConfig, experts: int, gen: torch.Generator) -> torch.Tensor:
+    """(T, E) float32 logits on a coarse grid (steps of 0.5 in [-1, 1]: many exact ties, distinct
+    values far apart). With groups, every group holds a permutation of one row of values, shifted
+    up by 1 in a random subset of groups: group scores tie exactly within each subset. Row 0 is
+    all zeros (every score tied)."""
+    g = config.num_groups
+    per = experts // g
+    base = (torch.randint(-2, 3, (tokens, 1, per), generator=gen) * 0.5).expand(tokens, g, per)
+    perms = torch.stack([torch.randperm(per, generator=gen) for _ in range(tokens * g)]).view(tokens, g, per)
+    x = base.gather(2, perms) + torch.randint(0, 2, (tokens, g, 1), generator=gen).float()
+    x = x.reshape(tokens, experts)
+    if tokens:
+        x[0] = 0.0
+    return x
+
+
+def tied_choice(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor | None) -> list[list[int]]:
+    """The contract's tie rule, brute force in float64: groups by (-group score, group id), then
+    experts of the kept groups by (-selection score, expert id)."""
+    scores = ref_moe.scores_of(logits.double(), config.scoring)
+    sel = scores if bias is None else scores + bias.double()
+    g, per = config.num_groups, logits.shape[1] // config.num_groups
+    out = []
+    for row in sel.tolist():
+        groups = [row[i * per : (i + 1) * per] for i in range(g)]
+        if config.group_score == "top2_sum":
+            gscore = [sum(sorted(v, reverse=True)[:2]) for v in groups]
+        else:
+            gscore = [max(v) for v in groups]
+        kept = sorted(range(g), key=lambda i: (-gscore[i], i))[: config.topk_groups] if g > 1 else [0]
+        cands = [e for e in range(len(row)) if e // per in kept]
+        out.append(sorted(sorted(cands, key=lambda e: (-row[e], e))[: config.top_k]))
+    return out
+
+
+def clear_of_near_ties(logits: torch.Tensor, chosen: list[int], config: RouterConfig) -> bool:
+    """Whether every chosen and every unchosen candidate (expert, or group) differ in float64
+    selection score either not at all or by more than ROUTER_TIE: a tie there is exact."""
+    sel = ref_moe.scores_of(logits.double()[None], config.scoring)[0].tolist()
+    g, per = config.num_groups, len(sel) // config.num_groups
+    top2 = config.group_score == "top2_sum"
+    gscore = [sum(sorted(sel[i * per : (i + 1) * per], reverse=True)[: 2 if top2 else 1]) for i in range(g)]
+    kept = {e // per for e in chosen}
+    pairs = [(gscore[a], gscore[b]) for a in kept for b in range(g) if b not in kept]
+    rest = [f for f in range(len(sel)) if f // per in kept and f not in chosen]
+    pairs += [(sel[e], sel[f]) for e in chosen for f in rest]
+    return all(a == b or abs(a - b) > ROUTER_TIE for a, b in pairs)
+
+
+def assert_tied_choice(ids: torch.Tensor, want: list[list[int]], config: RouterConfig, experts: int) -> None:
+    """ids (T, K + S) the op's: each row's routed set equals `want`, the failure naming the row
+    and the stage (group: the chosen experts lie in other groups; expert: same groups)."""
+    per = experts // config.num_groups
+    got = [sorted(r[: config.top_k]) for r in ids.cpu().long().tolist()]
+    for t, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            stage = "group" if {e // per for e in g} != {e // per for e in w} else "expert"
+            raise AssertionError(
+                f"row {t}: tied scores chose experts {g}, the tie rule (lower group id, then lower "
+                f"expert id) gives {w}: the {stage} stage breaks ties differently"
+            )
+
+
+@pytest.mark.parametrize("name", list(TIE_ROUTERS))
+@pytest.mark.parametrize("tokens", [1, 13, 70])
+def test_route_tied_scores(backend: Backend, gen: torch.Generator, name: str, tokens: int) -> None:
+    """Exactly tied scores (and tied groups): the experts the tie rule picks (RouterConfig), the
+    weights of the reference. The bias, where given, is one value for every expert (ties stay)."""
+    config, experts, with_bias = TIE_ROUTERS[name]
+    dev = backend.device.device()
+    logits = tied_logits(tokens, config, experts, gen)
+    bias = torch.full((experts,), 0.25) if with_bias else None
+    weights, ids = backend.moe.route(logits.to(dev), config, None if bias is None else bias.to(dev))
+    want = tied_choice(logits, config, bias)
+    assert_tied_choice(ids, want, config, experts)
+    ref_w, ref_ids = ref_moe.route(oracle(logits), config, to_ref(bias))
+    assert [sorted(r) for r in ref_ids.long().tolist()] == want, "the reference breaks the tie rule"
+    w, _ = by_expert(weights, ids)
+    rw, _ = by_expert(ref_w, ref_ids)
+    assert_close(w, rw, torch.float32, what="router weights")
+
+
+@pytest.mark.parametrize("name", list(TIE_ROUTERS))
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_select_experts_tied_scores(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, name: str, tokens: int
+) -> None:
+    """The whole router on ties from x: token 0's hidden state is zero (every logit 0), and the
+    gate's rows come in identical pairs (each pair's logits tie exactly): the tie rule's experts."""
+    config, experts, with_bias = TIE_ROUTERS[name]
+    dm = 136
+    dev = backend.device.device()
+    x = randn((tokens, dm), dtype, dev, gen)
+    x[0] = 0
+    half = randn((experts // 2, dm), torch.float32, dev, gen, 2.0 * dm**-0.5)
+    gate = half.repeat_interleave(2, dim=0)  # experts 2i and 2i + 1 score the same
+    bias = torch.full((experts,), 0.25) if with_bias else None
+    _, ids = backend.moe.select_experts(x, gate, config, None if bias is None else bias.to(dev))
+    logits = oracle(x) @ oracle(gate).T
+    want = tied_choice(logits, config, bias)
+    # besides the exact ties, a chosen and an unchosen score may differ within float32 rounding:
+    # such rows are left out (row 0 never is)
+    clear = [t == 0 or clear_of_near_ties(r, w, config) for t, (r, w) in enumerate(zip(logits, want))]
+    assert sum(clear) >= 0.5 * tokens, f"only {sum(clear)}/{tokens} rows clear of near-ties"
+    rows = torch.tensor(clear, device=ids.device)
+    assert_tied_choice(ids[rows], [w for w, c in zip(want, clear) if c], config, experts)

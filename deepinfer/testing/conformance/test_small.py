@@ -112,6 +112,34 @@ def test_rms_norm_zero_and_tiny_rows(
         assert not h.cpu()[-1].any(), "x + (-x) must be an all-zero row"
 
 
+# Mean squares of the rows relative to eps: eps a tenth of it, equal to it, ten times it.
+EPS_RATIOS = (10.0, 1.0, 0.1)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-5, 1e-3, 0.1], ids=lambda e: f"eps{e:g}")
+def test_rms_norm_eps_magnitudes(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, eps: float
+) -> None:
+    """Rows whose mean square is 10, 1 and 0.1 times eps, at several eps: the scale
+    1 / sqrt(mean(x^2) + eps) moves by 5% to 3x with eps, so an eps ignored, doubled, or added
+    outside the square root fails at every dtype's budget (checked against the reference with
+    2 * eps, below)."""
+    dev = backend.device.device()
+    d = 136
+    rows = torch.randn((len(EPS_RATIOS) * 2, d), generator=gen, dtype=torch.float64)
+    rows = rows / rows.pow(2).mean(dim=-1, keepdim=True).sqrt()  # unit mean square
+    ms = torch.tensor(EPS_RATIOS, dtype=torch.float64).repeat(2)[:, None] * eps
+    x = (rows * ms.sqrt()).to(dtype)
+    w = (1 + randn((d,), torch.float32, "cpu", gen, 0.1)).to(dtype)
+    y, _ = norm(backend, x.to(dev), w.to(dev), eps, None)
+    ry, _ = ref_norm(x, w, eps, None)
+    case = f"rows of mean square {', '.join(f'{r:g}' for r in EPS_RATIOS)} x eps={eps:g}"
+    assert_close(y, ry, dtype, what="rms_norm y", locate=rows_locator(tuple(y.shape)), case=case)
+    wrong, _ = ref_norm(x, w, 2 * eps, None)
+    with pytest.raises(AssertionError):  # the case tells eps from 2 * eps
+        assert_close(wrong, ry, dtype, what="rms_norm with 2 * eps")
+
+
 def cos_sin_cache(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
     inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
