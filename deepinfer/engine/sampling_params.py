@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields
 
 from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import lone_surrogate
@@ -53,7 +53,8 @@ def _is_number(x: object) -> bool:
 class SamplingParams:
     """Decoding parameters of one request. Invalid values raise ValueError, naming the field and
     the value, at construction and again when a request is added (fields may change in between;
-    setting a field that does not exist is an AttributeError, as in vLLM).
+    setting a field that does not exist is an AttributeError, as in vLLM). The first sixteen
+    fields (n ... prompt_logprobs) may be given by position, in vLLM's order; the rest by keyword.
 
     temperature: 0 = greedy (so is anything below 1e-5, as in vLLM); otherwise logits /
         temperature before filtering. At most float32's largest value.
@@ -106,31 +107,34 @@ class SamplingParams:
     sampled from token min_tokens + 1 on.
     """
 
+    # vLLM's order, so that positional arguments mean what they mean there (SamplingParams(2) is
+    # n=2); the fields after prompt_logprobs differ between vLLM versions: keywords only.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None
-    n: int = 1
-    best_of: int | None = None
     prompt_logprobs: int | None = None
+    _: KW_ONLY
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    detokenize: bool = True
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.seed == UNSEEDED:
