@@ -379,6 +379,11 @@ class LLM:
 
         return self._generate(rendered, sampling_params, use_tqdm, priority)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache, so that the next call computes every prompt token
+        (e.g. between timed runs). True once done, False while a call holds blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def _generative_only(self, method: str, instead: str) -> ValueError:
         return ValueError(
             f"LLM.{method}() is not supported: deepinfer's engine is generative only (DeepSeek causal "

@@ -294,6 +294,15 @@ def test_generate_cli_honours_the_models_generation_config(
     assert printed != ids(llm.generate("Once upon a time", before, use_tqdm=False))[0]
 
 
+def test_run_batch_names_a_file_that_is_not_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deepinfer.entrypoints.cli import main
+
+    src = tmp_path / "requests.jsonl"
+    src.write_bytes(b'{"custom_id": "r\xe9sum\xe9"}\n')  # Latin-1
+    assert main(["run-batch", "-i", str(src), "-o", str(tmp_path / "out.jsonl")]) == 2
+    assert f"-i {src}: not UTF-8 text" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- 6. generative only
 
 
@@ -386,3 +395,58 @@ def test_beam_search_finishes_on_eos_and_checks_its_arguments(
         llm.beam_search(["a"], BeamSearchParams(beam_width=11, max_tokens=2))
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         llm.beam_search(["a"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())
+
+
+# --------------------------------------------------------------------------- 7, 8. more of vLLM's names
+
+
+def test_sampling_params_vllm_fields_and_helpers(llm: LLM) -> None:
+    from deepinfer.sampling_params import RequestOutputKind
+
+    params = SamplingParams(stop=["x"], extra_args={"plugin": [1, 2]}, temperature=0.3)
+    copy = params.clone()
+    assert copy == params and copy.stop is not params.stop
+    assert copy.extra_args is not None and copy.extra_args["plugin"] is not params.extra_args["plugin"]  # type: ignore[index]
+    assert SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None) == SamplingParams(
+        top_p=0.5
+    )
+    # offline calls return final outputs whatever output_kind says (vLLM's LLM sets FINAL_ONLY); the
+    # text is the fast tokenizer's either way (vLLM's fast detokeniser ignores the spaces flag too)
+    base = llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0]
+    for kw in ({"output_kind": RequestOutputKind.DELTA}, {"spaces_between_special_tokens": False}):
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, **kw), use_tqdm=False)[0]
+        assert (out.outputs[0].token_ids, out.outputs[0].text) == (base.token_ids, base.text)
+    with pytest.raises(ValueError, match="per-request logits_processors are not supported"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be a bool"):
+        SamplingParams(spaces_between_special_tokens="no")  # type: ignore[arg-type]
+
+
+def test_reset_prefix_cache() -> None:
+    llm = LLM(str(MODEL), **SMALL, enable_prefix_caching=True, dtype="float32")
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # several 16-token blocks
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    again = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 16
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_get_tokenizer_encodes_as_the_engine(llm: LLM) -> None:
+    """get_tokenizer() adds BOS as tokenizer_config.json's add_bos_token says (DeepSeek's configs:
+    true), which the engine's prompts use; transformers 5's AutoTokenizer ignores that flag where
+    the tokenizer.json's post-processor adds no BOS, so a fresh one may give the ids without it."""
+    text = "The capital of France is"
+    engine_ids = llm.generate(text, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    tok = llm.get_tokenizer()
+    assert tok.encode(text) == engine_ids == tok(text)["input_ids"]
+    config = json.loads((MODEL / "tokenizer_config.json").read_text())
+    assert config.get("add_bos_token") is True and engine_ids[0] == tok.bos_token_id
+    fresh = AutoTokenizer.from_pretrained(MODEL, local_files_only=True).encode(text)
+    assert engine_ids in (fresh, [tok.bos_token_id, *fresh])
