@@ -5,14 +5,35 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
+]
 
 if TYPE_CHECKING:
-    from deepinfer.api import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
+    from deepinfer.api import (
+        LLM,
+        CompletionOutput,
+        Logprob,
+        RequestOutput,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
+    from deepinfer.inputs import TextPrompt, TokensPrompt
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `import deepinfer` (the CLI, backend plugins) does not load the engine.
+    if name in ("TextPrompt", "TokensPrompt"):
+        from deepinfer import inputs
+
+        return getattr(inputs, name)
     if name in __all__:
         from deepinfer import api
 

@@ -30,8 +30,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from tqdm.auto import tqdm
-
+from deepinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from deepinfer.engine.args import engine_config, resolve_engine_config
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -39,7 +38,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import ChatMessage, Tokenizer
 from deepinfer.entrypoints.data_parallel import DataParallelEngine, external_launch
-from deepinfer.log import configure_logging
+from deepinfer.log import configure_logging, progress_bar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 PromptType = str | dict[str, Any]
+# The keys of a prompt dict deepinfer serves (vLLM's TextPrompt / TokensPrompt hold more).
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -105,6 +106,17 @@ def check_request_sizes(prompts: list[PromptType], params: list[SamplingParams],
                 f"prompt {i}: multi_modal_data is not supported yet (deepinfer serves text prompts only; "
                 "image input is planned with the vision tower)"
             )
+        extra = (
+            sorted(str(k) for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None)
+            if isinstance(prompt, dict)
+            else []
+        )
+        if extra:
+            raise ValueError(
+                f"prompt {i}: {', '.join(map(repr, extra))} not supported: a prompt dict holds 'prompt' "
+                "(text) and/or 'prompt_token_ids' only (deepinfer serves text prompts: no multi-modal data, "
+                "processor kwargs, cache salt or prompt embeddings)"
+            )
         if not isinstance(p, SamplingParams):
             continue  # make_sequences names the wrong type
         n, best_of = getattr(p, "n", 1), getattr(p, "best_of", None)
@@ -126,6 +138,40 @@ def check_request_sizes(prompts: list[PromptType], params: list[SamplingParams],
             f"this call's {len(prompts)} requests need about {total / 2**30:.3g} GiB of host memory for "
             f"their sequences, more than half the {available / 2**30:.3g} GiB available; split the call "
             "or lower n"
+        )
+
+
+def check_lora_request(lora_request: object) -> None:
+    """vLLM's lora_request: None (or a list of None, one per prompt) is no adapter; anything else
+    is an error, since deepinfer serves the checkpoint's own weights only."""
+    if lora_request is None or (
+        isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)
+    ):
+        return
+    raise ValueError(
+        f"lora_request={lora_request!r}: LoRA adapters are not supported (deepinfer serves the checkpoint's "
+        "own weights); pass lora_request=None, or merge the adapter into the weights first"
+    )
+
+
+def check_priority(priority: object, num_prompts: int) -> None:
+    """vLLM's priority: one int per prompt (or one int for all). The scheduler has no priority
+    policy (first come, first served, as vLLM's default policy "fcfs", which refuses priorities
+    other than 0): equal priorities order nothing and are accepted, different ones are an error."""
+    if priority is None:
+        return
+    values = [priority] if isinstance(priority, int) else priority
+    if not isinstance(values, (list, tuple)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise TypeError(f"priority must be an int or a list of ints, one per prompt, got {priority!r}")
+    if not isinstance(priority, int) and len(values) != num_prompts:
+        raise ValueError(f"got {num_prompts} prompts but {len(values)} priorities")
+    if len(set(values)) > 1:
+        raise ValueError(
+            f"priority: got different priorities ({sorted(set(values))}); deepinfer schedules a call's "
+            "requests first come, first served and has no priority scheduling (vLLM's "
+            "scheduling_policy='priority'): pass equal priorities, or none"
         )
 
 
@@ -199,41 +245,59 @@ class LLM:
             raise ValueError(f"{self._model_name()} has no tokenizer.json")
         return tok.hf_tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters generate() and chat() use when given none (vLLM's): as the
+        engine argument generation_config says, the model's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+        SamplingParams(); a new object at each call, so a script may change its fields."""
+        engine = self.data_parallel if self.data_parallel is not None else self.llm_engine
+        return engine.default_sampling_params()
+
     @_one_call_at_a_time
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions; outputs come back in prompt order, one RequestOutput per prompt
         (with n CompletionOutputs where SamplingParams.n > 1).
 
         prompts: a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of those.
-        sampling_params: one for all prompts, or one per prompt (default: the model's
-            generation_config.json, else SamplingParams(); see LLMEngine.default_sampling_params).
+        sampling_params: one for all prompts, or one per prompt (default:
+            get_default_sampling_params(): the model's generation_config.json, else SamplingParams()).
+        use_tqdm: show a progress bar; or a callable that makes it (vLLM's: a tqdm class, a partial).
+        lora_request: None only (vLLM's LoRA adapters: deepinfer has none; see check_lora_request).
+        priority: one int per prompt (or one for all), accepted when all equal: the scheduler
+            serves a call's requests first come, first served (see check_priority).
         """
-        return self._generate(lambda: prompts, sampling_params, use_tqdm)
+        check_lora_request(lora_request)
+        return self._generate(lambda: prompts, sampling_params, use_tqdm, priority)
 
     def _generate(
         self,
         prompts: Callable[[], PromptType | Seq[PromptType]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
+        priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """generate() over the prompts `prompts` returns: an error there fails the call on every
         expert-parallel rank (LLMEngine.start_call)."""
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            progress_bar(use_tqdm, 0, "")  # the TypeError naming it, before any work
         if self.data_parallel is not None:
-            dp_prompts, params = self._requests(prompts(), sampling_params, self.data_parallel)
+            dp_prompts, params = self._requests(prompts(), sampling_params, self.data_parallel, priority)
             return self.data_parallel.generate(dp_prompts, params, use_tqdm)
         engine = self.llm_engine
         seqs = engine.start_call(
-            lambda: engine.make_sequences(*self._requests(prompts(), sampling_params, engine))
+            lambda: engine.make_sequences(*self._requests(prompts(), sampling_params, engine, priority))
         )
         # a request with n > 1 (or best_of) completions runs as that many sequences (seq.group)
         every = [s for seq in seqs for s in seq.group]
         desc = "Processed prompts" if len(every) == len(seqs) else "Processed completions"
-        with tqdm(total=len(every), desc=desc, disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with progress_bar(use_tqdm, len(every), desc) as bar:
             engine.run_to_completion(every, bar)
         return [engine.to_output(seq) for seq in seqs]
 
@@ -242,11 +306,13 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         engine: LLMEngine | DataParallelEngine,
+        priority: int | Seq[int] | None = None,
     ) -> tuple[list[PromptType], list[SamplingParams]]:
         """generate()'s arguments as one list of prompts and one of sampling params."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        check_priority(priority, len(prompts))
         if sampling_params is None:
             sampling_params = engine.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -263,12 +329,15 @@ class LLM:
         self,
         messages: list[ChatMessage] | list[list[ChatMessage]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages, OpenAI
         style: content may be a list of {"type": "text", "text": ...} parts, an assistant tool-call
@@ -279,7 +348,15 @@ class LLM:
         add_generation_prompt, continue_final_message (continue the last assistant message; needs
         add_generation_prompt=False), tools (JSON schemas) and chat_template_kwargs (the template's
         own variables, e.g. DeepSeek's thinking switch), as transformers and vLLM do.
+
+        chat_template_content_format (vLLM's): how a message's list of content parts reaches the
+        template: "string" = its text parts joined by newlines, "openai" = the list of parts as
+        given, "auto" = "openai" where the template loops over a content (Tokenizer
+        .apply_chat_template), else "string". A part that is not text is an error naming its type.
+        An assistant turn's tool-call arguments given as a JSON string (OpenAI's wire format) reach
+        the template parsed, as in vLLM. lora_request and priority: as in generate().
         """
+        check_lora_request(lora_request)
 
         def rendered() -> list[PromptType]:
             tok = self._tokenizer()
@@ -295,8 +372,132 @@ class LLM:
                     continue_final_message=continue_final_message,
                     tools=tools,
                     chat_template_kwargs=chat_template_kwargs,
+                    content_format=chat_template_content_format,
                 )
                 prompts.append({"prompt": text, "prompt_token_ids": ids})
             return prompts
 
-        return self._generate(rendered, sampling_params, use_tqdm)
+        return self._generate(rendered, sampling_params, use_tqdm, priority)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache, so that the next call computes every prompt token
+        (e.g. between timed runs). True once done, False while a call holds blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def _generative_only(self, method: str, instead: str) -> ValueError:
+        return ValueError(
+            f"LLM.{method}() is not supported: deepinfer's engine is generative only (DeepSeek causal "
+            f"language models; no pooling, embedding, classification or scoring runner); {instead}"
+        )
+
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's pooling call: an error (the engine is generative only)."""
+        raise self._generative_only("encode", "use generate() or chat()")
+
+    def embed(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's embedding call: an error (the engine is generative only)."""
+        raise self._generative_only("embed", "use an embedding model with another engine")
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's classification call: an error (the engine is generative only)."""
+        raise self._generative_only(
+            "classify", "to score labels, compare their log-probabilities (SamplingParams(logprobs=...))"
+        )
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's cross-encoder scoring call: an error (the engine is generative only)."""
+        raise self._generative_only(
+            "score", "the log-likelihood of a text is in SamplingParams(prompt_logprobs=0)'s prompt_logprobs"
+        )
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's reward-model call: an error (the engine is generative only)."""
+        raise self._generative_only("reward", "use generate() or chat()")
+
+    def _prompt_ids(self, index: int, prompt: object) -> list[int]:
+        """A beam search prompt's token ids (a text prompt encoded as generate() encodes it)."""
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        tok = self._tokenizer()
+        if not isinstance(text, str) or tok is None:
+            raise TypeError(
+                f"prompt {index}: a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}} "
+                f"(text needs the model's tokenizer), got {type(prompt).__name__}"
+            )
+        return tok.encode(text)
+
+    def beam_search(
+        self,
+        prompts: Seq[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (deepinfer.beam_search says how): one BeamSearchOutput per prompt
+        (a string, {"prompt": text} or {"prompt_token_ids": [...]}), its beam_width best beams
+        first. Each step is one generate() call over the live beams of concurrency_limit prompts
+        at a time (None: all); logprobs=2 * beam_width must be within the engine's max_logprobs.
+        A beam that reaches max_model_len is finished."""
+        check_lora_request(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if concurrency_limit is not None and (
+            not isinstance(concurrency_limit, int) or concurrency_limit < 1
+        ):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got {concurrency_limit!r}")
+        hf = self.get_tokenizer()
+        eos = hf.eos_token_id
+        engine: Any = self.data_parallel if self.data_parallel is not None else self.llm_engine
+        max_len = getattr(engine, "max_model_len", None) or engine.config.max_model_len
+        width = params.beam_width
+        step = SamplingParams(logprobs=2 * width, max_tokens=1, temperature=params.temperature)
+
+        def key(beam: BeamSearchSequence) -> float:
+            return beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)
+
+        starts = [self._prompt_ids(i, prompt) for i, prompt in enumerate(prompts)]
+        outputs = []
+        group = concurrency_limit or max(1, len(starts))
+        for first in range(0, len(starts), group):
+            live = [[BeamSearchSequence(tokens=ids)] for ids in starts[first : first + group]]
+            done: list[list[BeamSearchSequence]] = [[] for _ in live]
+            with progress_bar(use_tqdm, params.max_tokens, "Beam search") as bar:
+                for _ in range(params.max_tokens):
+                    for beams, finished in zip(live, done):  # a beam with no room left is finished
+                        finished += [b for b in beams if max_len is not None and len(b.tokens) >= max_len]
+                        beams[:] = [b for b in beams if max_len is None or len(b.tokens) < max_len]
+                    batch = [b for beams in live for b in beams]
+                    if not batch:
+                        break
+                    results = iter(
+                        self.generate([{"prompt_token_ids": b.tokens} for b in batch], step, use_tqdm=False)
+                    )
+                    for beams, finished in zip(live, done):
+                        candidates = []
+                        for beam in beams:
+                            out = next(results).outputs[0]
+                            if not out.logprobs:  # aborted or failed: the beam ends here
+                                continue
+                            position = out.logprobs[0]
+                            for token_id, lp in position.items():
+                                child = BeamSearchSequence(
+                                    tokens=[*beam.tokens, token_id],
+                                    logprobs=[*beam.logprobs, position],
+                                    cum_logprob=beam.cum_logprob + lp.logprob,
+                                )
+                                if token_id == eos and not params.ignore_eos:
+                                    finished.append(child)
+                                else:
+                                    candidates.append(child)
+                        beams[:] = sorted(candidates, key=key, reverse=True)[:width]
+                    bar.update(1)
+            for beams, finished in zip(live, done):
+                best = sorted(finished + beams, key=key, reverse=True)[:width]
+                for beam in best:
+                    beam.text = str(hf.decode(beam.tokens))
+                outputs.append(BeamSearchOutput(sequences=best))
+        return outputs

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from deepinfer import envs
 
@@ -55,8 +57,23 @@ def configure_logging(default_level: str | None = None) -> logging.Logger:
         logger.propagate = False
     name = env.log_level or default_level
     level = None if name is None else int(getattr(logging, name))
-    if level is None and first:
-        level = logging.WARNING
+    if level is None and first and logger.level == logging.NOTSET:
+        level = logging.WARNING  # the library's quiet default; a level the application set stays
     if level is not None:
         logger.setLevel(level)
     return logger
+
+
+def progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> Any:
+    """generate()'s progress bar, as vLLM's use_tqdm reads: True = a tqdm bar, False = none (a
+    disabled bar), a callable = the bar it returns for (total=..., desc=..., dynamic_ncols=True),
+    e.g. a tqdm subclass or functools.partial(tqdm, file=...). TypeError for anything else."""
+    from tqdm.auto import tqdm
+
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc, dynamic_ncols=True)
+    if not isinstance(use_tqdm, bool):
+        raise TypeError(
+            f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
+        )
+    return tqdm(total=total, desc=desc, disable=not use_tqdm, dynamic_ncols=True)

@@ -76,9 +76,15 @@ def test_help_lists_commands(run_deepinfer: Run) -> None:
 
 
 def test_conformance_unknown_backend_fails_clearly(run_deepinfer: Run) -> None:
-    out = run_deepinfer("conformance", "--backend", "nosuch", "-q", "-x", "-k", "test_device_basics")
-    assert out.returncode != 0
-    assert "unknown backend 'nosuch'" in out.stdout + out.stderr
+    for extra in (("-q", "-x", "-k", "test_device_basics"), ()):
+        out = run_deepinfer("conformance", "--backend", "nosuch", *extra)
+        assert out.returncode == 2
+        # one line naming the backend and the known ones, before pytest collects a case
+        assert (
+            out.stderr.startswith("error: unknown backend 'nosuch'; known backends: ")
+            and "reference" in out.stderr
+        )
+        assert out.stdout == "" and "ERROR" not in out.stderr
 
 
 def test_conformance_without_pytest_says_how_to_install() -> None:

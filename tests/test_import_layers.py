@@ -43,7 +43,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("testing", ("deepinfer.testing",)),
     # what LLM(data_parallel_size=N) runs: above the engine, below the API that starts it
     ("executor", ("deepinfer.entrypoints.data_parallel",)),
-    ("api", ("deepinfer.api",)),
+    # the offline API, its beam search, and vLLM's import paths (inputs, sampling_params, outputs, logprobs)
+    (
+        "api",
+        (
+            "deepinfer.api",
+            "deepinfer.inputs",
+            "deepinfer.sampling_params",
+            "deepinfer.outputs",
+            "deepinfer.logprobs",
+            "deepinfer.beam_search",
+        ),
+    ),
     ("entrypoints", ("deepinfer.entrypoints", "deepinfer.cli", "deepinfer.__main__")),
 ]
 # deepinfer/__init__.py (the version, lazy exports of the API) is the package's face: no layer.

@@ -161,6 +161,16 @@ class BlockManager:
             block.hash, block.token_ids = h, tuple(seq.token_ids[i * bs : (i + 1) * bs])
             self.cached[h] = block.block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); False, changing nothing, while
+        a block is in use."""
+        if any(block.ref_count for block in self.blocks):
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        return True
+
     def free_sequence(self, seq: Sequence) -> None:
         """Release seq's blocks. Its last blocks are queued for reuse first, so shared prefixes
         stay cached the longest."""
@@ -212,6 +222,12 @@ class GroupedBlockManager:
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         return self.managers[0].match_prefix(seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached blocks of every group; False, changing nothing, while one is in use."""
+        if any(block.ref_count for m in self.managers for block in m.blocks):
+            return False
+        return all([m.reset_prefix_cache() for m in self.managers])
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
         """Room for seq's next num_new_tokens tokens (after the first group's `prefix` blocks) in

@@ -154,6 +154,11 @@ class LLMEngine:
         """A generate() call's sampling parameters when it passes none (requests.default_sampling_params)."""
         return default_sampling_params(self.config)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (GroupedBlockManager.reset_prefix_cache): True once done, False
+        while requests hold blocks (between calls none do)."""
+        return self.block_manager.reset_prefix_cache()
+
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
 

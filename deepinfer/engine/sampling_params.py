@@ -10,9 +10,12 @@ reach the next request, never one already in flight.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import KW_ONLY, dataclass, fields
+from enum import Enum
+from typing import Any
 
 from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import lone_surrogate
@@ -49,11 +52,20 @@ def _is_number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class RequestOutputKind(Enum):
+    """vLLM's: what a streaming engine reports per step. Offline calls return final outputs."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Decoding parameters of one request. Invalid values raise ValueError, naming the field and
     the value, at construction and again when a request is added (fields may change in between;
-    setting a field that does not exist is an AttributeError, as in vLLM).
+    setting a field that does not exist is an AttributeError, as in vLLM). The first sixteen
+    fields (n ... prompt_logprobs) may be given by position, in vLLM's order; the rest by keyword.
 
     temperature: 0 = greedy (so is anything below 1e-5, as in vLLM); otherwise logits /
         temperature before filtering. At most float32's largest value.
@@ -99,6 +111,13 @@ class SamplingParams:
         None = keep the whole prompt.
     detokenize: False = no text (token ids only; no stop strings, logprobs without
         decoded_token).
+    spaces_between_special_tokens: vLLM's flag for its slow-tokenizer detokeniser; a bool. The
+        text comes from the fast tokenizer's decoder either way, as in vLLM's fast detokeniser.
+    output_kind: vLLM's RequestOutputKind; LLM.generate returns each request's final output
+        whatever it says (vLLM's LLM sets FINAL_ONLY).
+    logits_processors: None only: per-request logits processors are an error, as in vLLM V1
+        (logit_bias, allowed_token_ids, bad_words and structured_outputs cover their uses).
+    extra_args: a dict for plugins; no part of the engine reads it (as vLLM's in-tree code).
 
     Text: a stop string is cut from the text; EOS and stop_token_ids are kept in token_ids but
     their own text is left out, unless include_stop_str_in_output (as in vLLM). A stop string counts
@@ -106,31 +125,38 @@ class SamplingParams:
     sampled from token min_tokens + 1 on.
     """
 
+    # vLLM's order, so that positional arguments mean what they mean there (SamplingParams(2) is
+    # n=2); the fields after prompt_logprobs differ between vLLM versions: keywords only.
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None
-    n: int = 1
-    best_of: int | None = None
     prompt_logprobs: int | None = None
+    _: KW_ONLY
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
-    detokenize: bool = True
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logits_processors: Any = None
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.seed == UNSEEDED:
@@ -184,7 +210,13 @@ class SamplingParams:
             not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids)
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "detokenize",
+            "spaces_between_special_tokens",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not self.detokenize and self.stop_strings:
@@ -194,6 +226,15 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             integer(name, "an integer >= -1 (-1 = the whole vocabulary) or None", -1, none_ok=True)
         self._check_logits_processors()
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.logits_processors:
+            raise ValueError(
+                "per-request logits_processors are not supported (nor in vLLM V1): use logit_bias, "
+                "allowed_token_ids, bad_words or structured_outputs"
+            )
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
         value = self.truncate_prompt_tokens
         if value is not None and (not _is_int(value) or (value < 1 and value != -1)):
             raise ValueError(
@@ -219,6 +260,16 @@ class SamplingParams:
                 "min_tokens cannot be combined with structured_outputs: the grammar decides where the "
                 f"output ends (it may allow only EOS before min_tokens); got min_tokens={self.min_tokens!r}"
             )
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's clone)."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's from_optional: SamplingParams(**kwargs) with the arguments that are None left
+        to their defaults."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
 
     def for_request(self) -> SamplingParams:
         """validate(), then a copy of the fields as they are now: what one request runs with.
@@ -262,6 +313,8 @@ class SamplingParams:
             values["allowed_token_ids"] = [int(t) for t in self.allowed_token_ids]
         if self.bad_words is not None:
             values["bad_words"] = list(self.bad_words)
+        if self.extra_args is not None:
+            values["extra_args"] = dict(self.extra_args)
         return SamplingParams(**values)
 
     def _check_logits_processors(self) -> None:

@@ -226,12 +226,20 @@ class Tokenizer:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        content_format: str = "auto",
     ) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids) of one conversation, rendered by transformers'
         apply_chat_template with the same arguments: the ids are those of
         `hf_tokenizer.apply_chat_template(messages, tokenize=True, ...)`. chat_template_kwargs are
-        the template's own variables (e.g. DeepSeek's thinking switch). ValueError for malformed
-        messages, a missing template, and a template that does not compile or fails."""
+        the template's own variables (e.g. DeepSeek's thinking switch). The messages are first
+        made what vLLM hands a template (prepare_messages: content parts as content_format says,
+        tool-call arguments parsed). ValueError for malformed messages, a missing template, and a
+        template that does not compile or fails."""
+        if content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                f"got {content_format!r}"
+            )
         _check_messages(messages)
         hf = self.hf_tokenizer
         if chat_template is None and hf.chat_template is None:
@@ -247,6 +255,9 @@ class Tokenizer:
                 f"chat_template_kwargs may not set {', '.join(clash)}: pass chat()'s own arguments instead"
             )
         source = self._template_source(chat_template, tools)
+        if content_format == "auto":
+            content_format = "openai" if _loops_over_content(hf, chat_template, tools) else "string"
+        messages = prepare_messages(messages, content_format)
         try:
             _refuse_unsafe_attributes(hf, chat_template, tools)
             with template_budget():
@@ -295,6 +306,96 @@ class Tokenizer:
         return str(file) if file.is_file() else str(self.path / in_config)
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+# Content parts that carry text, and the key that holds it (vLLM's parsers: "input_text" is the
+# Responses API's text part, "refusal" an assistant's refusal).
+TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}
+
+
+def _loops_over_content(hf: PreTrainedTokenizerBase, template: str | None, tools: Any) -> bool:
+    """Whether the chat template has a for loop over a content (`message['content']`,
+    `message.content`, or a variable named content, as a macro's parameter): such a template
+    takes OpenAI's list of parts (vLLM's "openai" content format); one that does not uses the
+    content as a string. vLLM's "auto" detection reads the template's syntax tree alike."""
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment().parse(hf.get_chat_template(template, tools))
+    except (TemplateError, ValueError):
+        return False  # apply_chat_template reports the template itself
+
+    def is_content(node: nodes.Node) -> bool:
+        if isinstance(node, nodes.Name):
+            return node.name == "content"
+        if isinstance(node, nodes.Getattr):
+            return node.attr == "content"
+        if isinstance(node, nodes.Getitem):
+            return isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+        if isinstance(node, nodes.Filter):  # message['content'] | selectattr(...)
+            return node.node is not None and is_content(node.node)
+        return False
+
+    return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def prepare_messages(messages: list[ChatMessage], content_format: str) -> list[ChatMessage]:
+    """The conversation as vLLM hands it to a chat template (new dicts; the caller's are left
+    alone): a list of content parts becomes its text parts joined by newlines ("string", vLLM's
+    format for templates that print the content) or stays a list of parts ("openai"); a part that
+    is not text is a ValueError naming its type. An assistant's tool-call arguments given as a
+    JSON string (OpenAI's wire format) are parsed into the object templates expect (an empty or
+    missing one is {}), as vLLM does; a string that is not JSON is a ValueError."""
+    out = []
+    for i, message in enumerate(messages):
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind not in TEXT_PARTS or not isinstance(part.get(TEXT_PARTS[kind]), str):
+                    what = f"{kind!r} parts are not supported" if kind not in TEXT_PARTS else "it has no text"
+                    raise ValueError(
+                        f"message {i} ({message['role']}), content part {j}: {what}: deepinfer serves "
+                        f"text only (content parts of type {', '.join(map(repr, TEXT_PARTS))})"
+                    )
+                texts.append(part[TEXT_PARTS[kind]])
+            message["content"] = (
+                "\n".join(texts)
+                if content_format == "string"
+                else [{"type": "text", "text": t} for t in texts]
+            )
+        calls = message.get("tool_calls")
+        if message["role"] == "assistant" and isinstance(calls, list):
+            message["tool_calls"] = [_parsed_call(i, j, call) for j, call in enumerate(calls)]
+        out.append(message)
+    return out
+
+
+def _parsed_call(i: int, j: int, call: Any) -> Any:
+    """One tool call with its function's arguments parsed from a JSON string."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, (dict, list)):
+        return call
+    if arguments is None or arguments == "":
+        parsed: Any = {}
+    elif isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"message {i} (assistant), tool call {j}: 'arguments' is not valid JSON ({exc}): "
+                f"{arguments[:200]!r}"
+            ) from exc
+    else:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
 def _check_messages(messages: object) -> None:
     """A conversation is a non-empty list of {"role": str, "content": ...} dicts; content is a
     string or a list of OpenAI content parts ({"type": "text", "text": ...}); an assistant turn may
@@ -309,7 +410,7 @@ def _check_messages(messages: object) -> None:
             elif m.get("content") is None and m["role"] != "assistant":
                 problem = f"message {i} ({m['role']}) has no 'content'"
             elif not isinstance(m.get("content"), (str, list, type(None))) or (
-                isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"])
+                isinstance(m.get("content"), list) and not all(isinstance(p, dict) for p in m["content"])
             ):
                 problem = f"message {i}: 'content' must be a string or a list of content-part dicts"
             if problem:

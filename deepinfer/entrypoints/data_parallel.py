@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from deepinfer.config import EngineConfig
+from deepinfer.log import progress_bar
 
 if TYPE_CHECKING:
     from deepinfer.backend.ops import Backend
@@ -354,11 +355,9 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ calls
 
     def generate(
-        self, prompts: list[Any], params: list[SamplingParams], use_tqdm: bool = True
+        self, prompts: list[Any], params: list[SamplingParams], use_tqdm: bool | Callable[..., Any] = True
     ) -> list[RequestOutput]:
         """One generate call over the ranks: outputs in prompt order (see the module)."""
-        from tqdm.auto import tqdm
-
         from deepinfer.engine.sampling_params import SamplingParams
 
         if self.closed is not None:
@@ -384,7 +383,7 @@ class DataParallelEngine:
                     w.conn.send(message)
                 except OSError as exc:  # a worker that is gone: its death is read below
                     logger.debug("rank %d: send failed: %s", w.rank, exc)
-        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with progress_bar(use_tqdm, len(prompts), "Processed prompts") as bar:
             try:
                 replies = self._gather("generate", lambda r: bar.update(len(shares[r])))
             except (ValueError, TypeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,19 +34,24 @@ def add_generate_parser(subparsers: Any) -> None:
     p.add_argument(
         "--chat", action="store_true", help="wrap each prompt as a user message in the chat template"
     )
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
-    s.add_argument("--min-tokens", type=int, default=0)
-    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
+    s = p.add_argument_group(
+        "sampling",
+        "a flag left out takes the model's default (--generation-config: its generation_config.json)",
+    )
+    s.add_argument(
+        "--max-tokens", type=int, default=None, help="default: max_new_tokens of the model, else 64"
+    )
+    s.add_argument("--min-tokens", type=int, default=None)
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=None)
+    s.add_argument("--top-k", type=int, default=None)
+    s.add_argument("--min-p", type=float, default=None)
     s.add_argument("--request-seed", type=int, default=None, help="per-request seed (SamplingParams.seed)")
     s.add_argument("--stop", action="append", default=None, help="stop string (repeat for several)")
-    s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--presence-penalty", type=float, default=0.0)
-    s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--ignore-eos", action="store_true", default=None)
+    s.add_argument("--presence-penalty", type=float, default=None)
+    s.add_argument("--frequency-penalty", type=float, default=None)
+    s.add_argument("--repetition-penalty", type=float, default=None)
     s.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file)")
@@ -114,6 +120,20 @@ def read_prompts(args: argparse.Namespace) -> list[str | dict[str, Any]]:
     return prompts
 
 
+DEFAULT_MAX_TOKENS = 64  # when neither --max-tokens nor the model's generation_config sets it
+
+
+def sampling_params(base: Any, given: dict[str, Any]) -> Any:
+    """The model's default SamplingParams `base` (LLM.get_default_sampling_params, as generate()
+    without sampling params) with the flags given; max_tokens, where neither sets it,
+    DEFAULT_MAX_TOKENS (SamplingParams' own 16 is short for a command line)."""
+    from deepinfer.api import SamplingParams
+
+    if "max_tokens" not in given and base.max_tokens == SamplingParams().max_tokens:
+        given = {**given, "max_tokens": DEFAULT_MAX_TOKENS}
+    return dataclasses.replace(base, **given)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer.api import LLM, SamplingParams, StructuredOutputsParams
 
@@ -127,24 +147,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
             structured = StructuredOutputsParams(json=path.read_text())
         elif args.regex is not None or args.choice is not None:
             structured = StructuredOutputsParams(regex=args.regex, choice=args.choice)
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.request_seed,
-            max_tokens=args.max_tokens,
-            min_tokens=args.min_tokens,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            repetition_penalty=args.repetition_penalty,
-            structured_outputs=structured,
-        )
+        given: dict[str, Any] = {  # the sampling flags given; the others take the model's defaults
+            name: value
+            for name, value in (
+                ("temperature", args.temperature),
+                ("top_p", args.top_p),
+                ("top_k", args.top_k),
+                ("min_p", args.min_p),
+                ("seed", args.request_seed),
+                ("max_tokens", args.max_tokens),
+                ("min_tokens", args.min_tokens),
+                ("stop", args.stop),
+                ("ignore_eos", args.ignore_eos),
+                ("presence_penalty", args.presence_penalty),
+                ("frequency_penalty", args.frequency_penalty),
+                ("repetition_penalty", args.repetition_penalty),
+                ("structured_outputs", structured),
+            )
+            if value is not None
+        }
+        SamplingParams(**{"max_tokens": None, **given})  # a bad flag is refused before the weights load
         if args.chat and not all(isinstance(p, str) for p in prompts):
             raise ValueError("--chat takes text prompts, not prompt_token_ids")
         llm = LLM(args.model, **llm_kwargs(args))
+        params = sampling_params(llm.get_default_sampling_params(), given)
         if args.chat:
             convs = [[{"role": "user", "content": p}] for p in prompts]
             outputs = llm.chat(convs, params)

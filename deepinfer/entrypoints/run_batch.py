@@ -50,7 +50,15 @@ CHAT_KEYS = COMMON_KEYS | {
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
     "continue_final_message", "chat_template", "chat_template_kwargs",
 }  # fmt: skip
-NOT_FROM_BODY = {"structured_outputs", "detokenize", "logprobs"}  # SamplingParams fields set otherwise
+# SamplingParams fields set otherwise, or not from JSON
+NOT_FROM_BODY = {
+    "structured_outputs",
+    "detokenize",
+    "logprobs",
+    "output_kind",
+    "logits_processors",
+    "extra_args",
+}
 
 
 class BadLine(ValueError):
@@ -111,6 +119,8 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
                     text = f.read()
             except OSError as exc:
                 raise OSError(f"-i {args.input_file}: cannot read: {exc.strerror or exc}") from exc
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"-i {args.input_file}: not UTF-8 text: {exc}") from exc
         llm = LLM(args.model, **llm_kwargs(args))
         results = run_batch(llm, text, args.served_model_name or args.model)
     except USER_ERRORS as exc:

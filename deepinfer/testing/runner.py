@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from typing import Any
 
 SUITE = "deepinfer.testing.conformance"
@@ -31,6 +32,13 @@ def run_conformance(backend: str, extra: list[str] | None = None, heavy: bool = 
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
+    from deepinfer.backend.registry import BackendRegistry, UnknownBackendError
+
+    try:  # a name no plugin registers: one line, before pytest collects every case against it
+        BackendRegistry.discover().info(args.backend)
+    except UnknownBackendError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return run_conformance(args.backend, list(args.pytest_args), args.heavy)
 
 
