@@ -10,13 +10,16 @@ median of triton.testing.do_bench):
     (the skinny kernel's FP8 flag), `old` the same backend with DEEPINFER_CUDA_V4_DECODE=0
     (quantize_fp8 + the block-scaled Triton GEMM / grouped_gemm_fp8), `bf16` the same shape in
     bfloat16 through CudaGemm.linear (skinny or cuBLAS); GB/s = weight + scale bytes over time;
-    at M = 1 and 64 a sweep of the FP8 skinny tiles;
+    at M = 1 and 64 a sweep of the FP8 skinny tiles; at every shape and M the e4m3 x e4m3
+    tensor-core variant (`mma BNxSLAB wW`: SkinnyConfig.fp8_mma, not the default dispatch);
   * the routed-expert layer (256 MXFP4 experts, hidden 4096, intermediate 2048, top-6, the clamped
     SwiGLU) at 1, 8, 64 tokens: `new` CudaMoe.fused_moe (decode_moe's MXFP4 GEMV kernels up to
     FP4_DECODE_MAX_COPIES copies, else the grouped path), `grouped` the contract's composition
     over the new grouped_gemm_fp4 (nibble pairs), `old` DEEPINFER_CUDA_V4_DECODE=0, `bf16` the
     same layer with bfloat16 experts (diffs: against `old`, same MXFP4 weights); GB/s = bytes of
-    the distinct experts touched over time; at one token a sweep of the MXFP4 decode tiles;
+    the distinct experts touched over time; at 1 and 8 tokens a sweep of the MXFP4 decode tiles
+    (up and down kernels' tiles apart: `sweep up nN kK down nN kK wW sS`; the defaults unchanged),
+    at 64 tokens its BLOCK_K 256 rows against the grouped path;
   * the grouped MXFP4 GEMM at prefill sizes (gate_up over 512 and 4096 tokens' copies): a tile
     sweep against the path before, in TFLOP/s.
 
@@ -51,6 +54,8 @@ FP8_SHAPES = [
     ("shared_gate_up", 0, 4096, 4096), ("shared_down", 0, 4096, 2048), ("wo_a", 8, 1024, 4096),
 ]  # fmt: skip
 SMOKE_FP8_SHAPES = [("small", 0, 256, 512), ("grouped", 2, 128, 256)]
+# The e4m3 x e4m3 skinny variant's tiles (block_n, slab, warps) timed at every FP8 shape and M
+MMA_TILES = [(64, 256, 4), (64, 512, 8), (128, 256, 4), (128, 512, 8), (64, 128, 4)]
 LIMIT = 10.0  # V4-Flash's swiglu_limit
 
 
@@ -139,6 +144,10 @@ def bench_fp8(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
             (64, 256, 8),
         )
     ]
+    mma = [
+        gemm_k.SkinnyConfig(block_n=bn, block_k=128, num_warps=w, slab=slab, pdl=True, fp8_mma=True)
+        for bn, slab, w in (MMA_TILES[:2] if smoke else MMA_TILES)
+    ]
     rows: list[dict] = []
     for name, g, n, k in SMOKE_FP8_SHAPES if smoke else FP8_SHAPES:
         shape = (g, n, k) if g else (n, k)
@@ -165,6 +174,7 @@ def bench_fp8(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
             ]
             if m in (1, 64) and not g:
                 ways += [(f"sweep {c.block_n}x{c.slab} w{c.num_warps}", fp8(new, c), nbytes) for c in sweep]
+            ways += [(f"mma {c.block_n}x{c.slab} w{c.num_warps}", fp8(new, c), nbytes) for c in mma]
             ref = bf16(ws[0]).float()
             row: dict[str, Any] = {"shape": name, "groups": g, "n": n, "k": k, "m": m}
             for way, fn, size in ways:
@@ -213,19 +223,23 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
     rows: list[dict] = []
     sweep = [
         moe_k.DecodeConfig(
-            up_n=un, up_k=uk, up_warps=wp, up_stages=st, down_n=un, down_k=uk, down_warps=wp, down_stages=st
+            up_n=un, up_k=uk, up_warps=wp, up_stages=st, down_n=dn, down_k=dk, down_warps=wp, down_stages=st
         )
-        for un, uk, wp, st in (
-            (32, 128, 4, 3),
-            (32, 256, 4, 3),
-            (64, 128, 4, 3),
-            (16, 128, 4, 3),
-            (32, 128, 4, 4),
-            (32, 128, 8, 3),
-            (64, 256, 8, 3),
-            (32, 256, 8, 4),
+        for un, uk, dn, dk, wp, st in (
+            (32, 128, 32, 128, 4, 3),  # FP4_DECODE_CONFIG
+            (32, 256, 32, 256, 4, 3),  # 84 against 124 us at one token (2026-12-03_H200_v4_published_decode)
+            (32, 256, 32, 128, 4, 3),  # which kernel the longer step helps
+            (32, 128, 32, 256, 4, 3),
+            (32, 512, 32, 512, 4, 3),
+            (32, 256, 32, 256, 4, 2),
+            (16, 256, 16, 256, 4, 3),
+            (64, 256, 32, 256, 4, 3),
+            (32, 256, 32, 256, 8, 3),
+            (64, 128, 64, 128, 4, 3),
+            (32, 128, 32, 128, 8, 3),
         )
     ]
+    wide = [c for c in sweep if c.up_k == c.down_k == 256 and c.up_n == 32 and c.up_warps == 4]
     for t in (1, 8, 64) if not smoke else (1, 3):
         sets = 1 if smoke else 8
         inputs = []
@@ -264,13 +278,13 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
                 expert_bytes[1],
             ),
         ]
-        if t == 1:
-            for c in sweep:
-                ways.append((
-                    f"sweep n{c.up_n} k{c.up_k} w{c.up_warps} s{c.up_stages}",
-                    lambda x, wt, ids, c=c: moe_k.decode_moe(x, wt, ids, *w, swiglu_limit=LIMIT, config=c),
-                    expert_bytes[0],
-                ))  # fmt: skip
+        tiles = (sweep[:3] if smoke else sweep) if t <= 8 else wide  # 64 tokens: the k256 rows only
+        for c in tiles:
+            ways.append((
+                f"sweep up n{c.up_n} k{c.up_k} down n{c.down_n} k{c.down_k} w{c.up_warps} s{c.up_stages}",
+                lambda x, wt, ids, c=c: moe_k.decode_moe(x, wt, ids, *w, swiglu_limit=LIMIT, config=c),
+                expert_bytes[0],
+            ))  # fmt: skip
         ref = ways[2][1](*inputs[0]).float()  # the old path on the same MXFP4 weights
         row: dict[str, Any] = {"tokens": t, "copies": t * top, "distinct_experts": distinct}
         for way, fn, per_expert in ways:
@@ -336,8 +350,11 @@ def bench_prefill(dev: torch.device, timer: Timer, smoke: bool) -> list[dict]:
 
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# V4-Flash published format at decode sizes\n\ncopy {res['copy_gbs']:.0f} GB/s\n"]
-    out.append("## FP8 linears (us, of copy)\n\n| shape | M | new | old | bf16 | new vs old | best sweep |")
-    out.append("| --- | --- | --- | --- | --- | --- | --- |")
+    out.append("## FP8 linears (us, of copy)\n")
+    out.append(
+        "| shape | M | new | old | bf16 | new vs old | best sweep | best mma (e4m3 x e4m3) | mma vs old |"
+    )
+    out.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in res["fp8"]:
         cells = [
             f"{r[w]['us']:.1f} ({r[w]['of_copy']:.2f})" if w in r else "-" for w in ("new", "old", "bf16")
@@ -345,7 +362,12 @@ def markdown(res: dict[str, Any]) -> str:
         sp = f"{r['old']['us'] / r['new']['us']:.2f}x" if "new" in r and "old" in r else "-"
         sw = [(v["us"], k) for k, v in r.items() if k.startswith("sweep")]
         best = f"{min(sw)[1][6:]} {min(sw)[0]:.1f}" if sw else ""
-        out.append(f"| {r['shape']} | {r['m']} | {' | '.join(cells)} | {sp} | {best} |")
+        mm = [(v["us"], k, v["of_copy"]) for k, v in r.items() if k.startswith("mma")]
+        best_mma = f"{min(mm)[1][4:]} {min(mm)[0]:.1f} ({min(mm)[2]:.2f})" if mm else ""
+        mma_sp = f"{r['old']['us'] / min(mm)[0]:.2f}x" if mm and "old" in r else "-"
+        out.append(
+            f"| {r['shape']} | {r['m']} | {' | '.join(cells)} | {sp} | {best} | {best_mma} | {mma_sp} |"
+        )
     out.append("\n## MXFP4 expert layer (us, of copy of the touched experts)\n")
     out.append("| tokens | experts | new | grouped | old | bf16 | new vs old | best sweep |")
     out.append("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -36,15 +36,23 @@ class Ptx(str):
     num_warps: int = 4
 
 
-def compile_sm90(kernel: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4) -> Ptx:
+def compile_sm90(
+    kernel: Any,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    num_warps: int = 4,
+    aligned: tuple[str, ...] = (),
+) -> Ptx:
     """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32);
-    returns the PTX."""
+    returns the PTX. aligned: arguments specialised as multiples of 16, as the launcher does at
+    run time for pointers and integers that are (what lets masked loads vectorise)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {a: types.get(a, "i32") for a in kernel.arg_names if a not in constexprs}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
@@ -187,6 +195,41 @@ def test_router_kernels(router: str) -> None:
         gemv_types = types | {"w_ptr": PTR["f32"]}
         compile_sm90(moe_k._router_logits_kernel, gemv_types, gemv, num_warps=tile.num_warps)
         compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
+
+
+@pytest.mark.parametrize(
+    "block_m, block_n, slab, warps",
+    [(16, 64, 256, 4), (16, 64, 512, 8), (64, 64, 256, 4), (64, 128, 512, 8), (32, 128, 256, 4)],
+)
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_skinny_fp8_mma_kernel(block_m: int, block_n: int, slab: int, warps: int, pdl: bool) -> None:
+    """The skinny FP8 variant that multiplies e4m3 by e4m3 (SkinnyConfig.fp8_mma) lowers to SM90's
+    FP8 warpgroup MMA (wgmma ... .f32.e4m3.e4m3: no operand converted to bf16), k32 steps, four a
+    128-wide block (block_n 32 would be mma.sync on float16: skinny_fp8_matmul refuses it); with
+    the operands aligned as at run time (V4-Flash's K = 4096) the whole weight slab loads as
+    16-byte vectors before the wait under PDL; without PDL no griddepcontrol."""
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    types = {"x_ptr": PTR["bf16"], "w_ptr": "*fp8e4nv", "wscale_ptr": PTR["f32"], "out_ptr": PTR["bf16"],
+             "ws_ptr": PTR["f32"], "tickets_ptr": PTR["i32"]}  # fmt: skip
+    ints = ("N", "K", "stride_xg", "stride_xm", "stride_wg", "stride_wn", "stride_og", "stride_om")
+    ints += ("stride_sg",)
+    aligned = (*types, *ints)
+    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, SLAB=slab, SPLIT=True, SPLITS=4, PDL=pdl)
+    ptx = compile_sm90(gemm_k._skinny_fp8_mma_kernel, types, constexprs, num_warps=warps, aligned=aligned)
+    lines = ptx.splitlines()
+    mmas = [line for line in lines if "mma_async" in line or "mma.sync" in line]
+    kinds = sorted({m.split()[0] for m in mmas})
+    assert mmas and all("wgmma" in m and ".f32.e4m3.e4m3" in m for m in mmas), kinds
+    assert len(mmas) % (4 * slab // 128) == 0, f"{len(mmas)} MMA instructions for {slab // 128} blocks"
+    if not pdl:
+        assert "griddepcontrol" not in ptx
+        return
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    vector_loads = sum("ld.global.v4.b32" in line for line in lines[:wait])
+    want = block_n * slab // (16 * 32 * warps)  # the slab's bytes in 16-byte loads per thread
+    assert vector_loads == want, f"{vector_loads} 16-byte loads before the wait, want {want}"
+    assert "griddepcontrol.launch_dependents" in "\n".join(lines[:wait])
 
 
 def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:

@@ -1751,6 +1751,75 @@ def test_skinny_fp8_matmul_against_float64(gen: torch.Generator, m: int) -> None
         gemm_k.skinny_fp8_matmul(x, w, s[:, :2])
 
 
+def fp8_contract_oracle(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear_fp8's meaning in float64: x (M, K) quantised by the contract's quantize_fp8 (its
+    float32 scale and quotient, as defined), both operands dequantised exactly and multiplied in
+    float64 -> (the product (M, N), the sum of its terms' magnitudes: the scale of any
+    accumulation error)."""
+    from deepinfer.backend.fp8 import expand_block_scale
+
+    k = x.shape[-1]
+    xq, xs = ref_gemm.quantize_fp8(x.cpu())
+    xd = xq.double() * xs.double().repeat_interleave(128, dim=-1)[:, :k]
+    wd = w.cpu().double() * expand_block_scale(s.cpu().double(), w.shape[0], k)
+    return xd @ wd.T, xd.abs() @ wd.abs().T
+
+
+def assert_fp8_mma_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> None:
+    """y = linear_fp8(x, w, s) from e4m3 x e4m3 products: within the output's rounding (half an
+    ulp of bf16 is 2^-9 of the value; 2^-8 allowed) plus the float32 accumulation (2^-16 of the
+    terms' magnitudes: 128 products a block, then the scaled block sums) in the interpreter, where
+    tl.dot multiplies exactly; on SM90 the FP8 MMA keeps about 14 bits of its 128-term sums
+    (2^-11)."""
+    want, mag = fp8_contract_oracle(x, w, s)
+    err = (y.cpu().double() - want).abs()
+    bound = 2.0**-8 * want.abs() + (2.0**-16 if INTERPRET else 2.0**-11) * mag
+    worst = float((err - bound).max())
+    assert worst <= 0, f"max excess {worst:.3g} over the bound (max error {float(err.max()):.3g})"
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+def test_skinny_fp8_mma_against_float64(gen: torch.Generator, m: int) -> None:
+    """The skinny FP8 kernel's e4m3 x e4m3 variant (SkinnyConfig.fp8_mma): x quantised per row and
+    128 columns exactly as the contract's quantize_fp8, each 128-wide K block multiplied on the
+    tensor cores and promoted to float32 with its two scales. N = 200 and 72 (partial weight-row
+    tiles and scale blocks), K = 640 and 600 over 256- and 512-column slabs (split K, the last slab
+    partial or one block short; 600: a partial 128-block) and K = 200 in one slab (no split);
+    M = 1 to 64 (the x^T operand 16 to 64 wide). Batched over groups from a strided x into a
+    strided out (the grouped wo_a), and float16 x. Against the float64 oracle of the contract;
+    tickets left at zero; a block_n the warpgroup MMA cannot take refused."""
+    cfg = functools.partial(gemm_k.SkinnyConfig, block_k=128, pdl=True, fp8_mma=True)
+    cases = [
+        (200, 640, cfg(block_n=64, slab=256, num_warps=4)),
+        (200, 600, cfg(block_n=128, slab=512, num_warps=4)),
+        (72, 640, cfg(block_n=128, slab=128, num_warps=8)),
+        (72, 200, cfg(block_n=64, slab=256, num_warps=4)),
+    ]
+    for n, k, c in cases:
+        w, s = fp8_weights((n, k), gen)
+        x = torch.randn((m, k), generator=gen).to(torch.bfloat16).to(DEV)
+        y = gemm_k.skinny_fp8_matmul(x, w, s, config=c)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert_fp8_mma_close(y, x, w, s)
+    assert not gemm_k._SKINNY_TICKETS.get(DEV, 1).any(), "a tile's ticket was left counted"
+    g = 3
+    wg, sg = fp8_weights((g, 192, 384), gen)
+    xg = torch.randn((m, g, 384), generator=gen).to(torch.bfloat16).to(DEV).transpose(0, 1)  # (G, M, K)
+    out = torch.empty((m, g, 192), dtype=torch.bfloat16, device=DEV)
+    gemm_k.skinny_fp8_matmul(xg, wg, sg, out.transpose(0, 1), config=cases[0][2])
+    for i in range(g):
+        assert_fp8_mma_close(out[:, i], xg[i], wg[i], sg[i])
+    w, s = fp8_weights((200, 640), gen)
+    x16 = (4 * torch.randn((m, 640), generator=gen)).to(torch.float16).to(DEV)
+    y16 = gemm_k.skinny_fp8_matmul(x16, w, s, config=cases[0][2])
+    assert y16.dtype == torch.float16
+    assert_fp8_mma_close(y16, x16, w, s)
+    with pytest.raises(ValueError, match="fp8_mma takes block_n 64 or 128"):
+        gemm_k.skinny_fp8_matmul(x16, w, s, config=cfg(block_n=32, slab=256))
+
+
 def test_fp8_linears_take_the_skinny_kernel_at_decode_sizes(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

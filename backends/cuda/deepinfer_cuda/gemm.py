@@ -46,7 +46,7 @@ class CudaGemm(GemmOps):
         """Up to gemm.SKINNY_FP8_MAX_M rows and SKINNY_FP8_MAX_WEIGHT_BYTES: ONE launch, the skinny
         kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded before the wait); else
         the contract's quantize_fp8 + fp8_gemm."""
-        fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_ok(x, weight, weight_scale)
+        fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_pays(x, weight, weight_scale)
         if self.skinny_fp8 and fits:
             return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, pdl=self.pdl)
         return super().linear_fp8(x, weight, weight_scale, bias)
@@ -57,7 +57,7 @@ class CudaGemm(GemmOps):
         """Decode sizes: one skinny FP8 launch over the G groups, read from x's strided view and
         written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N) without a copy);
         else the contract's grouped_gemm_fp8."""
-        if self.skinny_fp8 and gemm_k.skinny_fp8_ok(x, weight, weight_scale):
+        if self.skinny_fp8 and gemm_k.skinny_fp8_pays(x, weight, weight_scale):
             out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
             return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, out.transpose(0, 1), pdl=self.pdl)
         return super().batched_linear_fp8(x, weight, weight_scale)

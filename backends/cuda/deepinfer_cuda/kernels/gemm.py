@@ -29,6 +29,7 @@ from deepinfer_cuda.kernels.common import (
     num_sms,
     pdl_enabled,
     tma_supported,
+    to_dtype,
     to_e4m3,
     wait_for_previous,
 )
@@ -477,6 +478,10 @@ class SkinnyConfig:
     # (programmatic dependent launch, SM90+) does so before waiting for the previous kernel
     slab: int = 0
     pdl: bool = False
+    # FP8 weights only (skinny_fp8_matmul): e4m3 x e4m3 products on the tensor cores
+    # (_skinny_fp8_mma_kernel) instead of both operands dequantised to x's dtype (_skinny_kernel's
+    # FP8 path). Not taken by default: bench/bench_v4_decode.py measures it ("mma" rows).
+    fp8_mma: bool = False
 
 
 # Up to this many rows of x the float linear takes the skinny kernel (outside batch-invariant
@@ -666,6 +671,85 @@ def _skinny_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _skinny_fp8_mma_kernel(
+    x_ptr, w_ptr, wscale_ptr, out_ptr, ws_ptr, tickets_ptr, M, N, K,
+    stride_xg, stride_xm, stride_wg, stride_wn, stride_og, stride_om, stride_on, stride_sg, stride_sn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SLAB: tl.constexpr, SPLIT: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """linear_fp8 for M <= BLOCK_M with e4m3 x e4m3 products on the tensor cores: out (M, N) =
+    quantize_fp8(x) @ (w * wscale)^T, w (N, K) e4m3 with float32 scales per 128 x 128 block
+    (wscale (G, ceil(N/128), ceil(K/128)), strides stride_sg, stride_sn, unit along K).
+
+    _skinny_kernel's SLAB layout: grid (N tiles, G products, S = SPLITS slabs of SLAB columns),
+    BLOCK_N weight rows per program on the MMA's M side (BLOCK_N divides 128: the program's rows
+    share one row of scale blocks), x^T (128, BLOCK_M >= 16) on its N side; the slab's SLAB / 128
+    weight blocks (BLOCK_N, 128) and their scales load before the wait (PDL), x after it; SPLIT:
+    float32 partials in ws (S, G, M, N) and a ticket per (product, tile), the last program adding
+    them in order s = 0 .. S - 1, as there.
+
+    x is quantised per row and 128 columns in the program exactly as quantize_fp8 (the contract,
+    deepinfer.reference.gemm) does it: scale = amax / 448 and each quotient by IEEE division,
+    clamped to +-448 and rounded to nearest even, so the e4m3 codes and scales are the contract's.
+
+    Promotion every 128 K, as DeepGEMM does: each 128-wide K block's product starts from zero on
+    the tensor cores (an e4m3 x e4m3 MMA accumulating in float32; on SM90 its FP8 accumulation
+    keeps about 14 bits, DeepSeek-V3's report), is scaled in registers by x's per-row scale times
+    the weight block's scale and added to the float32 accumulator: the MMA never sums across scale
+    blocks, and no operand is dequantised (_skinny_kernel's FP8 path converts the weight slab and
+    x^T to bf16 element by element)."""
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, 128)
+    w_rows = w_ptr + g * stride_wg + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    x_cols = x_ptr + g * stride_xg + rm[None, :].to(tl.int64) * stride_xm  # (1, BLOCK_M)
+    scale_row = wscale_ptr + g * stride_sg + ((pid_n * BLOCK_N) // 128) * stride_sn
+    launch_dependents(PDL)  # the next kernel may start launching
+    # the slab as SLAB / 128 tiles (BLOCK_N, 128) e4m3 and one scale each: the weights do not
+    # depend on the previous kernel, so they load before the wait (a tuple: one tile per MMA)
+    w_blocks = ()
+    w_scales = ()
+    for j in tl.static_range(SLAB // 128):
+        kk = s * SLAB + j * 128 + rk
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        kb = s * (SLAB // 128) + j
+        # (concatenated: Triton's compiler takes no starred tuples; mypy typed them empty)
+        w_blocks = w_blocks + (w,)  # type: ignore[assignment]  # noqa: RUF005
+        w_s = tl.load(scale_row + kb, mask=kb * 128 < K, other=0.0)
+        w_scales = w_scales + (w_s,)  # type: ignore[assignment]  # noqa: RUF005
+    wait_for_previous(PDL)  # x is the previous kernel's
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for j in tl.static_range(SLAB // 128):
+        kk = s * SLAB + j * 128 + rk
+        xt = tl.load(x_cols + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < K), other=0.0)
+        xt = xt.to(tl.float32)  # (128, BLOCK_M): one scale per column (a row of x)
+        x_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xt), 0), 1e-10), 448.0)  # (BLOCK_M,)
+        q = to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(xt, x_s[None, :]), -448.0), 448.0))
+        part = mma(w_blocks[j], q, tl.zeros([BLOCK_N, BLOCK_M], tl.float32), False)  # e4m3 MMA
+        acc += part * x_s[None, :] * w_scales[j]  # promoted: _dense_kernel's order of the scales
+    out_mask = (rn[:, None] < N) & (rm[None, :] < M)
+    tile = rm[None, :].to(tl.int64) * N + rn[:, None]  # (BLOCK_N, BLOCK_M) in one (M, N) partial
+    if SPLIT:
+        mn = M * N
+        part_ptr = ws_ptr + g * mn + tile
+        tl.store(part_ptr + s.to(tl.int64) * tl.num_programs(1) * mn, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
+        ticket = tickets_ptr + g * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(ticket, 1, sem="acq_rel")
+        if arrived < SPLITS - 1:
+            return
+        tl.store(ticket, 0)  # the tile's last program: ready for the next launch (and graph replay)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for r in tl.static_range(SPLITS):  # written by other programs: volatile, no stale L1 lines
+            acc += tl.load(part_ptr + r * tl.num_programs(1) * mn, mask=out_mask, other=0.0, volatile=True)
+    out = out_ptr + g * stride_og + rm[None, :].to(tl.int64) * stride_om + rn[:, None] * stride_on
+    tl.store(out, to_dtype(acc, out_ptr.dtype.element_ty), mask=out_mask)
+
+
 # One int32 ticket per (product, weight-row tile) of a split _skinny_kernel launch.
 _SKINNY_TICKETS = Semaphores()
 
@@ -716,12 +800,11 @@ def skinny_matmul(
 
 def skinny_fp8_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
     """Whether skinny_fp8_matmul serves x (.., M, K) float @ weight (.., N, K) e4m3: bfloat16 or
-    float16 x, 0 < M <= SKINNY_FP8_MAX_M, at most SKINNY_FP8_MAX_WEIGHT_BYTES of weight (every
-    group), unit strides along K, and the block-scale shape (.., ceil(N/128), ceil(K/128))."""
+    float16 x, 0 < M <= SKINNY_FP8_MAX_M, unit strides along K, and the block-scale shape
+    (.., ceil(N/128), ceil(K/128)). Any weight size (benchmarks time every shape)."""
     n, k = weight.shape[-2:]
     return (
         x.dtype in (torch.bfloat16, torch.float16)
-        and weight.numel() * weight.element_size() <= SKINNY_FP8_MAX_WEIGHT_BYTES
         and weight.dtype == FP8_DTYPE
         and x.dim() == weight.dim() == weight_scale.dim()
         and x.shape[-1] == k
@@ -730,6 +813,13 @@ def skinny_fp8_ok(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
         and weight.stride(-1) == 1
         and tuple(weight_scale.shape[-2:]) == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK))
     )
+
+
+def skinny_fp8_pays(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Where the engine takes the skinny FP8 kernel: skinny_fp8_ok, and a weight of at most
+    SKINNY_FP8_MAX_WEIGHT_BYTES (every group together)."""
+    nbytes = weight.numel() * weight.element_size()
+    return nbytes <= SKINNY_FP8_MAX_WEIGHT_BYTES and skinny_fp8_ok(x, weight, weight_scale)
 
 
 def skinny_fp8_config(m: int) -> SkinnyConfig:
@@ -751,7 +841,9 @@ def skinny_fp8_matmul(
     columns inside the kernel, weight (N, K) e4m3 with float32 block scales (ceil(N/128),
     ceil(K/128)) -> (M, N) in x's dtype; or batched x (G, M, K) (any strides but unit along K),
     weight (G, N, K), scales (G, ceil(N/128), ceil(K/128)) -> (G, M, N) (DeepSeek-V4's grouped
-    wo_a). `out` (any strides, the result's shape) receives it. pdl: as skinny_matmul's."""
+    wo_a). `out` (any strides, the result's shape) receives it. pdl: as skinny_matmul's.
+    config.fp8_mma: the e4m3 x e4m3 tensor-core kernel (_skinny_fp8_mma_kernel, x quantised
+    exactly as quantize_fp8 does) instead of the default's operands dequantised to x's dtype."""
     if not skinny_fp8_ok(x, weight, weight_scale):
         raise ValueError(
             f"skinny_fp8_matmul: x (.., M <= {SKINNY_FP8_MAX_M}, K) bfloat16 / float16, weight (.., N, K) "
@@ -766,6 +858,10 @@ def skinny_fp8_matmul(
     cfg = config or skinny_fp8_config(m)
     if not cfg.slab or cfg.slab % SCALE_BLOCK or SCALE_BLOCK % cfg.block_n:
         raise ValueError(f"skinny_fp8_matmul: slab a multiple of 128 and block_n dividing 128, got {cfg}")
+    if cfg.fp8_mma and cfg.block_n not in (64, 128):
+        # SM90's FP8 MMA is a warpgroup's, 64 rows on its M side: narrower tiles compile to
+        # mma.sync on float16 operands (tests/test_cuda_compile.py), not e4m3 products
+        raise ValueError(f"skinny_fp8_matmul: fp8_mma takes block_n 64 or 128, got {cfg}")
     if out is None:
         out = torch.empty((*x.shape[:-2], m, weight.shape[-2]), dtype=x.dtype, device=x.device)
     strides = (x.stride(0) if batched else 0, x.stride(-2))
@@ -852,6 +948,15 @@ def _launch_skinny(
     scale_strides = (0, 0)
     if weight_scale is not None:
         scale_strides = (weight_scale.stride(0) if batched else 0, weight_scale.stride(-2))
+    if weight_scale is not None and cfg.fp8_mma:
+        _skinny_fp8_mma_kernel[(tiles, g, split)](
+            x, weight, weight_scale, out, ws, tickets, m, n, k,
+            x_strides[0], x_strides[1], weight.stride(0) if batched else 0, weight.stride(-2),
+            out.stride(0) if batched else 0, out.stride(-2), out.stride(-1), *scale_strides,
+            BLOCK_M=next_pow2(m), BLOCK_N=cfg.block_n, SLAB=cfg.slab, SPLIT=split > 1, SPLITS=split, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        )  # fmt: skip
+        return out
     _skinny_kernel[(tiles, g, split)](
         x, weight, out, ws, tickets, lse if lse is not None else x, weight_scale if fp8 else x,
         m, n, k, k_split, splits,
