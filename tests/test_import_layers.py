@@ -21,11 +21,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "deepinfer"
 KINDS = ("module", "function", "typing")
 
-# Cycles that may stay, each a set of modules with the reason. None today: the models read their
-# tensors through deepinfer.models.weights.WeightSource (the loader implements it, the models do
-# not import the loader), and the data-parallel executor is handed LLM.from_engine by the API
+# Cycles that may stay, each a set of modules with the reason. The models read their tensors
+# through deepinfer.models.weights.WeightSource (the loader implements it, the models do not
+# import the loader), and the data-parallel executor is handed LLM.from_engine by the API
 # instead of importing it.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"deepinfer.models.config", "deepinfer.models.config_v41"}): (
+        "ModelConfig.from_dict parses deepseek_v41 through config_v41 (a function-level import), "
+        "which builds on config's field readers; to be split into a shared fields module"
+    ),
+}
 
 # Lowest first; a module belongs to the layer of its longest matching prefix and may import
 # modules of its own layer or lower ones.
