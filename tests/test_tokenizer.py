@@ -158,9 +158,11 @@ def test_chat_template_errors_name_the_problem(tok: Tokenizer) -> None:
     config = r"chat template failed \(.*tokenizer_config\.json\)"
     with pytest.raises(ValueError, match=config + ": unknown role: robot"):
         tok.apply_chat_template([{"role": "robot", "content": "x"}])
-    # the tiny template concatenates strings: content parts make it fail with a TypeError
+    # the tiny template concatenates strings: content parts handed on as a list (the "openai"
+    # content format) make it fail with a TypeError
     with pytest.raises(ValueError, match=config + ": TypeError: can only concatenate"):
-        tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
+        parts = [{"type": "text", "text": "x"}]
+        tok.apply_chat_template([{"role": "user", "content": parts}], content_format="openai")
     with pytest.raises(ValueError, match=r"\(the chat_template argument\) does not compile"):
         tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% if %}")
     with pytest.raises(ValueError, match=r"messages must be .*message 0 \(user\) has no 'content'"):

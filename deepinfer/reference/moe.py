@@ -48,6 +48,17 @@ def route(
     correction_bias: torch.Tensor | None = None,
     hash_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = route_routed(logits, config, correction_bias, hash_ids)
+    return append_shared(weights, ids, logits.shape[1], config)
+
+
+def route_routed(
+    logits: torch.Tensor,
+    config: RouterConfig,
+    correction_bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K routed (weights float32, ids int32) per row, before shared experts are appended."""
     scores = scores_of(logits, config.scoring)
     if hash_ids is not None:
         ids = hash_ids.long()
@@ -57,7 +68,7 @@ def route(
     weights = scores.gather(1, ids)
     if config.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return append_shared(weights * config.routed_scaling_factor, ids.to(torch.int32), logits.shape[1], config)
+    return weights * config.routed_scaling_factor, ids.to(torch.int32)
 
 
 def append_shared(

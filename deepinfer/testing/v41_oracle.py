@@ -22,7 +22,7 @@ Entry points
   `hc_mixes`, `pool_pairs`, `index_scores`, `select_topk`, `source_map`, `engram_layout`,
   `engram_multipliers`, `engram_hash`, `ngram_token_ids`.
 
-Semantics fixed here (DeepSeek engine defaults, `DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off`):
+Semantics fixed here (DeepSeek engine defaults, its YOCO prefill truncation mode off):
 - A query at position p sees SWA keys p-W+1..p (itself included) and main entries j < (p+1)//r
   (r = compress ratio; a C2 entry exists once both of its tokens exist, so the incomplete pair is
   never visible). The window keys and the selected entries are concatenated: a token that is both

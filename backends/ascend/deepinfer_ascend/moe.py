@@ -4,9 +4,10 @@ route       npu_moe_gating_top_k (softmax: norm_type 0, sigmoid: norm_type 1; gr
             top-k with group_select_mode 0 = max, 1 = top-2 sum; bias for selection only).
             The op renormalises exactly when norm_type is 1; the other two combinations take
             the unbiased scores (norm_out, out_flag=True) at the chosen experts instead.
-            Not expressible with the op, and computed with torch (aten) ops on the NPU:
-            sqrtsoftplus scoring, hash routing, and shapes outside its limits (E <= 2048,
-            E / groups > 2, k <= E / groups * topk_groups).
+            Not expressible with the op, and computed with the reference's torch (aten) ops on
+            the NPU (a stable sort keeps the contract's tie rule): sqrtsoftplus scoring, hash
+            routing, and shapes outside its limits (E <= 2048, E / groups > 2,
+            k <= E / groups * topk_groups).
             Shared experts fused as extra ones (RouterConfig.shared_experts): their ids and
             unit weights are appended to the op's output (one concatenation each).
 permute     npu_moe_init_routing_v2 (dropless, row_idx_type 0: expanded_row_idx[src] = dst,
@@ -24,7 +25,7 @@ import torch
 
 from deepinfer.backend.ops import MoeOps
 from deepinfer.backend.types import BackendOptions, RouterConfig
-from deepinfer.reference.moe import append_shared
+from deepinfer.reference.moe import append_shared, route_routed
 from deepinfer_ascend.gemm import AscendGemm, grouped_matmul
 
 GATING_MAX_EXPERTS = 2048
@@ -70,7 +71,7 @@ class AscendMoe(MoeOps):
         """The K routed pairs per row (the shared ones are appended by route)."""
         t, e = logits.shape
         if hash_ids is not None or not gating_fits(e, config) or t == 0:
-            return _route_torch(logits, config, correction_bias, hash_ids)
+            return route_routed(logits, config, correction_bias, hash_ids)  # the reference's aten ops
         sigmoid = config.scoring == "sigmoid"
         op_renorms = sigmoid  # norm_type 1 divides by the sum, norm_type 0 does not
         y, ids, norm = self._tnpu.npu_moe_gating_top_k(
@@ -153,42 +154,3 @@ class AscendMoe(MoeOps):
             return h.new_empty((0, h.shape[1] // 2))
         y: torch.Tensor = self._tnpu.npu_swiglu(h, dim=-1)
         return y
-
-
-def _route_torch(
-    logits: torch.Tensor,
-    config: RouterConfig,
-    correction_bias: torch.Tensor | None,
-    hash_ids: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router in aten ops, for what npu_moe_gating_top_k cannot express."""
-    x = logits.float()
-    if config.scoring == "softmax":
-        scores = torch.softmax(x, dim=-1)
-    elif config.scoring == "sigmoid":
-        scores = torch.sigmoid(x)
-    elif config.scoring == "sqrtsoftplus":
-        scores = torch.sqrt(torch.nn.functional.softplus(x))
-    else:
-        raise ValueError(
-            f"unknown router scoring {config.scoring!r}; expected softmax, sigmoid or sqrtsoftplus"
-        )
-    if hash_ids is not None:
-        ids = hash_ids.long()
-    else:
-        sel = scores if correction_bias is None else scores + correction_bias.float()
-        t, e = sel.shape
-        if config.num_groups > 1:
-            groups = sel.view(t, config.num_groups, e // config.num_groups)
-            if config.group_score == "top2_sum":
-                gscore = groups.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                gscore = groups.amax(dim=-1)
-            keep = gscore.topk(config.topk_groups, dim=-1).indices
-            drop = torch.ones_like(gscore, dtype=torch.bool).scatter_(1, keep, False)
-            sel = groups.masked_fill(drop[..., None], float("-inf")).view(t, e)
-        ids = sel.topk(config.top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    if config.renormalize:
-        w = w / (w.sum(dim=-1, keepdim=True) + EPS)
-    return w * config.routed_scaling_factor, ids.to(torch.int32)
