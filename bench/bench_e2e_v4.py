@@ -435,7 +435,7 @@ class V4Bench(e2e.Bench):
         self.outputs: dict[tuple[str, int], list[list[int]]] = {}
         self.formats: dict[str, dict[str, Any]] = {}  # format -> model, backend, llm, bytes
         self.hf: Any = None
-        self.max_batch = max(args.batches)
+        self.max_batch = max([*args.batches, *args.profile_batches])
         import random
 
         rng = random.Random(args.seed)
@@ -677,6 +677,7 @@ class V4Bench(e2e.Bench):
             "notes": self.notes,
             "errors": self.errors,
             "sections_s": self.sections,
+            "profiles": self.extra.get("profiles", {}),
         }
         (out / "e2e_v4.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
         (out / "e2e_v4.md").write_text(self.markdown())
@@ -895,6 +896,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--time-budget", type=float, default=None, help="seconds; later rows skipped (300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-batches", type=ints, default=[],
+        help="after the rows, each format's decode steps under torch.profiler at these batches "
+        "(kernels per step, the top kernels by exposed time; trace_{format}_b{B}.json.gz)",
+    )  # fmt: skip
+    p.add_argument("--profile-steps", type=int, default=8, help="profiled decode steps")
+    p.add_argument("--profile-lead-steps", type=int, default=4, help="decode steps before the profiled ones")
     args = p.parse_args(argv)
     smoke = args.smoke
     defaults: dict[str, Any] = {
@@ -961,6 +969,12 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         with bench.section(f"batch_{b}"):
             bench.run_batch(b)
+    for b in args.profile_batches:
+        for fmt, entry in bench.formats.items():
+            with bench.section(f"profile_{fmt}_b{b}"):
+                res = bench.profile_steps(entry["llm"], b, f"{fmt}_b{b}")
+                bench.extra.setdefault("profiles", {}).setdefault(fmt, {})[str(b)] = res
+                bench.write()
     with bench.section("weights_check"):
         bench.check_weights()
     print(bench.markdown(), flush=True)

@@ -226,11 +226,13 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
             up_n=un, up_k=uk, up_warps=wp, up_stages=st, down_n=dn, down_k=dk, down_warps=wp, down_stages=st
         )
         for un, uk, dn, dk, wp, st in (
-            (32, 128, 32, 128, 4, 3),  # FP4_DECODE_CONFIG
-            (32, 256, 32, 256, 4, 3),  # 84 against 124 us at one token (2026-12-03_H200_v4_published_decode)
+            (32, 128, 32, 128, 4, 3),  # the tiles before fp4_decode_config
+            (32, 256, 32, 256, 4, 3),  # FP4_DECODE_CONFIG (9 to 64 copies)
             (32, 256, 32, 128, 4, 3),  # which kernel the longer step helps
             (32, 128, 32, 256, 4, 3),
-            (32, 512, 32, 512, 4, 3),
+            (32, 512, 32, 512, 4, 3),  # FP4_ONE_TOKEN_CONFIG (up to 8 copies)
+            (32, 1024, 32, 512, 4, 3),
+            (32, 512, 32, 512, 4, 4),
             (32, 256, 32, 256, 4, 2),
             (16, 256, 16, 256, 4, 3),
             (64, 256, 32, 256, 4, 3),

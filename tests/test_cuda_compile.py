@@ -67,25 +67,34 @@ def compile_sm90(
 
 @pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
 @pytest.mark.parametrize("block_t", [16, 32])
-def test_hc_kernel(head: bool, block_t: int) -> None:
+def test_hc_mix_kernel(head: bool, block_t: int) -> None:
     from deepinfer_cuda.kernels import v4 as v4_k
 
     n, dm = 4, 4096
     mix = n if head else (2 + n) * n
     splits, split_k = v4_k.hc_splits(n * dm)
-    types = {f"{a}_ptr": PTR["f32"] for a in ("fn", "base", "scale", "part", "ssq", "post", "comb")}
-    types |= {
-        "s_ptr": PTR["bf16"],
-        "out_ptr": PTR["bf16"],
-        "count_ptr": PTR["i32"],
-        "norm_eps": "fp32",
-        "hc_eps": "fp32",
-    }
+    types = {"s_ptr": PTR["bf16"], "fn_ptr": PTR["f32"], "part_ptr": PTR["f32"], "ssq_ptr": PTR["f32"]}
     constexprs = dict(
-        N=n, MIX=mix, HEAD=head, SPLITS=splits, SPLIT_K=split_k, NP=n, MIXP=32 if mix > 16 else 16,
-        BLOCK_T=block_t, BLOCK_K=v4_k.HC_BLOCK_K, BLOCK_D=v4_k.HC_COLLAPSE_ELEMENTS // (block_t * n),
+        SPLITS=splits, SPLIT_K=split_k, MIX=mix, MIXP=32 if mix > 16 else 16, BLOCK_T=block_t,
+        BLOCK_K=v4_k.HC_BLOCK_K,
     )  # fmt: skip
-    compile_sm90(v4_k._hc_kernel, types, constexprs, num_warps=4 if block_t == 16 else 8)
+    compile_sm90(v4_k._hc_mix_kernel, types, constexprs, num_warps=4 if block_t == 16 else 8)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
+@pytest.mark.parametrize("block_d", [256, 2048])
+def test_hc_finish_kernel(head: bool, block_d: int) -> None:
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    n, dm = 4, 4096
+    mix = n if head else (2 + n) * n
+    splits, _ = v4_k.hc_splits(n * dm)
+    types = {f"{a}_ptr": PTR["f32"] for a in ("base", "scale", "part", "ssq", "post", "comb")}
+    types |= {"s_ptr": PTR["bf16"], "out_ptr": PTR["bf16"], "norm_eps": "fp32", "hc_eps": "fp32"}
+    constexprs = dict(
+        N=n, HEAD=head, SPLITS=splits, SPLITSP=splits, NP=n, MIXP=32 if mix > 16 else 16, BLOCK_D=block_d
+    )
+    compile_sm90(v4_k._hc_finish_kernel, types, constexprs, num_warps=4)
 
 
 def test_hc_post_kernel() -> None:
@@ -317,18 +326,18 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         moe_k._decode_down_kernel, down_types, tiles | dict(COMBINE=True, SHARED=2, K_IDS=8)
     )
     # DeepSeek-V4's experts: MXFP4 weights (two values a byte), UE8M0 scale bytes, clamped SwiGLU
-    fp4 = moe_k.FP4_DECODE_CONFIG
     fp4_types = {"w_ptr": "*u8", "ws_ptr": "*u8"}
-    fp4_tiles = tiles | dict(FP4=True, BLOCK_K=fp4.up_k)
-    ptx["decode_up_fp4"] = compile_sm90(
-        moe_k._decode_up_kernel, up_types | fp4_types,
-        fp4_tiles | dict(BLOCK_N=fp4.up_n, STAGES=fp4.up_stages, ZERO_BLOCK=4, SHARED=0, CLAMP=True),
-    )  # fmt: skip
-    ptx["decode_down_fp4"] = compile_sm90(
-        moe_k._decode_down_kernel, down_types | fp4_types,
-        fp4_tiles | dict(BLOCK_N=fp4.down_n, BLOCK_K=fp4.down_k, STAGES=fp4.down_stages, COMBINE=True,
-                         SHARED=0, K_IDS=6),
-    )  # fmt: skip
+    for suffix, fp4 in (("", moe_k.FP4_DECODE_CONFIG), ("_one_token", moe_k.FP4_ONE_TOKEN_CONFIG)):
+        fp4_tiles = tiles | dict(FP4=True, BLOCK_K=fp4.up_k)
+        ptx[f"decode_up_fp4{suffix}"] = compile_sm90(
+            moe_k._decode_up_kernel, up_types | fp4_types,
+            fp4_tiles | dict(BLOCK_N=fp4.up_n, STAGES=fp4.up_stages, ZERO_BLOCK=4, SHARED=0, CLAMP=True),
+        )  # fmt: skip
+        ptx[f"decode_down_fp4{suffix}"] = compile_sm90(
+            moe_k._decode_down_kernel, down_types | fp4_types,
+            fp4_tiles | dict(BLOCK_N=fp4.down_n, BLOCK_K=fp4.down_k, STAGES=fp4.down_stages, COMBINE=True,
+                             SHARED=0, K_IDS=6),
+        )  # fmt: skip
     return ptx
 
 

@@ -219,7 +219,12 @@ def test_bfloat16_as_close_as_transformers(case: Case) -> None:
     run of the hooked twin: within twice its relative error."""
     for prompt, (tokens, ours) in zip(case.prompts, case.generate("bfloat16"), strict=True):
         want = case.oracle(case.twin_q, prompt, tokens)
-        theirs = case.oracle(case.twin_q_bf16, prompt, tokens)
+        try:
+            theirs = case.oracle(case.twin_q_bf16, prompt, tokens)
+        except RuntimeError as exc:  # transformers 5.17 leaks float32 activations into bf16 layers
+            if "dtype" not in str(exc) and "scalar type" not in str(exc):
+                raise
+            pytest.skip(f"transformers {transformers.__version__} cannot run this config in bfloat16: {exc}")
         assert rel(ours, want) <= 2 * rel(theirs, want), (rel(ours, want), rel(theirs, want))
 
 

@@ -630,14 +630,28 @@ ONE_TOKEN_CONFIG = DecodeConfig(down_n=32, down_stages=5)
 
 
 # MXFP4 experts (DeepSeek-V4's routed experts, packed e2m1 with UE8M0 scales per 32 values):
-# the decode kernels take a copy's weight rows as GEMV rows, no MMA (_fp4_rows_dot): 32 rows of
-# 128 values (64 bytes each, one 16-byte vector per thread) per step, 3 steps in flight, so up
-# (6 copies x 2048 / 32 = 384 programs at V4-Flash's one token) and down (6 x 4096 / 32 = 768)
-# each keep 3 x 4 KiB (gate and up) or 3 x 2 KiB in flight per program. The path they replace
-# is permute, two grouped GEMMs with the SwiGLU between them and unpermute: 6 launches.
-FP4_DECODE_CONFIG = DecodeConfig(
-    up_n=32, up_k=128, up_warps=4, up_stages=3, down_n=32, down_k=128, down_warps=4, down_stages=3
+# the decode kernels take a copy's weight rows as GEMV rows, no MMA (_fp4_rows_dot): 32 rows
+# per program (up: 6 copies x 2048 / 32 = 384 programs at V4-Flash's one token; down: 768),
+# BLOCK_K values of each row (BLOCK_K / 2 bytes) per step, 3 steps in flight. The per-value
+# decode, not the bytes, bounds them, and longer steps keep more of it in flight: on an H200 (the
+# layer in CUDA graphs, bench/bench_v4_decode.py, 2026-12-03) one token (6 copies) 75.7 us with
+# 512-value steps against 84.0 at 256 and 123.4 at 128; 8 tokens (48 copies) 473.5 us at 256
+# against 536.8 at 512 and 731.9 at 128. The path they replace is permute, two grouped GEMMs
+# with the SwiGLU between them and unpermute: 6 launches.
+FP4_ONE_TOKEN_COPIES = 8
+FP4_ONE_TOKEN_CONFIG = DecodeConfig(
+    up_n=32, up_k=512, up_warps=4, up_stages=3, down_n=32, down_k=512, down_warps=4, down_stages=3
 )
+FP4_DECODE_CONFIG = DecodeConfig(
+    up_n=32, up_k=256, up_warps=4, up_stages=3, down_n=32, down_k=256, down_warps=4, down_stages=3
+)
+
+
+def fp4_decode_config(copies: int) -> DecodeConfig:
+    """The MXFP4 decode tiles of a launch of `copies` token copies."""
+    return FP4_ONE_TOKEN_CONFIG if copies <= FP4_ONE_TOKEN_COPIES else FP4_DECODE_CONFIG
+
+
 # The most token copies sent to the MXFP4 decode kernels (V4-Flash: 6 per token, so up to 10
 # tokens). Each copy reads its expert's bytes itself: at 64 tokens (384 copies over 256 experts)
 # the grouped path reads each touched expert once in 16-row tiles instead. bench/bench_v4_decode.py
@@ -920,18 +934,18 @@ def decode_moe(
     FP8: e4m3 weights with w13_scale (E, 2I/128, Dm/128) and w2_scale (E, Dm/128, I/128), x and
     the activations quantised per token and 128 channels inside the kernels;
     MXFP4: packed uint8 w13 (E, 2I, Dm/2), w2 (E, Dm, I/2) with UE8M0 bytes w13_scale
-    (E, 2I, Dm/32), w2_scale (E, Dm, I/32), nothing quantised (FP4_DECODE_CONFIG's GEMV tiles).
+    (E, 2I, Dm/32), w2_scale (E, Dm, I/32), nothing quantised (fp4_decode_config's GEMV tiles).
     swiglu_limit: DeepSeek-V4's clamped SwiGLU between the two products.
     shared_experts = S: the last S columns of ids are experts E - S .. E - 1 in every row, and x
     was whole before the kernel launched just before this call began (select_experts' one-launch
     router on the same x, which signals its dependents after its wait): those copies then compute
     while that kernel still runs (_decode_up_kernel). config: the tiles (default decode_config's
-    for the launch's copies; MXFP4 outside the interpreter: FP4_DECODE_CONFIG); pdl: as
+    for the launch's copies; MXFP4 outside the interpreter: fp4_decode_config's); pdl: as
     router_logits'."""
     t, k = ids.shape
     fp4 = w13.dtype == torch.uint8
     if fp4 and not INTERPRET:
-        cfg = config or FP4_DECODE_CONFIG
+        cfg = config or fp4_decode_config(t * k)
     else:
         cfg = config or decode_config(t * k)
     e, two_i, h = w13.shape

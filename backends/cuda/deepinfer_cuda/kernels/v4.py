@@ -3,16 +3,15 @@
 """DeepSeek-V4's ops: the mHC hyper-connection weights and mixes, the lightning indexer's top-k
 and attention over a sliding window plus compressed entries. Semantics: deepinfer.reference.v4.
 
-mHC (hc_pre, hc_head): one launch. The mix m = rms(flatten(streams)) @ fn^T reads fn
+mHC (hc_pre, hc_head): two launches. The mix m = rms(flatten(streams)) @ fn^T reads fn
 ((2+N)N x N*Dm float32: 1.5 MB for V4-Flash) once per tile of BLOCK_T tokens, which one program
 cannot pull fast (a decode step has one tile). So the K axis (N*Dm) is cut into SPLITS parts of
-SPLIT_K columns, one program each, grid (token tiles, SPLITS): every program writes its partial
-products and sum of squares to a workspace, then counts itself in on the tile's semaphore; the
-last to arrive sums the partials in split order (fixed: the bits do not depend on which program
-arrived last), finishes the rms, the sigmoids, the softmax and the Sinkhorn iterations in
-registers ((BLOCK_T, N, N) tiles) and collapses the streams. SPLITS depends on N*Dm only, so a
-row's bits never depend on the batch. The semaphores live in one persistent buffer that the
-last program resets, so no launch zeroes it (graph replays included).
+SPLIT_K columns, one program each, grid (token tiles, SPLITS), each writing its partial products
+and sum of squares to a workspace. The finish, grid (tokens, Dm blocks), sums a token's
+partials (a tree of fixed shape), computes the rms, the sigmoids, the softmax and the Sinkhorn
+iterations on (N, N) register tiles and collapses its block of channels. SPLITS depends on N*Dm
+only, so a row's bits never depend on the batch. (A single launch whose last-arriving split did
+the finish ran it in one program: 41 us a call at decode, mostly the serial collapse loop.)
 hc_post: one program per (token, Dm block), the N output streams of that block at once.
 
 Indexer (indexer_topk): two launches. Scores: program (query token, request, split) walks its
@@ -40,7 +39,7 @@ import triton.language as tl
 
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer_cuda.kernels import attention as attn_k
-from deepinfer_cuda.kernels.common import IS_INTERPRET, Semaphores, mma, next_pow2, num_sms, to_dtype
+from deepinfer_cuda.kernels.common import IS_INTERPRET, mma, next_pow2, num_sms, to_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -48,20 +47,22 @@ LOG2E = 1.4426950408889634
 
 # K columns (of N*Dm) per step of the mix product; SPLIT_K is a multiple of it.
 HC_BLOCK_K = 64
-# At most this many K splits per token tile (V4-Flash: 16384 columns -> 16 splits of 1024).
-HC_MAX_SPLITS = 16
+# At most this many K splits per token tile (V4-Flash: 16384 columns -> 64 splits of 256): a
+# decode step's one tile then pulls fn through 64 programs (16 took 14 us a call on an H200, 2026-12-03).
+# The workspace holds SPLITS x MIXP float32 partials a token (8 KiB for V4-Flash's hc_pre).
+HC_MAX_SPLITS = 64
 # Tokens per tile: 16 (4 warps) for decode and batch-invariant mode (one tiling for every
 # batch); 32 (8 warps) from HC_WIDE_FROM tokens on, where fn is re-read once per tile (prefill of
 # 8192 tokens: 256 x 1.5 MB from L2). 64 spills registers on SM90 (ptxas).
 HC_BLOCK_T = 16
 HC_WIDE_BLOCK_T = 32
 HC_WIDE_FROM = 256
-# Elements of a (BLOCK_T, N, BLOCK_D) streams tile in the collapse.
-HC_COLLAPSE_ELEMENTS = 4096
-
-
-# one counter per token tile of hc_pre / hc_head (4096 cover steps of 65536 tokens)
-_SEMAPHORES = Semaphores()
+# Channels per program of the finish (Sinkhorn + collapse): small blocks for decode-sized steps
+# (up to HC_DECODE_ROWS tokens; V4-Flash: 16 programs a token), where the programs are few and
+# each one's latency is the step's; large ones for prefill, where the per-program Sinkhorn repeats.
+HC_DECODE_BLOCK_D = 256
+HC_PREFILL_BLOCK_D = 2048
+HC_DECODE_ROWS = 64
 
 
 @triton.jit
@@ -75,38 +76,19 @@ def _dot_f32(a, b, acc):
 
 
 @triton.jit
-def _summed(part_ptr, slot0, r, c, mask, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, MIXP: tl.constexpr):
-    """Column(s) c of rows r of a tile's mix, summed over its SPLITS partials in split order.
-    Volatile loads: other programs wrote them (no stale L1 lines). A loop, not unrolled: unrolled,
-    every split's load is issued up front and the registers spill."""
-    total = tl.load(part_ptr + (slot0 * BLOCK_T + r) * MIXP + c, mask=mask, other=0.0, volatile=True)
-    for s in range(1, SPLITS):
-        total += tl.load(
-            part_ptr + ((slot0 + s) * BLOCK_T + r) * MIXP + c, mask=mask, other=0.0, volatile=True
-        )
-    return total
-
-
-@triton.jit
-def _hc_kernel(
-    s_ptr, fn_ptr, base_ptr, scale_ptr, part_ptr, ssq_ptr, count_ptr, out_ptr, post_ptr, comb_ptr,
-    T, DM, norm_eps, hc_eps, iters,
-    N: tl.constexpr, MIX: tl.constexpr, HEAD: tl.constexpr, SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
-    NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+def _hc_mix_kernel(
+    s_ptr, fn_ptr, part_ptr, ssq_ptr, T, K,
+    SPLITS: tl.constexpr, SPLIT_K: tl.constexpr, MIX: tl.constexpr, MIXP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """streams (T, N*DM) contiguous; fn (MIX, N*DM) float32. HEAD: hc_head (pre only, MIX = N),
-    else hc_pre (MIX = (2+N)N: pre, post, comb)."""
+    """Program (token tile, split): the split's partial mix products of streams (T, K) with fn
+    (MIX, K) float32 and the partial sums of squares, to part (T, SPLITS, MIXP) / ssq (T, SPLITS)."""
     tb = tl.program_id(0)
     split = tl.program_id(1)
-    K = N * DM
-    r = tl.arange(0, BLOCK_T)
-    rows = tb * BLOCK_T + r
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     s_rows = s_ptr + rows.to(tl.int64) * K  # (BLOCK_T,) row starts
     cols = tl.arange(0, MIXP)
-
-    # this split's columns: partial mix products (BLOCK_T, MIXP) and sums of squares (BLOCK_T,)
     acc = tl.zeros([BLOCK_T, MIXP], tl.float32)
     ssq = tl.zeros([BLOCK_T], tl.float32)
     k_end = tl.minimum(split * SPLIT_K + SPLIT_K, K)
@@ -120,72 +102,74 @@ def _hc_kernel(
             fn_ptr + cols[None, :] * K + ks[:, None], mask=(cols[None, :] < MIX) & kmask[:, None], other=0.0
         )  # (BLOCK_K, MIXP): fn^T
         acc = _dot_f32(x, w, acc)
-    slot = tb * SPLITS + split
-    tl.store(part_ptr + (slot * BLOCK_T + r)[:, None] * MIXP + cols[None, :], acc)
-    tl.store(ssq_ptr + slot * BLOCK_T + r, ssq)
-    tl.debug_barrier()  # every thread's partial is stored before anyone counts or reads it
-    if SPLITS > 1:
-        arrived = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
-        if arrived < SPLITS - 1:
-            return
-        tl.store(count_ptr + tb, 0)  # the tile's last program: ready for the next launch
+    slot = rows.to(tl.int64) * SPLITS + split  # (BLOCK_T,)
+    tl.store(part_ptr + slot[:, None] * MIXP + cols[None, :], acc, mask=rmask[:, None])
+    tl.store(ssq_ptr + slot, ssq, mask=rmask)
 
-    # the tile's last program: the whole mix, in split order
-    slot0 = tb * SPLITS
-    ss = tl.load(ssq_ptr + slot0 * BLOCK_T + r, volatile=True)
-    for s in range(1, SPLITS):
-        ss += tl.load(ssq_ptr + (slot0 + s) * BLOCK_T + r, volatile=True)
-    rstd = 1.0 / tl.sqrt(ss / K + norm_eps)  # (BLOCK_T,) the unweighted rms of the flat row
+
+@triton.jit
+def _hc_finish_kernel(
+    s_ptr, base_ptr, scale_ptr, part_ptr, ssq_ptr, out_ptr, post_ptr, comb_ptr,
+    DM, norm_eps, hc_eps, iters,
+    N: tl.constexpr, HEAD: tl.constexpr, SPLITS: tl.constexpr, SPLITSP: tl.constexpr,
+    NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (token, Dm block): the token's mix summed over its splits (one tree of fixed shape:
+    the bits do not depend on the batch), the rms, the sigmoids, the softmax and the Sinkhorn
+    iterations on (N, N) tiles in registers (every Dm block of the token computes them: no
+    program waits for another), then the block's collapse. Dm block 0 stores post and comb."""
+    t = tl.program_id(0).to(tl.int64)
+    db = tl.program_id(1)
+    K = N * DM
+    sp = tl.arange(0, SPLITSP)
+    smask = sp < SPLITS
+    prow = part_ptr + (t * SPLITS + sp) * MIXP  # (SPLITSP,) the token's partials
+    ss = tl.sum(tl.load(ssq_ptr + t * SPLITS + sp, mask=smask, other=0.0), axis=0)
+    rstd = 1.0 / tl.sqrt(ss / K + norm_eps)  # the unweighted rms of the flat row
     n = tl.arange(0, NP)
     nmask = n < N
-    pre_w = _summed(part_ptr, slot0, r[:, None], n[None, :], nmask[None, :], SPLITS, BLOCK_T, MIXP)
+    pm = smask[:, None] & nmask[None, :]
+    pre_w = tl.sum(tl.load(prow[:, None] + n[None, :], mask=pm, other=0.0), axis=0)  # (NP,)
     pre_b = tl.load(base_ptr + n, mask=nmask, other=0.0)
-    pre = tl.sigmoid(pre_w * rstd[:, None] * tl.load(scale_ptr) + pre_b[None, :]) + hc_eps
-    pre = tl.where(nmask[None, :], pre, 0.0)  # (BLOCK_T, NP)
-    if not HEAD:
-        post_w = _summed(part_ptr, slot0, r[:, None], N + n[None, :], nmask[None, :], SPLITS, BLOCK_T, MIXP)
-        post_b = tl.load(base_ptr + N + n, mask=nmask, other=0.0)
-        post = 2.0 * tl.sigmoid(post_w * rstd[:, None] * tl.load(scale_ptr + 1) + post_b[None, :])
-        omask = rmask[:, None] & nmask[None, :]
-        tl.store(post_ptr + rows[:, None].to(tl.int64) * N + n[None, :], post, mask=omask)
-        # comb (BLOCK_T, N, N): softmax over each row j, then Sinkhorn, columns first
-        i3 = n[None, :, None]
-        j3 = n[None, None, :]
-        valid = (i3 < N) & (j3 < N)
-        c3 = 2 * N + i3 * N + j3
-        mix = _summed(part_ptr, slot0, r[:, None, None], c3, valid, SPLITS, BLOCK_T, MIXP)
-        logits = mix * rstd[:, None, None] * tl.load(scale_ptr + 2) + tl.load(
-            base_ptr + c3, mask=valid, other=0.0
-        )
-        logits = tl.where(valid, logits, float("-inf"))
-        top = tl.max(logits, axis=2)
-        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows (i >= N): no finite entry
-        e = tl.exp(logits - top[:, :, None])
-        total = tl.sum(e, axis=2)
-        comb = tl.where(valid, e / tl.where(total > 0, total, 1.0)[:, :, None] + hc_eps, 0.0)
-        comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)  # padding stays 0: 0 / eps
-        for _ in range(iters - 1):
-            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-        cmask = rmask[:, None, None] & valid
-        tl.store(comb_ptr + rows[:, None, None].to(tl.int64) * (N * N) + i3 * N + j3, comb, mask=cmask)
+    pre = tl.sigmoid(pre_w * rstd * tl.load(scale_ptr) + pre_b) + hc_eps
+    pre = tl.where(nmask, pre, 0.0)
+    if not HEAD:  # noqa: SIM102 (nested: the compiler prunes the outer constexpr branch first)
+        if db == 0:
+            post_w = tl.sum(tl.load(prow[:, None] + N + n[None, :], mask=pm, other=0.0), axis=0)
+            post_b = tl.load(base_ptr + N + n, mask=nmask, other=0.0)
+            post = 2.0 * tl.sigmoid(post_w * rstd * tl.load(scale_ptr + 1) + post_b)
+            tl.store(post_ptr + t * N + n, post, mask=nmask)
+            # comb (N, N): softmax over each row i (along j), then Sinkhorn, columns first
+            i2 = n[:, None]
+            j2 = n[None, :]
+            valid = (i2 < N) & (j2 < N)
+            c2 = 2 * N + i2 * N + j2
+            mix = tl.sum(
+                tl.load(prow[:, None, None] + c2[None, :, :], mask=smask[:, None, None] & valid[None, :, :],
+                        other=0.0),
+                axis=0,
+            )  # fmt: skip
+            logits = mix * rstd * tl.load(scale_ptr + 2) + tl.load(base_ptr + c2, mask=valid, other=0.0)
+            logits = tl.where(valid, logits, float("-inf"))
+            top = tl.max(logits, axis=1)
+            top = tl.where(top == float("-inf"), 0.0, top)  # padding rows (i >= N): no finite entry
+            e = tl.exp(logits - top[:, None])
+            total = tl.sum(e, axis=1)
+            comb = tl.where(valid, e / tl.where(total > 0, total, 1.0)[:, None] + hc_eps, 0.0)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)  # padding stays 0: 0 / eps
+            for _ in range(iters - 1):
+                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * (N * N) + i2 * N + j2, comb, mask=valid)
 
-    # collapse: out[t] = sum_n pre[t, n] * streams[t, n], BLOCK_D channels at a time
-    offs_d = tl.arange(0, BLOCK_D)
-    for d0 in range(0, DM, BLOCK_D):
-        d = d0 + offs_d
-        dmask = d < DM
-        x = tl.load(
-            s_rows[:, None, None] + n[None, :, None] * DM + d[None, None, :],
-            mask=rmask[:, None, None] & nmask[None, :, None] & dmask[None, None, :],
-            other=0.0,
-        ).to(tl.float32)
-        y = tl.sum(pre[:, :, None] * x, axis=1)  # (BLOCK_T, BLOCK_D)
-        tl.store(
-            out_ptr + rows[:, None].to(tl.int64) * DM + d[None, :],
-            to_dtype(y, out_ptr.dtype.element_ty),
-            mask=rmask[:, None] & dmask[None, :],
-        )
+    # collapse: out[t, d] = sum_n pre[n] * streams[t, n, d] over this block's channels
+    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DM
+    x = tl.load(
+        s_ptr + t * K + n[:, None] * DM + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0
+    ).to(tl.float32)
+    y = tl.sum(pre[:, None] * x, axis=0)  # (BLOCK_D,)
+    tl.store(out_ptr + t * DM + d, to_dtype(y, out_ptr.dtype.element_ty), mask=dmask)
 
 
 def hc_splits(k: int) -> tuple[int, int]:
@@ -226,17 +210,20 @@ def _hc(
     s = streams.contiguous()
     bt = block_t or (HC_WIDE_BLOCK_T if t >= HC_WIDE_FROM and not batch_invariant else HC_BLOCK_T)
     splits, split_k = hc_splits(n * dm)
-    tiles = triton.cdiv(t, bt)
-    np_, mixp = next_pow2(n, 1), next_pow2(mix)
-    part = torch.empty((tiles * splits * bt * mixp,), dtype=torch.float32, device=dev)
-    ssq = torch.empty((tiles * splits * bt,), dtype=torch.float32, device=dev)
-    count = _SEMAPHORES.get(dev, tiles)
-    block_d = max(16, min(next_pow2(dm), HC_COLLAPSE_ELEMENTS // (bt * np_)))
-    _hc_kernel[(tiles, splits)](
-        s, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), part, ssq, count,
-        out, post, comb, t, dm, norm_eps, hc_eps, iters,
-        N=n, MIX=mix, HEAD=head, SPLITS=splits, SPLIT_K=split_k, NP=np_, MIXP=mixp, BLOCK_T=bt,
-        BLOCK_K=HC_BLOCK_K, BLOCK_D=block_d, num_warps=4 if bt <= HC_BLOCK_T else 8,
+    mixp = next_pow2(mix)
+    part = torch.empty((t, splits, mixp), dtype=torch.float32, device=dev)
+    ssq = torch.empty((t, splits), dtype=torch.float32, device=dev)
+    _hc_mix_kernel[(triton.cdiv(t, bt), splits)](
+        s, fn.float().contiguous(), part, ssq, t, n * dm,
+        SPLITS=splits, SPLIT_K=split_k, MIX=mix, MIXP=mixp, BLOCK_T=bt, BLOCK_K=HC_BLOCK_K,
+        num_warps=4 if bt <= HC_BLOCK_T else 8,
+    )  # fmt: skip
+    block_d = min(next_pow2(dm), HC_DECODE_BLOCK_D if t <= HC_DECODE_ROWS else HC_PREFILL_BLOCK_D)
+    _hc_finish_kernel[(t, triton.cdiv(dm, block_d))](
+        s, base.float().contiguous(), scale.float().contiguous(), part, ssq, out, post, comb,
+        dm, norm_eps, hc_eps, iters,
+        N=n, HEAD=head, SPLITS=splits, SPLITSP=next_pow2(splits, 1), NP=next_pow2(n, 1), MIXP=mixp,
+        BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out, post, comb
 
