@@ -248,3 +248,28 @@ def test_v4_graph_path_rejects_host_reads() -> None:
         no_host_reads(),
     ):
         _drafts(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2, 3), [1, 2])
+
+
+def test_bench_spec_step_small_run(tmp_path: Path) -> None:
+    """bench/bench_spec_step.py at a CPU size on a tiny V4 config with its MTP layer: a row per
+    k and batch whose MTP steps replayed verification graphs, ratio and ceiling from the two
+    step costs, the JSON and the table written."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_spec_step
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_v4_config(num_nextn_predict_layers=1)))
+    args = f"--random-config {config} --backend reference --dtype float32 --small --num-hidden-layers 3"
+    args += " --block-size 4 --k 1 3 --repeats 1"
+    rows = bench_spec_step.main(["--out", str(tmp_path / "out"), *args.split()])
+    assert [(r["k"], r["batch"]) for r in rows] == [(k, b) for k in (1, 3) for b in (1, 4)]
+    for r in rows:
+        assert r["plain_step_ms"] > 0 and r["spec_step_ms"] > 0 and 0 < r["graph_steps"] <= 1
+        assert r["ratio"] == pytest.approx(r["spec_step_ms"] / r["plain_step_ms"], rel=1e-2)
+        assert r["ceiling_speedup"] == pytest.approx((1 + r["k"]) / r["ratio"], rel=1e-2)
+        assert r["meets_goal"] == (r["ratio"] <= 1.3)
+    assert json.loads((tmp_path / "out" / "spec_step.json").read_text()) == rows
+    assert (tmp_path / "out" / "spec_step.md").read_text().count("\n| 4 |") == 2
