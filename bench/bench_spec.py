@@ -10,7 +10,7 @@ the model has none. Plain decoding (graphs and async scheduling where the backen
 every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
 block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
 (--threshold, --step-token-budget). A configuration whose drafter the model lacks is listed as
-skipped, with the reason, in the table. Speculative steps of up to 32 requests replay
+skipped, with the reason, in the table. Speculative steps of up to 64 requests replay
 verification graphs (forward, then draw + acceptance + the drafter's next block: the block
 drafter's pass, or the MTP head over the verified rows and chained k - 1 times), chained so that
 the host reads step N while step N + 1 runs; larger batches step eagerly. graph_steps = the share

@@ -12,7 +12,9 @@ module of its own).
 Drafts of a random MTP layer are almost never right; `mirrored` checkpoints have an MTP layer
 that mostly drafts what the model samples (write_mirrored_v4_mtp_checkpoint), of a compressed
 layer type (its own compressor state and entries rolled back too), so that accepted drafts are
-exercised as well."""
+exercised as well. Speculative steps replay verification graphs where they serve the batch (the
+reference backend re-runs the captured functions); tests/test_v4_spec_graphs.py compares them
+with eager steps."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from models_util import build_hf_v4, parity_config
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.speculative import EagerStep
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.deepseek_v4 import WideCache, cache_kinds
 from deepinfer.models.loader import load_model
@@ -134,7 +137,9 @@ def test_accepted_drafts(mirrored: Path, k: int, args: str) -> None:
 def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The MTP head's pass over a prefill chunk longer than the ring takes in place goes through
     step scratch as the model's forward does: every draft (tokens and confidences) equals that of
-    an engine whose ring is long enough for every step to be written in place."""
+    an engine whose ring is long enough for every step to be written in place. Eager steps, so
+    that the proposer drafts over host-built spans at every step (tests/test_v4_spec_graphs.py
+    covers the verification graphs)."""
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     def drafts(llm: LLM) -> tuple[list[Any], int]:
@@ -154,14 +159,14 @@ def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch:
         return seen, ring.step_tokens
 
     k = 3
-    with_scratch, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    with_scratch, step_tokens = drafts(make(mirrored, k, enforce_eager=True, **ENGINE_ARGS[args]))
     assert step_tokens < max(map(len, PROMPTS)) // 2
     real_groups = DeepseekV4ForCausalLM.kv_cache_groups
     monkeypatch.setattr(
         DeepseekV4ForCausalLM, "kv_cache_groups",
         lambda self, bs, backtrack=0, mtp=0: real_groups(self, bs, backtrack + 96, mtp),
     )  # fmt: skip
-    in_place, step_tokens = drafts(make(mirrored, k, **ENGINE_ARGS[args]))
+    in_place, step_tokens = drafts(make(mirrored, k, enforce_eager=True, **ENGINE_ARGS[args]))
     assert step_tokens >= 96  # every step in place
     assert len(with_scratch) >= 5
     for a, b in zip(with_scratch, in_place, strict=True):
@@ -169,39 +174,40 @@ def test_mtp_drafts_through_step_scratch(mirrored: Path, args: str, monkeypatch:
         assert [c for d in a for _, c in d] == pytest.approx([c for d in b for _, c in d], rel=1e-4)
 
 
-def test_rejections_at_the_ring_edge(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_rejections_at_the_ring_edge(tmp_path: Path, eager: bool) -> None:
     """Window 9, k = 3, 4-token steps: a ring of 12 rows = window + k, the fewest that hold a
     verification step's 1 + k rows beside its first query's window. The row of a step's last
     draft replaces the one just outside that window; drafts are rejected at many offsets in the
-    ring (across its wrap too), and the outputs are plain decoding's."""
+    ring (across its wrap too), and the outputs are plain decoding's, in eager steps and in
+    verification graphs (chained: their drafts known when the step before is read)."""
     window, k = 9, 3
     ckpt = write_mirrored_v4_mtp_checkpoint(
         tmp_path / "ckpt", seed=5, sliding_window=window, layer_types=["compressed_sparse_attention"]
     )
     want = run(make(ckpt, max_num_batched_tokens=1 + k), GREEDY)
-    spec = make(ckpt, k, max_num_batched_tokens=1 + k)
+    spec = make(ckpt, k, max_num_batched_tokens=1 + k, enforce_eager=eager)
     engine = spec.llm_engine
     assert engine.worker.kv_groups is not None
     ring = engine.worker.kv_groups[0].ring_blocks * 4
     assert ring == window + k
     decoder = engine.speculative
     assert decoder is not None
-    real_launch, real_process = decoder.launch, decoder.process
+    real_process = decoder.process
     seen: list[tuple[int, int, int]] = []  # (first position, drafts, accepted) per verification
-    launched: list[list[tuple[Any, int, int]]] = []  # steps launched, not yet processed
-
-    def launch(batch):  # type: ignore[no-untyped-def]
-        launched.append([(s, s.num_computed_tokens, nd) for s, nd in zip(batch.seqs, batch.num_draft_tokens)])
-        return real_launch(batch)
 
     def process(done):  # type: ignore[no-untyped-def]
+        if isinstance(done, EagerStep):
+            steps = list(zip(done.batch.seqs, done.starts, done.batch.num_draft_tokens))
+        else:  # a verification graph step: its requests' progress is counted as it is processed
+            steps = [(s, s.num_computed_tokens, nd) for s, nd in zip(done.seqs, done.num_drafts)]
         finished = real_process(done)
-        seen.extend((start, nd, s.num_computed_tokens - start - 1) for s, start, nd in launched.pop(0) if nd)
+        seen.extend((start, nd, s.num_computed_tokens - start - 1) for s, start, nd in steps if nd)
         return finished
 
-    decoder.launch = launch  # type: ignore[method-assign]
     decoder.process = process  # type: ignore[method-assign]
     assert run(spec, GREEDY) == want
+    assert (decoder.num_graph_steps > 0) != eager
     rejected = [(start, nd) for start, nd, a in seen if a < nd]
     full = [start for start, nd in rejected if nd == k]  # the last draft's row: start - window
     assert len(full) >= 10 and any(start % ring + k >= ring for start in full), "none wraps the ring"

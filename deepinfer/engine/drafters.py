@@ -12,12 +12,14 @@ step (k - 1 rows past the verified ones; a chained run's blocks cover CHAIN_STEP
 draft whose row could not be written is dropped.
 
 A model with several cache groups (DeepSeek-V4: a ring per request and compressed-entry caches)
-runs eager steps only; its MTP layer's caches are rows of those groups (KVCacheGroup.
-num_mtp_caches), paged by the request's tables: the ring's unrolled over the positions the head
-writes (mtp_batch; the head's pass over a span longer than the ring takes in place goes through
-step scratch as the model's forward does, deepinfer.engine.ring, and its chain through the ring
-alone), the entry groups' as group_block_tables; the limit is what the growing groups' blocks
-cover (GroupedBlockManager.positions_covered).
+keeps its MTP layer's caches as rows of those groups (KVCacheGroup.num_mtp_caches), paged by the
+request's tables: the ring's unrolled over the positions the head writes (eagerly: mtp_batch,
+the head's pass over a span longer than the ring takes in place going through step scratch as
+the model's forward does, deepinfer.engine.ring, and its chain through the ring alone; in a
+verification graph: the step's table, a ring unrolled over every column), the entry groups' as
+group_block_tables (the chain passes the step's on); the limit is what the growing groups'
+blocks cover (GroupedBlockManager.positions_covered), and an entry whose closing row is not
+written (slot -1) stores nothing.
 """
 
 from __future__ import annotations
@@ -191,8 +193,9 @@ def mtp_drafts(
     rows = torch.arange(b, device=sampled.device) * q + accepted
     last = fb.positions.view(b, q)[:, 0] + accepted  # (B,) the position of row a
     return mtp_chain(
-        model, caches, block_size, out[rows], last, fb.attn.block_tables, limit, fb.attn.max_seq_len, k
-    )
+        model, caches, block_size, out[rows], last, fb.attn.block_tables, limit, fb.attn.max_seq_len, k,
+        fb.group_block_tables,
+    )  # fmt: skip
 
 
 def mtp_chain(

@@ -57,9 +57,10 @@ def prefill_graph_shapes(max_rows: int, max_tokens: int, max_model_len: int) -> 
     ]
 
 
-# Verification graphs are captured for the buckets up to this many requests: beyond it
-# confidence scheduling leaves drafts little room, and eager steps serve what is left.
-MAX_VERIFY_GRAPH_BATCH = 32
+# Verification graphs are captured for the buckets up to this many requests (DeepSeek-V4's goal:
+# a k-draft verified step within 1.3x a plain step at batch 1 to 64): beyond it confidence
+# scheduling leaves drafts little room, and eager steps serve what is left.
+MAX_VERIFY_GRAPH_BATCH = 64
 
 # prepare(bucket, width, prefill) -> an all-padding step of that layout (StepInputs.prepare)
 Prepare = Callable[[int, int | None, bool], PreparedStep]
@@ -254,13 +255,14 @@ class VerifyGraphs(GraphSet[tuple[int, int]]):
     ) -> None:  # fmt: skip
         """Every bucket and width 0..K, in `pool`'s memory pool. `accept` turns the sampled rows
         into the result, writing a drafter's cache rows below the limits (set_limits); in the
-        graphs of width K, `chain` then writes the next step's inputs. hidden_like: a (1, Dm)
-        tensor of the hidden states' dtype and device."""
+        graphs of width K, `chain` then writes the next step's inputs. hidden_like: one row of
+        the forward's hidden states, (1, Dm) (DeepSeek-V4: (1, N, Dm)), of their dtype and
+        device."""
         k, dev = self.k, hidden_like.device
         rows, most = max(buckets) * (1 + k), max(buckets)
         self.buffers = buf = {
             "logits": torch.zeros((rows, vocab_size), dtype=torch.float32, device=dev),
-            "hidden": hidden_like.new_zeros((rows, hidden_like.shape[-1])),
+            "hidden": hidden_like.new_zeros((rows, *hidden_like.shape[1:])),
             "sampled": torch.zeros((rows,), dtype=torch.int64, device=dev),
             "tokens": torch.zeros((most, 3 + 2 * k), dtype=torch.int64, device=dev),
             "conf": torch.zeros((most, k), dtype=torch.float32, device=dev),

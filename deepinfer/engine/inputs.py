@@ -141,8 +141,10 @@ class StepInputs:
             self.ring = RingScratch(groups[0], block_size, 0, 0)
         rows = max(max_num_tokens, max_num_seqs)
         # block-table columns of each further group in a graph step: at least one, as in an eager
-        # step (a ratio above max_model_len holds no entry, and the step still indexes column 0)
-        self.group_mbs = tuple(max(1, g.blocks_for(max_model_len, block_size)) for g in groups[1:])
+        # step (a ratio above max_model_len holds no entry, and the step still indexes column 0),
+        # and the entries a verification step's padding drafts reach (up to max_model_len + width)
+        most = max_model_len + max_draft_width + 1
+        self.group_mbs = tuple(max(1, g.blocks_for(most, block_size)) for g in groups[1:])
         _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
@@ -182,17 +184,21 @@ class StepInputs:
             self._bucket_views[key] = views
         return views
 
-    def _first_group_tables(self, batch: ScheduledBatch) -> tuple[list[list[int]], RingCopies | None]:
+    def _first_group_tables(
+        self, batch: ScheduledBatch, columns: int | None = None
+    ) -> tuple[list[list[int]], RingCopies | None]:
         """Each request's table of the first cache group; a ring's unrolled over the sequence
-        (column i = ring block i % n, one column per block of its KV length this step), with
-        step-scratch columns and copies for a request computing more than the ring takes."""
+        (column i = ring block i % n, one column per block of its KV length this step, or
+        `columns` columns), with step-scratch columns and copies for a request computing more
+        than the ring takes."""
         if self.ring is None:
             return [q.block_table for q in batch.seqs], None
         spans = [
             (q.num_computed_tokens, q.num_computed_tokens + n)
             for q, n in zip(batch.seqs, batch.num_new_tokens)
         ]
-        tables, copies = self.ring.tables([q.block_table for q in batch.seqs], spans)
+        cols = None if columns is None else [columns] * len(spans)
+        tables, copies = self.ring.tables([q.block_table for q in batch.seqs], spans, cols)
         return tables, copies or None
 
     # ------------------------------------------------------------------ building a step
@@ -209,7 +215,8 @@ class StepInputs:
         With `bucket` and `width` (a verification graph step: every request has one uncomputed
         token and at most `width` drafts), each request is padded to q = 1 + width tokens and
         every token gets a logits row (row b * q + j); padding drafts have id 0, write no cache
-        row and sample greedily; their rows are discarded.
+        row and draw with their request's sampling parameters (the drafts of a chained step,
+        which the device writes in their place); their rows are discarded.
 
         With `bucket`, `width` and `prefill` (a prefill graph step: at most `bucket` requests, no
         drafts, each computing at most q = 1 + width tokens and ending at or before
@@ -233,7 +240,9 @@ class StepInputs:
                 assert n == 1 + nd <= q and seq.num_computed_tokens + 1 == seq.num_tokens
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + q))
                 sampling_seqs.extend([seq] * (1 + nd))
-                row_seqs.extend([seq] * (1 + nd) + [None] * (q - 1 - nd))
+                # padding drafts draw with the request's parameters too: a chained step turns
+                # them into its drafts without the host (chain_next_inputs rewrites offsets only)
+                row_seqs.extend([seq] * q)
             elif seq.num_computed_tokens + n - nd == seq.num_tokens:
                 rows.extend(range(start + n - 1 - nd, start + n))
                 offsets.extend(range(seq.num_tokens, seq.num_tokens + 1 + nd))
@@ -243,7 +252,9 @@ class StepInputs:
         s = len(rows) if bucket is None else t if verify else bucket
         if verify:
             rows = list(range(len(row_seqs)))
-        tables, copies = self._first_group_tables(batch)
+        # a verification graph step: a ring unrolled over the whole table, so that the slots its
+        # chained steps and the MTP head's drafts compute on the device are the request's own
+        tables, copies = self._first_group_tables(batch, self.max_blocks if verify else None)
         assert bucket is None or copies is None, "graph steps stay within the ring"
         mb = self.max_blocks if bucket is not None else max((len(tb) for tb in tables), default=1)
         mb = max(mb, 1)

@@ -263,12 +263,13 @@ class SpeculativeDecoder:
         """Blocks for request b's next tokens[b] positions (below max_model_len; none more where
         the pool runs short) -> the positions its blocks cover, below max_model_len: the limits
         of its cache writes on the device (Worker.set_chain_limits)."""
-        bs = self.scheduler.block_manager.block_size
+        blocks = self.scheduler.block_manager
         limits = []
         for seq, n in zip(seqs, tokens):
             want = min(seq.num_computed_tokens + n, self.max_model_len)
             self.scheduler.reserve(seq, want - seq.num_computed_tokens)  # if it fails: less room
-            limits.append(min(len(seq.block_table) * bs, self.max_model_len))
+            covered = blocks.positions_covered(seq)  # None: rings only (DeepSeek-V4's wrap)
+            limits.append(self.max_model_len if covered is None else min(covered, self.max_model_len))
         return limits
 
     def _chain_budget(self, num_requests: int) -> int:

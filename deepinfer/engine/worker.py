@@ -409,7 +409,7 @@ class Worker:
             chain = functools.partial(chain_next_inputs, self.block_size, self.config.min_draft_confidence)
             self.verify_graphs.capture(
                 verify_buckets, prepare, self.logits, self.sampler.draw, accept, chain, pool, self.vocab_size,
-                self.model.embed_tokens,
+                self.model.embed_tokens.new_zeros((1, *self.model.hidden_shape)),
             )  # fmt: skip
         if shapes and pool is not None and logits is not None:
             hidden = None

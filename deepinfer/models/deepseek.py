@@ -153,6 +153,11 @@ class DeepseekForCausalLM(nn.Module):
     # ------------------------------------------------------------------ engine interface
 
     @property
+    def hidden_shape(self) -> tuple[int]:
+        """One token's hidden state as forward returns it: (Dm,)."""
+        return (self.config.hidden_size,)
+
+    @property
     def num_kv_layers(self) -> int:
         return self.config.num_hidden_layers
 

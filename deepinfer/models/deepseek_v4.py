@@ -44,9 +44,11 @@ cache, and nothing older than R positions is ever read. Given one block table on
 ForwardBatch.group_block_tables, as tests and tools drive it), every cache is paged by it, one
 row per token position (entry w at row w).
 Prefix caching is refused (an entry stored in a block depends on tokens after it, and the ring
-keeps no prefix). Decode steps replay graphs: the entries that close in a step where every
-request computes q tokens are found on the device (NewEntries.build), so the forward reads no
-length on the host.
+keeps no prefix). Decode and verification steps, and the MTP head's chained drafts, replay
+graphs: the entries that close in a step where every request computes q tokens (1, or 1 + k
+with padding drafts) are found on the device from its lengths and slots (NewEntries.build), so
+the forward reads no length on the host; an entry whose closing row is padding (slot -1: a
+padding draft, a row past the positions the request's blocks cover) stores nothing.
 
 Speculative decoding (V4MTPLayer, DeepSeek's MTPBlock): the MTP layer reads the last block's
 streams and the next token's embedding, and runs a block of its own layer type over caches of
@@ -89,6 +91,7 @@ from deepinfer.backend.fp8 import FP8_BLOCK, dequantize_weight
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.models.config import ModelConfig, V4Config
+from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
@@ -303,12 +306,15 @@ class NewEntries:
         key_tables: torch.Tensor | None = None,
     ) -> NewEntries | None:
         """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
-        for a request computing positions [start, end). None when there are none.
+        for a request computing positions [start, end), and whose closing position the step
+        writes (a padding row, slot -1, computes nothing: its entry stores nothing). None when
+        there are none.
 
-        Every request computing the same number q of tokens (decode: q = 1), as a replayed graph
-        does: found on the device from the lengths, ceil(q / m) candidates per request (W fixed
-        by the batch's shape), those that do not close storing nothing (out_slots -1). Ragged
-        steps (prefill, mixed): listed from the host lengths, exact in an eager step."""
+        Every request computing the same number q of tokens (decode: q = 1; a verification step,
+        1 + k rows, padding drafts included; the MTP head's chained drafts), as a replayed graph
+        does: found on the device from the lengths and slots, ceil(q / m) candidates per request
+        (W fixed by the batch's shape), those that do not close storing nothing (out_slots -1).
+        Ragged steps (prefill, mixed): listed from the host lengths, exact in an eager step."""
         meta = batch.attn
         device = batch.positions.device
         query_lens = set(meta.query_lens_host)
@@ -320,7 +326,10 @@ class NewEntries:
             k = -(-q // ratio)  # the most entries q consecutive positions close
             ends = meta.seq_lens.long()[:, None]  # (B, 1)
             w = (ends - q) // ratio + torch.arange(k, device=device)  # (B, k) candidates
-            closes = (w < ends // ratio).flatten()
+            # the row of each candidate's closing position (w+1)m - 1 among the request's q
+            row = torch.arange(ends.shape[0], device=device)[:, None] * q + (w + 1) * ratio - 1 - (ends - q)
+            written = batch.slot_mapping[row.clamp(0, batch.slot_mapping.shape[0] - 1)] >= 0
+            closes = ((w < ends // ratio) & written).flatten()
             # a candidate that does not close reads rows it owns (closed entry w, positions up to
             # its last): every index stays inside its tables, whatever it reads is discarded
             w = torch.minimum(w, (ends // ratio - 1).clamp(min=0)).flatten()
@@ -329,15 +338,19 @@ class NewEntries:
         else:
             reqs: list[int] = []
             ids: list[int] = []
+            rows: list[int] = []  # the step row of each entry's closing position
+            start = 0
             for b, (end, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
                 for entry in range((end - n) // ratio, end // ratio):
                     reqs.append(b)
                     ids.append(entry)
+                    rows.append(start + (entry + 1) * ratio - 1 - (end - n))
+                start += n
             if not ids:
                 return None
             req = torch.tensor(reqs, dtype=torch.int64, device=device)
             w = torch.tensor(ids, dtype=torch.int64, device=device)
-            closes = None
+            closes = batch.slot_mapping[torch.tensor(rows, dtype=torch.int64, device=device)] >= 0
         first = (w - 1) * ratio if overlap else w * ratio  # CSA: the previous window, then this one
         span = 2 * ratio if overlap else ratio
         pos = first[:, None] + torch.arange(span, device=device)  # (W, S)
@@ -346,11 +359,15 @@ class NewEntries:
         if last is not None:
             pos = torch.minimum(pos, last[:, None])
         tables = meta.block_tables.long()
-        state_slots = tables[req[:, None], pos // block_size] * block_size + pos % block_size
+        # columns clamped: a graph step's padding rows may end a column past the table (their
+        # reads are discarded); real rows are always inside it
+        col = (pos // block_size).clamp(max=tables.shape[1] - 1)
+        state_slots = tables[req[:, None], col] * block_size + pos % block_size
 
         def row_slots(tables: torch.Tensor) -> torch.Tensor:  # (W,) row w of each request's table
-            slots = tables.long()[req, w // block_size] * block_size + w % block_size
-            return slots if closes is None else torch.where(closes, slots, -1)
+            col = (w // block_size).clamp(max=tables.shape[1] - 1)
+            slots = tables.long()[req, col] * block_size + w % block_size
+            return torch.where(closes, slots, -1)
 
         out_slots = row_slots(entry_tables)
         key_slots = out_slots if key_tables is None else row_slots(key_tables)
@@ -841,7 +858,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     supports_graphs = True  # decode steps find their closing entries on the device
     supports_prefill_graphs = False  # its prefill steps page several cache groups (none yet)
-    supports_drafts_with_graphs = False  # its speculative steps run eagerly (no verification graphs yet)
+    supports_drafts_with_graphs = True  # verification steps and the MTP head's drafts replay graphs
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
@@ -859,12 +876,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         self.drafter: BlockDrafter | None = None  # set by the loader when one is saved beside
-        self.rope_positions = config.max_position_embeddings  # no padding rows: no verification graphs
+        # rows past max_position_embeddings serve only verification steps' padding drafts (up to
+        # k positions past max_model_len, outputs discarded), as DeepSeek-V2's
+        self.rope_positions = config.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS
         device = backend.device.device()
         # (P, R) [cos | sin] tables: plain rope for sliding-only layers, the compressed branches'
         # own (compress_rope_theta, YaRN when configured) for CSA / HCA layers
         for name, rope in (("main_rope", config.rope), ("compress_rope", v4.compress_rope)):
-            table = cos_sin_cache(rope, v4.rope_dim, config.max_position_embeddings, device)
+            table = cos_sin_cache(rope, v4.rope_dim, self.rope_positions, device)
             self.register_buffer(name, table, persistent=False)
         self._slices = _cache_slices(config, v4.compress_ratios)
         # the groups after the ring (entries, indexer keys), in cache_groups' order
@@ -916,11 +935,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             out.append(LayerCaches(window, **wide, entry_tables=entry_tables, key_tables=key_tables))
         return out
 
+    @property
+    def hidden_shape(self) -> tuple[int, int]:
+        """One token's hidden state as forward returns it: its (N, Dm) streams."""
+        return (self.v4.hc_mult, self.config.hidden_size)
+
     def _check_length(self, batch: ForwardBatch) -> None:
-        if batch.attn.max_seq_len > self.config.max_position_embeddings:
+        if batch.attn.max_seq_len > self.rope_positions:
             raise ValueError(
                 f"sequence length {batch.attn.max_seq_len} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings})"
+                f"({self.config.max_position_embeddings}) + {SPECULATIVE_PADDING_POSITIONS} padding positions"
             )
 
     def _entries(

@@ -470,6 +470,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.config.max_position_embeddings
 
     @property
+    def hidden_shape(self) -> tuple[int]:
+        """One token's hidden state as forward returns it (the streams collapsed): (Dm,)."""
+        return (self.config.hidden_size,)
+
+    @property
     def num_mtp_layers(self) -> int:
         """0: the DSpark draft layers are not loaded yet."""
         return 0

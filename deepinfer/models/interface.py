@@ -37,6 +37,7 @@ class CausalLM(Protocol):
       rope_positions            positions the rope table holds (speculative padding drafts may
                                 sit up to k positions past max_model_len)
       num_mtp_layers            multi-token-prediction layers loaded (0: none)
+      hidden_shape              one token's hidden state (what verification graphs keep per row)
       drafter                   the block drafter saved beside the checkpoint, if any
     """
 
@@ -54,6 +55,11 @@ class CausalLM(Protocol):
 
     @property
     def num_mtp_layers(self) -> int: ...
+
+    @property
+    def hidden_shape(self) -> tuple[int, ...]:
+        """One token's hidden state as forward returns it: (Dm,); DeepSeek-V4's (N, Dm) streams."""
+        ...
 
     @property
     def num_kv_layers(self) -> int:

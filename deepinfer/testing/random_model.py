@@ -170,13 +170,16 @@ def random_model(
     expert_parallel: ExpertParallel | None = None,
     fp8: bool = False,
     num_hidden_layers: int | None = None,
+    mtp: bool = False,
 ) -> DeepseekForCausalLM | DeepseekV4ForCausalLM:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
     gpu_memory_utilization). expert_parallel: only this rank's routed experts; fp8: FP8 linear
     layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8), and
     for DeepSeek-V4 configs with expert_dtype fp4 (V4-Flash) MXFP4 routed experts, as published;
-    num_hidden_layers: overrides the config's depth (the first layers of its schedule)."""
+    num_hidden_layers: overrides the config's depth (the first layers of its schedule); mtp:
+    DeepSeek-V4's MTP layers too (num_nextn_predict_layers of them, DeepSeek's mtp.{k}.*; not
+    counted by the fit check)."""
     config = ModelConfig.from_file(config_file)
     if num_hidden_layers is not None:  # a reduced-depth model of the same shapes
         raw = json.loads(config_file.read_text())
@@ -196,7 +199,11 @@ def random_model(
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
     device, fp4_experts = backend.device.device(), has_fp4_experts(config, fp8)
-    model.load_weights(RandomSource(BENCH_INIT, seed, device, fp8=fp8, fp4_experts=fp4_experts))
+    if mtp and config.v4 is None:
+        raise ValueError("random MTP layers are built for DeepSeek-V4 configs only")
+    present = [f"mtp.{k}.enorm.weight" for k in range(config.num_nextn_predict_layers)] if mtp else []
+    source = RandomSource(BENCH_INIT, seed, device, present=present, fp8=fp8, fp4_experts=fp4_experts)
+    model.load_weights(source)
     backend.device.synchronize()
     logger.info(
         "random weights for %s built in %.2f s: %.2f GiB (estimated), on %s",
