@@ -120,6 +120,11 @@ def check_model_features(config: EngineConfig, model: CausalLM) -> None:
             f"speculative_config: num_speculative_tokens={k} exceeds the block drafter's block_size "
             f"{model.drafter.block_size}"
         )
+    if method is not None and model.token_history:
+        raise ValueError(
+            f"speculative decoding is not supported for {config.model}: its forward reads each token's "
+            f"{model.token_history} previous tokens (Engram n-grams), which drafted steps do not pass yet"
+        )
     if config.enable_prefix_caching and not model.supports_prefix_caching:
         raise ValueError(
             f"enable_prefix_caching is not supported for {config.model} ({model.config.model_type}): its "
@@ -179,7 +184,9 @@ class Worker:
         # a verification graph step of the largest verify bucket: B x (1 + K) tokens
         verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + k)
         most = max(config.max_num_batched_tokens, verify_rows, config.max_prefill_graph_tokens)
-        self.inputs = StepInputs(backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups)
+        self.inputs = StepInputs(
+            backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups, model.token_history
+        )
         self.token_table = token_table(self.vocab_size, self.max_rows, self.device)
         self.sampled_ids = self.token_table[self.vocab_size :]  # (R,): placeholders read it
         self.kv_caches: list[PagedKVCache] = []
@@ -438,7 +445,12 @@ class Worker:
         """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
         fb.logits_indices), written into `out` when given. every_row: the step's logits rows are
         its tokens in order (a decode graph step), so no row gather."""
-        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.token_table))
+        history = fb.token_history
+        fb = dataclasses.replace(
+            fb,
+            input_ids=resolve_placeholders(fb.input_ids, self.token_table),
+            token_history=None if history is None else resolve_placeholders(history, self.token_table),
+        )
         hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm), or V4's (T, N, Dm)
         rows = hidden if every_row else hidden[fb.logits_indices]
         logits: torch.Tensor = self.model.compute_logits(rows, out)
