@@ -11,6 +11,7 @@ preemption with recompute; decode graphs and async scheduling (the engine's defa
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -179,6 +180,19 @@ def test_engram_decodes_many_steps(engram_case: Case) -> None:
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = c.llm().generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_engram_on_the_cuda_backend(engram_case: Case) -> None:
+    """The cuda backend's Triton Engram kernels (lookup, gate) inside the whole model, float32:
+    the oracle's greedy tokens."""
+    c = engram_case
+    llm = c.llm(backend="cuda")
+    assert llm.llm_engine.backend.name == "cuda"
+    assert greedy(llm, c.prompts[:4]) == c.expected[:4]
 
 
 def test_engram_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
