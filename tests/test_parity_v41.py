@@ -11,6 +11,7 @@ preemption with recompute; decode graphs and async scheduling (the engine's defa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import unicodedata
@@ -180,6 +181,31 @@ def test_engram_decodes_many_steps(engram_case: Case) -> None:
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = c.llm().generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_engram_tables_in_host_memory(engram_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_ENGRAM_HOST_TABLES=1: the tables are the host tensors pinned_empty gave (on the
+    CPU reference backend host memory is the device's), the tokens unchanged, chunked prefill."""
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    llm = engram_case.llm(max_num_batched_tokens=5, enable_chunked_prefill=True)
+    engrams = [b.engram for b in llm.llm_engine.model.layers if b.engram is not None]
+    assert engrams and all(e.host_table and e.table.device.type == "cpu" for e in engrams)
+    assert greedy(llm, engram_case.prompts) == engram_case.expected
+
+
+def test_host_tables_need_a_backend_that_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from deepinfer.reference.backend import create_reference_backend
+
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    reference = create_reference_backend()
+    backend = dataclasses.replace(
+        reference, capabilities=dataclasses.replace(reference.capabilities, reads_host_tables=False)
+    )
+    raw = tiny_v41_config(layers=4, engram=True, engram_compressed_vocab_size=None)
+    raw.pop("quantization_config")
+    with pytest.raises(ValueError, match=r"backend 'reference' cannot read Engram tables in host memory"):
+        DeepseekV41ForCausalLM(ModelConfig.from_dict(raw), backend, torch.float32)
 
 
 @pytest.mark.skipif(

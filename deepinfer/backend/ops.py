@@ -931,7 +931,10 @@ class SmallOps(_Part):
         c // Hg + 2), table (R, Dh) with R >= sum(sizes) -> (T, C * Dh) in table's dtype, where
         head c reads row (XOR_{r < n} ids[t, r] * multipliers[r]) mod sizes[c] + (sizes[0] + ...
         + sizes[c - 1]); products wrap in int64, the remainder is non-negative. A gather: exact.
-        Device only, graph-safe. Default: the reference (deepinfer.reference.engram)."""
+        The table is on the device, or, where Capabilities.reads_host_tables, in pinned host
+        memory (device.pinned_empty): the output is on the ids' device either way. Device only,
+        graph-safe. Default: the reference (deepinfer.reference.engram; host tables only where
+        host memory is the device's, the CPU)."""
         return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table)
 
     def engram_gate(

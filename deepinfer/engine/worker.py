@@ -18,7 +18,8 @@ processors that need the host (penalties, grammars) run between the forward and 
 ids that are placeholders for tokens still on the device (async scheduling) are resolved from
 sampled_ids as the first op of the forward: one gather from the token table, the identity over
 the vocabulary followed by sampled_ids, which a placeholder's negative id reaches from its end
-(resolve_placeholders).
+(resolve_placeholders); a model's token history (ForwardBatch.token_history) is resolved the same
+way.
 
 Expert parallelism: a graph step's MoE layers exchange fixed-size buffers with the other ranks
 (ForwardBatch.fixed_exchange), captured in the graph; every rank replays the same bucket at the

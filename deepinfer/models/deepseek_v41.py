@@ -37,7 +37,8 @@ The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one pos
 Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
 streams before the attention's pre mix; the n-gram ids come from each token's input id and the
 engine's token history (ForwardBatch.token_history: the previous G - 1 tokens), built once per
-forward on the device. Its tables are weights on the device.
+forward on the device. Its tables are weights on the device, or in pinned host memory
+(envs.ENGRAM_HOST_TABLES, deepinfer.models.engram).
 
 Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
 a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights). Not yet: the
@@ -56,6 +57,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from deepinfer import envs
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
 from deepinfer.models.config import ModelConfig
@@ -480,9 +482,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             vocab, hash_vocab = vocabulary_table(e, config.vocab_size, root)
             self.register_buffer("engram_vocab", vocab.to(device), persistent=False)  # (V,) raw -> compressed
             self.engram_pad = int(vocab[e.pad_token_id]) if e.pad_token_id < len(vocab) else e.pad_token_id
+            host = envs.read().engram_host_tables
+            if host and not backend.capabilities.reads_host_tables:
+                raise ValueError(
+                    f"{envs.ENGRAM_HOST_TABLES.name}=1: backend {backend.name!r} cannot read Engram tables "
+                    "in host memory (Capabilities.reads_host_tables is False); unset it to keep them on "
+                    "the device"
+                )
             sizes = table_sizes(e)
             for i in e.layer_ids:
-                engrams[i] = Engram(backend, config, e, i, sizes[i], hash_vocab, v41.hc_mult)
+                engrams[i] = Engram(backend, config, e, i, sizes[i], hash_vocab, v41.hc_mult, host)
             self.token_history = e.max_ngram_size - 1
         self.layers = nn.ModuleList(V41Block(backend, config, v41, i, engrams.get(i)) for i in range(n))
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)

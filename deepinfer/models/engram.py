@@ -15,8 +15,13 @@ block runs them:
   R_n += g_n v, g_n = gate(R_n, k_n)              (T, N, Dm)     small.engram_gate
 on the streams after the previous sublayer's post mix, before the attention's pre mix.
 
-The tables are model weights on the device (counted in its memory like any weight). DeepSeek
-keeps them in pinned host memory and fetches each step's rows; that is not done here.
+The tables are weights on the device (counted in its memory like any weight), or, with
+the ENGRAM_HOST_TABLES switch (deepinfer.envs) on a backend whose lookup reads host memory
+(Capabilities.reads_host_tables), in pinned host memory: each step's lookup gathers the rows it
+needs from there on the device (cuda: the kernel reads them through their mapped address), with
+no host read in the forward, so decode graphs keep them. DeepSeek's engine keeps them in host
+memory too and fetches rows through DeepEP's EngramBuffer. Loading still passes each table
+through device memory once (the checkpoint reader lands tensors on the device).
 
 Symbols: T tokens, G max n-gram size, Hg heads per n-gram size, C heads of a layer, Dh a row's
 width, N hc_mult streams, Dm hidden.
@@ -152,12 +157,13 @@ class Engram(nn.Module):
 
     def __init__(
         self, backend: Backend, config: ModelConfig, engram: EngramConfig, layer: int, sizes: list[int],
-        hash_vocab: int, hc_mult: int,
+        hash_vocab: int, hc_mult: int, host_table: bool = False,
     ) -> None:  # fmt: skip
+        """host_table: the table in pinned host memory (the backend reads host tables)."""
         super().__init__()
         self.backend, self.layer, self.hc_mult = backend, layer, hc_mult
         self.dim, self.eps = config.hidden_size, config.rms_norm_eps
-        self.rows, self.head_dim = sum(sizes), engram.head_dim
+        self.rows, self.head_dim, self.host_table = sum(sizes), engram.head_dim, host_table
         device = backend.device.device()
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.int64, device=device))
         multipliers = hash_multipliers(layer, engram.max_ngram_size, hash_vocab).to(device)
@@ -177,5 +183,12 @@ class Engram(nn.Module):
         q = reader.get(f"{prefix}.q_weight", shape, torch.float32)
         k = reader.get(f"{prefix}.k_weight", shape, torch.float32)
         self.gate_weight = q * k
-        self.table = reader.get(f"{prefix}.embed.weight", (self.rows, self.head_dim), dtype)
+        table = reader.get(f"{prefix}.embed.weight", (self.rows, self.head_dim), dtype)
+        if self.host_table:
+            host = self.backend.device.pinned_empty(tuple(table.shape), dtype)
+            host.copy_(table)
+            del table
+            self.table = host
+        else:
+            self.table = table
         self.wkv.load(reader, f"{prefix}.wkv", dtype)

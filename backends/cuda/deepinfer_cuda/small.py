@@ -99,8 +99,9 @@ class CudaSmall(SmallOps):
     def engram_lookup(
         self, ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
     ) -> torch.Tensor:
-        """One launch (kernels/engram.py: the hash and the row copy per (token, head))."""
-        if not self.fused:
+        """One launch (kernels/engram.py: the hash and the row copy per (token, head)); a table in
+        pinned host memory is read through its mapped address, so it always takes the kernel."""
+        if not self.fused and table.device == ngram_ids.device:
             return super().engram_lookup(ngram_ids, multipliers, sizes, table)
         return engram_k.engram_lookup(ngram_ids, multipliers, sizes, table)
 

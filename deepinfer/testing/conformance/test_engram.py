@@ -42,6 +42,7 @@ def _rows_oracle(ids: list[list[int]], mult: list[int], sizes: list[int], heads:
     return out
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
 @pytest.mark.parametrize(
     "tokens,grams,heads,head_dim",
     [(0, 3, 2, 8), (1, 2, 1, 8), (7, 3, 3, 32), (33, 4, 2, 16), (5, 5, 1, 40)],
@@ -54,9 +55,13 @@ def test_engram_lookup(
     grams: int,
     heads: int,
     head_dim: int,
+    where: str,
 ) -> None:
     """Ids below the hash vocabulary, multipliers as DeepSeek bounds them (products within int64),
-    prime head sizes near the vocabulary, a table with spare rows past the heads'."""
+    prime head sizes near the vocabulary, a table with spare rows past the heads'; the table on
+    the device, or in pinned host memory where the backend claims it reads host tables."""
+    if where == "host" and not backend.capabilities.reads_host_tables:
+        pytest.skip(f"backend {backend.name!r} does not claim reads_host_tables")
     dev, hash_vocab = backend.device.device(), 1000
     sizes = _primes_above(97, (grams - 1) * heads)
     bound = (INT64_MAX // hash_vocab) // 2
@@ -65,6 +70,8 @@ def test_engram_lookup(
     if tokens:
         ids[0] = hash_vocab - 1  # the largest products
     table = randn((sum(sizes) + 5, head_dim), dtype, dev, gen)
+    if where == "host":
+        table = backend.device.pinned_empty(tuple(table.shape), dtype).copy_(table.cpu())
     got = backend.small.engram_lookup(
         ids.to(dev),
         torch.tensor(mult, dtype=torch.int64, device=dev),
@@ -75,8 +82,8 @@ def test_engram_lookup(
         tokens, len(sizes)
     )
     want = table.cpu()[rows.reshape(-1)].reshape(tokens, len(sizes) * head_dim)
-    assert got.dtype == dtype
-    assert_bitwise_equal(got, want, what="engram_lookup")
+    assert got.dtype == dtype and got.device.type == torch.device(dev).type
+    assert_bitwise_equal(got, want, what=f"engram_lookup (table on the {where})")
 
 
 @pytest.mark.parametrize("tokens,n,dm", [(0, 2, 16), (1, 4, 64), (9, 3, 40), (37, 2, 300)])

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda.kernels.common import next_pow2, to_dtype
+from deepinfer_cuda.kernels.common import INTERPRET, next_pow2, to_dtype
 
 
 @triton.jit
@@ -42,7 +42,9 @@ def _lookup_kernel(
 def engram_lookup(
     ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
 ) -> torch.Tensor:
-    """(T, G) int64 ids -> (T, C * Dh) rows in table's dtype; one program per (token, head)."""
+    """(T, G) int64 ids -> (T, C * Dh) rows in table's dtype on the ids' device; one program per
+    (token, head). The table may be in pinned host memory: the kernel reads the rows it needs
+    through their mapped address (a zero-copy gather over the bus, no host sync: graph-safe)."""
     t, g = ngram_ids.shape
     c = sizes.numel()
     if g < 2 or c % (g - 1) or multipliers.shape != (g,):
@@ -54,8 +56,13 @@ def engram_lookup(
     ids = ngram_ids.to(torch.int64).contiguous()
     sizes64 = sizes.to(torch.int64).contiguous()
     offsets = torch.cumsum(sizes64, 0) - sizes64
-    table = table if table.stride(-1) == 1 else table.contiguous()
-    out = torch.empty((t, c * dh), dtype=table.dtype, device=table.device)
+    if table.stride(-1) != 1:
+        raise ValueError("engram_lookup needs a table with contiguous rows (it may be host memory: no copy)")
+    if table.device != ids.device and not (INTERPRET or table.is_pinned()):
+        raise ValueError(
+            f"engram_lookup: a table on {table.device} must be pinned host memory or on {ids.device}"
+        )
+    out = torch.empty((t, c * dh), dtype=table.dtype, device=ids.device)
     if t and c and dh:
         _lookup_kernel[(t, c)](
             ids, multipliers.to(torch.int64).contiguous(), sizes64, offsets, table, out, dh, ids.stride(0),
