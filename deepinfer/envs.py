@@ -137,6 +137,18 @@ SKIP_WEIGHT_CHECK = Switch(
     audience="user",
     read_when="when a model is loaded",
 )
+ENGRAM_HOST_TABLES = Switch(
+    name="DEEPINFER_ENGRAM_HOST_TABLES",
+    attr="engram_host_tables",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: DeepSeek-V4.1's Engram tables stay in pinned host memory, each step's rows gathered from "
+        "there by the lookup kernel (backends with Capabilities.reads_host_tables); 0: on the device"
+    ),
+    audience="user",
+    read_when="when a model is loaded",
+)
 MODEL_UNFUSED = Switch(
     name="DEEPINFER_MODEL_UNFUSED",
     attr="model_unfused",
@@ -363,6 +375,7 @@ SWITCHES: tuple[Switch, ...] = (
     LOG_LEVEL,
     CONFIGURE_LOGGING,
     SKIP_WEIGHT_CHECK,
+    ENGRAM_HOST_TABLES,
     MODEL_UNFUSED,
     CONFORMANCE_HEAVY,
     REFERENCE_DEVICE,
@@ -394,6 +407,7 @@ class Env:
     log_level: str | None
     configure_logging: bool
     skip_weight_check: bool
+    engram_host_tables: bool
     model_unfused: frozenset[str]
     conformance_heavy: bool
     reference_device: str

@@ -3,12 +3,18 @@ whole-sequence math written from the published description, sharing no code with
 greedy tokens through LLM.generate on the reference backend in float32 equal the oracle's, on
 tiny random checkpoints covering every layer type (window only, C1, C2), the sharing topology
 (KV, index-key and top-k consumers), YOCO's shared hidden state in the decoder half, shifted and
-unshifted hyper-connections, YaRN and plain rope; prompts past the window and across many C2
-pairs; whole prefill, chunked prefill that cuts pairs anywhere, and preemption with recompute.
+unshifted hyper-connections, YaRN and plain rope, Engram layers (identity and tokenizer-compressed
+vocabularies, n-grams of up to 4 tokens); prompts past the window and across many C2 pairs and
+prompts shorter than the n-grams; whole prefill, chunked prefill that cuts pairs anywhere, and
+preemption with recompute; decode graphs and async scheduling (the engine's defaults).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +23,17 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig, ModelConfigError
-from deepinfer.testing.v41_checkpoint import random_v41_tensors, tiny_v41_config, write_v41_checkpoint
+from deepinfer.testing.v41_checkpoint import (
+    random_v41_tensors,
+    tiny_v41_config,
+    write_merging_tokenizer,
+    write_v41_checkpoint,
+)
 from deepinfer.testing.v41_oracle import V41Oracle
 
 PROMPT_LENS = (1, 2, 7, 13, 26, 41)
 NEW_TOKENS = 8
+TOKENIZER = -1  # engram_compressed_vocab_size: the size of the tokenizer's compressed vocabulary
 # name -> tiny_v41_config knobs
 CONFIGS: dict[str, dict[str, Any]] = {
     # window, C2, then the C1 decoder half; every compressed layer its own source
@@ -49,7 +61,34 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # one top-k entry, a wide window
     "topk1": dict(layers=3, ratios=[1, 2, 1], index_topk=1, window=9, kv_source_layer_ids=[0, 1, 2]),
+    # Engram on both encoder layers (the window layer and C2), 2- and 3-grams, the identity vocabulary
+    "engram": dict(layers=4, engram=True, engram_layer_ids=[0, 1], engram_compressed_vocab_size=None),
+    # Engram through the compressed vocabulary of a tokenizer.json (three raw ids per compressed
+    # one), n-grams of 2..4 tokens, 3 heads each, 3 streams, unshifted HC
+    "engram_tokenizer": dict(
+        layers=4,
+        engram=True,
+        engram_layer_ids=[1, 0],
+        hc_mult=3,
+        hc_shifted=False,
+        engram_max_ngram_size=4,
+        engram_n_heads=3,
+        engram_compressed_vocab_size=TOKENIZER,
+    ),
 }
+
+
+def normalised(text: str) -> str:
+    """Engram's token normalisation, written here with unicodedata: NFKC, NFD, combining marks
+    dropped, lowercase, whitespace runs to one space, stripped unless the text is one space."""
+    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    t = re.sub(r"[ \t\r\n]+", " ", "".join(c for c in t if not unicodedata.combining(c)).lower())
+    return (t if t == " " else t.strip()) or text
+
+
+def compressed_ids(tokens: list[str]) -> list[int]:
+    first: dict[str, int] = {}
+    return [first.setdefault(normalised(t), len(first)) for t in tokens]
 
 
 class Case:
@@ -57,10 +96,18 @@ class Case:
         raw = tiny_v41_config(**CONFIGS[name])
         raw.pop("quantization_config")  # float weights: the dequantised twin of a published checkpoint
         raw["dtype"] = "float32"
+        text = raw["text_config"]
+        lookup = None
+        if text.get("engram_compressed_vocab_size") == TOKENIZER:
+            root.mkdir(parents=True, exist_ok=True)
+            lookup = compressed_ids(write_merging_tokenizer(root, text["vocab_size"]))
+            assert lookup[text["engram_pad_token_id"]] == text["engram_pad_token_id"]
+            text["engram_compressed_vocab_size"] = max(lookup) + 1
+            assert max(lookup) + 1 < text["vocab_size"] // 2  # ids merge
         tensors = random_v41_tensors(raw, seed=len(name))
         self.root = write_v41_checkpoint(root, raw, tensors)
-        self.raw = raw
-        oracle = V41Oracle(raw, tensors)
+        self.raw, self.tensors, self.lookup = raw, tensors, lookup
+        oracle = V41Oracle(raw, tensors, engram_lookup=lookup)
         gen = torch.Generator().manual_seed(7)
         vocab = raw["text_config"]["vocab_size"]
         self.prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -98,6 +145,91 @@ def test_preemption_recomputes_exactly(case: Case) -> None:
     llm = case.llm(max_num_batched_tokens=16, enable_chunked_prefill=True, num_gpu_blocks_override=30)
     assert greedy(llm, case.prompts[::-1]) == case.expected[::-1]
     assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+ENGRAM_CASES = ["engram", "engram_tokenizer"]
+
+
+@pytest.fixture(scope="module", params=ENGRAM_CASES)
+def engram_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return Case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_engram_changes_the_tokens(engram_case: Case) -> None:
+    """The parity above could not miss Engram: without its value projection (g * v = 0) the
+    oracle's tokens differ; with another tokenizer table (each raw id its own) they differ too."""
+    c = engram_case
+    no_value = dict(c.tensors)
+    for name in [n for n in no_value if n.endswith("engram.wkv.weight")]:
+        no_value[name] = torch.zeros_like(no_value[name])
+    plain = V41Oracle(c.raw, no_value, engram_lookup=c.lookup)
+    assert [plain.greedy(p, NEW_TOKENS) for p in c.prompts] != c.expected
+    if c.lookup is not None:
+        raw = dict(c.raw, text_config=dict(c.raw["text_config"], engram_compressed_vocab_size=None))
+        identity = V41Oracle(raw, c.tensors)
+        assert [identity.greedy(p, NEW_TOKENS) for p in c.prompts] != c.expected
+
+
+def test_engram_decodes_many_steps(engram_case: Case) -> None:
+    """40 decode steps after prompts of 1 to 3 tokens (shorter than the longest n-gram), in one
+    batch with a longer prompt: every step's n-grams come from the token history the engine
+    passes (the pending token resolved on the device under async scheduling, decode graphs)."""
+    c = engram_case
+    oracle = V41Oracle(c.raw, c.tensors, engram_lookup=c.lookup)
+    prompts = [[5], [9, 17], [33, 4, 60], c.prompts[3]]
+    want = [oracle.greedy(p, 40) for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = c.llm().generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_engram_tables_in_host_memory(engram_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_ENGRAM_HOST_TABLES=1: the tables are the host tensors pinned_empty gave (on the
+    CPU reference backend host memory is the device's), the tokens unchanged, chunked prefill."""
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    llm = engram_case.llm(max_num_batched_tokens=5, enable_chunked_prefill=True)
+    engrams = [b.engram for b in llm.llm_engine.model.layers if b.engram is not None]
+    assert engrams and all(e.host_table and e.table.device.type == "cpu" for e in engrams)
+    assert greedy(llm, engram_case.prompts) == engram_case.expected
+
+
+def test_host_tables_need_a_backend_that_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from deepinfer.reference.backend import create_reference_backend
+
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    reference = create_reference_backend()
+    backend = dataclasses.replace(
+        reference, capabilities=dataclasses.replace(reference.capabilities, reads_host_tables=False)
+    )
+    raw = tiny_v41_config(layers=4, engram=True, engram_compressed_vocab_size=None)
+    raw.pop("quantization_config")
+    with pytest.raises(ValueError, match=r"backend 'reference' cannot read Engram tables in host memory"):
+        DeepseekV41ForCausalLM(ModelConfig.from_dict(raw), backend, torch.float32)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_engram_on_the_cuda_backend(engram_case: Case) -> None:
+    """The cuda backend's Triton Engram kernels (lookup, gate) inside the whole model, float32:
+    the oracle's greedy tokens."""
+    c = engram_case
+    llm = c.llm(backend="cuda")
+    assert llm.llm_engine.backend.name == "cuda"
+    assert greedy(llm, c.prompts[:4]) == c.expected[:4]
+
+
+def test_engram_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
+    raw = tiny_v41_config(layers=4, engram=True)  # engram_compressed_vocab_size set, no tokenizer.json
+    raw.pop("quantization_config")
+    raw["dtype"] = "float32"
+    write_v41_checkpoint(tmp_path, raw, random_v41_tensors(raw))
+    with pytest.raises(
+        ValueError, match=r"engram_compressed_vocab_size is 64: .*tokenizer.json, which is missing"
+    ):
+        LLM(str(tmp_path), backend="reference", dtype="float32")
 
 
 # --------------------------------------------------------------------------- refused configs
@@ -176,17 +308,6 @@ def test_bad_configs_name_the_field(raw: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        (
-            dict(
-                engram_layer_ids=[0],
-                engram_max_ngram_size=3,
-                engram_vocab_size=40,
-                engram_n_heads=2,
-                engram_head_dim=8,
-                engram_pad_token_id=2,
-            ),
-            "Engram layers",
-        ),
         (
             dict(candidate_source_layer_id=2, candidate_topk_blocks=8, candidate_block_size=2),
             "candidate-block",

@@ -41,6 +41,7 @@ from deepinfer.backend.types import (
     RouterConfig,
     Stream,
 )
+from deepinfer.reference import engram as ref_engram
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
 from deepinfer.reference import moe as ref_moe
@@ -920,6 +921,31 @@ class SmallOps(_Part):
         + base) + hc_eps with fn (N, N*Dm), base (N,), scale (1,); -> sum_n pre[n] * streams[n],
         (T, Dm) in streams' dtype, computed in float32. Default: the reference."""
         return ref_v4.hc_head(streams, fn, base, scale, norm_eps, hc_eps, self.batch_invariant)
+
+    def engram_lookup(
+        self, ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V4.1's Engram embedding: hashed n-gram rows of a stacked table, side by side.
+        ngram_ids (T, G) int64 (row t: the compressed ids of tokens p, p-1, ..., p-G+1, all >= 0),
+        multipliers (G,) int64, sizes (C,) int64 (C = (G - 1) * Hg heads, head c of n-gram size
+        c // Hg + 2), table (R, Dh) with R >= sum(sizes) -> (T, C * Dh) in table's dtype, where
+        head c reads row (XOR_{r < n} ids[t, r] * multipliers[r]) mod sizes[c] + (sizes[0] + ...
+        + sizes[c - 1]); products wrap in int64, the remainder is non-negative. A gather: exact.
+        The table is on the device, or, where Capabilities.reads_host_tables, in pinned host
+        memory (device.pinned_empty): the output is on the ids' device either way. Device only,
+        graph-safe. Default: the reference (deepinfer.reference.engram; host tables only where
+        host memory is the device's, the CPU)."""
+        return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table)
+
+    def engram_gate(
+        self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """DeepSeek-V4.1's Engram gate into the residual streams: streams (T, N, Dm), kv
+        (T, N + 1, Dm) (a key per stream, then one value), weight (N, Dm) float32 (the fused
+        q_weight * k_weight) -> streams + g * v, (T, N, Dm) in streams' dtype, computed in
+        float32 with a = <rms(x_n) * weight_n, rms(k_n)> / sqrt(Dm) (unweighted rms, eps) and
+        g = sigmoid(sign(a) * sqrt(max(|a|, 1e-6))). Default: the reference."""
+        return ref_engram.engram_gate(streams, kv, weight, eps)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """In place: logits (B, V) float, possibly rows of a wider buffer; bitmask (B, ceil(V/32))

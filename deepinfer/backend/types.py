@@ -47,6 +47,9 @@ class Capabilities:
     supports_fp8: bool = False
     supports_batch_invariant: bool = False
     supports_graphs: bool = False
+    # small.engram_lookup reads a table in pinned host memory (device.pinned_empty) from the
+    # device, with no host sync (DeepSeek-V4.1's Engram tables kept off the device)
+    reads_host_tables: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ and each further group's own tables in group_block_tables (in a graph step, each
 max_model_len needs).
 
 Layout of one step (T tokens, B requests, S sampled rows, MB block-table columns, MBg those of
-further group g), in bytes from the start of the buffer: int64 [input_ids T | positions T |
-slot_mapping T | logits_indices S | seeds S | offsets S | top_k S], float32 [temperature S |
-top_p S | min_p S], int32 [seq_lens B | query_start_loc B+1 | block_tables B*MB |
-group_block_tables B*MB1, B*MB2, ...].
+further group g, K previous tokens per token), in bytes from the start of the buffer: int64
+[input_ids T | positions T | slot_mapping T | logits_indices S | seeds S | offsets S | top_k S |
+token_history T*K], float32 [temperature S | top_p S | min_p S], int32 [seq_lens B |
+query_start_loc B+1 | block_tables B*MB | group_block_tables B*MB1, B*MB2, ...].
 """
 
 from __future__ import annotations
@@ -45,24 +45,34 @@ from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
-_I64 = ("input_ids", "positions", "slot_mapping", "logits_indices", "seeds", "offsets", "top_k")
+_I64 = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "logits_indices",
+    "seeds",
+    "offsets",
+    "top_k",
+    "token_history",
+)
 _F32 = ("temperature", "top_p", "min_p")
 _I32 = ("seq_lens", "query_start_loc", "block_tables", "group_block_tables")
 
 
-def _lengths(t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...]) -> dict[str, int]:
+def _lengths(t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...], history: int) -> dict[str, int]:
     n = dict.fromkeys(_I64, s)
-    n.update(input_ids=t, positions=t, slot_mapping=t, **dict.fromkeys(_F32, s))
+    n.update(input_ids=t, positions=t, slot_mapping=t, token_history=t * history, **dict.fromkeys(_F32, s))
     n.update(seq_lens=b, query_start_loc=b + 1, block_tables=b * mb, group_block_tables=b * sum(group_mbs))
     return n
 
 
 def layout(
-    t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...] = ()
+    t: int, b: int, s: int, mb: int, group_mbs: tuple[int, ...] = (), history: int = 0
 ) -> tuple[dict[str, tuple[int, int, torch.dtype]], int]:
     """name -> (byte offset, count, dtype) of each field, and the total size in bytes.
-    group_mbs: the block-table width of each further cache group."""
-    n = _lengths(t, b, s, mb, group_mbs)
+    group_mbs: the block-table width of each further cache group; history: the previous tokens
+    of each token the model reads (CausalLM.token_history)."""
+    n = _lengths(t, b, s, mb, group_mbs, history)
     fields: dict[str, tuple[int, int, torch.dtype]] = {}
     off = 0
     for names, dtype, size in ((_I64, torch.int64, 8), (_F32, torch.float32, 4), (_I32, torch.int32, 4)):
@@ -121,10 +131,14 @@ class StepInputs:
         max_model_len: int,
         max_draft_width: int,
         groups: list[KVCacheGroup],
+        history: int = 0,
     ) -> None:
         """max_draft_width: the most drafts a verification graph step pads a request to (its
         padding rows sit past the request's last position, up to max_model_len + width).
-        groups: the model's cache groups (the first one's table is seq.block_table)."""
+        groups: the model's cache groups (the first one's table is seq.block_table).
+        history: K = CausalLM.token_history, the previous tokens of each token the model reads
+        (ForwardBatch.token_history, (T, K) rows of this buffer; 0: no such field)."""
+        self.history = history
         self.device = backend.device.device()
         self._device_ops = backend.device  # to_device: the step's one copy
         self.block_size = block_size
@@ -145,7 +159,7 @@ class StepInputs:
         # and the entries a verification step's padding drafts reach (up to max_model_len + width)
         most = max_model_len + max_draft_width + 1
         self.group_mbs = tuple(max(1, g.blocks_for(most, block_size)) for g in groups[1:])
-        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs)
+        _, nbytes = layout(rows, max_num_seqs, rows, self.max_blocks, self.group_mbs, history)
         self._device_buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         # Two staging buffers: the host fills one while the copy from the other may be queued.
         self._staging = [backend.device.pinned_empty((nbytes,), torch.uint8) for _ in range(2)]
@@ -177,7 +191,7 @@ class StepInputs:
         every step of that graph reads the same tensors."""
         if key is not None and key in self._bucket_views:
             return self._bucket_views[key]
-        fields, _ = layout(t, b, s, mb, group_mbs)
+        fields, _ = layout(t, b, s, mb, group_mbs, self.history)
         views = self._views(self._device_buf, fields)
         views["block_tables"] = views["block_tables"].view(b, mb)
         if key is not None:
@@ -263,7 +277,7 @@ class StepInputs:
             group_mbs = tuple(
                 max([1, *(len(q.block_tables[g]) for q in seqs)]) for g in range(1, len(self.groups))
             )
-        fields, nbytes = layout(t, b, s, mb, group_mbs)
+        fields, nbytes = layout(t, b, s, mb, group_mbs, self.history)
 
         turn = self._turn
         self._turn ^= 1
@@ -305,6 +319,7 @@ class StepInputs:
             logits_indices=views["logits_indices"],
             group_block_tables=self._split_group_tables(views["group_block_tables"], b, group_mbs),
             fixed_exchange=bucket is not None,
+            token_history=views["token_history"].view(t, self.history) if self.history else None,
         )
         sampling = SamplingInputs(
             temperature=views["temperature"],
@@ -333,14 +348,16 @@ class StepInputs:
         graph step's padding tokens: id 0, the positions after the request's last, slot -1).
         Built as Python lists and stored once per field (the per-request loop is the host's hot
         path at large batch)."""
-        bs = self.block_size
+        bs, k = self.block_size, self.history
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        history: list[int] = []
         for seq, n, nd, table in zip(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens, tables):
             start = seq.num_computed_tokens
             stop = start + n - nd
             known = len(seq.token_ids)
+            first = len(ids)
             if stop <= known:
                 ids.extend(seq.token_ids[start:stop])
             else:  # the pending token (async): a placeholder resolved on the device
@@ -348,6 +365,11 @@ class StepInputs:
                 ids.extend(seq.token_ids[start:known])
                 ids.append(seq.pending_row - self.max_num_seqs)
             ids.extend(seq.draft[:nd])
+            if k:  # token i's previous k tokens: the k before the step, then the step's own
+                before = seq.token_ids[max(0, start - k) : start]
+                w = [0] * (k - len(before)) + before + ids[first:]
+                for i in range(n):
+                    history.extend(w[i + k - 1 : i - 1 if i else None : -1])
             if n == 1:
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -360,12 +382,16 @@ class StepInputs:
                 ids.extend([0] * pad)
                 pos.extend(range(start + n, start + n + pad))
                 slots.extend([-1] * pad)
+                history.extend([0] * (pad * k))
         n_real = len(ids)
         h["input_ids"][:n_real] = ids
         h["positions"][:n_real] = pos
         h["slot_mapping"][:n_real] = slots
         h["input_ids"][n_real:t] = 0
         h["slot_mapping"][n_real:t] = -1
+        if k:  # padding tokens: id 0 before them
+            h["token_history"][: len(history)] = history
+            h["token_history"][len(history) : t * k] = 0
         if width is None:
             h["positions"][n_real:t] = 0
         else:  # padding requests: positions 0 .. width each

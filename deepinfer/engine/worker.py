@@ -18,7 +18,8 @@ processors that need the host (penalties, grammars) run between the forward and 
 ids that are placeholders for tokens still on the device (async scheduling) are resolved from
 sampled_ids as the first op of the forward: one gather from the token table, the identity over
 the vocabulary followed by sampled_ids, which a placeholder's negative id reaches from its end
-(resolve_placeholders).
+(resolve_placeholders); a model's token history (ForwardBatch.token_history) is resolved the same
+way.
 
 Expert parallelism: a graph step's MoE layers exchange fixed-size buffers with the other ranks
 (ForwardBatch.fixed_exchange), captured in the graph; every rank replays the same bucket at the
@@ -120,6 +121,11 @@ def check_model_features(config: EngineConfig, model: CausalLM) -> None:
             f"speculative_config: num_speculative_tokens={k} exceeds the block drafter's block_size "
             f"{model.drafter.block_size}"
         )
+    if method is not None and model.token_history:
+        raise ValueError(
+            f"speculative decoding is not supported for {config.model}: its forward reads each token's "
+            f"{model.token_history} previous tokens (Engram n-grams), which drafted steps do not pass yet"
+        )
     if config.enable_prefix_caching and not model.supports_prefix_caching:
         raise ValueError(
             f"enable_prefix_caching is not supported for {config.model} ({model.config.model_type}): its "
@@ -179,7 +185,9 @@ class Worker:
         # a verification graph step of the largest verify bucket: B x (1 + K) tokens
         verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + k)
         most = max(config.max_num_batched_tokens, verify_rows, config.max_prefill_graph_tokens)
-        self.inputs = StepInputs(backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups)
+        self.inputs = StepInputs(
+            backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups, model.token_history
+        )
         self.token_table = token_table(self.vocab_size, self.max_rows, self.device)
         self.sampled_ids = self.token_table[self.vocab_size :]  # (R,): placeholders read it
         self.kv_caches: list[PagedKVCache] = []
@@ -438,7 +446,12 @@ class Worker:
         """Device only: the forward of one step -> (hidden (T, Dm), logits (S, V) float32 at
         fb.logits_indices), written into `out` when given. every_row: the step's logits rows are
         its tokens in order (a decode graph step), so no row gather."""
-        fb = dataclasses.replace(fb, input_ids=resolve_placeholders(fb.input_ids, self.token_table))
+        history = fb.token_history
+        fb = dataclasses.replace(
+            fb,
+            input_ids=resolve_placeholders(fb.input_ids, self.token_table),
+            token_history=None if history is None else resolve_placeholders(history, self.token_table),
+        )
         hidden = self.model.forward(fb, self.kv_caches)  # (T, Dm), or V4's (T, N, Dm)
         rows = hidden if every_row else hidden[fb.logits_indices]
         logits: torch.Tensor = self.model.compute_logits(rows, out)

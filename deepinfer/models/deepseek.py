@@ -123,6 +123,7 @@ class DeepseekForCausalLM(nn.Module):
     supports_prefill_graphs = True
     supports_drafts_with_graphs = True
     supports_prefix_caching = True
+    token_history = 0  # reads no earlier tokens than its KV cache holds
 
     def __init__(
         self,

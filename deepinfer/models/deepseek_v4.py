@@ -860,6 +860,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     supports_prefill_graphs = False  # its prefill steps page several cache groups (none yet)
     supports_drafts_with_graphs = True  # verification steps and the MTP head's drafts replay graphs
     supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
+    token_history = 0  # reads no earlier tokens than its KV cache holds
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
         super().__init__()

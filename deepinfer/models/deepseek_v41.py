@@ -34,10 +34,16 @@ Caches (paged by the engine, D-wide rows but the index keys' Di):
   index/m     index-key sources of ratio m: row j holds entry j's key (Di wide).
 The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one position back).
 
+Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
+streams before the attention's pre mix; the n-gram ids come from each token's input id and the
+engine's token history (ForwardBatch.token_history: the previous G - 1 tokens), built once per
+forward on the device. Its tables are weights on the device, or in pinned host memory
+(envs.ENGRAM_HOST_TABLES, deepinfer.models.engram).
+
 Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
 a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights). Not yet: the
-FP8 32 x 32 + MXFP4 format, Engram, the DSpark draft layers, the vision tower; their configs
-are refused with an error naming the part (DeepseekV41ForCausalLM.__init__, load_weights).
+FP8 32 x 32 + MXFP4 format, the DSpark draft layers, the vision tower; their configs are
+refused with an error naming the part (DeepseekV41ForCausalLM.__init__, load_weights).
 """
 
 from __future__ import annotations
@@ -45,11 +51,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from deepinfer import envs
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
 from deepinfer.models.config import ModelConfig
@@ -64,6 +72,7 @@ from deepinfer.models.deepseek_v4 import (
     load_f32,
     rope_tail,
 )
+from deepinfer.models.engram import Engram, ngram_ids, table_sizes, vocabulary_table
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import Linear, RMSNorm
 from deepinfer.models.rope import cos_sin_cache
@@ -146,11 +155,12 @@ def _c1_entries(entries: NewEntries, batch: ForwardBatch) -> NewEntries:
 class StepState:
     """What one forward carries from layer to layer (DeepSeek's cross-layer runtime): h* (YOCO's
     shared hidden), each KV source's entries closing in this step before their rope (the index
-    keys' input), each index source's top-k picks."""
+    keys' input), each index source's top-k picks, Engram's n-gram ids."""
 
     shared_hidden: torch.Tensor | None = None
     pre_rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    ngram_ids: torch.Tensor | None = None  # (T, G) compressed ids, models with Engram layers
 
 
 class MainEntries(nn.Module):
@@ -365,9 +375,12 @@ class V41Block(nn.Module):
     """Attention then MoE, each between hyper-connection mixes: streams (T, N, Dm) in and out.
     Shifted: the pre mix each sublayer applies is the previous sublayer's (passed in, passed on)."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int) -> None:
+    def __init__(
+        self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int, engram: Engram | None = None
+    ) -> None:
         super().__init__()
         self.backend, self.shifted, self.ratio = backend, v41.hc_shifted, v41.compress_ratios[layer]
+        self.engram = engram
         self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.attn = V41Attention(backend, config, v41, layer)
         self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
@@ -399,6 +412,9 @@ class V41Block(nn.Module):
         step: StepState,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         small = self.backend.small
+        if self.engram is not None:  # on the streams after the previous post mix
+            assert step.ngram_ids is not None
+            streams = self.engram(streams, step.ngram_ids)
         x, post, comb, pre = self._pre(self.hc_attn, streams, pre)
         a = self.attn(self.attn_norm(x), batch, caches, entries, table, step)
         streams = small.hc_post(a, streams, post, comb)
@@ -416,6 +432,8 @@ class V41Block(nn.Module):
         self.ffn.load(reader, f"{prefix}.ffn", dtype, vocab_size)
         self.hc_attn.load(reader, f"{prefix}.hc_attn")
         self.hc_ffn.load(reader, f"{prefix}.hc_ffn")
+        if self.engram is not None:
+            self.engram.load(reader, f"{prefix}.engram", dtype)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -428,17 +446,17 @@ class DeepseekV41ForCausalLM(nn.Module):
     supports_prefill_graphs = False
     supports_drafts_with_graphs = False
     supports_prefix_caching = False  # a block's entries depend on the tokens after it (C2)
+    engram_vocab: torch.Tensor  # (V,) int64 raw -> compressed ids, models with Engram layers
+    token_history = 0  # Engram models: max_ngram_size - 1 (set in __init__)
 
-    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: Backend, dtype: torch.dtype, root: Path | None = None
+    ) -> None:
+        """root: the checkpoint directory (Engram's compressed vocabulary reads its tokenizer.json)."""
         super().__init__()
         v41 = config.v41
         if v41 is None:
             raise ValueError(f"DeepseekV41ForCausalLM needs a deepseek_v41 config, got {config.model_type!r}")
-        if v41.engram is not None:
-            raise NotImplementedError(
-                "DeepSeek-V4.1's Engram layers (text_config.engram_layer_ids "
-                f"{list(v41.engram.layer_ids)}) are not implemented yet"
-            )
         if v41.sharing.candidate is not None:
             raise NotImplementedError(
                 "DeepSeek-V4.1's candidate-block selection (text_config.candidate_source_layer_id "
@@ -454,11 +472,31 @@ class DeepseekV41ForCausalLM(nn.Module):
         n = config.num_hidden_layers
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
-        self.layers = nn.ModuleList(V41Block(backend, config, v41, i) for i in range(n))
+        engrams: dict[int, Engram] = {}
+        self.token_history = 0  # previous tokens each token's forward reads (Engram: G - 1)
+        device = backend.device.device()
+        if v41.engram is not None:
+            e = v41.engram
+            if v41.hc_mult < 2:
+                raise ValueError(f"Engram gates hc_mult >= 2 streams; text_config.hc_mult is {v41.hc_mult}")
+            vocab, hash_vocab = vocabulary_table(e, config.vocab_size, root)
+            self.register_buffer("engram_vocab", vocab.to(device), persistent=False)  # (V,) raw -> compressed
+            self.engram_pad = int(vocab[e.pad_token_id]) if e.pad_token_id < len(vocab) else e.pad_token_id
+            host = envs.read().engram_host_tables
+            if host and not backend.capabilities.reads_host_tables:
+                raise ValueError(
+                    f"{envs.ENGRAM_HOST_TABLES.name}=1: backend {backend.name!r} cannot read Engram tables "
+                    "in host memory (Capabilities.reads_host_tables is False); unset it to keep them on "
+                    "the device"
+                )
+            sizes = table_sizes(e)
+            for i in e.layer_ids:
+                engrams[i] = Engram(backend, config, e, i, sizes[i], hash_vocab, v41.hc_mult, host)
+            self.token_history = e.max_ngram_size - 1
+        self.layers = nn.ModuleList(V41Block(backend, config, v41, i, engrams.get(i)) for i in range(n))
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):  # unshifted only
             self.register_buffer(name, torch.empty(0, device="meta"))
-        device = backend.device.device()
         for name, rope in (("main_rope", config.rope), ("compress_rope", v41.compress_rope)):
             table = cos_sin_cache(rope, v41.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
@@ -558,7 +596,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if v41.hc_shifted:  # the first sublayer reads stream 0
             pre = torch.zeros(x.shape[0], v41.hc_mult, dtype=torch.float32, device=x.device)
             pre[:, 0] = 1.0
-        step = StepState()
+        step = StepState(ngram_ids=self._ngram_ids(batch))
         for block, layer_caches in zip(self.layers, caches):
             ratio = cast(V41Block, block).ratio
             table = self.compress_rope if ratio else self.main_rope
@@ -569,6 +607,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         return small.hc_head(
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, v41.hc_eps
         )
+
+    def _ngram_ids(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Engram's (T, G) compressed n-gram ids of the step's tokens (None without Engram)."""
+        e = self.v41.engram
+        if e is None:
+            return None
+        history = batch.token_history
+        t = batch.num_tokens
+        if history is None:
+            if t:
+                raise ValueError(
+                    f"DeepSeek-V4.1's Engram layers read each token's {self.token_history} previous "
+                    "tokens: the ForwardBatch has no token_history"
+                )
+            history = batch.input_ids.new_zeros((0, self.token_history))
+        if tuple(history.shape) != (t, self.token_history):
+            raise ValueError(
+                f"token_history must be ({t}, {self.token_history}) for the step's tokens, got "
+                f"{tuple(history.shape)}"
+            )
+        return ngram_ids(batch.input_ids, history, batch.positions, self.engram_vocab, self.engram_pad)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (S, Dm) rows of forward's output -> logits (S, V) float32."""

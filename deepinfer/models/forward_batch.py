@@ -82,6 +82,10 @@ class ForwardBatch:
                     are the first group's (a ring's: column i is ring block i % n, or a
                     step-scratch block for the columns of a long step's positions). Empty: every
                     cache is paged by attn.block_tables.
+    token_history   (T, K) int64 or None: for a model that reads K = CausalLM.token_history
+                    previous tokens (DeepSeek-V4.1's Engram n-grams), column r - 1 of a token at
+                    position p holds the id of the token at position p - r (any valid id where
+                    p - r < 0; placeholders of pending tokens as in input_ids, resolved with them)
     fixed_exchange  the step is padded to a graph bucket, and with expert parallelism every rank
                     runs a step of that bucket: MoE layers exchange fixed-size buffers
                     (deepinfer.parallel.expert_parallel.fixed_exchange), capturable in a graph.
@@ -95,6 +99,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     group_block_tables: tuple[torch.Tensor, ...] = ()
     fixed_exchange: bool = False
+    token_history: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

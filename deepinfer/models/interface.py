@@ -34,6 +34,8 @@ class CausalLM(Protocol):
       supports_drafts_with_graphs  graphs stay on with a speculative decoder (else its steps,
                                 and every other, run eagerly)
       supports_prefix_caching   a full block's cache rows depend on its tokens and the ones before
+      token_history             previous tokens of each computed token the forward reads
+                                (ForwardBatch.token_history); 0: none
       rope_positions            positions the rope table holds (speculative padding drafts may
                                 sit up to k positions past max_model_len)
       num_mtp_layers            multi-token-prediction layers loaded (0: none)
@@ -49,6 +51,7 @@ class CausalLM(Protocol):
     supports_prefill_graphs: bool
     supports_drafts_with_graphs: bool
     supports_prefix_caching: bool
+    token_history: int
 
     @property
     def rope_positions(self) -> int: ...

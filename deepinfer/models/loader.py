@@ -611,7 +611,7 @@ def load_model(
         if config.v41 is not None:
             if expert_parallel is not None:
                 raise ValueError("expert parallelism is not supported for DeepSeek-V4.1 yet")
-            model = DeepseekV41ForCausalLM(config, backend, dtype)
+            model = DeepseekV41ForCausalLM(config, backend, dtype, root)
         elif config.v4 is not None:
             if expert_parallel is not None:
                 raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")

@@ -6,6 +6,7 @@ same code elsewhere, e.g. as the baseline in GPU benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -115,7 +116,8 @@ def create_reference_backend(options: BackendOptions | None = None) -> Backend:
     return Backend(
         name="reference",
         options=options,
-        capabilities=CAPABILITIES,
+        # on the CPU, host memory is the device's: Engram tables there are read in place
+        capabilities=dataclasses.replace(CAPABILITIES, reads_host_tables=device.type == "cpu"),
         device=ReferenceDevice(options, device),
         kv_cache=KVCacheOps(options),
         attention=ReferenceAttention(options),

@@ -4,7 +4,9 @@
 `text_config`, a `quantization_config` and `vision_config` as DeepSeek's loader expects);
 `random_v41_tensors(config, seed)` the float32 tensors under DeepSeek's HF names with the shapes
 `v41_oracle.expected_tensor_shapes` lists; `write_v41_checkpoint(directory, config, tensors)` writes
-config.json + model.safetensors. The weights are float (no FP8 / FP4 twins yet).
+config.json + model.safetensors; `write_merging_tokenizer(directory, vocab)` a word-level
+tokenizer.json whose tokens fall into groups that Engram's normalisation merges (case, accents,
+surrounding spaces), for the compressed vocabulary. The weights are float (no FP8 / FP4 twins yet).
 """
 
 from __future__ import annotations
@@ -181,3 +183,27 @@ def write_v41_checkpoint(
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+ENGRAM_SPECIALS = ("<bos>", "<eos>", "<｜▁pad▁｜>")  # ids 0, 1, 2 (DeepSeek's Engram pad is id 2)
+
+
+def merging_tokens(vocab: int) -> list[str]:
+    """`vocab` token strings: the three specials, then groups of three that normalise alike:
+    "te{j}", "TE{j}", " té{j} " (lowercase, accents stripped, surrounding spaces stripped)."""
+    words = [
+        ("te{}", "TE{}", " t\u00e9{} ")[i % 3].format(i // 3) for i in range(vocab - len(ENGRAM_SPECIALS))
+    ]
+    return [*ENGRAM_SPECIALS, *words]
+
+
+def write_merging_tokenizer(directory: str | Path, vocab: int) -> list[str]:
+    """A word-level tokenizer.json of merging_tokens(vocab) in `directory`; returns the tokens."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tokens = merging_tokens(vocab)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)}, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ENGRAM_SPECIALS])
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return tokens

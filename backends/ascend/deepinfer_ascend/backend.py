@@ -11,6 +11,7 @@ DeepSeek-V4's ops (docs/ascend.md, "DeepSeek-V4 ops"):
   small.hc_pre / hc_post        reference definition (no torch_npu op; custom npu_hc_pre /
                                 npu_hc_post exist outside torch_npu)
   small.hc_head, gated_pool     reference definition (no torch_npu op)
+  small.engram_lookup / engram_gate  reference definition (DeepSeek-V4.1's Engram; no torch_npu op)
 """
 
 from __future__ import annotations

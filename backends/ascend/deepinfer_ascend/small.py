@@ -9,7 +9,8 @@ clamped_silu_and_mul  npu_clipped_swiglu(x, dim=-1, alpha=1.0, limit, bias=0.0, 
                 min(A, limit) * sigmoid(1.0 * min(A, limit)) * (clamp(B, -limit, limit) + 0.0),
                 DeepSeek-V4's clamped SwiGLU exactly (the defaults are GPT-OSS's: pass all four)
 DeepSeek-V4's gated_pool and hc_pre / hc_post / hc_head keep the contract's reference
-definitions (torch_npu has no such op; see docs/ascend.md).
+definitions (torch_npu has no such op; see docs/ascend.md), as do DeepSeek-V4.1's
+engram_lookup and engram_gate.
 Token bitmask and sampling keep the contract's torch implementations (aten ops on the NPU).
 """
 

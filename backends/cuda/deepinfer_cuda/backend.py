@@ -65,6 +65,7 @@ def capabilities_for(device: torch.device) -> Capabilities:
         supports_fp8=fp8,
         supports_batch_invariant=True,
         supports_graphs=True,  # CUDA graphs; RerunGraph under the interpreter
+        reads_host_tables=True,  # kernels/engram.py reads pinned rows through their mapped address
     )
 
 

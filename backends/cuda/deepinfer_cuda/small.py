@@ -1,5 +1,5 @@
-"""The small-ops part: norms, rope, activations, DeepSeek-V4's mHC and pooling ops, the token
-bitmask, the greedy draw and the sampling noise."""
+"""The small-ops part: norms, rope, activations, DeepSeek-V4's mHC and pooling ops, DeepSeek-V4.1's
+Engram lookup and gate, the token bitmask, the greedy draw and the sampling noise."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from deepinfer import envs
 from deepinfer.backend.ops import SmallOps
 from deepinfer.backend.types import BackendOptions
+from deepinfer_cuda.kernels import engram as engram_k
 from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
 
@@ -94,6 +95,23 @@ class CudaSmall(SmallOps):
         if not self.fused:
             return super().hc_head(streams, fn, base, scale, norm_eps, hc_eps)
         return v4_k.hc_head(streams, fn, base, scale, norm_eps, hc_eps, batch_invariant=self.batch_invariant)
+
+    def engram_lookup(
+        self, ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+    ) -> torch.Tensor:
+        """One launch (kernels/engram.py: the hash and the row copy per (token, head)); a table in
+        pinned host memory is read through its mapped address, so it always takes the kernel."""
+        if not self.fused and table.device == ngram_ids.device:
+            return super().engram_lookup(ngram_ids, multipliers, sizes, table)
+        return engram_k.engram_lookup(ngram_ids, multipliers, sizes, table)
+
+    def engram_gate(
+        self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """One launch (kernels/engram.py: both norms, the gate and the update per (token, stream))."""
+        if not self.fused:
+            return super().engram_gate(streams, kv, weight, eps)
+        return engram_k.engram_gate(streams, kv, weight, eps)
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         small_k.apply_token_bitmask(logits, bitmask)

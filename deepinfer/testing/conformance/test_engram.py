@@ -1,0 +1,109 @@
+"""DeepSeek-V4.1's Engram ops against oracles written here from their definitions (not the
+reference code): the hashed n-gram lookup with Python's integers (exact: a gather), and the gate
+into the residual streams in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from deepinfer.backend.ops import Backend
+from deepinfer.testing.helpers import oracle, randn
+from deepinfer.testing.tolerances import assert_bitwise_equal, assert_close
+
+INT64_MAX = 2**63 - 1
+
+
+def _primes_above(start: int, count: int) -> list[int]:
+    out: list[int] = []
+    p = start
+    while len(out) < count:
+        p += 1
+        if all(p % d for d in range(2, math.isqrt(p) + 1)):
+            out.append(p)
+    return out
+
+
+def _rows_oracle(ids: list[list[int]], mult: list[int], sizes: list[int], heads: int) -> list[list[int]]:
+    """Per token and head c (n-gram size n = c // heads + 2): the XOR of ids[r] * mult[r] for
+    r < n, modulo the head's size, plus the sizes of the heads before it."""
+    out = []
+    for row in ids:
+        cols = []
+        for c, size in enumerate(sizes):
+            n = c // heads + 2
+            mix = 0
+            for r in range(n):
+                mix ^= row[r] * mult[r]
+            cols.append(mix % size + sum(sizes[:c]))
+        out.append(cols)
+    return out
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize(
+    "tokens,grams,heads,head_dim",
+    [(0, 3, 2, 8), (1, 2, 1, 8), (7, 3, 3, 32), (33, 4, 2, 16), (5, 5, 1, 40)],
+)
+def test_engram_lookup(
+    backend: Backend,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    tokens: int,
+    grams: int,
+    heads: int,
+    head_dim: int,
+    where: str,
+) -> None:
+    """Ids below the hash vocabulary, multipliers as DeepSeek bounds them (products within int64),
+    prime head sizes near the vocabulary, a table with spare rows past the heads'; the table on
+    the device, or in pinned host memory where the backend claims it reads host tables."""
+    if where == "host" and not backend.capabilities.reads_host_tables:
+        pytest.skip(f"backend {backend.name!r} does not claim reads_host_tables")
+    dev, hash_vocab = backend.device.device(), 1000
+    sizes = _primes_above(97, (grams - 1) * heads)
+    bound = (INT64_MAX // hash_vocab) // 2
+    mult = (torch.randint(0, bound, (grams,), generator=gen, dtype=torch.int64) * 2 + 1).tolist()
+    ids = torch.randint(0, hash_vocab, (tokens, grams), generator=gen, dtype=torch.int64)
+    if tokens:
+        ids[0] = hash_vocab - 1  # the largest products
+    table = randn((sum(sizes) + 5, head_dim), dtype, dev, gen)
+    if where == "host":
+        table = backend.device.pinned_empty(tuple(table.shape), dtype).copy_(table.cpu())
+    got = backend.small.engram_lookup(
+        ids.to(dev),
+        torch.tensor(mult, dtype=torch.int64, device=dev),
+        torch.tensor(sizes, dtype=torch.int64, device=dev),
+        table,
+    )
+    rows = torch.tensor(_rows_oracle(ids.tolist(), mult, sizes, heads), dtype=torch.int64).view(
+        tokens, len(sizes)
+    )
+    want = table.cpu()[rows.reshape(-1)].reshape(tokens, len(sizes) * head_dim)
+    assert got.dtype == dtype and got.device.type == torch.device(dev).type
+    assert_bitwise_equal(got, want, what=f"engram_lookup (table on the {where})")
+
+
+@pytest.mark.parametrize("tokens,n,dm", [(0, 2, 16), (1, 4, 64), (9, 3, 40), (37, 2, 300)])
+def test_engram_gate(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, n: int, dm: int
+) -> None:
+    """Gate logits of both signs and near zero (keys orthogonal-ish to the streams), values of
+    another scale than the streams."""
+    dev, eps = backend.device.device(), 1e-6
+    streams = randn((tokens, n, dm), dtype, dev, gen, 2.0)
+    kv = randn((tokens, n + 1, dm), dtype, dev, gen)
+    weight = (1 + randn((n, dm), torch.float32, dev, gen, 0.2)).contiguous()
+    before = (streams.clone(), kv.clone())
+    got = backend.small.engram_gate(streams, kv, weight, eps)
+    x, k, v, w = oracle(streams), oracle(kv[:, :n]), oracle(kv[:, n]), oracle(weight)
+    xn = x / torch.sqrt((x**2).mean(-1, keepdim=True) + eps)
+    kn = k / torch.sqrt((k**2).mean(-1, keepdim=True) + eps)
+    a = (xn * w * kn).sum(-1) / math.sqrt(dm)
+    root = torch.sqrt(torch.maximum(a.abs(), torch.full_like(a, 1e-6)))
+    g = 1 / (1 + torch.exp(-torch.where(a < 0, -root, torch.where(a > 0, root, torch.zeros_like(a)))))
+    assert got.dtype == dtype
+    assert_close(got, x + g[..., None] * v[:, None, :], dtype, what="engram_gate")
+    assert torch.equal(streams, before[0]) and torch.equal(kv, before[1]), "engram_gate changed its inputs"
