@@ -114,11 +114,12 @@ class RandomSource:
         record: bool = False,
         fp8: bool = False,
         fp4_experts: bool = False,
+        fp8_block: int = FP8_BLOCK,
     ) -> None:
         if (fp8 or fp4_experts) and init.matrix is None:
             raise ValueError("quantised random weights need an init with a fixed matrix scale")
         self.init, self.device = init, torch.device(device)
-        self.fp8_dtype = FP8_DTYPE
+        self.fp8_dtype, self.fp8_block = FP8_DTYPE, fp8_block
         self.location: dict[str, str] = {}  # made up on demand: none held
         self.present, self.record = set(present), record
         self.fp8, self.fp4_experts = fp8, fp4_experts
@@ -165,7 +166,7 @@ class RandomSource:
             return self.get(f"{prefix}.weight", shape, dtype), None
         # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
         w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
-        blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        blocks = (-(-n // self.fp8_block), -(-k // self.fp8_block))
         return w.to(self.fp8_dtype), torch.full(blocks, std, dtype=torch.float32, device=self.device)
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
