@@ -358,6 +358,7 @@ class StateDictReader:
     def __init__(self, state: dict[str, torch.Tensor], device: torch.device) -> None:
         self.state, self.device = state, device
         self.fp8_dtype = torch.float8_e4m3fn
+        self.fp8_block = 128  # DeepSeek-V3 / V4's 128 x 128 scale blocks
         self.location = dict.fromkeys(state, "<memory>")
         self._read: set[str] = set()
         self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED

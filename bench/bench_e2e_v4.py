@@ -154,6 +154,7 @@ class StateDictSource(CheckpointReader):
         self.check_weights = False  # made here, finite
         self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.fp8_dtype = torch.float8_e4m3fn
+        self.fp8_block = 128  # DeepSeek-V3 / V4's 128 x 128 scale blocks
         self.files, self.index_map, self._handles = [], {}, {}
         self.state = state
         self.location = dict.fromkeys(state, "<memory>")

@@ -494,6 +494,27 @@ def test_fp8_gemm_tma_rejects_unaligned_rows(gen: torch.Generator) -> None:
     assert torch.isfinite(gemm_k.fp8_gemm(*args)).all()  # auto: the pointer kernel
 
 
+def test_fp8_gemm_block32_runs_on_the_pointer_kernel(gen: torch.Generator) -> None:
+    """DeepSeek-V4.1's 32 x 32 blocks: block_k = 32 on the pointer kernel (the TMA kernel's one
+    weight scale per 128-wide tile does not hold them: refused), in batch-invariant mode too,
+    where a row's bits do not depend on the rows beside it."""
+    xq, xs = ref_gemm.quantize_fp8(torch.randn((6, 200), generator=gen), 32)
+    wq, ws = ref_gemm.quantize_weight(torch.randn((96, 200), generator=gen) * 200**-0.5, 32, ue8m0=True)
+    args = (xq.to(DEV), xs.to(DEV), wq.to(DEV), ws.to(DEV), torch.float32)
+    with pytest.raises(ValueError, match="128-blocks"):
+        gemm_k.fp8_gemm(*args, tma=True, block=32)
+    with pytest.raises(ValueError, match="x_scale"):  # 32-block scales read as 128-block ones
+        gemm_k.fp8_gemm(*args)
+    expected = (
+        ref_gemm.dequantize_act(xq, xs, 32).double() @ ref_gemm.dequantize_weight(wq, ws, 32).double().T
+    )
+    y = gemm_k.fp8_gemm(*args, block=32).cpu().double()
+    torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3)
+    inv = gemm_k.fp8_gemm(*args, batch_invariant=True, block=32).cpu()
+    one = gemm_k.fp8_gemm(args[0][2:3], args[1][2:3], *args[2:], batch_invariant=True, block=32).cpu()
+    assert torch.equal(inv[2:3], one)
+
+
 def test_tile_table_covers_every_row_once() -> None:
     sizes = torch.tensor([0, 5, 16, 0, 33, 1], dtype=torch.int64)
     grp, rows, n = gemm_k.tile_table(sizes.to(DEV), int(sizes.sum()), 16)

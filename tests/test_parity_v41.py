@@ -325,15 +325,6 @@ def test_parts_not_built_yet_are_refused_by_name(
         LLM(str(tmp_path), backend="reference", dtype="float32")
 
 
-def test_published_format_is_refused_until_it_loads(tmp_path: Path) -> None:
-    raw = tiny_v41_config(layers=4)  # DeepSeek's FP8 32x32 + MXFP4 quantization_config
-    write_v41_checkpoint(tmp_path, raw, {})
-    with pytest.raises(
-        NotImplementedError, match=r"FP8 \(32 x 32 blocks\) \+ MXFP4 format is not loaded yet"
-    ):
-        LLM(str(tmp_path), backend="reference", dtype="float32")
-
-
 def test_the_shipped_v41_flash_config_parses() -> None:
     from deepinfer.models.hub import REPO_MODEL_DIR
 

@@ -1,9 +1,12 @@
 """The FP8 format of the contract, in one place: DeepSeek's block-scaled float8 e4m3.
 
     value = fp8 * scale                          scales MULTIPLY (checkpoints call them weight_scale_inv)
-    weights      (N, K) e4m3, one float32 scale per 128 x 128 block: (ceil(N/128), ceil(K/128))
-    activations  (M, K) e4m3, one float32 scale per token per 128 channels: (M, ceil(K/128)),
+    weights      (N, K) e4m3, one float32 scale per b x b block: (ceil(N/b), ceil(K/b))
+    activations  (M, K) e4m3, one float32 scale per token per b channels: (M, ceil(K/b)),
                  scale = amax / 448 (FP8_MAX), symmetric, round to nearest even
+
+The block b is 128 in DeepSeek-V3 / V4 (FP8_BLOCK) and 32 in DeepSeek-V4.1 (MXFP8_BLOCK: e4m3
+with UE8M0 scales per 32, "MXFP8-32"); weights and activations always share one b.
 
 Backends, the model loader and the tests import these names from here; the reference backend's
 quantize_fp8 / fp8_gemm (deepinfer.reference.gemm) define what the GemmOps compute with them.
@@ -18,6 +21,8 @@ from deepinfer.backend.fp4 import pow2_ceil
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 FP8_BLOCK = 128  # weights: 128 x 128 blocks; activations: 1 x 128
+MXFP8_BLOCK = 32  # DeepSeek-V4.1: 32 x 32 weight blocks, 1 x 32 activations
+FP8_BLOCKS = (FP8_BLOCK, MXFP8_BLOCK)  # the block sizes a checkpoint may use
 AMAX_EPS = 1e-10  # keeps all-zero blocks finite: scale = eps / 448, values 0
 
 
@@ -27,7 +32,7 @@ def num_blocks(n: int, block: int = FP8_BLOCK) -> int:
 
 
 def weight_scale_shape(n: int, k: int, block: int = FP8_BLOCK) -> tuple[int, int]:
-    """The (ceil(N/128), ceil(K/128)) scale shape of an (N, K) weight."""
+    """The (ceil(N/b), ceil(K/b)) scale shape of an (N, K) weight."""
     return num_blocks(n, block), num_blocks(k, block)
 
 
@@ -37,9 +42,9 @@ def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: int = F
     return s.repeat_interleave(block, dim=-1)[..., :cols]
 
 
-def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(..., N, K) e4m3 with (..., ceil(N/128), ceil(K/128)) scales -> float32."""
-    return weight.float() * expand_block_scale(scale.float(), weight.shape[-2], weight.shape[-1])
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """(..., N, K) e4m3 with (..., ceil(N/b), ceil(K/b)) scales -> float32."""
+    return weight.float() * expand_block_scale(scale.float(), weight.shape[-2], weight.shape[-1], block)
 
 
 def quantize_weight(

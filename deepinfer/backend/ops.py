@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend import fp4
+from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.types import (
     NO_MODIFIERS,
@@ -479,8 +480,12 @@ class GemmOps(_Part):
     (grouped, for experts) MXFP4.
 
     FP8 format: deepinfer.backend.fp8 (DeepSeek's). Scales MULTIPLY. A weight (N, K) e4m3 has a
-    float32 scale per 128x128 block, (ceil(N/128), ceil(K/128)); activations have one per token
-    per 128 channels, (M, ceil(K/128)); value = fp8 * scale. Scale tensors may be strided (e.g.
+    float32 scale per b x b block, (ceil(N/b), ceil(K/b)); activations have one per token per b
+    channels, (M, ceil(K/b)); value = fp8 * scale. The FP8 ops take the block b as `block`: 128
+    (DeepSeek-V3 / V4, fp8.FP8_BLOCK, the default) is required of every backend; 32 (DeepSeek-V4.1,
+    fp8.MXFP8_BLOCK: e4m3 with UE8M0 scales per 32 x 32 weight block and per 1 x 32 activation
+    group) is optional: the defaults here compute it, and a backend that overrides an op without
+    it raises NotImplementedError naming the block. Scale tensors may be strided (e.g.
     column-major, as TMA-based kernels keep them): their shapes, not their strides, are the contract.
     MXFP4 format: deepinfer.backend.fp4 (DeepSeek-V4's routed experts): e2m1 values packed two
     per byte, one UE8M0 (power-of-two) scale byte per 32 values along K; activations are not
@@ -503,11 +508,12 @@ class GemmOps(_Part):
             out[g] = self.linear(x[g], weight[g])
         return out
 
-    def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_fp8(self, x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token, per-`block`-channel symmetric quantisation.
         x (M, K) -> (xq (M, K) float8_e4m3fn, scale (M, ceil(K/block)) float32 = amax / 448).
-        block 128 (DeepSeek's format) is required of every backend; other sizes are optional and a
-        backend that lacks one raises ValueError or NotImplementedError. Default: the reference."""
+        block 128 (DeepSeek's format) is required of every backend, 32 (V4.1's) optional; other
+        sizes are optional and a backend that lacks one raises ValueError or NotImplementedError.
+        Default: the reference."""
         return ref_gemm.quantize_fp8(x, block)
 
     def fp8_gemm(
@@ -517,12 +523,13 @@ class GemmOps(_Part):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         out_dtype: torch.dtype,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
         """Block-scaled FP8 product: (xq * x_scale) @ (weight * weight_scale)^T -> (M, N) out_dtype.
-        xq (M, K) e4m3, x_scale (M, ceil(K/128)), weight (N, K) e4m3, weight_scale (ceil(N/128),
-        ceil(K/128)); accumulation in float32. Default: the reference (dequantise both operands
-        to float32, then a float32 matmul: correct, slow, and memory-hungry)."""
-        return ref_gemm.fp8_gemm(xq, x_scale, weight, weight_scale, out_dtype, self.batch_invariant)
+        xq (M, K) e4m3, x_scale (M, ceil(K/b)), weight (N, K) e4m3, weight_scale (ceil(N/b),
+        ceil(K/b)), b = block; accumulation in float32. Default: the reference (dequantise both
+        operands to float32, then a float32 matmul: correct, slow, and memory-hungry)."""
+        return ref_gemm.fp8_gemm(xq, x_scale, weight, weight_scale, out_dtype, self.batch_invariant, block)
 
     def linear_fp8(
         self,
@@ -530,22 +537,24 @@ class GemmOps(_Part):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None = None,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
-        """x (M, K) float -> (M, N) in x's dtype. Default: this part's quantize_fp8, then fp8_gemm."""
-        xq, xs = self.quantize_fp8(x)
-        y = self.fp8_gemm(xq, xs, weight, weight_scale, x.dtype)
+        """x (M, K) float -> (M, N) in x's dtype, x quantised per token per `block` channels and
+        weight_scale (ceil(N/b), ceil(K/b)). Default: this part's quantize_fp8, then fp8_gemm."""
+        xq, xs = self.quantize_fp8(x, block)
+        y = self.fp8_gemm(xq, xs, weight, weight_scale, x.dtype, block=block)
         return y if bias is None else y + bias
 
     def batched_linear_fp8(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = FP8_BLOCK
     ) -> torch.Tensor:
         """One FP8 product per group: x (G, M, K) float (may be a strided view), weight (G, N, K)
-        e4m3 with block scales (G, ceil(N/128), ceil(K/128)) -> (G, M, N) in x's dtype, out[g] =
-        linear_fp8(x[g], weight[g], weight_scale[g]). DeepSeek-V4's grouped output projection
-        (wo_a). Default: grouped_gemm_fp8 over the G * M rows, M a group."""
+        e4m3 with block scales (G, ceil(N/b), ceil(K/b)) -> (G, M, N) in x's dtype, out[g] =
+        linear_fp8(x[g], weight[g], weight_scale[g], block=block). DeepSeek-V4's grouped output
+        projection (wo_a). Default: grouped_gemm_fp8 over the G * M rows, M a group."""
         g, m, k = x.shape
         sizes = torch.full((g,), m, dtype=torch.int64, device=x.device)
-        y = self.grouped_gemm_fp8(x.reshape(g * m, k), weight, weight_scale, sizes)
+        y = self.grouped_gemm_fp8(x.reshape(g * m, k), weight, weight_scale, sizes, block=block)
         return y.view(g, m, weight.shape[1])
 
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -563,14 +572,17 @@ class GemmOps(_Part):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         group_sizes: torch.Tensor,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
-        """As grouped_gemm with weight (E, N, K) e4m3 and weight_scale (E, ceil(N/128),
-        ceil(K/128)); x (M, K) float is quantised per token per 128 channels first.
+        """As grouped_gemm with weight (E, N, K) e4m3 and weight_scale (E, ceil(N/b),
+        ceil(K/b)); x (M, K) float is quantised per token per b channels first (b = block).
         Default: this part's quantize_fp8 once, then fp8_gemm once per non-empty group."""
-        xq, xs = self.quantize_fp8(x)
+        xq, xs = self.quantize_fp8(x, block)
         out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
         for g, start, end in ref_gemm.group_bounds(group_sizes):
-            out[start:end] = self.fp8_gemm(xq[start:end], xs[start:end], weight[g], weight_scale[g], x.dtype)
+            out[start:end] = self.fp8_gemm(
+                xq[start:end], xs[start:end], weight[g], weight_scale[g], x.dtype, block=block
+            )
         return out
 
     def grouped_gemm_fp4(

@@ -38,13 +38,14 @@ def add_bench_parser(subparsers: Any) -> None:
         help="random weights for a config: NAME of model/NAME, or a path; refused when the weights "
         "cannot fit in the device's free memory (estimated from the config before anything is built). "
         "Floating point, or with --quantization fp8 the config's FP8 format (DeepSeek-V4-Flash: FP8 "
-        "linears and MXFP4 routed experts)",
+        "linears and MXFP4 routed experts; V4.1-Flash: FP8 32x32 linears and MXFP4 experts)",
     )
     p.add_argument(
         "--num-hidden-layers",
         type=int,
         default=None,
-        help="with --random-config: build only the first N layers (a reduced-depth model of the same shapes)",
+        help="with --random-config: build only the first N layers (a reduced-depth model of the same "
+        "shapes; DeepSeek-V4.1: the first layers of each YOCO half, its sharing lists renumbered)",
     )
     w = p.add_argument_group("workload (vLLM's `bench throughput` names)")
     w.add_argument(

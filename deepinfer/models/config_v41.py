@@ -420,3 +420,63 @@ def parse_v41(raw: dict[str, Any]) -> ModelConfig:
     )
     _check_token_ids(cfg)
     return cfg
+
+
+def reduce_depth(raw: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A copy of V4.1 config.json `raw` with `layers` main layers (a reduced-depth model of the
+    same shapes, `deepinfer bench --random-config ... --num-hidden-layers N`), its sharing
+    topology kept valid: the first k layers of the encoder half and the first layers - k of the
+    decoder half (k = half the layers, fewer where the encoder is shorter, more where the
+    decoder is), so the model keeps YOCO's two halves (a single layer: the decoder's first). Both
+    halves are kept from their start, so every kept layer keeps its KV / index-key / top-k source
+    (a source is at or below its consumers, and a decoder layer's source is in the decoder half):
+    the `*_source_layer_ids`, `candidate_source_layer_id` (null when dropped), `engram_layer_ids`
+    and `dspark_target_layer_ids` lists keep their kept layers, renumbered, and compress_ratios
+    its kept layers' entries then the draft layers'. When no drafter target is kept, the draft
+    layers go (num_nextn_predict_layers 0). ModelConfigError when `layers` is not in 1..the
+    config's own count; the result is parsed, so an invalid reduction cannot pass silently."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelConfigError("config.json: 'text_config', an object; it is missing")
+    n, ratios = text.get("num_hidden_layers"), text.get("compress_ratios")
+    if not isinstance(n, int) or not isinstance(ratios, list) or 1 not in ratios[:n]:
+        parse_v41(raw)  # raises the config's own error
+        raise ModelConfigError("config.json: text_config's num_hidden_layers / compress_ratios are invalid")
+    if not 1 <= layers <= n:
+        raise ModelConfigError(f"num_hidden_layers {layers}: a reduced depth must be in 1..{n}")
+    first_c1 = ratios[:n].index(1)
+    enc = min(first_c1, layers // 2)
+    enc = max(enc, layers - (n - first_c1))  # a short decoder half: more encoder layers
+    kept = list(range(enc)) + list(range(first_c1, first_c1 + layers - enc))
+    new = {old: i for i, old in enumerate(kept)}
+
+    def renumber(ids: Any) -> Any:
+        return [new[i] for i in ids if i in new] if isinstance(ids, list) else ids
+
+    out = dict(text)
+    out["num_hidden_layers"] = layers
+    nextn = int(text.get("num_nextn_predict_layers", 0) or 0)
+    targets = renumber(text.get("dspark_target_layer_ids"))
+    if nextn and not targets:
+        nextn = 0
+        out["num_nextn_predict_layers"] = 0
+        out.pop("dspark_target_layer_ids", None)
+    elif nextn:
+        out["dspark_target_layer_ids"] = targets
+    out["compress_ratios"] = [ratios[i] for i in kept] + ratios[n : n + nextn]
+    for key in (
+        "kv_source_layer_ids",
+        "index_k_source_layer_ids",
+        "index_source_layer_ids",
+        "engram_layer_ids",
+    ):
+        if key in text:
+            out[key] = renumber(text[key])
+    if out.get("engram_layer_ids") == []:
+        out.pop("engram_layer_ids")
+    candidate = text.get("candidate_source_layer_id")
+    if candidate is not None:
+        out["candidate_source_layer_id"] = new.get(candidate)
+    reduced = raw | {"text_config": out}
+    parse_v41(reduced)
+    return reduced

@@ -129,13 +129,23 @@ def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
 
 def grouped_output(backend: Backend, wo_a: Linear, o_rank: int, per_group: torch.Tensor) -> torch.Tensor:
     """The grouped low-rank output: (G, T, H*D/G) -> (G, T, o_rank), group g through rows
-    [g*r, (g+1)*r) of wo_a. FP8: gemm.batched_linear_fp8 with each group's (r/128, Kb) scale
-    blocks (load keeps wo_a FP8 only when r is a multiple of 128)."""
+    [g*r, (g+1)*r) of wo_a. FP8: gemm.batched_linear_fp8 with each group's (r/b, Kb) scale
+    blocks, b = wo_a.block (keep_grouped_fp8: wo_a stays FP8 only when r is a multiple of b)."""
     gemm, g, k = backend.gemm, per_group.shape[0], per_group.shape[2]
     w, scale = wo_a.weight.view(g, o_rank, k), wo_a.weight_scale_inv
     if scale is None:
         return gemm.batched_linear(per_group, w)
-    return gemm.batched_linear_fp8(per_group, w, scale.view(g, -1, scale.shape[-1]))
+    return gemm.batched_linear_fp8(per_group, w, scale.view(g, -1, scale.shape[-1]), block=wo_a.block)
+
+
+def keep_grouped_fp8(wo_a: Linear, o_rank: int, dtype: torch.dtype) -> None:
+    """After wo_a loads: where a scale block (wo_a.block rows) would span two output groups (o_rank
+    not a multiple of it), no per-group FP8 weight exists, so wo_a is dequantised to `dtype` (as
+    DeepSeek's own V4 inference code keeps it, in bf16)."""
+    scale = wo_a.weight_scale_inv
+    if scale is not None and o_rank % wo_a.block:
+        wo_a.weight = dequantize_weight(wo_a.weight, scale, wo_a.block).to(dtype)
+        wo_a.weight_scale_inv = None
 
 
 def stored_in_fp8(prefix: str) -> bool:
@@ -571,12 +581,7 @@ class V4Attention(nn.Module):
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
             getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
-        scale = self.wo_a.weight_scale_inv
-        if scale is not None and self.o_rank % FP8_BLOCK:
-            # a 128-row scale block would span two output groups: no per-group FP8 weight exists,
-            # so wo_a is dequantised (as DeepSeek's own inference code keeps it, in bf16)
-            self.wo_a.weight = dequantize_weight(self.wo_a.weight, scale).to(dtype)
-            self.wo_a.weight_scale_inv = None
+        keep_grouped_fp8(self.wo_a, self.o_rank, dtype)
         self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
         self.kv_norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
         self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
@@ -649,9 +654,11 @@ class V4MoE(nn.Module):
             reader.linear(f"{sp}.w1", (i, dm), dtype),
             reader.linear(f"{sp}.w3", (i, dm), dtype),
             reader.linear(f"{sp}.w2", (dm, i), dtype),
+            reader.fp8_block,
         )
         self.shared_gate_up.weight, self.shared_gate_up.weight_scale_inv = w13, s13
         self.shared_down.weight, self.shared_down.weight_scale_inv = w2, s2
+        self.shared_gate_up.block = self.shared_down.block = reader.fp8_block
 
     def _load_experts(self, reader: WeightSource, ex: str, dtype: torch.dtype) -> None:
         """Every routed expert's w1 (gate), w3 (up), w2 (down), in one format for all of them."""
@@ -675,6 +682,11 @@ class V4MoE(nn.Module):
             return torch.stack(raw).view(ts[0].dtype)
 
         if formats == {"FP8"}:
+            if reader.fp8_block != FP8_BLOCK:  # moe.fused_moe's FP8 experts take 128-blocks
+                raise ValueError(
+                    f"{ex}: FP8 routed experts with {reader.fp8_block}x{reader.fp8_block} block scales are "
+                    "not supported (DeepSeek-V4.1 publishes them in MXFP4; FP8 experts take 128x128 blocks)"
+                )
             fused = [fuse_gate_up(p["w1"], p["w3"], p["w2"]) for p in experts]
             self.w13, self.w2 = stack([f[0] for f in fused]), stack([f[2] for f in fused])
             self.w13_scale = torch.stack([cast(torch.Tensor, f[1]) for f in fused])

@@ -41,9 +41,15 @@ forward on the device. Its tables are weights on the device, or in pinned host m
 (envs.ENGRAM_HOST_TABLES, deepinfer.models.engram).
 
 Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
-a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights). Not yet: the
-FP8 32 x 32 + MXFP4 format, the DSpark draft layers, the vision tower; their configs are
-refused with an error naming the part (DeepseekV41ForCausalLM.__init__, load_weights).
+a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights) and the published
+format as stored (stored_in_fp8): FP8 e4m3 linears with UE8M0 scales per 32 x 32 block
+(`.scale`, float8_e8m0fnu), run through the contract's FP8 GEMMs with block 32 (activations
+quantised per token per 32 channels), wo_a dequantised at load where o_lora_rank is not a
+multiple of 32 (keep_grouped_fp8); MXFP4 routed experts (packed e2m1 + UE8M0 per 32 along K);
+the rest (embedding, head, router, compressors, the indexer's wk / weights_proj) bf16, norms,
+sinks and mixing weights float32. Not yet: FP8 Engram table rows, the DSpark draft layers, the vision tower;
+their configs are refused with an error naming the part (DeepseekV41ForCausalLM.__init__,
+load_weights).
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from deepinfer.models.deepseek_v4 import (
     V4MoE,
     WideCache,
     grouped_output,
+    keep_grouped_fp8,
     load_f32,
     rope_tail,
 )
@@ -80,6 +87,20 @@ from deepinfer.models.weights import WeightSource
 
 if TYPE_CHECKING:
     from deepinfer.models.drafter import BlockDrafter
+
+# --------------------------------------------------------------------------- weights
+
+
+def stored_in_fp8(prefix: str) -> bool:
+    """Whether DeepSeek's published V4.1 checkpoint stores linear `prefix` (a name without
+    `.weight`) in FP8 32 x 32: the attention's wq_a / wq_b / wkv / wo_a / wo_b, the indexer's
+    wq_b and the shared experts; the compressors, the indexer's wk and weights_proj and the router
+    are bf16 (routed experts: MXFP4). The loader reads whatever is stored; the quantiser of the
+    test checkpoints (testing.v41_checkpoint) and random weights follow this."""
+    if ".compressor." in prefix or prefix.endswith((".indexer.wk", ".weights_proj", ".gate")):
+        return False
+    return prefix.endswith((".wq_a", ".wq_b", ".wkv", ".wo_a", ".wo_b")) or ".shared_experts." in prefix
+
 
 # --------------------------------------------------------------------------- caches
 
@@ -359,6 +380,7 @@ class V41Attention(nn.Module):
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
             getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
+        keep_grouped_fp8(self.wo_a, self.o_rank, dtype)
         self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
         self.kv_norm.weight = load_f32(reader, f"{prefix}.kv_norm.weight", (self.dim,))
         self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
@@ -461,11 +483,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise NotImplementedError(
                 "DeepSeek-V4.1's candidate-block selection (text_config.candidate_source_layer_id "
                 f"{v41.sharing.candidate}) is not implemented yet"
-            )
-        if config.quantization is not None:
-            raise NotImplementedError(
-                "DeepSeek-V4.1 in its published FP8 (32 x 32 blocks) + MXFP4 format is not loaded yet; "
-                "bfloat16 and float32 checkpoints are"
             )
         self.config, self.v41, self.backend, self.dtype = config, v41, backend, dtype
         self.drafter: BlockDrafter | None = None

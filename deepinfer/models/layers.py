@@ -53,13 +53,15 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """y = x W^T (no bias: DeepSeek has none). FP8 checkpoints keep W in e4m3 with one float32
-    `weight_scale_inv` per 128x128 block, multiplied in by backend.gemm.linear_fp8."""
+    `weight_scale_inv` per block x block (128 x 128; DeepSeek-V4.1: 32 x 32), multiplied in by
+    backend.gemm.linear_fp8, which quantises x per token per `block` channels."""
 
     def __init__(self, backend: Backend, in_features: int, out_features: int) -> None:
         super().__init__()
         self.backend, self.in_features, self.out_features = backend, in_features, out_features
+        self.block = FP8_BLOCK  # the FP8 scale block, the reader's (WeightSource.fp8_block)
         self.register_buffer("weight", _placeholder())  # (N, K)
-        self.register_buffer("weight_scale_inv", None)  # (ceil(N/128), ceil(K/128)) float32 or None
+        self.register_buffer("weight_scale_inv", None)  # (ceil(N/b), ceil(K/b)) float32 or None
 
     @property
     def is_fp8(self) -> bool:
@@ -67,13 +69,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is not None:
-            return self.backend.gemm.linear_fp8(x, self.weight, self.weight_scale_inv)
+            return self.backend.gemm.linear_fp8(x, self.weight, self.weight_scale_inv, block=self.block)
         return self.backend.gemm.linear(x, self.weight)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.weight, self.weight_scale_inv = reader.linear(
             prefix, (self.out_features, self.in_features), dtype
         )
+        self.block = reader.fp8_block
 
 
 def concat_linears(backend: Backend, parts: list[Linear]) -> Linear | None:
@@ -82,16 +85,19 @@ def concat_linears(backend: Backend, parts: list[Linear]) -> Linear | None:
     become views into it, so the weights are held once. None where the parts do not concatenate
     exactly: FP8 mixed with floating point, or an FP8 part other than the last whose rows are not
     a multiple of the 128-row scale block (its last scale row would also cover the next part)."""
-    fp8 = [p.is_fp8 for p in parts]
-    if any(fp8) != all(fp8) or (all(fp8) and any(p.out_features % FP8_BLOCK for p in parts[:-1])):
+    fp8, block = [p.is_fp8 for p in parts], parts[0].block
+    if any(fp8) != all(fp8) or (all(fp8) and any(p.out_features % block for p in parts[:-1])):
+        return None
+    if any(p.block != block for p in parts):
         return None
     fused = Linear(backend, parts[0].in_features, sum(p.out_features for p in parts))
+    fused.block = block
     rows = [p.out_features for p in parts]
     if all(fp8):  # e4m3 has no torch.cat kernel on every device: concatenate the bytes
         fused.weight = torch.cat([p.weight.view(torch.uint8) for p in parts]).view(parts[0].weight.dtype)
         scales = torch.cat([p.weight_scale_inv for p in parts if p.weight_scale_inv is not None])
         fused.weight_scale_inv = scales
-        for p, s in zip(parts, torch.split(scales, [-(-n // FP8_BLOCK) for n in rows])):
+        for p, s in zip(parts, torch.split(scales, [-(-n // block) for n in rows])):
             p.weight_scale_inv = s
     else:
         fused.weight = torch.cat([p.weight for p in parts])
@@ -113,25 +119,28 @@ def _pad_cols_fp8(w: torch.Tensor, cols: int) -> torch.Tensor:
     return out.view(w.dtype)
 
 
-def padded_intermediate(inter: int, fp8: bool) -> int:
-    """Width of the fused [gate | up] halves. FP8 block scales cover 128 rows each, so gate and up
-    are fused only along block boundaries: each half is zero-padded to a multiple of 128 (exact:
-    silu(0) * 0 = 0, and down_proj's padded input columns are zero). Published sizes need no padding."""
-    return -(-inter // FP8_BLOCK) * FP8_BLOCK if fp8 else inter
+def padded_intermediate(inter: int, fp8: bool, block: int = FP8_BLOCK) -> int:
+    """Width of the fused [gate | up] halves. FP8 block scales cover `block` rows each (128; V4.1:
+    32), so gate and up are fused only along block boundaries: each half is zero-padded to a
+    multiple of the block (exact: silu(0) * 0 = 0, and down_proj's padded input columns are
+    zero). Published sizes need no padding."""
+    return -(-inter // block) * block if fp8 else inter
 
 
 def fuse_gate_up(
     gate: tuple[torch.Tensor, torch.Tensor | None],
     up: tuple[torch.Tensor, torch.Tensor | None],
     down: tuple[torch.Tensor, torch.Tensor | None],
+    block: int = FP8_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """(w13 (2I', Dm), s13, w2 (Dm, I'), s2) from gate/up (I, Dm) and down (Dm, I) with their scales."""
+    """(w13 (2I', Dm), s13, w2 (Dm, I'), s2) from gate/up (I, Dm) and down (Dm, I) with their
+    scales of `block` x `block` blocks."""
     (g, gs), (u, us), (d, ds) = gate, up, down
     if gs is None or us is None or ds is None:
         if gs is not None or us is not None or ds is not None:
             raise ValueError("gate_proj, up_proj and down_proj must all be FP8 or all be floating point")
         return torch.cat([g, u]), None, d, None
-    inter = padded_intermediate(g.shape[0], True)
+    inter = padded_intermediate(g.shape[0], True, block)
     w13 = torch.cat([_pad_rows_fp8(g, inter).view(torch.uint8), _pad_rows_fp8(u, inter).view(torch.uint8)])
     return w13.view(g.dtype), torch.cat([gs, us]), _pad_cols_fp8(d, inter), ds
 

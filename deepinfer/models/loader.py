@@ -45,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from deepinfer import envs
 from deepinfer.backend.fp4 import E8M0_NAN, e8m0_to_float
 from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
-from deepinfer.backend.fp8 import FP8_DTYPE, dequantize_weight, weight_scale_shape
+from deepinfer.backend.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_weight, weight_scale_shape
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
@@ -204,9 +204,11 @@ class CheckpointReader:
         backend_name: str,
         check_weights: bool = True,
         unfused: frozenset[str] = frozenset(),
+        fp8_block: int = FP8_BLOCK,
     ) -> None:
         self.root, self.device = root, device
         self.allow_fp8, self.backend_name = allow_fp8, backend_name
+        self.fp8_block = fp8_block  # config.json's weight_block_size: 128, or 32 (DeepSeek-V4.1)
         self.check_weights = check_weights
         self.unfused = unfused  # the model-level fusions this load leaves out (layers.fusion_enabled)
         self.fp8_dtype = FP8_DTYPE
@@ -386,7 +388,8 @@ class CheckpointReader:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`{prefix}.weight` (N, K), by what the checkpoint stores:
           float              -> (weight in dtype, None)
-          FP8 (e4m3 + scale) -> (e4m3 (N, K), float32 block scales (ceil(N/128), ceil(K/128)))
+          FP8 (e4m3 + scale) -> (e4m3 (N, K), float32 block scales (ceil(N/b), ceil(K/b)),
+                                b = fp8_block: 128, or 32 for DeepSeek-V4.1)
           MXFP4 (packed int8 / uint8 / float4_e2m1fn_x2 + scale), only where `fp4` allows it
           (routed experts)   -> (uint8 (N, K/2), uint8 UE8M0 (N, ceil(K/32))): deepinfer.backend.fp4
         Scales are `{prefix}.weight_scale_inv` or `{prefix}.scale`, float32 or UE8M0 bytes
@@ -413,10 +416,17 @@ class CheckpointReader:
                 + (" or packed MXFP4" if fp4 else "")
             )
         n, k = shape
-        block_scales = weight_scale_shape(n, k)
-        what = f" (one per 128x128 block of the ({n}, {k}) FP8 weight {weight_name!r})"
-        if self.dtype_of(scale_name) in E8M0_BYTES:  # DeepSeek-V4: powers of two, one byte each
+        b = self.fp8_block
+        block_scales = weight_scale_shape(n, k, b)
+        what = f" (one per {b}x{b} block of the ({n}, {k}) FP8 weight {weight_name!r})"
+        if self.dtype_of(scale_name) in E8M0_BYTES:  # DeepSeek-V4 / V4.1: powers of two, one byte each
             return w, e8m0_to_float(self._e8m0(scale_name, block_scales, what))
+        if self.dtype_of(scale_name) not in ("F32", "BF16", "F16", "F64"):
+            raise CheckpointError(
+                f"tensor {scale_name!r} in {self.location[scale_name]} has dtype "
+                f"{self.dtype_of(scale_name)}; FP8 block scales are float32 or UE8M0 bytes "
+                "(float8_e8m0fnu or uint8)"
+            )
         self._check_shape(scale_name, block_scales, what)
         return w, self.get(scale_name, block_scales, torch.float32)
 
@@ -455,7 +465,7 @@ class CheckpointReader:
         w, s = self.linear(prefix, shape, dtype)
         if s is None:
             return w
-        return dequantize_weight(w, s).to(dtype)
+        return dequantize_weight(w, s, self.fp8_block).to(dtype)
 
     def unread(self) -> list[tuple[str, str]]:
         """(name, file) of every tensor no module read."""
@@ -588,10 +598,12 @@ def load_model(
     if not (root / "config.json").is_file():
         raise ModelConfigError(f"no config.json in {root}")
     config = ModelConfig.from_file(checkpoint_file(root, "config.json"))
+    fp8_block = config.quantization.weight_block_size[0] if config.quantization is not None else FP8_BLOCK
     if config.quantization is not None and not backend.capabilities.supports_fp8:
         raise Fp8NotSupportedError(
-            f"{root} is an FP8 checkpoint (e4m3, 128x128 block scales) but backend {backend.name!r} does "
-            "not support FP8 (capabilities.supports_fp8 is False); use a backend with FP8 GEMMs"
+            f"{root} is an FP8 checkpoint (e4m3, {fp8_block}x{fp8_block} block scales) but backend "
+            f"{backend.name!r} does not support FP8 (capabilities.supports_fp8 is False); use a backend "
+            "with FP8 GEMMs"
         )
     if dtype is None:
         dtype = torch.bfloat16 if config.quantization is not None else config.torch_dtype
@@ -604,8 +616,9 @@ def load_model(
 
     device = backend.device.device()
     with CheckpointReader(
-        root, device, backend.capabilities.supports_fp8, backend.name, check_weights, env.model_unfused
-    ) as reader:
+        root, device, backend.capabilities.supports_fp8, backend.name, check_weights, env.model_unfused,
+        fp8_block,
+    ) as reader:  # fmt: skip
         _preflight(config, reader, backend, expert_parallel)
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
         if config.v41 is not None:

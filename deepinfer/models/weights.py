@@ -32,6 +32,12 @@ class WeightSource(Protocol):
         ...
 
     @property
+    def fp8_block(self) -> int:
+        """The block of the FP8 linears' scales `linear` returns: 128 (128 x 128 blocks, DeepSeek-V3 /
+        V4) or 32 (DeepSeek-V4.1); the checkpoint's quantization_config weight_block_size."""
+        ...
+
+    @property
     def unfused(self) -> frozenset[str]:
         """The model-level fusions this load leaves out (layers.fusion_enabled; load_model reads
         them from DEEPINFER_MODEL_UNFUSED)."""
@@ -60,8 +66,8 @@ class WeightSource(Protocol):
         self, prefix: str, shape: tuple[int, int], dtype: torch.dtype, fp4: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Linear layer `prefix`'s weight (N, K) as stored: (weight in dtype, None), FP8 (e4m3,
-        float32 128x128 block scales), or, where `fp4` allows it (routed experts), packed MXFP4
-        (uint8 (N, K/2), UE8M0 scales (N, K/32))."""
+        float32 scales per fp8_block x fp8_block block), or, where `fp4` allows it (routed
+        experts), packed MXFP4 (uint8 (N, K/2), UE8M0 scales (N, K/32))."""
         ...
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,7 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "batched_linear",
+    "check_fp8_operands",
     "dequantize_act",
     "dequantize_weight",
     "expand_block_scale",
@@ -78,10 +79,37 @@ def fp8_gemm(
     weight_scale: torch.Tensor,
     out_dtype: torch.dtype,
     batch_invariant: bool = False,
+    block: int = FP8_BLOCK,
 ) -> torch.Tensor:
-    x = dequantize_act(xq, x_scale)
-    w = dequantize_weight(weight, weight_scale)
+    """(xq * x_scale) @ (weight * weight_scale)^T with `block` x `block` weight scales and 1 x
+    `block` activation scales (the shapes are checked: a scale tensor of another block size would
+    otherwise be read as a wrong one)."""
+    check_fp8_operands(xq, x_scale, weight, weight_scale, block)
+    x = dequantize_act(xq, x_scale, block)
+    w = dequantize_weight(weight, weight_scale, block)
     return mm(x, w.t(), batch_invariant).to(out_dtype)
+
+
+def check_fp8_operands(
+    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int
+) -> None:
+    """ValueError unless x_scale is (M, ceil(K/block)) and weight_scale (..., ceil(N/block),
+    ceil(K/block)) for xq (M, K) and weight (..., N, K)."""
+    m, k = xq.shape
+    n = weight.shape[-2]
+    if weight.shape[-1] != k:
+        raise ValueError(f"fp8_gemm: activations have K={k} but the weight has K={weight.shape[-1]}")
+    kb = -(-k // block)
+    if tuple(x_scale.shape) != (m, kb):
+        raise ValueError(
+            f"fp8_gemm: x_scale must be (M, ceil(K/{block})) = {(m, kb)}, got {tuple(x_scale.shape)}"
+        )
+    want = (*weight.shape[:-2], -(-n // block), kb)
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(
+            f"fp8_gemm: weight_scale of {block} x {block} blocks must be {want}, "
+            f"got {tuple(weight_scale.shape)}"
+        )
 
 
 def group_bounds(group_sizes: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -109,12 +137,13 @@ def grouped_gemm_fp8(
     weight_scale: torch.Tensor,
     group_sizes: torch.Tensor,
     batch_invariant: bool = False,
+    block: int = FP8_BLOCK,
 ) -> torch.Tensor:
-    xq, xs = quantize_fp8(x)
-    xd = dequantize_act(xq, xs)
+    xq, xs = quantize_fp8(x, block)
+    xd = dequantize_act(xq, xs, block)
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
     for g, s, e in group_bounds(group_sizes):
-        w = dequantize_weight(weight[g], weight_scale[g])
+        w = dequantize_weight(weight[g], weight_scale[g], block)
         out[s:e] = mm(xd[s:e], w.t(), batch_invariant).to(x.dtype)
     return out
 

@@ -87,14 +87,20 @@ def router_margin(logits: torch.Tensor, config: RouterConfig, bias: torch.Tensor
 
 
 def quantized_weight(
-    shape: tuple[int, ...], device: torch.device | str, gen: torch.Generator, scale: float = 1.0
+    shape: tuple[int, ...],
+    device: torch.device | str,
+    gen: torch.Generator,
+    scale: float = 1.0,
+    block: int = ref_gemm.FP8_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random (N, K) or (E, N, K) FP8 e4m3 weight in DeepSeek's format with its block scales."""
+    """A random (N, K) or (E, N, K) FP8 e4m3 weight in DeepSeek's format with its block scales:
+    float32 per 128 x 128 block, or with block 32 V4.1's (UE8M0: powers of two)."""
     w = torch.randn(shape, generator=gen) * scale
+    ue8m0 = block != ref_gemm.FP8_BLOCK
     if w.dim() == 2:
-        q, s = ref_gemm.quantize_weight(w)
+        q, s = ref_gemm.quantize_weight(w, block, ue8m0)
     else:
-        pairs = [ref_gemm.quantize_weight(w[e]) for e in range(w.shape[0])]
+        pairs = [ref_gemm.quantize_weight(w[e], block, ue8m0) for e in range(w.shape[0])]
         q, s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
     return q.to(device), s.to(device)
 

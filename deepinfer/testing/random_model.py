@@ -5,8 +5,9 @@ The model is built by its own loading code (`load_weights`), fed by a RandomSour
 N(0, 0.02^2), drawn on the device) that makes up each tensor it is asked for, so every
 architecture the loader knows works unchanged. No MTP layers are reported; with fp8 every linear
 layer a DeepSeek FP8 checkpoint quantizes is FP8 (e4m3 values N(0, 1), block scales 0.02), and
-with MXFP4 experts (has_fp4_experts) DeepSeek-V4's routed experts are random e2m1 codes with one
-power-of-two scale.
+with MXFP4 experts (has_fp4_experts) DeepSeek-V4's / V4.1's routed experts are random e2m1 codes
+with one power-of-two scale; DeepSeek-V4.1's FP8 linears are those its published checkpoint
+stores in FP8 (deepseek_v41.stored_in_fp8), with 32 x 32 scale blocks.
 
 A config can describe a model far larger than the device (DeepSeek-V3's 671 B parameters on one
 GPU, or on the host): its size is estimated from the config first (`estimate_weight_bytes`), and
@@ -24,10 +25,14 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.config_v41 import reduce_depth
 from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS, DeepseekForCausalLM
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, stored_in_fp8
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41 import stored_in_fp8 as v41_stored_in_fp8
 from deepinfer.models.hub import REPO_MODEL_DIR
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.testing.weights import BENCH_INIT, RandomSource
@@ -57,10 +62,22 @@ class ModelTooLargeError(ValueError):
 
 
 def has_fp4_experts(config: ModelConfig, fp8: bool) -> bool:
-    """Whether random FP8 weights of `config` hold MXFP4 routed experts: DeepSeek-V4 configs whose
-    expert_dtype is fp4 (V4-Flash); other experts are FP8 with the dense linears."""
+    """Whether random FP8 weights of `config` hold MXFP4 routed experts: DeepSeek-V4 / V4.1
+    configs whose expert_dtype is fp4 (V4-Flash, V4.1-Flash); other experts are FP8 with the
+    dense linears."""
     q = config.quantization
-    return fp8 and config.v4 is not None and q is not None and q.expert_dtype == "fp4"
+    new = config.v4 is not None or config.v41 is not None
+    return fp8 and new and q is not None and q.expert_dtype == "fp4"
+
+
+def reduced_config(config_file: Path, layers: int) -> ModelConfig:
+    """The config of config_file with `layers` main layers: DeepSeek-V4.1's nested text_config
+    through config_v41.reduce_depth (every per-layer list and the sharing topology with it), the
+    others' flat num_hidden_layers (their first layers)."""
+    raw = json.loads(config_file.read_text())
+    if raw.get("model_type") == "deepseek_v41":
+        return ModelConfig.from_dict(reduce_depth(raw, layers))
+    return ModelConfig.from_dict(raw | {"num_hidden_layers": layers})
 
 
 def estimate_weight_bytes(
@@ -92,9 +109,14 @@ def estimate_weight_bytes(
         else:
             linears += 3 * d * c.intermediate_size
     params += c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
+    if c.v41 is not None:  # hyper-connections: per sublayer fn, base, scale; the head's if unshifted
+        n = c.v41.hc_mult
+        float32 += c.num_hidden_layers * 2 * ((2 + n) * n * (n * d + 1) + 3)
+        if not c.v41.hc_shifted:
+            float32 += n * n * d + n + 1
     # float32 cos/sin tables: V4's main and compressed branches' (max_position_embeddings rows);
     # V2/V3's one, with the rows past it that speculative padding drafts read
-    if c.v4 is not None:
+    if c.v4 is not None or c.v41 is not None:
         rotary = 2 * c.max_position_embeddings * c.qk_rope_head_dim * 4
     else:
         rotary = (c.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS) * c.qk_rope_head_dim * 4
@@ -104,6 +126,8 @@ def estimate_weight_bytes(
 def _attention_params(c: ModelConfig, layer: int) -> tuple[int, int]:
     """(weights of the linears an FP8 checkpoint quantises, other weights) of one layer's attention."""
     d, h = c.hidden_size, c.num_attention_heads
+    if c.v41 is not None:
+        return _v41_attention_params(c, layer)
     v4 = c.v4
     if v4 is None:  # MLA
         if c.q_lora_rank:
@@ -123,6 +147,27 @@ def _attention_params(c: ModelConfig, layer: int) -> tuple[int, int]:
     if ratio == v4.csa_ratio:  # the indexer: its compressor, weights_proj, and wq_b (quantised)
         other += 2 * d * 2 * v4.index_head_dim + d * v4.index_n_heads
         quantised += q_lora * v4.index_n_heads * v4.index_head_dim
+    return quantised, other
+
+
+def _v41_attention_params(c: ModelConfig, layer: int) -> tuple[int, int]:
+    """As _attention_params for DeepSeek-V4.1: wq_a, wq_b, wkv, wo_a, wo_b and the indexer's wq_b
+    FP8; the compressor (a KV source's), weights_proj and wk (index sources') bf16; norms, sinks."""
+    v = c.v41
+    assert v is not None
+    d, h, dh, q_lora = c.hidden_size, c.num_attention_heads, v.head_dim, c.q_lora_rank or 0
+    quantised = (
+        d * q_lora + q_lora * h * dh + d * dh + h * dh * v.o_lora_rank + v.o_groups * v.o_lora_rank * d
+    )
+    other = q_lora + dh + h
+    ratio, topo = v.compress_ratios[layer], v.sharing
+    if ratio and topo.kv[layer] == layer:
+        other += d * dh * ratio + dh  # wkv (and wgate for C2), norm
+    if ratio and topo.index[layer] == layer:
+        quantised += q_lora * v.index_n_heads * v.index_head_dim
+        other += d * v.index_n_heads
+    if ratio and topo.index_k[layer] == layer:
+        other += dh * v.index_head_dim + v.index_head_dim
     return quantised, other
 
 
@@ -171,19 +216,18 @@ def random_model(
     fp8: bool = False,
     num_hidden_layers: int | None = None,
     mtp: bool = False,
-) -> DeepseekForCausalLM | DeepseekV4ForCausalLM:
+) -> DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
     gpu_memory_utilization). expert_parallel: only this rank's routed experts; fp8: FP8 linear
     layers with block scales, as DeepSeek's FP8 checkpoints (the backend must support FP8), and
     for DeepSeek-V4 configs with expert_dtype fp4 (V4-Flash) MXFP4 routed experts, as published;
-    num_hidden_layers: overrides the config's depth (the first layers of its schedule); mtp:
-    DeepSeek-V4's MTP layers too (num_nextn_predict_layers of them, DeepSeek's mtp.{k}.*; not
-    counted by the fit check)."""
+    num_hidden_layers: overrides the config's depth (the first layers of its schedule; DeepSeek-V4.1:
+    reduced_config); mtp: DeepSeek-V4's MTP layers too (num_nextn_predict_layers of them, DeepSeek's
+    mtp.{k}.*; not counted by the fit check)."""
     config = ModelConfig.from_file(config_file)
     if num_hidden_layers is not None:  # a reduced-depth model of the same shapes
-        raw = json.loads(config_file.read_text())
-        config = ModelConfig.from_dict(raw | {"num_hidden_layers": num_hidden_layers})
+        config = reduced_config(config_file, num_hidden_layers)
     if config.quantization is not None and dtype is None:
         dtype = torch.bfloat16  # activations of an FP8 model
     dtype = dtype or config.torch_dtype
@@ -192,17 +236,35 @@ def random_model(
     share = 1.0 if expert_parallel is None else 1.0 / expert_parallel.world_size
     need = check_fits(config, dtype, backend, memory_share, str(config_file), fp8, share)
     start = time.perf_counter()
-    if config.v4 is not None:
+    model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
+    fp8_linears, fp8_block = stored_in_fp8, FP8_BLOCK
+    if config.v41 is not None:
+        if expert_parallel is not None:
+            raise ValueError("expert parallelism is not supported for DeepSeek-V4.1 yet")
+        model = DeepseekV41ForCausalLM(config, backend, dtype)
+        fp8_linears = v41_stored_in_fp8
+        if config.quantization is not None:
+            fp8_block = config.quantization.weight_block_size[0]
+    elif config.v4 is not None:
         if expert_parallel is not None:
             raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
-        model: DeepseekForCausalLM | DeepseekV4ForCausalLM = DeepseekV4ForCausalLM(config, backend, dtype)
+        model = DeepseekV4ForCausalLM(config, backend, dtype)
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
     device, fp4_experts = backend.device.device(), has_fp4_experts(config, fp8)
     if mtp and config.v4 is None:
         raise ValueError("random MTP layers are built for DeepSeek-V4 configs only")
     present = [f"mtp.{k}.enorm.weight" for k in range(config.num_nextn_predict_layers)] if mtp else []
-    source = RandomSource(BENCH_INIT, seed, device, present=present, fp8=fp8, fp4_experts=fp4_experts)
+    source = RandomSource(
+        BENCH_INIT,
+        seed,
+        device,
+        present=present,
+        fp8=fp8,
+        fp4_experts=fp4_experts,
+        fp8_block=fp8_block,
+        fp8_linears=fp8_linears,
+    )
     model.load_weights(source)
     backend.device.synchronize()
     logger.info(

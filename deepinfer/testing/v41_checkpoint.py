@@ -6,7 +6,9 @@
 `v41_oracle.expected_tensor_shapes` lists; `write_v41_checkpoint(directory, config, tensors)` writes
 config.json + model.safetensors; `write_merging_tokenizer(directory, vocab)` a word-level
 tokenizer.json whose tokens fall into groups that Engram's normalisation merges (case, accents,
-surrounding spaces), for the compressed vocabulary. The weights are float (no FP8 / FP4 twins yet).
+surrounding spaces), for the compressed vocabulary. `quantize_v41_tensors(tensors)` gives the
+published format of float tensors and their dequantised float32 twin: FP8 e4m3 linears with UE8M0
+scales per 32 x 32 block, MXFP4 routed experts (deepseek_v41.stored_in_fp8 says which are FP8).
 """
 
 from __future__ import annotations
@@ -18,7 +20,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.backend import fp4
+from deepinfer.backend.fp8 import MXFP8_BLOCK, dequantize_weight, quantize_weight
+from deepinfer.models.deepseek_v41 import stored_in_fp8
 from deepinfer.testing.v41_oracle import V41Config, expected_tensor_shapes
+
+E8M0 = torch.float8_e8m0fnu  # the scales' dtype in DeepSeek's safetensors
 
 
 def tiny_v41_config(
@@ -207,3 +214,28 @@ def write_merging_tokenizer(directory: str | Path, vocab: int) -> list[str]:
     tok.add_special_tokens([AddedToken(t, special=True) for t in ENGRAM_SPECIALS])
     tok.save(str(Path(directory) / "tokenizer.json"))
     return tokens
+
+
+def quantize_v41_tensors(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(DeepSeek-V4.1's published format, the same weights dequantised to float32) of float
+    tensors under DeepSeek's names. Routed experts' w1 / w3 / w2: MXFP4, packed e2m1 in int8 with
+    float8_e8m0fnu `.scale` (N, K/32); the linears stored_in_fp8 names: e4m3 with power-of-two
+    scales per 32 x 32 block as float8_e8m0fnu `.scale` (ceil(N/32), ceil(K/32)); the rest as is."""
+    quantized: dict[str, torch.Tensor] = {}
+    dequant: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        prefix = name.removesuffix(".weight")
+        linear = t.dim() == 2 and prefix != name and not prefix.endswith(("embed", "head"))
+        if linear and ".ffn.experts." in prefix:
+            packed, scale = fp4.quantize_weight(t)
+            quantized[name], quantized[f"{prefix}.scale"] = packed.view(torch.int8), scale.view(E8M0)
+            dequant[name] = fp4.dequantize_weight(packed, scale)
+        elif linear and stored_in_fp8(prefix):
+            q, scale = quantize_weight(t, MXFP8_BLOCK, ue8m0=True)
+            quantized[name], quantized[f"{prefix}.scale"] = q, fp4.float_to_e8m0(scale).view(E8M0)
+            dequant[name] = dequantize_weight(q, scale, MXFP8_BLOCK)
+        else:
+            quantized[name] = dequant[name] = t
+    return quantized, dequant

@@ -15,7 +15,7 @@ recorded benchmarks depend on them): one seed gives the same tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +100,9 @@ class RandomSource:
 
     present: the optional tensors `has` reports (e.g. V4's MTP layers); record: keep every tensor
     drawn, float32 on the CPU, in `tensors` (to save as a checkpoint; drawn in float32, returned
-    cast); fp8: linear layers a DeepSeek FP8 checkpoint quantises (deepseek_v4.stored_in_fp8)
-    come as e4m3 N(0, 1) with block scales of the init's matrix scale; fp4_experts: routed experts
+    cast); fp8: linear layers a DeepSeek FP8 checkpoint quantises (fp8_linears, default
+    deepseek_v4.stored_in_fp8) come as e4m3 N(0, 1) with scales of the init's matrix scale per
+    fp8_block x fp8_block block; fp4_experts: routed experts
     (where the model allows MXFP4) come as uniform e2m1 codes with one power-of-two scale that
     gives them about that scale."""
 
@@ -114,14 +115,16 @@ class RandomSource:
         record: bool = False,
         fp8: bool = False,
         fp4_experts: bool = False,
+        fp8_block: int = FP8_BLOCK,
+        fp8_linears: Callable[[str], bool] = stored_in_fp8,
     ) -> None:
         if (fp8 or fp4_experts) and init.matrix is None:
             raise ValueError("quantised random weights need an init with a fixed matrix scale")
         self.init, self.device = init, torch.device(device)
-        self.fp8_dtype = FP8_DTYPE
+        self.fp8_dtype, self.fp8_block = FP8_DTYPE, fp8_block
         self.location: dict[str, str] = {}  # made up on demand: none held
         self.present, self.record = set(present), record
-        self.fp8, self.fp4_experts = fp8, fp4_experts
+        self.fp8, self.fp4_experts, self.fp8_linears = fp8, fp4_experts, fp8_linears
         self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.tensors: dict[str, torch.Tensor] = {}
@@ -161,11 +164,11 @@ class RandomSource:
             exponent = E8M0_BIAS + round(math.log2(std / _E2M1_RMS))
             scale = torch.full(fp4_scale_shape(n, k), exponent, dtype=torch.uint8, device=self.device)
             return packed.to(torch.uint8), scale
-        if not self.fp8 or not stored_in_fp8(prefix):
+        if not self.fp8 or not self.fp8_linears(prefix):
             return self.get(f"{prefix}.weight", shape, dtype), None
         # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
         w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
-        blocks = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        blocks = (-(-n // self.fp8_block), -(-k // self.fp8_block))
         return w.to(self.fp8_dtype), torch.full(blocks, std, dtype=torch.float32, device=self.device)
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:

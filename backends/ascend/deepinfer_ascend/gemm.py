@@ -9,6 +9,12 @@ quantize_fp8    npu_dynamic_block_quant(x, dst_type=float8_e4m3fn, row_block_siz
 fp8_gemm        npu_quant_matmul(xq, W^T, W_scale^T, pertoken_scale=x_scale,
                 group_sizes=[1, 128, 128], output_dtype=...) (DeepSeek's 128x128 block scales)
 grouped FP8     one npu_quant_matmul per non-empty expert (host-side split: one sync)
+FP8 with 32 x 32 blocks (DeepSeek-V4.1's MXFP8-32 linears): the two ops above are modelled
+(simulated in CI) for 128-blocks only, so 32-blocks take the documented fallback, the contract's
+reference math in aten ops on the NPU: activations quantised per 32 channels, both operands
+dequantised to float32, one float32 matmul (correct; slow and memory-hungry). Whether
+npu_quant_matmul's group_sizes [1, 32, 32] or its MX mode (per-32 UE8M0 scales along K, which
+a 32 x 32 weight block expands to exactly) serves it has not been checked on an NPU.
 MXFP4 experts (DeepSeek-V4): torch_npu has no MXFP4 grouped matmul on the CANN releases this
 backend targets, as far as known (npu_grouped_matmul takes float, int8 and on the 950 FP8 /
 MXFP8 weights; npu_quant_matmul's MX modes are dense). The documented fallback: dequantise the
@@ -24,6 +30,7 @@ import torch
 from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import FP8_BLOCK as BLOCK
 from deepinfer.backend.fp8 import FP8_DTYPE as FP8
+from deepinfer.backend.fp8 import MXFP8_BLOCK
 from deepinfer.backend.ops import GemmOps
 from deepinfer.backend.types import BackendOptions
 
@@ -77,8 +84,12 @@ class AscendGemm(GemmOps):
 
     def quantize_fp8(self, x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         self._need_fp8()
+        if block == MXFP8_BLOCK:  # the documented fallback (module docstring)
+            return super().quantize_fp8(x, block)
         if block != BLOCK:
-            raise NotImplementedError(f"ascend FP8 quantises per {BLOCK} channels, not {block}")
+            raise NotImplementedError(
+                f"ascend FP8 quantises per {BLOCK} or {MXFP8_BLOCK} channels, not {block}"
+            )
         if x.shape[0] == 0:
             k = x.shape[1]
             return x.new_empty((0, k), dtype=FP8), x.new_empty((0, -(-k // BLOCK)), dtype=torch.float32)
@@ -96,8 +107,13 @@ class AscendGemm(GemmOps):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         out_dtype: torch.dtype,
+        block: int = BLOCK,
     ) -> torch.Tensor:
         self._need_fp8()
+        if block == MXFP8_BLOCK:  # the documented fallback (module docstring)
+            return super().fp8_gemm(xq, x_scale, weight, weight_scale, out_dtype, block=block)
+        if block != BLOCK:
+            raise NotImplementedError(f"ascend FP8 GEMMs take {BLOCK} or {MXFP8_BLOCK} blocks, not {block}")
         if xq.shape[0] == 0:
             return torch.empty((0, weight.shape[0]), dtype=out_dtype, device=xq.device)
         out: torch.Tensor = self._tnpu.npu_quant_matmul(
@@ -118,14 +134,17 @@ class AscendGemm(GemmOps):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         group_sizes: torch.Tensor,
+        block: int = BLOCK,
     ) -> torch.Tensor:
         self._need_fp8()
         out = x.new_empty((x.shape[0], weight.shape[1]))
         start = 0
         for e, n in enumerate(group_sizes.tolist()):
             if n:
-                xq, xs = self.quantize_fp8(x[start : start + n])
-                out[start : start + n] = self.fp8_gemm(xq, xs, weight[e], weight_scale[e], x.dtype)
+                xq, xs = self.quantize_fp8(x[start : start + n], block)
+                out[start : start + n] = self.fp8_gemm(
+                    xq, xs, weight[e], weight_scale[e], x.dtype, block=block
+                )
             start += n
         return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import envs
-from deepinfer.backend.fp8 import FP8_DTYPE
+from deepinfer.backend.fp8 import FP8_BLOCK, FP8_DTYPE
 from deepinfer.backend.ops import GemmOps
 from deepinfer.backend.types import BackendOptions
 from deepinfer_cuda import vendor
@@ -42,25 +42,26 @@ class CudaGemm(GemmOps):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         bias: torch.Tensor | None = None,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
-        """Up to gemm.SKINNY_FP8_MAX_M rows and SKINNY_FP8_MAX_WEIGHT_BYTES: ONE launch, the skinny
-        kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded before the wait); else
-        the contract's quantize_fp8 + fp8_gemm."""
+        """Up to gemm.SKINNY_FP8_MAX_M rows and SKINNY_FP8_MAX_WEIGHT_BYTES of 128-block weights:
+        ONE launch, the skinny kernel's FP8 flag (x quantised in the kernel, the e4m3 slab loaded
+        before the wait); else (32-blocks too) the contract's quantize_fp8 + fp8_gemm."""
         fits = bias is None and x.dim() == 2 and gemm_k.skinny_fp8_pays(x, weight, weight_scale)
-        if self.skinny_fp8 and fits:
+        if self.skinny_fp8 and fits and block == FP8_BLOCK:
             return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, pdl=self.pdl)
-        return super().linear_fp8(x, weight, weight_scale, bias)
+        return super().linear_fp8(x, weight, weight_scale, bias, block=block)
 
     def batched_linear_fp8(
-        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = FP8_BLOCK
     ) -> torch.Tensor:
-        """Decode sizes: one skinny FP8 launch over the G groups, read from x's strided view and
-        written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N) without a copy);
-        else the contract's grouped_gemm_fp8."""
-        if self.skinny_fp8 and gemm_k.skinny_fp8_pays(x, weight, weight_scale):
+        """Decode sizes, 128-blocks: one skinny FP8 launch over the G groups, read from x's strided
+        view and written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N)
+        without a copy); else the contract's grouped_gemm_fp8."""
+        if self.skinny_fp8 and block == FP8_BLOCK and gemm_k.skinny_fp8_pays(x, weight, weight_scale):
             out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
             return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, out.transpose(0, 1), pdl=self.pdl)
-        return super().batched_linear_fp8(x, weight, weight_scale)
+        return super().batched_linear_fp8(x, weight, weight_scale, block=block)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Up to SKINNY_MAX_M rows and SKINNY_MAX_WEIGHT_BYTES of weight: the skinny Triton GEMM
@@ -85,7 +86,7 @@ class CudaGemm(GemmOps):
             return gemm_k.skinny_matmul(x, weight, out.transpose(0, 1), pdl=self.pdl)
         return torch.bmm(x, weight.transpose(1, 2))
 
-    def quantize_fp8(self, x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_fp8(self, x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
         return gemm_k.quantize_fp8(x, block)
 
     def fp8_gemm(
@@ -95,13 +96,16 @@ class CudaGemm(GemmOps):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         out_dtype: torch.dtype,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
-        if self.vendor and not self.batch_invariant:
+        """DeepGEMM where installed (128-blocks: its SM90 recipe), else the Triton block-scaled
+        GEMM (128- or 32-blocks)."""
+        if self.vendor and not self.batch_invariant and block == FP8_BLOCK:
             out = vendor.deep_gemm_fp8(xq, x_scale, weight, weight_scale, out_dtype)
             if out is not None:
                 return out
         return gemm_k.fp8_gemm(
-            xq, x_scale, weight, weight_scale, out_dtype, batch_invariant=self.batch_invariant
+            xq, x_scale, weight, weight_scale, out_dtype, batch_invariant=self.batch_invariant, block=block
         )
 
     def grouped_gemm(self, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -116,9 +120,15 @@ class CudaGemm(GemmOps):
         weight: torch.Tensor,
         weight_scale: torch.Tensor,
         group_sizes: torch.Tensor,
+        block: int = FP8_BLOCK,
     ) -> torch.Tensor:
+        """128-blocks: one grouped Triton launch. 32-blocks (no FP8 routed experts in V4.1; its
+        grouped wo_a): the contract's default, this part's quantiser and one fp8_gemm launch per
+        non-empty group (the group sizes read on the host)."""
         if weight.dtype != FP8_DTYPE:
             raise ValueError(f"grouped_gemm_fp8 takes float8_e4m3fn weights, got {weight.dtype}")
+        if block != FP8_BLOCK:
+            return super().grouped_gemm_fp8(x, weight, weight_scale, group_sizes, block=block)
         xq, xs = gemm_k.quantize_fp8(x)
         return gemm_k.grouped_gemm(
             xq, weight, group_sizes, out_dtype=x.dtype, x_scale=xs, weight_scale=weight_scale.float(),

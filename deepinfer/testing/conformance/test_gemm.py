@@ -218,6 +218,122 @@ def test_fp8_gemm_column_major_scales(
     assert_close(y, expected, dtype, what="grouped_gemm_fp8 (strided scales)", fp8_act=True)
 
 
+# --------------------------------------------------------------------------- 32-blocks (V4.1)
+
+MX = 32  # DeepSeek-V4.1's FP8 block (deepinfer.backend.fp8.MXFP8_BLOCK)
+# (M, K, N): one block, K and N no block divides, decode and prefill M, M past 256
+MXFP8_SHAPES = [(0, 64, 32), (1, 32, 32), (3, 200, 150), (5, 96, 64), (33, 130, 70), (260, 200, 130)]
+
+
+def _blockwise(q: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """q (R, C) e4m3 times its scales s read at [r // rows, c // cols], in float64: the 32-block
+    meaning written out by index, independent of the reference's expand_block_scale."""
+    r, c = torch.arange(q.shape[0]) // rows, torch.arange(q.shape[1]) // cols
+    return q.double() * s.double()[r[:, None], c[None, :]]
+
+
+def _mx_operands(
+    m: int, k: int, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xq, xs (M, ceil(K/32)), wq, ws (ceil(N/32), ceil(K/32))) on the CPU; the last weight
+    block of K block 0 scaled x8 and row 0's last K block's activation scale x1/4, so that a
+    kernel that reads a scale from a 128-block's place (or the wrong block) is off there."""
+    xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen), MX)
+    wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5, block=MX)
+    ws[-1, 0] *= 8.0
+    if m:
+        xs[0, -1] *= 0.25
+    return xq, xs, wq, ws
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (1, 1), (5, 300), (4, 96), (3, 33)], ids=ids)
+def test_quantize_fp8_block32(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, int]
+) -> None:
+    """Per token per 32 channels: scales (M, ceil(K/32)) = amax / 448 of each 32 channels."""
+    m, k = shape
+    x = randn((m, k), dtype, backend.device.device(), gen, 3.0)
+    if m > 2:
+        x[1] = 0
+        x[2, :40] *= 1e-3  # one whole 32-block of small values
+    xq, scale = backend.gemm.quantize_fp8(x, MX)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == (m, k)
+    assert scale.dtype == torch.float32 and scale.shape == (m, math.ceil(k / MX))
+    xs = oracle(x)
+    pad = torch.nn.functional.pad(xs.abs(), (0, -k % MX)).view(m, math.ceil(k / MX), MX)
+    want = (pad.amax(-1).clamp(min=ref_gemm.AMAX_EPS) / ref_gemm.FP8_MAX).float().double()
+    assert_close(scale, want, torch.float64, what="fp8 scales per 32 channels")
+    deq = xq.cpu().double() * scale.cpu().double().repeat_interleave(MX, dim=-1)[:, :k]
+    s = scale.cpu().double().repeat_interleave(MX, dim=-1)[:, :k]
+    err = (deq - xs).abs()
+    bound = FP8_REL * xs.abs() + FP8_SUBNORMAL * s + 1e-30
+    assert torch.isfinite(deq).all() and bool((err <= bound).all()), f"max fp8 error {err.max() if m else 0}"
+
+
+@pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=ids)
+def test_fp8_gemm_block32(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    m, k, n = shape
+    dev = backend.device.device()
+    xq, xs, wq, ws = _mx_operands(m, k, n, gen)
+    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype, block=MX)
+    expected = _blockwise(xq, xs, 1, MX) @ _blockwise(wq, ws, MX, MX).T
+    assert y.dtype == dtype and y.shape == (m, n)
+    what = "fp8_gemm, 32 x 32 blocks (weight block (last, 0) x8, x scale (0, last) x1/4)"
+    assert_close(y, expected, dtype, what=what, locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}")
+
+
+@pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=ids)
+def test_linear_fp8_block32(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    """x quantised per token per 32 channels inside the op, then the 32-block product."""
+    m, k, n = shape
+    dev = backend.device.device()
+    x = randn((m, k), dtype, dev, gen)
+    _, _, wq, ws = _mx_operands(0, k, n, gen)
+    y = backend.gemm.linear_fp8(x, wq.to(dev), ws.to(dev), block=MX)
+    xq, xs = ref_gemm.quantize_fp8(oracle(x), MX)
+    expected = _blockwise(xq, xs, 1, MX) @ _blockwise(wq, ws, MX, MX).T
+    assert y.dtype == dtype
+    assert_close(
+        y, expected, dtype, what="linear_fp8 (32 x 32 blocks)", fp8_act=True,
+        locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 64, 32), (4, 3, 96, 64), (2, 17, 130, 40)], ids=ids)
+def test_batched_linear_fp8_block32(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
+) -> None:
+    """V4.1's grouped wo_a: G products, x a strided (G, M, K) view, scales (G, N/32, K/32)."""
+    g, m, k, n = shape
+    dev = backend.device.device()
+    x = randn((m, g, k), dtype, dev, gen).transpose(0, 1)
+    wq, ws = quantized_weight((g, n, k), "cpu", gen, k**-0.5, block=MX)
+    ws[-1, -1, 0] *= 8.0
+    y = backend.gemm.batched_linear_fp8(x, wq.to(dev), ws.to(dev), block=MX)
+    assert y.dtype == dtype and y.shape == (g, m, n)
+    expected = torch.empty((g, m, n), dtype=torch.float64)
+    for i in range(g):
+        xq, xs = ref_gemm.quantize_fp8(oracle(x[i]), MX)
+        expected[i] = _blockwise(xq, xs, 1, MX) @ _blockwise(wq[i], ws[i], MX, MX).T
+    where = index_locator(tuple(y.shape), ("group", "row", "column"))
+    assert_close(y, expected, dtype, what="batched_linear_fp8 (32 x 32 blocks)", fp8_act=True, locate=where)
+
+
+def test_fp8_gemm_block32_refuses_128_block_scales(
+    backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator
+) -> None:
+    """128-block scales handed over as 32-block ones are a shape error, not a wrong product."""
+    dev = backend.device.device()
+    xq, xs = ref_gemm.quantize_fp8(randn((3, 256), torch.float32, "cpu", gen))  # (3, 2): 128-blocks
+    wq, ws = quantized_weight((64, 256), "cpu", gen, 0.1)  # (1, 2)
+    with pytest.raises(ValueError, match="scale"):
+        backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype, block=MX)
+
+
 def test_quantize_fp8_strided_rows(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator
 ) -> None:

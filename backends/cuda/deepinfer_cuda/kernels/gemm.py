@@ -1,6 +1,7 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
 # (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
-"""GEMM kernels: FP8 e4m3 block-scaled (128x128 weight scales, 1x128 activation scales), the
+"""GEMM kernels: FP8 e4m3 block-scaled (b x b weight scales, 1 x b activation scales, b = 128 as
+DeepSeek-V3 / V4 or 32 as DeepSeek-V4.1), the
 fused per-token activation quantiser, a fixed-tile float matmul (batch-invariant linear), and a
 grouped GEMM over expert-sorted rows (float or FP8, optionally gathering its input rows).
 
@@ -12,14 +13,15 @@ adds the chunk sums in the same order), so a row's result never depends on M. Sc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from deepinfer.backend.fp8 import AMAX_EPS, FP8_DTYPE, FP8_MAX
+from deepinfer.backend.fp8 import AMAX_EPS, FP8_BLOCKS, FP8_DTYPE, FP8_MAX
 from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
+from deepinfer.reference.gemm import check_fp8_operands
 from deepinfer_cuda.kernels.common import (
     Semaphores,
     is_sm90,
@@ -43,19 +45,20 @@ assert (FP8_MAX, AMAX_EPS) == (448.0, 1e-10)
 class GemmConfig:
     block_m: int = 128
     block_n: int = 128
-    block_k: int = 128  # FP8 kernels need 128: one scale per K step
+    block_k: int = 128  # FP8 kernels: the scale block (128 or 32), one scale per K step
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
 
 
-def fp8_config(m: int) -> GemmConfig:
+def fp8_config(m: int, block: int = SCALE_BLOCK) -> GemmConfig:
     """Tile choice for the dense FP8 GEMM by M (never changes the reduction order over K).
     Large M: 128x128, 8 warps, 4 stages was the best of six tilings on an H200; small M takes
-    64x64 tiles so that more programs share the work."""
+    64x64 tiles so that more programs share the work. block_k is the scale block (one activation
+    and one weight scale per K step): 32-blocks (V4.1) take the same tiles, not tuned on a GPU."""
     if m <= 256:
-        return GemmConfig(block_m=64, block_n=64, num_warps=4, num_stages=5)
-    return GemmConfig(block_m=128, block_n=128, num_warps=8, num_stages=4)
+        return GemmConfig(block_m=64, block_n=64, block_k=block, num_warps=4, num_stages=5)
+    return GemmConfig(block_m=128, block_n=128, block_k=block, num_warps=8, num_stages=4)
 
 
 def fp8_tma_config(m: int) -> GemmConfig:
@@ -340,20 +343,15 @@ def _launch_fp8_tma(
 
 
 def _check_fp8(
-    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: int = SCALE_BLOCK,
 ) -> None:
-    m, k = xq.shape
-    n = weight.shape[-2]
-    if weight.shape[-1] != k:
-        raise ValueError(f"fp8_gemm: activations have K={k} but the weight has K={weight.shape[-1]}")
-    kb = triton.cdiv(k, SCALE_BLOCK)
-    if tuple(x_scale.shape) != (m, kb):
-        raise ValueError(
-            f"fp8_gemm: x_scale must be (M, ceil(K/128)) = {(m, kb)}, got {tuple(x_scale.shape)}"
-        )
-    want = (*weight.shape[:-2], triton.cdiv(n, SCALE_BLOCK), kb)
-    if tuple(weight_scale.shape) != want:
-        raise ValueError(f"fp8_gemm: weight_scale must be {want}, got {tuple(weight_scale.shape)}")
+    if block not in FP8_BLOCKS:
+        raise NotImplementedError(f"fp8_gemm: scale blocks of {block}; the kernels take {FP8_BLOCKS}")
+    check_fp8_operands(xq, x_scale, weight, weight_scale, block)
     if xq.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
         raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {xq.dtype} and {weight.dtype}")
 
@@ -367,23 +365,37 @@ def fp8_gemm(
     config: GemmConfig | None = None,
     batch_invariant: bool = False,
     tma: bool | None = None,
+    block: int = SCALE_BLOCK,
 ) -> torch.Tensor:
-    """(xq * x_scale) @ (weight * weight_scale)^T -> (M, N) out_dtype, float32 accumulation.
+    """(xq * x_scale) @ (weight * weight_scale)^T -> (M, N) out_dtype, float32 accumulation,
+    with `block` x `block` weight scales and 1 x `block` activation scales (128 or 32).
 
-    tma: the persistent TMA kernel (SM90+, aligned operands, block_n 128); None picks it where
-    it applies and M > TMA_MIN_M, outside batch-invariant mode (which keeps one pointer-kernel
-    tiling for every M)."""
-    _check_fp8(xq, x_scale, weight, weight_scale)
+    tma: the persistent TMA kernel (SM90+, aligned operands, block_n 128, 128-blocks only: one
+    weight scale per tile and K step); None picks it where it applies and M > TMA_MIN_M, outside
+    batch-invariant mode (which keeps one pointer-kernel tiling for every M). 32-blocks run on
+    the pointer kernel with block_k = 32."""
+    _check_fp8(xq, x_scale, weight, weight_scale, block)
     if tma is None:
-        tma = not batch_invariant and xq.shape[0] > TMA_MIN_M and _tma_ok(xq, weight, out_dtype)
-    elif tma and not _tma_ok(xq, weight, out_dtype):
-        raise ValueError("fp8_gemm: the TMA kernel needs SM90+, unit inner strides and 16-byte rows")
+        tma = (
+            block == SCALE_BLOCK
+            and not batch_invariant
+            and xq.shape[0] > TMA_MIN_M
+            and _tma_ok(xq, weight, out_dtype)
+        )
+    elif tma and (block != SCALE_BLOCK or not _tma_ok(xq, weight, out_dtype)):
+        raise ValueError(
+            "fp8_gemm: the TMA kernel needs 128-blocks, SM90+, unit inner strides and 16-byte rows"
+        )
     if tma:
         cfg = config or fp8_tma_config(xq.shape[0])
+    elif batch_invariant:
+        cfg = config or replace(INVARIANT_CONFIG, block_k=block)
     else:
-        cfg = config or (INVARIANT_CONFIG if batch_invariant else fp8_config(xq.shape[0]))
-    if cfg.block_k != SCALE_BLOCK or (tma and cfg.block_n != SCALE_BLOCK):
-        raise ValueError(f"FP8 GEMM tiles need block_k = 128 (and block_n = 128 with TMA), got {cfg}")
+        cfg = config or fp8_config(xq.shape[0], block)
+    if cfg.block_k != block or (tma and cfg.block_n != block):
+        raise ValueError(
+            f"FP8 GEMM tiles need block_k = the scale block {block} (and block_n = 128 with TMA), got {cfg}"
+        )
     # the kernels index scales by row stride only: make the K-block axis contiguous
     x_scale, weight_scale = x_scale.float().contiguous(), weight_scale.float().contiguous()
     if tma:
