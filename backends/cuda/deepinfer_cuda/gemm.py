@@ -57,10 +57,17 @@ class CudaGemm(GemmOps):
     ) -> torch.Tensor:
         """Decode sizes, 128-blocks: one skinny FP8 launch over the G groups, read from x's strided
         view and written as a (G, M, N) view of an (M, G, N) tensor (V4 flattens (M, G * N)
-        without a copy); else the contract's grouped_gemm_fp8."""
+        without a copy); other 128-block sizes: the contract's grouped_gemm_fp8 (one grouped launch).
+        Other blocks (V4.1's 32): linear_fp8 per group, G launches that read no length on the host
+        (the contract's grouped path reads the group sizes there, which a CUDA graph cannot)."""
         if self.skinny_fp8 and block == FP8_BLOCK and gemm_k.skinny_fp8_pays(x, weight, weight_scale):
             out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
             return gemm_k.skinny_fp8_matmul(x, weight, weight_scale, out.transpose(0, 1), pdl=self.pdl)
+        if block != FP8_BLOCK:
+            out = torch.empty((x.shape[1], x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)
+            for g in range(x.shape[0]):
+                out[:, g] = self.linear_fp8(x[g], weight[g], weight_scale[g], block=block)
+            return out.transpose(0, 1)
         return super().batched_linear_fp8(x, weight, weight_scale, block=block)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
