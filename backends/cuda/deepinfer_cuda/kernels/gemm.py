@@ -400,7 +400,38 @@ def fp8_gemm(
     x_scale, weight_scale = x_scale.float().contiguous(), weight_scale.float().contiguous()
     if tma:
         return _launch_fp8_tma(xq, x_scale, weight, weight_scale, out_dtype, cfg)
-    return _launch_dense(xq, weight, out_dtype, cfg, x_scale, weight_scale)
+    chunk = (
+        None
+        if batch_invariant or config is not None
+        else fp8_k_chunk(xq.shape[0], *weight.shape, cfg, xq.device)
+    )
+    return _launch_dense(
+        xq, weight, out_dtype, cfg, x_scale, weight_scale, k_chunk=chunk, split=chunk is not None
+    )
+
+
+# Decode-sized FP8 products with few output tiles split K over the programs of one launch: V4-
+# Flash's wo_b (N = 4096, K = 8192) has 64 tiles of 64 columns at M <= 64, which leave half the
+# H200's 132 SMs idle, each program walking 64 K steps. Up to FP8_SPLIT_MAX_M rows, where the
+# tiles are fewer than half of FP8_SPLIT_PROGRAMS_PER_SM x SMs, K is cut into chunks until about
+# that many programs run; the tile's last program adds the chunk sums in order (_dense_kernel's
+# SPLIT: no float atomics, the same bits run to run). The chunking depends on (M tiles, N, K)
+# only, so every M up to 64 (one M tile) reduces in the same order.
+FP8_SPLIT_MAX_M = 64
+FP8_SPLIT_PROGRAMS_PER_SM = 2
+
+
+def fp8_k_chunk(m: int, n: int, k: int, cfg: GemmConfig, device: torch.device) -> int | None:
+    """The K chunk of a split fp8_gemm launch (a multiple of block_k), or None: one chunk."""
+    if not 0 < m <= FP8_SPLIT_MAX_M or n == 0:
+        return None
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    want = FP8_SPLIT_PROGRAMS_PER_SM * num_sms(device)
+    steps = triton.cdiv(k, cfg.block_k)
+    chunks = min(steps, want // tiles)
+    if 2 * tiles > want or chunks < 2:
+        return None
+    return triton.cdiv(steps, chunks) * cfg.block_k
 
 
 # Batch-invariant float matmul: K reduced in chunks of this many, each from zero, the chunk sums
