@@ -42,11 +42,28 @@ from deepinfer.models.layers import Linear
 from deepinfer.models.weights import WeightSource
 
 
+def next_prime(n: int) -> int:
+    """The smallest prime above n (trial division by 6k +- 1: table sizes are near 5e7, so at
+    most about 2,400 divisions a candidate)."""
+    candidate = max(n + 1, 2)
+    while True:
+        if candidate in (2, 3) or (candidate % 2 and candidate % 3 and _no_factor_from_5(candidate)):
+            return candidate
+        candidate += 1
+
+
+def _no_factor_from_5(n: int) -> bool:
+    f = 5
+    while f * f <= n:
+        if n % f == 0 or n % (f + 2) == 0:
+            return False
+        f += 6
+    return True
+
+
 def table_sizes(engram: EngramConfig) -> dict[int, list[int]]:
     """Layer -> its C head sizes (n-gram size major): for each n-gram size the next Hg primes
     above engram_vocab_size - 1, skipping primes any earlier layer or head took."""
-    from sympy import nextprime
-
     taken: set[int] = set()
     out: dict[int, list[int]] = {}
     for layer in engram.layer_ids:
@@ -54,9 +71,9 @@ def table_sizes(engram: EngramConfig) -> dict[int, list[int]]:
         for _ in range(2, engram.max_ngram_size + 1):
             prime = engram.vocab_size - 1
             for _ in range(engram.n_heads):
-                prime = int(nextprime(prime))
+                prime = next_prime(prime)
                 while prime in taken:
-                    prime = int(nextprime(prime))
+                    prime = next_prime(prime)
                 taken.add(prime)
                 sizes.append(prime)
         out[layer] = sizes
