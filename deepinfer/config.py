@@ -275,6 +275,13 @@ class EngineConfig:
     enable_prefix_caching: bool = engine_arg(
         False, "reuse the KV blocks of identical prompt prefixes (hashed per full block)", _boolean
     )
+    prefix_ring_blocks: int | None = engine_arg(
+        None,
+        "prefix caching of a model with a window ring (DeepSeek-V4): blocks that keep the ring rows "
+        "(window and compressor state) of cached token blocks; default: as many bytes as the "
+        "compressed entries' pools",
+        _positive_int,
+    )
     batch_invariant: bool = engine_arg(
         False,
         "ask the backend for batch-invariant ops: a request's tokens do not depend on the other "

@@ -10,7 +10,8 @@ only, CSA with the lightning indexer, HCA; hash-routed and top-k-routed MoE):
     graphs by default, and give the eager engine's tokens;
   - bfloat16 prefill logits within twice transformers' own bfloat16 error of the float32 oracle;
   - config reading (the shipped V4-Flash config, YaRN on the compressed branches) as transformers';
-  - prefix caching refused; `deepinfer bench --random-config` at a reduced depth.
+  - prefix caching (repeats served from the cache) gives the same tokens;
+  - `deepinfer bench --random-config` at a reduced depth.
 """
 
 from __future__ import annotations
@@ -200,9 +201,24 @@ def test_async_scheduling_off_gives_the_same_tokens(case: Case) -> None:
     assert greedy(llm, case.prompts) == case.expected
 
 
-def test_prefix_caching_is_refused(case: Case) -> None:
-    with pytest.raises(ValueError, match="enable_prefix_caching is not supported"):
-        case.llm(enable_prefix_caching=True)
+def test_prefix_caching_gives_transformers_tokens(case: Case) -> None:
+    """With prefix caching, chunked by a 7-token budget: each prompt and, once they are cached,
+    each prompt again (every full block a hit: the ring's lookback restored, the entries shared or
+    copied) give transformers' tokens."""
+    llm = case.llm(
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+        num_gpu_blocks_override=400,
+        prefix_ring_blocks=400,
+        enable_prefix_caching=True,
+    )
+    assert greedy(llm, case.prompts) == case.expected
+    before = llm.llm_engine.block_manager.num_prefix_hits
+    assert greedy(llm, case.prompts) == case.expected
+    assert llm.llm_engine.block_manager.num_prefix_hits - before == sum(
+        (len(p) - 1) // 4 * 4 for p in case.prompts
+    )
+    assert all_blocks_free(llm)
 
 
 def test_flash_config_reads_as_transformers_does() -> None:

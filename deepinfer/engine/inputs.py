@@ -104,7 +104,8 @@ def ring_table(ring: list[int], columns: int) -> list[int]:
 class PreparedStep:
     """A scheduled batch laid out on the device. `bucket` is the graph bucket size (the batch
     padded to Bp decode rows) or None for an eager step. sampling_seqs[i] owns logits row i.
-    ring_copies: the ring group's copies around the forward (step scratch), if any."""
+    ring_copies: the ring group's copies around the forward (step scratch), if any. tables: each
+    request's block table of the first group this step (a ring's unrolled, step scratch in it)."""
 
     batch: ScheduledBatch
     forward: ForwardBatch
@@ -112,6 +113,7 @@ class PreparedStep:
     sampling_seqs: list[Sequence]
     bucket: int | None
     ring_copies: RingCopies | None = None
+    tables: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -332,8 +334,8 @@ class StepInputs:
         if prefill:  # an eager draw over the sampling requests' rows
             n = len(sampling_seqs)
             sampling = SamplingInputs(*(getattr(sampling, f.name)[:n] for f in dataclasses.fields(sampling)))
-            return PreparedStep(batch, forward, sampling, sampling_seqs, None, copies)
-        return PreparedStep(batch, forward, sampling, sampling_seqs, bucket, copies)
+            return PreparedStep(batch, forward, sampling, sampling_seqs, None, copies, tables)
+        return PreparedStep(batch, forward, sampling, sampling_seqs, bucket, copies, tables)
 
     def _fill_tokens(
         self,

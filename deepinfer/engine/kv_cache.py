@@ -11,7 +11,10 @@ keeps one BlockManager per group and allocates in all or none.
 Prefix caching: a full block is identified by hash(parent block's hash, its token ids). When a
 request is admitted, the longest run of its leading full blocks found in the cache is reused
 (their reference counts go up) and only the rest is computed. Freed blocks keep their hash and
-content until they are handed out again, least recently freed first.
+content until they are handed out again, least recently freed first. With several groups
+(DeepSeek-V4's ring and compressed-entry groups) a cached prefix of P tokens is the entry blocks
+it fills (shared), the one it fills in part (copied) and the ring rows of its last L positions
+(copied from a pool of retained ring blocks): GroupedBlockManager, docs/prefix_caching.md.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from deepinfer.engine.sequence import Sequence
 from deepinfer.models.forward_batch import KVCacheGroup
@@ -31,13 +35,49 @@ def cdiv(a: int, b: int) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+    __slots__ = ("block_id", "hash", "partial_keys", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.partial_keys: list[int] = []  # its registrations as a partly valid block (BlockManager.partial)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A request's cached prefix: its first num_tokens tokens need no compute.
+
+    blocks   per cache group, the cached blocks its table starts with (shared: reference counted)
+    ring     several groups (DeepSeek-V4): the retained ring rows to copy into the request's ring,
+             as (token block t, retained block id): rows of positions [t * BS, (t + 1) * BS)
+    partial  per cache group, (cached block, rows): the first `rows` rows of that block copied
+             into the block after `blocks` (a growing group's last, partly filled block), or None
+    """
+
+    num_tokens: int = 0
+    blocks: tuple[tuple[int, ...], ...] = ()
+    ring: tuple[tuple[int, int], ...] = ()
+    partial: tuple[tuple[int, int] | None, ...] = ()
+
+
+@dataclass
+class StepCopies:
+    """Cache row copies queued with one step (GroupedBlockManager with several groups).
+
+    restore  per group g, (src slots, dst slots): before the forward, what a prefix hit brings
+             into the admitted requests' blocks (each source read before any write)
+    retain   (batch row b, token block i, retained block id): after the forward, the ring rows of
+             token block i of request b, read through the step's own table of b (ring or step
+             scratch), copied to that block of the ring's prefix pool
+    """
+
+    restore: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    retain: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.restore or self.retain)
 
 
 class BlockManager:
@@ -69,6 +109,10 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # eviction order
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # several groups (GroupedBlockManager): a token block's hash -> (block id, rows, its token
+        # ids): the first `rows` rows of that block hold what the prefix up to that token block
+        # stored in it (a growing group's partly filled block)
+        self.partial: dict[int, tuple[int, int, tuple[int, ...]]] = {}
         self.num_prefix_hits = 0  # tokens served from the prefix cache, for stats and tests
 
     @property
@@ -105,14 +149,37 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
+    def match(self, seq: Sequence, max_tokens: int | None = None) -> PrefixHit:
+        """match_prefix as a PrefixHit, of at most max_tokens tokens (None: no limit)."""
+        blocks = self.match_prefix(seq)
+        if max_tokens is not None:
+            blocks = blocks[: max_tokens // self.block_size]
+        return PrefixHit(len(blocks) * self.block_size, (tuple(blocks),))
+
+    def admit(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> bool:
+        """allocate, after the blocks of `hit` (match)."""
+        return self.allocate(seq, num_new_tokens, list(hit.blocks[0]) if hit.blocks else None)
+
+    def step_copies(
+        self, seqs: list[Sequence], num_new_tokens: list[int], num_draft_tokens: list[int] | None = None
+    ) -> StepCopies:
+        """One group pages every cache: a prefix hit shares blocks, nothing is copied."""
+        return StepCopies()
+
+    def allocate(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        prefix: list[int] | None = None,
+        num_prefix_tokens: int | None = None,
+    ) -> bool:
         """Make room for seq's next num_new_tokens tokens (after `prefix`, the blocks returned by
-        match_prefix, when given). All or nothing: returns False, changing nothing, if the free
-        blocks do not suffice."""
+        match_prefix, when given; they stand for num_prefix_tokens tokens, default len(prefix) *
+        BS). All or nothing: returns False, changing nothing, if the free blocks do not suffice."""
         prefix = prefix or []
         table = seq.block_tables[self.table]
         assert not prefix or not table, "prefix blocks are taken on admission only"
-        need = self.blocks_needed(seq, num_new_tokens, len(prefix))
+        need = self.blocks_needed(seq, num_new_tokens, len(prefix), num_prefix_tokens)
         revived = sum(1 for b in prefix if self.blocks[b].ref_count == 0)  # cached but free now
         if max(need, 0) + revived > len(self.free):
             return False
@@ -123,19 +190,35 @@ class BlockManager:
             block.ref_count += 1
             table.append(block_id)
         for _ in range(need):
-            block_id, _ = self.free.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.hash is not None and self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-            block.hash, block.token_ids, block.ref_count = None, (), 1
-            table.append(block_id)
-        self.num_prefix_hits += len(prefix) * self.block_size
+            table.append(self.take_free().block_id)
+        if num_prefix_tokens is None:
+            self.num_prefix_hits += len(prefix) * self.block_size
         return True
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_prefix_blocks: int = 0) -> int:
-        """Blocks seq lacks for its next num_new_tokens tokens (after that many prefix blocks)."""
+    def take_free(self) -> Block:
+        """The least recently freed block, its cached content forgotten, now held once."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        for key in block.partial_keys:
+            if self.partial.get(key, (-1,))[0] == block_id:
+                del self.partial[key]
+        block.hash, block.token_ids, block.ref_count, block.partial_keys = None, (), 1, []
+        return block
+
+    def blocks_needed(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        num_prefix_blocks: int = 0,
+        num_prefix_tokens: int | None = None,
+    ) -> int:
+        """Blocks seq lacks for its next num_new_tokens tokens (after that many prefix blocks,
+        standing for num_prefix_tokens tokens: default num_prefix_blocks * BS)."""
         bs = self.block_size
-        tokens = seq.num_computed_tokens + num_prefix_blocks * bs + num_new_tokens
+        cached = num_prefix_blocks * bs if num_prefix_tokens is None else num_prefix_tokens
+        tokens = seq.num_computed_tokens + cached + num_new_tokens
         total = cdiv(tokens, bs) if self.group is None else self.group.blocks_for(tokens, bs)
         return total - len(seq.block_tables[self.table]) - num_prefix_blocks
 
@@ -167,8 +250,9 @@ class BlockManager:
         if any(block.ref_count for block in self.blocks):
             return False
         self.cached.clear()
+        self.partial.clear()
         for block in self.blocks:
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.partial_keys = None, (), []
         return True
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -187,9 +271,26 @@ class BlockManager:
 class GroupedBlockManager:
     """The blocks of a model's KV cache groups: one BlockManager per group, group g's blocks in
     seq.block_tables[g]. A request gets room in every group or in none; a ring group's blocks
-    are taken at its first step and kept until it finishes or is preempted. Prefix caching
-    shares the first group's blocks: models that support it have that group only
-    (CausalLM.supports_prefix_caching)."""
+    are taken at its first step and kept until it finishes or is preempted.
+
+    Prefix caching with one group: the first group's full blocks are shared (BlockManager).
+    With several (DeepSeek-V4: a ring for the per-token caches, growing groups of compressed
+    entries at 1/m rows per token), a prefix of P tokens (P a multiple of BS) is restored exactly,
+    from what a step that starts at position P reads:
+      growing group (ratio m)  its entries w < P // m, each a function of tokens up to (w+1)m - 1
+                    only: the full blocks among them are shared, each cached under the hash of the
+                    token block that closes its last entry; the last, partly filled block (rows
+                    [0, (P // m) % BS)) is copied into a block of the request's own, from the
+                    block that held it when token block P / BS - 1 was cached (registered in
+                    BlockManager.partial until that block is handed out again);
+      ring          rows of positions [P - L, P) (L = ring_lookback): every full token block a
+                    request computes (its tokens known to the host) has its ring rows copied, after
+                    the step's forward, into a block of the ring's prefix pool (`ring_prefix`:
+                    (first block id, count) in the ring group's caches, after its rings and step
+                    scratch; least recently used first out), cached under the token block's hash;
+                    a hit copies the ceil(L / BS) retained blocks before P into its ring.
+    The longest P whose every piece is cached wins, at least one token left to compute. The
+    copies are queued with the step (step_copies -> StepCopies, run by the worker)."""
 
     def __init__(
         self,
@@ -197,15 +298,34 @@ class GroupedBlockManager:
         num_blocks: list[int],
         block_size: int,
         enable_prefix_caching: bool = False,
+        ring_prefix: tuple[int, int] = (0, 0),
     ) -> None:
-        assert not enable_prefix_caching or len(groups) == 1, "prefix caching pages one cache group"
+        several = len(groups) > 1
+        if enable_prefix_caching and several:
+            assert groups[0].ring_blocks and all(not g.ring_blocks for g in groups[1:]), (
+                "prefix caching of several groups: a ring first, then growing groups"
+            )
+            assert ring_prefix[1] > 0, "prefix caching of a ring needs its prefix pool"
         self.groups = groups
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.managers = [
-            BlockManager(n, block_size, enable_prefix_caching, group=g, table=i)
+            BlockManager(n, block_size, enable_prefix_caching and not several, group=g, table=i)
             for i, (g, n) in enumerate(zip(groups, num_blocks))
         ]
+        # several groups with prefix caching: the ring's retained blocks (their own manager, ids
+        # from 0; in the caches from ring_prefix[0]), and per request the token blocks registered
+        self.retained: BlockManager | None = None
+        self.retained_first = ring_prefix[0]
+        if enable_prefix_caching and several:
+            self.retained = BlockManager(ring_prefix[1], block_size, True)
+        self.lookback_blocks = cdiv(groups[0].ring_lookback, block_size)
+        self._registered: dict[int, int] = {}  # id(seq) -> its token blocks registered
+        # id(seq) -> [token block, retained block, launched]: ring rows copied (or to be copied by the
+        # step planned) into a retained block, registered once launched and its tokens known
+        self._pending: dict[int, list[list[int]]] = {}
+        self._restore: dict[int, tuple[list[int], list[int]]] = {}  # this step's, so far
+        self._hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -218,20 +338,118 @@ class GroupedBlockManager:
 
     @property
     def num_prefix_hits(self) -> int:
-        return self.managers[0].num_prefix_hits
+        """Tokens served from the prefix cache."""
+        return self._hits if self.retained is not None else self.managers[0].num_prefix_hits
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         return self.managers[0].match_prefix(seq)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached blocks of every group; False, changing nothing, while one is in use."""
-        if any(block.ref_count for m in self.managers for block in m.blocks):
+        managers = self.managers + ([self.retained] if self.retained is not None else [])
+        if any(block.ref_count for m in managers for block in m.blocks):
             return False
-        return all([m.reset_prefix_cache() for m in self.managers])
+        return all([m.reset_prefix_cache() for m in managers])
+
+    # ------------------------------------------------------------------ admission
+
+    def match(self, seq: Sequence, max_tokens: int | None = None) -> PrefixHit:
+        """The longest cached prefix of seq, of at most max_tokens tokens (None: no limit)."""
+        if self.retained is None:
+            blocks = self.managers[0].match_prefix(seq)
+            if max_tokens is not None:
+                blocks = blocks[: max_tokens // self.block_size]
+            return PrefixHit(
+                len(blocks) * self.block_size, (tuple(blocks),) + ((),) * (len(self.managers) - 1)
+            )
+        if seq.block_table:
+            return PrefixHit()
+        bs, ring = self.block_size, self.retained
+        last = (seq.num_tokens - 1) // bs  # token blocks that may be cached: one token left
+        if max_tokens is not None:
+            last = min(last, max_tokens // bs)
+        hashes = ring._block_hashes(seq, last)
+
+        def tokens(t: int) -> tuple[int, ...]:
+            return tuple(seq.token_ids[t * bs : (t + 1) * bs])
+
+        def found(m: BlockManager, t: int) -> int | None:  # the block cached under token block t
+            block_id = m.cached.get(hashes[t])
+            return block_id if block_id is not None and m.blocks[block_id].token_ids == tokens(t) else None
+
+        # per growing group, the leading full entry blocks cached (block j under token block (j+1)m - 1)
+        runs: list[list[int]] = []
+        for m, g in zip(self.managers[1:], self.groups[1:]):
+            run: list[int] = []
+            while (t := (len(run) + 1) * g.ratio - 1) < last and (b := found(m, t)) is not None:
+                run.append(b)
+            runs.append(run)
+        for n in range(last, 0, -1):  # P = n * BS, longest first
+            p = n * bs
+            ring_blocks = [(t, found(ring, t)) for t in range(max(0, n - self.lookback_blocks), n)]
+            if any(b is None for _, b in ring_blocks):
+                continue
+            shared: list[tuple[int, ...]] = [()]
+            partial: list[tuple[int, int] | None] = [None]
+            for m, g, run in zip(self.managers[1:], self.groups[1:], runs):
+                entries = p // g.ratio
+                full, rows = divmod(entries, bs)
+                if full > len(run):
+                    break
+                piece = None
+                if rows:
+                    cached = m.partial.get(hashes[n - 1])
+                    if cached is None or cached[1] != rows or cached[2] != tokens(n - 1):
+                        break
+                    piece = (cached[0], rows)
+                shared.append(tuple(run[:full]))
+                partial.append(piece)
+            else:
+                return PrefixHit(
+                    p, tuple(shared), tuple((t, b) for t, b in ring_blocks if b is not None), tuple(partial)
+                )
+        return PrefixHit()
+
+    def admit(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> bool:
+        """Room for seq's next num_new_tokens tokens after its cached prefix `hit` (match) in every
+        group, and the copies that bring the prefix into its own blocks (queued for the step:
+        step_copies); False, changing nothing, if one group lacks free blocks."""
+        if self.retained is None:
+            return self.allocate(seq, num_new_tokens, list(hit.blocks[0]) if hit.blocks else None)
+        if not hit.num_tokens:
+            return self.allocate(seq, num_new_tokens)
+        while len(seq.block_tables) < len(self.managers):
+            seq.block_tables.append([])
+        p = hit.num_tokens
+        for m, blocks in zip(self.managers, hit.blocks):
+            revived = sum(1 for b in blocks if m.blocks[b].ref_count == 0)
+            if max(m.blocks_needed(seq, num_new_tokens, len(blocks), p), 0) + revived > m.num_free_blocks:
+                return False
+        for m, blocks in zip(self.managers, hit.blocks):
+            taken = m.allocate(seq, num_new_tokens, list(blocks), p)
+            assert taken
+        bs, ring = self.block_size, seq.block_tables[0]
+        src, dst = self._restore.setdefault(0, ([], []))
+        for t, b in hit.ring:  # token block t's rows -> the ring's block of t
+            self.retained.free.move_to_end(b)  # just used: the last to go
+            src.extend(range((self.retained_first + b) * bs, (self.retained_first + b + 1) * bs))
+            dst.extend(range(ring[t % len(ring)] * bs, (ring[t % len(ring)] + 1) * bs))
+        for g, (blocks, piece) in enumerate(zip(hit.blocks, hit.partial)):
+            if piece is not None:
+                block, rows = piece
+                if block in self.managers[g].free:  # just used: the last of the free ones to go
+                    self.managers[g].free.move_to_end(block)
+                own = seq.block_tables[g][len(blocks)]
+                src, dst = self._restore.setdefault(g, ([], []))
+                src.extend(range(block * bs, block * bs + rows))
+                dst.extend(range(own * bs, own * bs + rows))
+        self._registered[id(seq)] = p // bs  # what it holds is cached already
+        self._hits += p
+        return True
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[int] | None = None) -> bool:
-        """Room for seq's next num_new_tokens tokens (after the first group's `prefix` blocks) in
-        every group; False, changing nothing, if one group lacks free blocks."""
+        """Room for seq's next num_new_tokens tokens (after the first group's `prefix` blocks,
+        one group only) in every group; False, changing nothing, if one group lacks free blocks."""
         first, rest = self.managers[0], self.managers[1:]
         while len(seq.block_tables) < len(self.managers):
             seq.block_tables.append([])
@@ -244,17 +462,108 @@ class GroupedBlockManager:
             assert taken
         return True
 
+    # ------------------------------------------------------------------ the step
+
+    def step_copies(
+        self, seqs: list[Sequence], num_new_tokens: list[int], num_draft_tokens: list[int] | None = None
+    ) -> StepCopies:
+        """The copies of the step the scheduler just planned (seqs[b] computes its next
+        num_new_tokens[b] tokens, the last num_draft_tokens[b] of them drafts): the prefix hits'
+        restores, and a retained block for every token block that completes in the step (drafts
+        aside) and is not retained yet (the latest ones while the prefix pool has free blocks). A
+        block whose last token is pending (sampled by the step before, async scheduling) is
+        copied now and cached once the host knows that token."""
+        copies = StepCopies(self._restore)
+        self._restore = {}
+        ring = self.retained
+        if ring is None:
+            return copies
+        bs, planned = self.block_size, set()
+        drafts = num_draft_tokens or [0] * len(seqs)
+        for b, (seq, n, nd) in enumerate(zip(seqs, num_new_tokens, drafts)):
+            start, known = seq.num_computed_tokens, len(seq.token_ids)
+            end = (start + n - nd) // bs
+            hashes = ring._block_hashes(seq, min(end, known // bs))
+            for t in reversed(range(start // bs, end)):  # the pool short: the latest blocks kept
+                if t < len(hashes):  # its tokens known: retained once per content
+                    h, tokens = hashes[t], tuple(seq.token_ids[t * bs : (t + 1) * bs])
+                    cached = ring.cached.get(h)
+                    if h in planned or (cached is not None and ring.blocks[cached].token_ids == tokens):
+                        if cached is not None:
+                            ring.free.move_to_end(cached)
+                        continue
+                    planned.add(h)
+                if not ring.free:
+                    break
+                block = ring.take_free()  # held until registered (cache_full_blocks)
+                self._pending.setdefault(id(seq), []).append([t, block.block_id, 0])
+                copies.retain.append((b, t, self.retained_first + block.block_id))
+        return copies
+
+    def _register_retained(self, seq: Sequence, release: bool) -> None:
+        """seq's retained blocks of launched steps whose tokens the host knows: cached; the rest
+        kept pending, or with `release` (seq leaves) back to the free ones uncached."""
+        ring, bs = self.retained, self.block_size
+        assert ring is not None
+        keep = []
+        for item in sorted(self._pending.pop(id(seq), [])):  # in order: the last one used last
+            t, block_id, launched = item
+            block = ring.blocks[block_id]
+            if launched and (t + 1) * bs <= len(seq.token_ids):
+                h = ring._block_hashes(seq, t + 1)[t]
+                if h not in ring.cached:
+                    block.hash, block.token_ids = h, tuple(seq.token_ids[t * bs : (t + 1) * bs])
+                    ring.cached[h] = block_id
+            elif not release:
+                keep.append(item)
+                continue
+            block.ref_count = 0
+            ring.free[block_id] = None
+        if keep:
+            self._pending[id(seq)] = keep
+
     def positions_covered(self, seq: Sequence) -> int | None:
         """The positions whose rows seq's blocks hold in every growing group (None: rings only)."""
         covered = [c for m in self.managers if (c := m.positions_covered(seq)) is not None]
         return min(covered, default=None)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        self.managers[0].cache_full_blocks(seq)
+        """Register seq's computed full blocks (its launched step's retained ring blocks too)."""
+        if self.retained is None:
+            self.managers[0].cache_full_blocks(seq)
+            return
+        bs, ring = self.block_size, self.retained
+        for item in self._pending.get(id(seq), []):
+            item[2] = 1  # its step was launched: the copy is queued
+        self._register_retained(seq, release=False)
+        done = self._registered.get(id(seq), 0)
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        if num_full <= done:
+            return
+        hashes = ring._block_hashes(seq, num_full)
+        for t in range(done, num_full):
+            key, tokens = hashes[t], tuple(seq.token_ids[t * bs : (t + 1) * bs])
+            for m, g in zip(self.managers[1:], self.groups[1:]):
+                table = seq.block_tables[m.table]
+                entries = (t + 1) * bs // g.ratio
+                full, rows = divmod(entries, bs)
+                if rows:  # block `full` holds `rows` rows of this prefix
+                    block = m.blocks[table[full]]
+                    m.partial[key] = (block.block_id, rows, tokens)
+                    block.partial_keys.append(key)
+                elif (t + 1) % g.ratio == 0 and full:  # entry block full - 1 closes here
+                    block = m.blocks[table[full - 1]]
+                    if block.hash is None and key not in m.cached:
+                        block.hash, block.token_ids = key, tokens
+                        m.cached[key] = block.block_id
+        self._registered[id(seq)] = num_full
 
     def free_sequence(self, seq: Sequence) -> None:
         for m in self.managers:
             m.free_sequence(seq)
+        self._registered.pop(id(seq), None)
+        if self.retained is not None:  # what was copied and is known is cached; the rest let go
+            self._register_retained(seq, release=True)
 
 
 # Host bytes the BlockManager spends per block (a Block with __slots__, its list slot, its entry

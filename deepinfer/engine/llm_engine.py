@@ -120,7 +120,9 @@ class LLMEngine:
         self.sampler = Sampler(self.backend, self.eos_token_ids)
         self.worker = w = Worker(config, model, self.backend, self.sampler, n, ep)
         bs, prefix_caching = config.block_size, config.enable_prefix_caching  # the pools' blocks, on the host
-        self.block_manager = GroupedBlockManager(w.kv_groups, w.pool_blocks, bs, prefix_caching)
+        self.block_manager = GroupedBlockManager(
+            w.kv_groups, w.pool_blocks, bs, prefix_caching, w.ring_prefix_pool
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.eos_token_ids, n)
         self.speculative = (

@@ -24,19 +24,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from deepinfer.engine.kv_cache import BlockManager, GroupedBlockManager
+from deepinfer.engine.kv_cache import BlockManager, GroupedBlockManager, StepCopies
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledBatch:
     """One step's work: seqs[i] computes its next num_new_tokens[i] tokens, the last
-    num_draft_tokens[i] of them its speculative draft (seq.draft, verified this step)."""
+    num_draft_tokens[i] of them its speculative draft (seq.draft, verified this step). copies:
+    the cache rows the step copies around its forward (prefix caching of several cache groups)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_draft_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: StepCopies = field(default_factory=StepCopies)
 
     @property
     def num_tokens(self) -> int:
@@ -102,12 +104,12 @@ class Scheduler:
         # Waiting requests, in arrival order, unless this step already had to preempt.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
-            prefix = bm.match_prefix(seq)
-            if seq.wants_prompt_logprobs:  # cached blocks must not hide a prompt position's logits:
-                prefix = prefix[: (seq.prompt_logprob_pos - 1) // bm.block_size]  # only those done
-            num_cached = len(prefix) * bm.block_size
+            # cached blocks must not hide a prompt position's logits: only those done
+            most = seq.prompt_logprob_pos - 1 if seq.wants_prompt_logprobs else None
+            hit = bm.match(seq, most)
+            num_cached = hit.num_tokens
             n = min(seq.num_tokens - num_cached, budget, self.max_tokens_per_request or budget)
-            if not bm.allocate(seq, n, prefix):
+            if not bm.admit(seq, n, hit):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -120,6 +122,7 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             batch.num_draft_tokens.append(0)
             budget -= n
+        batch.copies = bm.step_copies(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens)
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

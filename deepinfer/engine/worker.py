@@ -69,7 +69,7 @@ from deepinfer.engine.graphs import (
 from deepinfer.engine.inputs import PreparedStep, StepInputs
 from deepinfer.engine.kv_cache import cdiv, check_kv_pool_fits, fit_blocks, group_pool_blocks, memory_budget
 from deepinfer.engine.output_processor import SampledStep
-from deepinfer.engine.ring import RingScratch, scratch_blocks
+from deepinfer.engine.ring import RingScratch, copy_rows, scratch_blocks
 from deepinfer.engine.sampler import (
     LOGPROB_CHUNK_ELEMENTS,
     LogprobTensors,
@@ -177,6 +177,15 @@ class Worker:
         # pool sized from the step's token budget. MTP caches are rows of the same groups.
         self.kv_groups = model.kv_cache_groups(bs, k, 1 if method == "mtp" else 0)
         ring = self.kv_groups[0]
+        # prefix caching of several groups keeps ring rows of cached token blocks in a pool of its
+        # own (GroupedBlockManager): one block per block of tokens the cache holds
+        self.ring_prefix = config.enable_prefix_caching and len(self.kv_groups) > 1
+        if self.ring_prefix and method is not None:
+            raise ValueError(
+                f"enable_prefix_caching with speculative decoding is not supported for {config.model} "
+                f"({model.config.model_type}): its drafts' rows in the ring are not restored from the "
+                "prefix cache; run it with one of the two"
+            )
         self.ring_scratch_blocks = 0
         if ring.ring_blocks:  # its long requests compute more than ring_step_tokens each
             self.ring_scratch_blocks = scratch_blocks(
@@ -306,7 +315,7 @@ class Worker:
         bs, groups = self.block_size, self.kv_groups
         spec = self.model.kv_cache_spec(1, bs)
         pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
-        pools[0] += self.ring_scratch_blocks
+        pools[0] += self.ring_scratch_blocks + self.ring_prefix_blocks(num_blocks)
         # a block of one cache of group g: BS rows of its own width
         per_cache: list[int] = [g.cache_spec(spec).bytes_per_token * bs for g in groups]
         return sum(n * b * g.num_caches for g, n, b in zip(groups, pools, per_cache))
@@ -333,7 +342,9 @@ class Worker:
         # Before anything is allocated: the pool in device memory, the block manager in host memory.
         on_host = self.device.type == "cpu"
         pool_blocks = (
-            sum(group_pool_blocks(self.kv_groups, num_blocks, c.max_num_seqs)) + self.ring_scratch_blocks
+            sum(group_pool_blocks(self.kv_groups, num_blocks, c.max_num_seqs))
+            + self.ring_scratch_blocks
+            + self.ring_prefix_blocks(num_blocks)
         )
         bytes_per_block = cdiv(self.kv_pool_bytes(num_blocks), max(pool_blocks, 1))
         check_kv_pool_fits(pool_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
@@ -348,15 +359,37 @@ class Worker:
             )
         return num_blocks
 
+    def ring_prefix_blocks(self, num_blocks: int) -> int:
+        """Blocks of the ring's prefix pool (prefix caching of several groups; else none) for a
+        cache of num_blocks blocks of tokens: config.prefix_ring_blocks, default the fewest ring
+        blocks whose bytes reach those of the growing groups' pools, a ring's blocks at least
+        (the rows before one prefix's end; V4-Flash: about one ring
+        block per 29 blocks of tokens, its ring rows taking 189 caches a token where its entries
+        take 6.5 of the same width)."""
+        if not self.ring_prefix:
+            return 0
+        if self.config.prefix_ring_blocks is not None:
+            return self.config.prefix_ring_blocks
+        bs, groups = self.block_size, self.kv_groups
+        spec = self.model.kv_cache_spec(1, bs)
+        block = [g.cache_spec(spec).bytes_per_token * bs * g.num_caches for g in groups]
+        pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
+        growing = sum(n * b for n, b in zip(pools[1:], block[1:]))
+        return max(groups[0].ring_blocks, cdiv(growing, block[0]))  # a ring's worth at least
+
     def _allocate(self, num_blocks: int) -> list[int]:
         """One pool per group, the model's caches in group order (then the MTP head's, apart);
-        the ring group's step scratch after its pool's blocks -> each group's pool blocks."""
+        the ring group's step scratch after its pool's blocks, then its prefix pool -> each
+        group's pool blocks (self.ring_prefix_pool: the prefix pool's first block and count)."""
         bs = self.block_size
         pools = group_pool_blocks(self.kv_groups, num_blocks, self.config.max_num_seqs)
+        self.group_caches: list[list[PagedKVCache]] = []
+        self.ring_prefix_pool = (pools[0] + self.ring_scratch_blocks, self.ring_prefix_blocks(num_blocks))
         for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
-            scratch = self.ring_scratch_blocks if i == 0 else 0
+            scratch = self.ring_scratch_blocks + self.ring_prefix_pool[1] if i == 0 else 0
             spec = group.cache_spec(self.model.kv_cache_spec(n + scratch, bs))
             caches = self.backend.kv_cache.allocate(spec, group.num_caches)
+            self.group_caches.append(caches)
             own = group.num_caches - group.num_mtp_caches
             self.kv_caches += caches[:own]
             self.mtp_caches += caches[own:]
@@ -366,13 +399,20 @@ class Worker:
                 "ring %d blocks)",
                 group.name, group.num_caches, spec.head_dim, n, mib, group.ratio, group.ring_blocks,
             )  # fmt: skip
-            if scratch:
+            if self.ring_scratch_blocks and i == 0:
+                scratch = self.ring_scratch_blocks
                 logger.info(
                     "KV cache group %s/scratch: %d caches, %d blocks, %.1f MiB (steps longer than "
                     "%d tokens per request)",
                     group.name, group.num_caches, scratch, mib * scratch / n, group.ring_step_tokens(bs),
                 )  # fmt: skip
                 self.inputs.ring = RingScratch(group, bs, n, scratch)
+            if self.ring_prefix_pool[1] and i == 0:
+                kept = self.ring_prefix_pool[1]
+                logger.info(
+                    "KV cache group %s/prefix: %d caches, %d blocks, %.1f MiB (ring rows of cached prefixes)",
+                    group.name, group.num_caches, kept, mib * kept / n,
+                )  # fmt: skip
         return pools
 
     def ring_caches(self, mtp: bool = False) -> list[PagedKVCache]:
@@ -494,6 +534,7 @@ class Worker:
         if eager:
             bucket = None
         step = self.inputs.prepare(batch, bucket)
+        self._restore(batch)
         if bucket is None:
             copies = step.ring_copies
             if copies is not None:  # step scratch: ring -> scratch, the forward, scratch -> ring
@@ -501,10 +542,33 @@ class Worker:
             hidden, logits = self.logits(step.forward)
             if copies is not None:
                 copies.after(self.backend, self.ring_caches())
+            self._retain(step)
             return ForwardOutput(step, logits, hidden)
         assert self.decode_graphs.logits is not None and len(batch) <= bucket
         self._replay(bucket)
+        self._retain(step)
         return ForwardOutput(step, self.decode_graphs.logits[:bucket], None)
+
+    def _restore(self, batch: ScheduledBatch) -> None:
+        """Before the step's forward: the prefix hits' rows into the admitted requests' blocks
+        (StepCopies.restore), every group's caches, the MTP head's too."""
+        for g, (src, dst) in batch.copies.restore.items():
+            copy_rows(self.backend, self.group_caches[g], src, dst)
+
+    def _retain(self, step: PreparedStep) -> None:
+        """After the step's forward: the ring rows of its token blocks to retain (StepCopies.
+        retain), read through the step's tables (ring or step scratch), into the prefix pool."""
+        retain = step.batch.copies.retain
+        if not retain:
+            return
+        bs = self.block_size
+        src: list[int] = []
+        dst: list[int] = []
+        for b, t, block in retain:
+            column = step.tables[b][t]
+            src.extend(range(column * bs, (column + 1) * bs))
+            dst.extend(range(block * bs, (block + 1) * bs))
+        copy_rows(self.backend, self.group_caches[0], src, dst)
 
     def _prefill_graph(
         self, batch: ScheduledBatch, shape: tuple[int, int], keep_hidden: bool
@@ -512,6 +576,7 @@ class Worker:
         logits = self.decode_graphs.logits
         assert logits is not None
         step = self.inputs.prepare(batch, shape[0], shape[1] - 1, prefill=True)
+        assert not batch.copies, "prefill graphs page one cache group: no prefix copies"
         self.prefill_graphs[shape].replay()
         self.num_prefill_graph_steps += 1
         hidden = None

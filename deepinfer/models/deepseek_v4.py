@@ -43,8 +43,22 @@ of a long step's positions): key position j is read at block j // BS, row j % BS
 cache, and nothing older than R positions is ever read. Given one block table only (an empty
 ForwardBatch.group_block_tables, as tests and tools drive it), every cache is paged by it, one
 row per token position (entry w at row w).
-Prefix caching is refused (an entry stored in a block depends on tokens after it, and the ring
-keeps no prefix). Decode and verification steps, and the MTP head's chained drafts, replay
+
+Prefix caching (engine.kv_cache.GroupedBlockManager; docs/prefix_caching.md) is exact, at
+multiples P of the block size: what a step that starts at P reads is (a) the entries w < P // m
+of each ratio, each pooled from tokens up to (w+1)m - 1 only, so a function of the prefix: the
+full entry blocks (and indexer-key blocks) are shared, the last, partly filled one is copied
+into a block of the request's own; and (b) the ring's rows of positions [P - L, P): each full
+token block's ring rows (window, compressor and indexer state of every layer) are copied after
+the step that computes them into a pool of retained blocks, and a hit copies the ceil(L / BS)
+blocks before P into its ring. Recomputing the last window instead would not be exact: a
+layer's window rows come from the hidden states of the layer below over its own window, so what
+a recompute must cover grows by window - 1 positions a layer (V4-Flash: 43 x 127). A ring row
+takes far more bytes than the entries a token adds (V4-Flash: 189 caches a token against 6.5),
+so the retained pool is sized apart (EngineConfig.prefix_ring_blocks; default the entry pools'
+bytes) and evicts least recently used blocks first. Not with speculative decoding (the MTP
+head's ring rows are not retained).
+Decode and verification steps, and the MTP head's chained drafts, replay
 graphs: the entries that close in a step where every request computes q tokens (1, or 1 + k
 with padding drafts) are found on the device from its lengths and slots (NewEntries.build), so
 the forward reads no length on the host; an entry whose closing row is padding (slot -1: a
@@ -871,7 +885,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     supports_graphs = True  # decode steps find their closing entries on the device
     supports_prefill_graphs = False  # its prefill steps page several cache groups (none yet)
     supports_drafts_with_graphs = True  # verification steps and the MTP head's drafts replay graphs
-    supports_prefix_caching = False  # a block's compressed rows depend on tokens after the block
+    supports_prefix_caching = True  # entries shared or copied, the ring's lookback restored (docstring)
     token_history = 0  # reads no earlier tokens than its KV cache holds
 
     def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:

@@ -33,7 +33,10 @@ class CausalLM(Protocol):
       supports_prefill_graphs   short prefill steps too (one cache group paged per request)
       supports_drafts_with_graphs  graphs stay on with a speculative decoder (else its steps,
                                 and every other, run eagerly)
-      supports_prefix_caching   a full block's cache rows depend on its tokens and the ones before
+      supports_prefix_caching   a cached prefix restores the caches exactly: a full block's rows
+                                depend on its tokens and the ones before (one group), or the
+                                groups follow GroupedBlockManager's rule (a ring and growing
+                                groups of compressed entries: DeepSeek-V4)
       token_history             previous tokens of each computed token the forward reads
                                 (ForwardBatch.token_history); 0: none
       rope_positions            positions the rope table holds (speculative padding drafts may
