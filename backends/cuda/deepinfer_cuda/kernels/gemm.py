@@ -403,7 +403,7 @@ def fp8_gemm(
     chunk = (
         None
         if batch_invariant or config is not None
-        else fp8_k_chunk(xq.shape[0], *weight.shape, cfg, xq.device)
+        else fp8_k_chunk(xq.shape[0], weight.shape[0], weight.shape[1], cfg, xq.device)
     )
     return _launch_dense(
         xq, weight, out_dtype, cfg, x_scale, weight_scale, k_chunk=chunk, split=chunk is not None
@@ -431,7 +431,7 @@ def fp8_k_chunk(m: int, n: int, k: int, cfg: GemmConfig, device: torch.device) -
     chunks = min(steps, want // tiles)
     if 2 * tiles > want or chunks < 2:
         return None
-    return triton.cdiv(steps, chunks) * cfg.block_k
+    return int(triton.cdiv(steps, chunks)) * cfg.block_k
 
 
 # Batch-invariant float matmul: K reduced in chunks of this many, each from zero, the chunk sums
