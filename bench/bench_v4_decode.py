@@ -13,15 +13,17 @@ median of triton.testing.do_bench):
     at M = 1 and 64 a sweep of the FP8 skinny tiles; at every shape and M the e4m3 x e4m3
     tensor-core variant (`mma BNxSLAB wW`: SkinnyConfig.fp8_mma, not the default dispatch);
   * the routed-expert layer (256 MXFP4 experts, hidden 4096, intermediate 2048, top-6, the clamped
-    SwiGLU) at 1, 8, 64 tokens: `new` CudaMoe.fused_moe (decode_moe's MXFP4 GEMV kernels up to
-    FP4_DECODE_MAX_COPIES copies, else the grouped path), `grouped` the contract's composition
-    over the new grouped_gemm_fp4 (nibble pairs), `old` DEEPINFER_CUDA_V4_DECODE=0, `bf16` the
+    SwiGLU) at 1, 8, 64, 256 tokens: `new` CudaMoe.fused_moe (decode_moe's MXFP4 GEMV kernels up
+    to FP4_DECODE_MAX_COPIES copies, else the grouped path), `grouped` the contract's composition
+    over grouped_gemm_fp4 as dispatched (the nibble-pair kernel), `grouped mx` the same with
+    DEEPINFER_CUDA_MX_FP4=1 (tl.dot_scaled), `old` DEEPINFER_CUDA_V4_DECODE=0, `bf16` the
     same layer with bfloat16 experts (diffs: against `old`, same MXFP4 weights); GB/s = bytes of
     the distinct experts touched over time; at 1 and 8 tokens a sweep of the MXFP4 decode tiles
     (up and down kernels' tiles apart: `sweep up nN kK down nN kK wW sS`; the defaults unchanged),
     at 64 tokens its BLOCK_K 256 rows against the grouped path;
-  * the grouped MXFP4 GEMM at prefill sizes (gate_up over 512 and 4096 tokens' copies): a tile
-    sweep against the path before, in TFLOP/s.
+  * the grouped MXFP4 GEMM over 64 to 4096 tokens' copies (gate_up): the default (nibble pairs),
+    `mx` (DEEPINFER_CUDA_MX_FP4=1's dispatch) and the path before, tile sweeps of the nibble-pair
+    and the microscaled (`mx ...`) kernels, in TFLOP/s and GB/s of the distinct experts' bytes.
 
     python bench/bench_v4_decode.py --out DIR          # writes v4_decode.json and v4_decode.md
     TRITON_INTERPRET=1 python bench/bench_v4_decode.py --smoke   # tiny shapes on the CPU
@@ -94,14 +96,16 @@ class Timer:
         return self(g.replay)
 
 
-def backends(smoke: bool) -> tuple[Any, Any]:
-    """(new, old): the cuda backend as built, and built again with DEEPINFER_CUDA_V4_DECODE=0."""
+def backends(smoke: bool) -> tuple[Any, Any, Any]:
+    """(new, old, mx): the cuda backend as built, built again with DEEPINFER_CUDA_V4_DECODE=0,
+    and with DEEPINFER_CUDA_MX_FP4=1 (the MXFP4 grouped GEMM on tl.dot_scaled; compiled only)."""
     from deepinfer_cuda import backend as cb
 
     env = envs.read()
     new = cb.create_cuda_backend(BackendOptions(), env)
     old = cb.create_cuda_backend(BackendOptions(), dataclasses.replace(env, cuda_v4_decode=False))
-    return new, old
+    mx = cb.create_cuda_backend(BackendOptions(), dataclasses.replace(env, cuda_mx_fp4=not smoke))
+    return new, old, mx
 
 
 def copy_rate(dev: torch.device, timer: Timer, smoke: bool) -> float:
@@ -206,7 +210,9 @@ def mxfp4_experts(e: int, h: int, inter: int, dev: torch.device) -> tuple[torch.
     return p13, p2, s13, s2
 
 
-def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, smoke: bool) -> list[dict]:
+def bench_moe(
+    new: Any, old: Any, mx: Any, dev: torch.device, timer: Timer, copy: float, smoke: bool
+) -> list[dict]:
     from deepinfer_cuda.kernels import moe as moe_k
 
     gen = torch.Generator().manual_seed(1)
@@ -242,8 +248,8 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
         )
     ]
     wide = [c for c in sweep if c.up_k == c.down_k == 256 and c.up_n == 32 and c.up_warps == 4]
-    for t in (1, 8, 64) if not smoke else (1, 3):
-        sets = 1 if smoke else 8
+    for t in (1, 8, 64, 256) if not smoke else (1, 3):
+        sets = 1 if smoke else 8 if t <= 64 else 2
         inputs = []
         for _ in range(sets):
             x = torch.randn((t, h), generator=gen).to(dev, torch.bfloat16)
@@ -270,6 +276,11 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
                 expert_bytes[0],
             ),
             (
+                "grouped mx",
+                lambda x, wt, ids: MoeOps.fused_moe(mx.moe, x, wt, ids, *w, swiglu_limit=LIMIT),
+                expert_bytes[0],
+            ),
+            (
                 "old",
                 lambda x, wt, ids: old.moe.fused_moe(x, wt, ids, *w, swiglu_limit=LIMIT),
                 expert_bytes[0],
@@ -280,14 +291,15 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
                 expert_bytes[1],
             ),
         ]
-        tiles = (sweep[:3] if smoke else sweep) if t <= 8 else wide  # 64 tokens: the k256 rows only
+        # 64 tokens: the k256 rows only; 256 tokens (past the decode kernels' copies): none
+        tiles = (sweep[:3] if smoke else sweep) if t <= 8 else wide if t <= 64 else []
         for c in tiles:
             ways.append((
                 f"sweep up n{c.up_n} k{c.up_k} down n{c.down_n} k{c.down_k} w{c.up_warps} s{c.up_stages}",
                 lambda x, wt, ids, c=c: moe_k.decode_moe(x, wt, ids, *w, swiglu_limit=LIMIT, config=c),
                 expert_bytes[0],
             ))  # fmt: skip
-        ref = ways[2][1](*inputs[0]).float()  # the old path on the same MXFP4 weights
+        ref = ways[3][1](*inputs[0]).float()  # the old path on the same MXFP4 weights
         row: dict[str, Any] = {"tokens": t, "copies": t * top, "distinct_experts": distinct}
         for way, fn, per_expert in ways:
             try:
@@ -303,7 +315,7 @@ def bench_moe(new: Any, old: Any, dev: torch.device, timer: Timer, copy: float, 
     return rows
 
 
-def bench_prefill(dev: torch.device, timer: Timer, smoke: bool) -> list[dict]:
+def bench_prefill(mx: Any, dev: torch.device, timer: Timer, smoke: bool) -> list[dict]:
     """grouped_gemm_fp4 (gate_up of 256 experts) over prefill-sized sorted rows: tiles."""
     from deepinfer_cuda.kernels import gemm as gemm_k
     from deepinfer_cuda.kernels import moe as moe_k
@@ -322,30 +334,71 @@ def bench_prefill(dev: torch.device, timer: Timer, smoke: bool) -> list[dict]:
         cfg(128, 128, 64, 8, 8, 4),
         cfg(128, 64, 128, 8, 4, 3),
     ]
+    # the microscaled kernel's tiles (block_m token rows x block_n weight rows x block_k)
+    mx_sweep = [
+        cfg(16, 128, 128, 8, 4, 3),
+        cfg(16, 64, 128, 8, 4, 3),
+        cfg(16, 128, 256, 8, 4, 3),
+        cfg(16, 128, 128, 8, 4, 4),
+        cfg(16, 128, 128, 8, 8, 3),
+        cfg(16, 256, 128, 8, 8, 3),
+        cfg(32, 128, 128, 8, 4, 3),
+        cfg(64, 128, 128, 8, 4, 3),
+        cfg(64, 128, 128, 8, 8, 3),
+        cfg(64, 256, 128, 8, 8, 3),
+        cfg(128, 128, 128, 8, 8, 3),
+        cfg(64, 128, 256, 8, 8, 3),
+    ]
+    expert_bytes = p13[0].numel() + s13[0].numel()
     rows: list[dict] = []
-    for tokens in (512, 4096) if not smoke else (16,):
+    for tokens in (64, 256, 512, 4096) if not smoke else (16,):
         m = tokens * 6
         ids = torch.randint(0, e, (m,), generator=gen)
         counts = torch.bincount(ids, minlength=e).to(dev)
+        distinct = int((counts > 0).sum())
         x = torch.randn((m, h), generator=gen).to(dev, torch.bfloat16)
         flops = 2 * m * 2 * inter * h
-        row: dict[str, Any] = {"tokens": tokens, "rows": m}
-        ways: list[tuple[str, Any, bool]] = [("default", None, True), ("old", None, False)]
-        ways += [(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps}", c, True) for c in sweep]
-        for way, c, pairs in ways:
-            bm = (c or gemm_k.grouped_fp4_config(m, False, dev, pairs)).block_m
-            tiles = moe_k.tile_table(counts, m, bm)
+        row: dict[str, Any] = {"tokens": tokens, "rows": m, "distinct_experts": distinct}
+        # (name, config, pairs, scaled): default = the dispatch as built
+        ways: list[tuple[str, Any, bool, bool | None]] = [
+            ("default", None, True, False), ("mx", None, True, None), ("old", None, False, False)
+        ]  # fmt: skip
+        ways += [(f"{c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps}", c, True, False) for c in sweep]
+        ways += [
+            (f"mx {c.block_m}x{c.block_n}x{c.block_k} w{c.num_warps} s{c.num_stages}", c, True, True)
+            for c in (mx_sweep[:2] if smoke else mx_sweep)
+        ]
+        ref = None
+        for way, c, pairs, scaled in ways:
+            if scaled and smoke:  # the microscaled product is not in the interpreter
+                continue
+            if scaled is None:  # the dispatch of a backend built with DEEPINFER_CUDA_MX_FP4=1
 
-            def run(c: Any = c, pairs: bool = pairs, tiles: Any = tiles) -> None:
-                gemm_k.grouped_gemm_fp4(x, p13, s13, counts, tiles=tiles, pairs=pairs, config=c)
+                def run(**_: Any) -> torch.Tensor:
+                    return mx.gemm.grouped_gemm_fp4(x, p13, s13, counts)
+            else:
+                bm = (c or gemm_k.grouped_fp4_config(m, False, dev, pairs)).block_m
+                tiles = moe_k.tile_table(counts, m, bm)
+
+                def run(
+                    c: Any = c, pairs: bool = pairs, tiles: Any = tiles, scaled: bool = scaled
+                ) -> torch.Tensor:
+                    return gemm_k.grouped_gemm_fp4(
+                        x, p13, s13, counts, tiles=tiles, pairs=pairs, config=c, scaled=scaled
+                    )
 
             try:
+                out = run().float()
+                ref = out if ref is None else ref
+                diff = rel(out, ref)
                 ms = timer.graph(run)
             except Exception as exc:
                 log(f"prefill fp4 T={tokens} {way}: failed: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
-            row[way] = {"ms": ms, "tflops": flops / ms / 1e9}
-            log(f"prefill fp4 gate_up T={tokens} {way}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            gbs = distinct * expert_bytes / ms / 1e6
+            row[way] = {"ms": ms, "tflops": flops / ms / 1e9, "gbs": gbs, "rel_diff_to_default": diff}
+            log(f"prefill fp4 gate_up T={tokens} {way}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                f"{gbs:.0f} GB/s vs default {diff:.2e}")  # fmt: skip
         rows.append(row)
     return rows
 
@@ -398,12 +451,14 @@ def main() -> None:
     smoke = args.smoke
     dev = torch.device("cpu") if smoke and not torch.cuda.is_available() else torch.device("cuda")
     timer = Timer(smoke)
-    new, old = backends(smoke)
+    new, old, mx = backends(smoke)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     res["copy_gbs"] = copy_rate(dev, timer, smoke)
     res["fp8"] = bench_fp8(new, old, dev, timer, res["copy_gbs"], smoke) if args.only in (None, "fp8") else []
-    res["moe"] = bench_moe(new, old, dev, timer, res["copy_gbs"], smoke) if args.only in (None, "moe") else []
-    res["prefill"] = bench_prefill(dev, timer, smoke) if args.only in (None, "prefill") else []
+    res["moe"] = (
+        bench_moe(new, old, mx, dev, timer, res["copy_gbs"], smoke) if args.only in (None, "moe") else []
+    )
+    res["prefill"] = bench_prefill(mx, dev, timer, smoke) if args.only in (None, "prefill") else []
     md = markdown(res)
     print(md)
     if args.out:

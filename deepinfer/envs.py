@@ -282,6 +282,20 @@ CUDA_V4_DECODE = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_MX_FP4 = Switch(
+    name="DEEPINFER_CUDA_MX_FP4",
+    attr="cuda_mx_fp4",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: the MXFP4 grouped GEMM (MoE experts past the decode kernels' copies, bf16 activations) on "
+        "Triton's microscaled product (tl.dot_scaled), not the nibble-pair kernel; compiled for SM90 in "
+        "CI, not yet run on a GPU (bench/run_mxfp4_h200.sh measures and tests it)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
 CUDA_PDL = Switch(
     name="DEEPINFER_CUDA_PDL",
     attr="cuda_pdl",
@@ -388,6 +402,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_KERNEL_COPIES,
     CUDA_SKINNY,
     CUDA_V4_DECODE,
+    CUDA_MX_FP4,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
@@ -420,6 +435,7 @@ class Env:
     cuda_kernel_copies: bool
     cuda_skinny: bool
     cuda_v4_decode: bool
+    cuda_mx_fp4: bool
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None

@@ -206,6 +206,32 @@ def test_router_kernels(router: str) -> None:
         compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
 
 
+@pytest.mark.parametrize("rows", [16, 2048, 20000])
+def test_grouped_mx_kernel(rows: int) -> None:
+    """The MXFP4 grouped GEMM on tl.dot_scaled (CudaGemm's for bf16 x; the interpreter lacks the
+    op, so only the GPU runs it) lowers, at grouped_mx_config's tiles, to SM90's warpgroup MMA on
+    bf16 with the upcast weights as its register operand (wgmma ... {registers}, descriptor) and
+    the e2m1 decode as byte permutes (prmt), not to mma.sync or a float32 decode."""
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    cfg = gemm_k.grouped_mx_config(rows)
+    types = {"a_ptr": PTR["bf16"], "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": PTR["bf16"],
+             "tile_group_ptr": PTR["i32"], "tile_rows_ptr": PTR["i32"]}  # fmt: skip
+    ints = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_cm")
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    ptx = compile_sm90(
+        gemm_k._grouped_mx_kernel, types, constexprs, num_warps=cfg.num_warps, aligned=(*types, *ints)
+    )
+    mmas = [line for line in ptx.splitlines() if "mma_async" in line or "mma.sync" in line]
+    assert mmas and all("wgmma" in m and ".f32.bf16.bf16" in m for m in mmas), sorted(
+        {m.split()[0] for m in mmas}
+    )
+    assert all(m.split("}, {")[1].startswith("%r") for m in mmas), (
+        "the weights are the MMA's register operand"
+    )
+    assert "prmt.b32" in ptx
+
+
 @pytest.mark.parametrize(
     "block_m, block_n, slab, warps",
     [(16, 64, 256, 4), (16, 64, 512, 8), (64, 64, 256, 4), (64, 128, 512, 8), (32, 128, 256, 4)],

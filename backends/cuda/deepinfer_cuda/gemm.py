@@ -11,6 +11,7 @@ from deepinfer.backend.types import BackendOptions
 from deepinfer_cuda import vendor
 from deepinfer_cuda.kernels import gemm as gemm_k
 from deepinfer_cuda.kernels import moe as moe_k
+from deepinfer_cuda.kernels.common import INTERPRET
 
 
 class CudaGemm(GemmOps):
@@ -22,6 +23,9 @@ class CudaGemm(GemmOps):
         # ... and FP8 ones on its FP8 flag (skinny_fp8_matmul); the MXFP4 grouped GEMM's pair decode
         self.v4_decode = env.cuda_v4_decode
         self.skinny_fp8 = self.skinny and self.v4_decode
+        # the MXFP4 grouped GEMM on Triton's microscaled product (bf16 x, not batch-invariant), where
+        # DEEPINFER_CUDA_MX_FP4=1 asks for it: not yet measured on a GPU, so not the default
+        self.mx_fp4 = self.v4_decode and env.cuda_mx_fp4 and not self.batch_invariant and not INTERPRET
         self.pdl = env.cuda_pdl
         self.vendor = env.cuda_vendor  # DeepGEMM where installed (deepinfer_cuda.vendor)
         # the batch-invariant matmul's tiles, where a benchmark pins them (else by M)
@@ -150,11 +154,16 @@ class CudaGemm(GemmOps):
         group_sizes: torch.Tensor,
     ) -> torch.Tensor:
         """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
-        the product in x's dtype (SM90 has no FP4 tensor cores)."""
+        the product in x's dtype (SM90 has no FP4 tensor cores): bf16 x on Triton's microscaled
+        product (_grouped_mx_kernel), else the nibble-pair kernel."""
         pairs = self.v4_decode
-        cfg = gemm_k.grouped_fp4_config(x.shape[0], self.batch_invariant, x.device, pairs)
+        scaled = self.mx_fp4 and x.dtype == torch.bfloat16
+        if scaled:
+            cfg = gemm_k.grouped_mx_config(x.shape[0])
+        else:
+            cfg = gemm_k.grouped_fp4_config(x.shape[0], self.batch_invariant, x.device, pairs)
         tiles = moe_k.tile_table(group_sizes, x.shape[0], cfg.block_m) if self.fused else None
         return gemm_k.grouped_gemm_fp4(
             x, weight, weight_scale, group_sizes, batch_invariant=self.batch_invariant, tiles=tiles,
-            pairs=pairs, config=cfg,
+            pairs=pairs, config=cfg, scaled=scaled,
         )  # fmt: skip

@@ -23,6 +23,7 @@ from deepinfer.backend.fp8 import AMAX_EPS, FP8_BLOCKS, FP8_DTYPE, FP8_MAX
 from deepinfer.backend.fp8 import FP8_BLOCK as SCALE_BLOCK
 from deepinfer.reference.gemm import check_fp8_operands
 from deepinfer_cuda.kernels.common import (
+    INTERPRET,
     Semaphores,
     is_sm90,
     launch_dependents,
@@ -1304,6 +1305,46 @@ def _grouped_fp4_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & (rn[None, :] < N))
 
 
+@triton.jit
+def _grouped_mx_kernel(
+    a_ptr, w_ptr, s_ptr, c_ptr, tile_group_ptr, tile_rows_ptr, N, K,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The MXFP4 grouped GEMM on Triton's microscaled product (tl.dot_scaled), operands swapped:
+    C[rows, n]^T (BLOCK_N, BLOCK_M) = W[group][n] (BLOCK_N weight rows, e2m1 packed along K, with
+    their (BLOCK_N, BLOCK_K / 32) UE8M0 scales, as stored) @ A[rows]^T (BLOCK_K, BLOCK_M tokens,
+    bf16). The weights are the MMA's first operand, so Triton's upcast of e2m1 to bf16 (a byte
+    permute table per 8 values) lands in the registers the MMA reads, with no shared-memory round
+    trip; a decode tile's few token rows are the small N side of the MMA. Hopper has no FP4 MMA:
+    Triton upcasts with the scale applied (exact, the scales are powers of two) and runs bf16."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    start = tl.load(tile_rows_ptr + 2 * pid_t)
+    end = tl.load(tile_rows_ptr + 2 * pid_t + 1)
+    if start >= end:
+        return
+    grp = tl.load(tile_group_ptr + pid_t).to(tl.int64)
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn[:, None] < N
+    rj = tl.arange(0, BLOCK_K // 2)
+    rg = tl.arange(0, BLOCK_K // 32)
+    rk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + grp * stride_we + rn[:, None].to(tl.int64) * stride_wn  # (BLOCK_N, 1)
+    s_rows = s_ptr + grp * stride_se + rn[:, None].to(tl.int64) * stride_sn
+    a_cols = a_ptr + rows[None, :].to(tl.int64) * stride_am + rk[:, None]  # (BLOCK_K, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = tl.load(w_rows + k0 // 2 + rj[None, :], mask=n_ok & (rj[None, :] < (K - k0) // 2), other=0)
+        s = tl.load(s_rows + k0 // 32 + rg[None, :], mask=n_ok & (32 * rg[None, :] < K - k0), other=127)
+        a = tl.load(a_cols + k0, mask=(rk[:, None] < K - k0) & row_ok[None, :], other=0.0)
+        acc = tl.dot_scaled(w, s, "e2m1", a, None, "bf16", acc, fast_math=True)
+    c_ptrs = c_ptr + rows[None, :].to(tl.int64) * stride_cm + rn[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[None, :] & n_ok)
+
+
 def grouped_fp4_config(
     rows: int, batch_invariant: bool, device: torch.device | None = None, pairs: bool = True
 ) -> GemmConfig:
@@ -1334,12 +1375,15 @@ def grouped_gemm_fp4(
     tiles: TileTable | None = None,
     pairs: bool = True,
     config: GemmConfig | None = None,
+    scaled: bool = False,
 ) -> torch.Tensor:
     """Rows of x (M, K) sorted by group times the dequantised MXFP4 weight[group]^T: weight
     (E, N, K/2) uint8 packed e2m1, weight_scale (E, N, ceil(K/32)) uint8 UE8M0 (the format of
     deepinfer.backend.fp4) -> (M, N) in x's dtype. x is not quantised. Tiles: grouped_fp4_config
     (`config`, benchmarks, replaces them); tiles: a precomputed tile table for that block_m.
-    pairs: the kernel's nibble-pair decode (False: the per-element decode it replaced)."""
+    pairs: the kernel's nibble-pair decode (False: the per-element decode it replaced).
+    scaled: _grouped_mx_kernel (tl.dot_scaled; compiled, bf16 x) rather than the nibble pairs,
+    with grouped_mx_config's tiles (CudaGemm picks it outside batch-invariant mode)."""
     e, n, half_k = weight.shape
     k = x.shape[-1]
     if weight.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
@@ -1359,6 +1403,10 @@ def grouped_gemm_fp4(
         return out
     if k == 0:
         return out.zero_()
+    if scaled:
+        return _grouped_gemm_mx(
+            x, weight, weight_scale, group_sizes, out, config or grouped_mx_config(rows), tiles
+        )
     cfg = config or grouped_fp4_config(rows, batch_invariant, x.device, pairs)
     if pairs and (cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"grouped_gemm_fp4: block_k must be a power of two >= 32, got {cfg.block_k}")
@@ -1374,6 +1422,44 @@ def grouped_gemm_fp4(
         x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
         out.stride(0), IEEE=x.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PAIRS=pairs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def grouped_mx_config(rows: int) -> GemmConfig:
+    """Tiles of _grouped_mx_kernel: block_m token rows (grouped_config's, so the MoE's tile
+    table serves), block_n weight rows, block_k values per step."""
+    block_m = 16 if rows <= 1024 else 64 if rows <= 16384 else 128
+    return GemmConfig(block_m=block_m, block_n=128, block_k=128, num_warps=4, num_stages=3)
+
+
+def _grouped_gemm_mx(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_sizes: torch.Tensor,
+    out: torch.Tensor,
+    cfg: GemmConfig,
+    tiles: TileTable | None,
+) -> torch.Tensor:
+    """grouped_gemm_fp4 on _grouped_mx_kernel (checked operands, `out` (rows, N) to fill)."""
+    if x.dtype != torch.bfloat16 or INTERPRET:
+        raise ValueError(f"grouped_gemm_fp4: the microscaled kernel takes bf16 x (compiled), got {x.dtype}")
+    if cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_m < 16:
+        raise ValueError(f"grouped_gemm_fp4: block_k must be a power of two >= 32, block_m >= 16, got {cfg}")
+    rows, n = out.shape
+    if tiles is None or tiles.block_m != cfg.block_m:
+        tile_group, tile_rows, n_tiles = tile_table(group_sizes, rows, cfg.block_m)
+    else:
+        tile_group, tile_rows, n_tiles = tiles.group, tiles.rows, tiles.num_tiles
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight, weight_scale = weight.contiguous(), weight_scale.contiguous()
+    grid = (n_tiles, triton.cdiv(n, cfg.block_n))
+    _grouped_mx_kernel[grid](
+        x, weight, weight_scale, out, tile_group, tile_rows, n, x.shape[-1],
+        x.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1),
+        out.stride(0), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
