@@ -8,7 +8,10 @@ configures logging itself sees each line once; DEEPINFER_CONFIGURE_LOGGING=0 lea
 "deepinfer" logger alone (no handler, no level; records then propagate as usual).
 
 What is logged at INFO: the backend and why it was chosen, the engine arguments that differ
-from the defaults, the weights' load time, the KV-cache size in tokens, graph capture.
+from the defaults, the weights' load time, the KV-cache size in tokens, graph capture (and, with
+disable_log_stats=False, each call's throughput). At DEBUG also: the graph plan and each graph
+captured, how the KV cache was sized, every step the scheduler plans, preemptions and
+prefix-cache hits.
 """
 
 from __future__ import annotations
