@@ -688,3 +688,15 @@ def test_the_vllm_page_names_every_engine_argument_and_llm_method() -> None:
     methods = [n for n in dir(LLM) if not n.startswith("_") and n not in ("from_engine", "data_parallel")]
     missing += [n for n in methods if n not in page]
     assert not missing, f"docs/vllm.md does not name {missing}"
+
+
+def test_disable_log_stats_false_logs_each_calls_throughput(
+    fresh_logger: logging.Logger, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DEEPINFER_LOG_LEVEL", "INFO")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    LLM(str(MODEL), **SMALL).generate(["a", "b"], params, use_tqdm=False)
+    assert "prompt throughput" not in capsys.readouterr().err  # vLLM's default: disable_log_stats=True
+    LLM(str(MODEL), **SMALL, disable_log_stats=False).generate(["a", "b"], params, use_tqdm=False)
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "prompt throughput" in line]
+    assert line.startswith("INFO") and "2 requests in " in line and "prefix cache hits 0 tokens" in line
