@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
     "Logprob",
     "RequestOutput",
     "SamplingParams",
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
         SamplingParams,
         StructuredOutputsParams,
     )
+    from deepinfer.engine.args import EngineArgs
+    from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.inputs import TextPrompt, TokensPrompt
 
 
@@ -34,6 +38,14 @@ def __getattr__(name: str) -> Any:
         from deepinfer import inputs
 
         return getattr(inputs, name)
+    if name == "EngineArgs":
+        from deepinfer.engine.args import EngineArgs
+
+        return EngineArgs
+    if name == "LLMEngine":
+        from deepinfer.engine.llm_engine import LLMEngine
+
+        return LLMEngine
     if name in __all__:
         from deepinfer import api
 

@@ -25,6 +25,7 @@ call over them (deepinfer.entrypoints.data_parallel).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -38,7 +39,9 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputsParams
 from deepinfer.engine.tokenizer import ChatMessage, Tokenizer
 from deepinfer.entrypoints.data_parallel import DataParallelEngine, external_launch
-from deepinfer.log import configure_logging, progress_bar
+from deepinfer.log import TokenRates, configure_logging, progress_bar
+from deepinfer.metrics import CallStats, Metric
+from deepinfer.model_config import ServedModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -48,6 +51,8 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 PromptType = str | dict[str, Any]
 # The keys of a prompt dict deepinfer serves (vLLM's TextPrompt / TokensPrompt hold more).
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -194,6 +199,7 @@ class LLM:
         config = resolve_engine_config(engine_config(model, kwargs, "LLM()"))
         self._lock = threading.Lock()
         self._caller: int | None = None  # the thread inside a call
+        self._stats: CallStats | None = None  # get_metrics()'s counters, from the first call
         self._engine: LLMEngine | None = None
         # data_parallel_size > 1: the engines run in worker processes (deepinfer.entrypoints.data_parallel)
         self.data_parallel: DataParallelEngine | None = None
@@ -217,6 +223,7 @@ class LLM:
             llm._engine = engine
         llm._lock = threading.Lock()
         llm._caller = None
+        llm._stats = None
         return llm
 
     @property
@@ -289,7 +296,9 @@ class LLM:
             progress_bar(use_tqdm, 0, "")  # the TypeError naming it, before any work
         if self.data_parallel is not None:
             dp_prompts, params = self._requests(prompts(), sampling_params, self.data_parallel, priority)
-            return self.data_parallel.generate(dp_prompts, params, use_tqdm)
+            outputs = self.data_parallel.generate(dp_prompts, params, use_tqdm)
+            self._record(outputs, self.data_parallel.config.enable_prefix_caching)
+            return outputs
         engine = self.llm_engine
         seqs = engine.start_call(
             lambda: engine.make_sequences(*self._requests(prompts(), sampling_params, engine, priority))
@@ -298,8 +307,55 @@ class LLM:
         every = [s for seq in seqs for s in seq.group]
         desc = "Processed prompts" if len(every) == len(seqs) else "Processed completions"
         with progress_bar(use_tqdm, len(every), desc) as bar:
-            engine.run_to_completion(every, bar)
-        return [engine.to_output(seq) for seq in seqs]
+            engine.run_to_completion(every, TokenRates(bar).done)
+        outputs = [engine.to_output(seq) for seq in seqs]
+        self._record(outputs, engine.config.enable_prefix_caching)
+        return outputs
+
+    def _record(self, outputs: list[RequestOutput], prefix_caching: bool) -> None:
+        """Add a finished call to get_metrics()'s counters (and, with disable_log_stats=False, log
+        its throughput at INFO, as vLLM's stat logger does)."""
+        engine: Any = self.data_parallel if self.data_parallel is not None else self.llm_engine
+        self._call_stats(engine).record(outputs, prefix_caching)
+        if not engine.config.disable_log_stats and outputs:
+            starts = [o.metrics.arrival_time for o in outputs if o.metrics is not None]
+            ends = [o.metrics.finished_time for o in outputs if o.metrics and o.metrics.finished_time]
+            elapsed = max(ends) - min(starts) if starts and ends else 0.0
+            prompt = sum(len(o.prompt_token_ids or []) for o in outputs)
+            generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            logger.info(
+                "%d requests in %.2f s: prompt throughput %.1f tokens/s, generation throughput %.1f "
+                "tokens/s, prefix cache hits %d tokens",
+                len(outputs), elapsed, prompt / max(elapsed, 1e-9), generated / max(elapsed, 1e-9),
+                sum(o.num_cached_tokens or 0 for o in outputs),
+            )  # fmt: skip
+
+    def _call_stats(self, engine: Any) -> CallStats:
+        if self._stats is None:  # its token histograms' buckets go up to max_model_len
+            limit = getattr(engine, "max_model_len", None) or engine.config.max_model_len
+            self._stats = CallStats(limit or 1)
+        return self._stats
+
+    @property
+    def model_config(self) -> ServedModelConfig:
+        """vLLM's llm.model_config (also llm.llm_engine.model_config): the served model's
+        max_model_len, dtype, hf_config, vocabulary size, ... (deepinfer.model_config). One
+        engine only (not data_parallel_size > 1)."""
+        return self.llm_engine.model_config
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's metrics as vllm.v1.metrics.reader's types (deepinfer.metrics:
+        Counter, Gauge, Histogram; also in deepinfer.v1.metrics.reader), vLLM's names: token,
+        request, preemption and prefix-cache counters, the KV cache's use, and histograms of
+        time to first token, latency, queue time and token counts over this LLM's calls."""
+        engine: Any = self.data_parallel if self.data_parallel is not None else self.llm_engine
+        stats = self._call_stats(engine)
+        if self.data_parallel is not None:
+            return stats.metrics(engine.config.model, 0.0, engine.num_preemptions, None)
+        blocks = engine.block_manager
+        usage = 1.0 - blocks.num_free_blocks / blocks.num_blocks if blocks.num_blocks else 0.0
+        spec = (engine.num_draft_tokens, engine.num_accepted_tokens) if engine.speculative else None
+        return stats.metrics(engine.config.model, usage, engine.scheduler.num_preemptions, spec)
 
     @staticmethod
     def _requests(

@@ -349,6 +349,12 @@ class EngineConfig:
         "(deepinfer.parallel.rank_sync). A failure a rank raises reaches every rank at the next step",
         _seconds,
     )
+    disable_log_stats: bool = engine_arg(
+        True,
+        "vLLM's: False also logs each generate call's request and token throughput at INFO; the "
+        "counters LLM.get_metrics() reads are kept either way",
+        _boolean,
+    )
     enforce_eager: bool = engine_arg(
         False,
         "never capture graphs; by default decode steps replay graphs captured per batch-size bucket "

@@ -8,7 +8,10 @@ configures logging itself sees each line once; DEEPINFER_CONFIGURE_LOGGING=0 lea
 "deepinfer" logger alone (no handler, no level; records then propagate as usual).
 
 What is logged at INFO: the backend and why it was chosen, the engine arguments that differ
-from the defaults, the weights' load time, the KV-cache size in tokens, graph capture.
+from the defaults, the weights' load time, the KV-cache size in tokens, graph capture (and, with
+disable_log_stats=False, each call's throughput). At DEBUG also: the graph plan and each graph
+captured, how the KV cache was sized, every step the scheduler plans, preemptions and
+prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -77,3 +80,27 @@ def progress_bar(use_tqdm: bool | Callable[..., Any], total: int, desc: str) -> 
             f"use_tqdm must be a bool or a callable that makes a tqdm bar, got {type(use_tqdm).__name__}"
         )
     return tqdm(total=total, desc=desc, disable=not use_tqdm, dynamic_ncols=True)
+
+
+class TokenRates:
+    """A generate() bar's postfix as vLLM's: "est. speed input: X toks/s, output: Y toks/s", the
+    prompt and output tokens of the finished requests over the bar's elapsed time. done(seqs)
+    counts finished sequences (prompt tokens once per request: its first completion) and
+    updates the bar by one per sequence."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.input_tokens = 0
+        self.output_tokens = 0
+
+    def done(self, seqs: list[Any]) -> None:
+        for seq in seqs:
+            self.input_tokens += seq.num_prompt_tokens if seq.index == 0 else 0
+            self.output_tokens += seq.num_output_tokens
+        elapsed = getattr(self.bar, "format_dict", {}).get("elapsed") or 0.0
+        if elapsed > 0:
+            self.bar.postfix = (
+                f"est. speed input: {self.input_tokens / elapsed:.2f} toks/s, "
+                f"output: {self.output_tokens / elapsed:.2f} toks/s"
+            )
+        self.bar.update(len(seqs))

@@ -4,7 +4,7 @@ changed (and the model named: the shipped model/tiny).
 Each script below is vLLM's offline example as its docs show it (basic generation, with the
 model's default sampling parameters too, chat, chat with content parts and tools, token prompts
 as an evaluation harness passes them, several completions with log-probabilities, structured
-outputs, prefix caching); the test swaps `vllm` for `deepinfer` in the imports, runs the script
+outputs, prefix caching, metrics); the test swaps `vllm` for `deepinfer` in the imports, runs the script
 in this process and checks what it printed and returned.
 """
 
@@ -313,6 +313,48 @@ RESULT = [
 ]
 """
 
+# vLLM's offline metrics example (examples/offline_inference/metrics.py)
+METRICS = """
+from vllm import LLM, SamplingParams
+from vllm.v1.metrics.reader import Counter, Gauge, Histogram, Vector
+
+prompts = [
+    "Hello, my name is",
+    "The president of the United States is",
+    "The capital of France is",
+    "The future of AI is",
+]
+sampling_params = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+def main():
+    llm = LLM(model=MODEL, disable_log_stats=False)
+    outputs = llm.generate(prompts, sampling_params)
+    print("-" * 50)
+    for output in outputs:
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        print(f"Prompt: {prompt!r}\\nGenerated text: {generated_text!r}")
+        print("-" * 50)
+    for metric in llm.get_metrics():
+        if isinstance(metric, Gauge):
+            print(f"{metric.name} (gauge) = {metric.value}")
+        elif isinstance(metric, Counter):
+            print(f"{metric.name} (counter) = {metric.value}")
+        elif isinstance(metric, Vector):
+            print(f"{metric.name} (vector) = {metric.values}")
+        elif isinstance(metric, Histogram):
+            print(f"{metric.name} (histogram)")
+            print(f"    sum = {metric.sum}")
+            print(f"    count = {metric.count}")
+            for bucket_le, value in metric.buckets.items():
+                print(f"    {bucket_le} = {value}")
+    return outputs
+
+
+RESULT = main()
+"""
+
 
 def run_as_deepinfer(script: str, tmp_path: Path, model: str = MODEL) -> Any:
     """Swap the imports (the only change a user makes) and run the script as __main__."""
@@ -452,3 +494,16 @@ def test_structured_outputs(tmp_path: Path) -> None:
     assert car.finish_reason == "stop"
     parsed = json.loads(car.text)
     assert set(parsed) == {"brand", "model", "car_type"} and parsed["car_type"] in ("sedan", "SUV")
+
+
+def test_metrics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    outputs = run_as_deepinfer(METRICS, tmp_path)
+    printed = capsys.readouterr().out
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    assert f"vllm:generation_tokens (counter) = {generated}" in printed
+    assert f"vllm:prompt_tokens (counter) = {prompt}" in printed
+    assert "vllm:kv_cache_usage_perc (gauge) = " in printed
+    assert (
+        "vllm:time_to_first_token_seconds (histogram)\n    sum = " in printed and "    count = 4" in printed
+    )

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import typing
 from collections.abc import Callable, Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +81,42 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def human_readable_int(text: str) -> int:
+    """An integer option as vLLM reads one: "2048", or with a suffix, decimal k / m / g / t
+    (10**3 ..., "25.6k" = 25600) or binary K / M / G / T (2**10 ..., whole numbers only: "1K"
+    = 1024). ValueError naming the text otherwise."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(
+                f"invalid integer {text!r}: give a whole number, or one with a suffix "
+                "(k, m, g, t = 10**3 ... 10**12; K, M, G, T = 2**10 ... 2**40), e.g. 1k or 32K"
+            ) from None
+    number, suffix = match.groups()
+    power = "kmgt".find(suffix.lower()) + 1
+    if suffix.islower():
+        value = Decimal(number) * 10 ** (3 * power)
+        if value != value.to_integral_value():
+            raise ValueError(f"invalid integer {text!r}: {value} is not a whole number")
+        return int(value)
+    if "." in number:
+        raise ValueError(
+            f"invalid integer {text!r}: binary suffixes ({suffix}) take whole numbers; "
+            f"did you mean {number}{suffix.lower()}?"
+        )
+    return int(number) << (10 * power)
+
+
 def _cli_type(annotation: Any) -> Callable[[str], Any]:
-    """int, float or str: the first of them in the field's annotation (`int | None` -> int)."""
+    """int (human_readable_int: "1k", "32K"), float or str: the first of them in the field's
+    annotation (`int | None` -> int)."""
     args = typing.get_args(annotation) or (annotation,)
-    for t in (int, float, str):
+    if int in args:
+        return human_readable_int
+    for t in (float, str):
         if t in args:
             return t
     return str
@@ -255,3 +289,44 @@ def backend_choice_reason(requested: str) -> str:
     ]
     why = "; ".join(missing) if missing else "none is installed"
     return f"no accelerator backend is available ({why}); {chosen.name} is the fallback"
+
+
+class EngineArgs:
+    """vLLM's EngineArgs: the engine arguments as one object, checked at construction (the
+    names as LLM(...) checks them, the values by EngineConfig), for LLMEngine.from_engine_args.
+    Each argument reads as an attribute (`EngineArgs(model=M).max_model_len`); the object is
+    read-only: make a new one to change an argument."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        object.__setattr__(self, "config", engine_config(model, kwargs, "EngineArgs()"))
+
+    config: EngineConfig
+
+    def __getattr__(self, name: str) -> Any:
+        # only the engine arguments' names; anything else is Python's AttributeError
+        if name != "config" and name in EngineConfig.__dataclass_fields__:
+            return getattr(self.config, name)
+        raise AttributeError(f"EngineArgs has no argument {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"EngineArgs is read-only: make a new one, EngineArgs(model, ..., {name}={value!r})"
+        )
+
+    def __repr__(self) -> str:
+        return f"EngineArgs({', '.join(f'{k}={v!r}' for k, v in self.config.changed().items())})"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """--model and one option per engine argument (add_engine_arguments); the parser back."""
+        parser.add_argument("--model", required=True, help="checkpoint directory or cached hub repo id")
+        add_engine_arguments(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(args.model, **engine_kwargs(args))
+
+    def create_engine_config(self) -> EngineConfig:
+        """The checked configuration, the model and tokenizer resolved (resolve_engine_config)."""
+        return resolve_engine_config(self.config)

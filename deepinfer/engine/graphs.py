@@ -133,9 +133,11 @@ class DecodeGraphs(GraphSet[int]):
                 logger.warning("decode graphs are off, steps run eagerly: %s", exc)
                 graph = None
             if graph is None:
+                logger.debug("decode graphs: the backend captures none (batch size %d)", bs)
                 self.forwards, self.draws, self.logits = {}, {}, None
                 return
             self.forwards[bs] = graph
+            logger.debug("decode graph captured: batch size %d (forward, greedy and sampled draws)", bs)
             for greedy in (True, False):
 
                 def sample(
@@ -196,6 +198,7 @@ class PrefillGraphs(GraphSet[tuple[int, int]]):
             graph = self.device.capture_graph(run, share_with=pool)
             assert graph is not None
             self.forwards[(b, q)] = graph
+            logger.debug("prefill graph captured: %d requests of up to %d tokens", b, q)
 
     def shape_for(self, batch: ScheduledBatch, max_model_len: int) -> tuple[int, int] | None:
         """The (requests, width) of the smallest prefill graph that serves `batch` (no drafts, no

@@ -32,7 +32,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import get_backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.config import EngineConfig
-from deepinfer.engine.args import backend_choice_reason
+from deepinfer.engine.args import EngineArgs, backend_choice_reason
 from deepinfer.engine.kv_cache import GroupedBlockManager
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.requests import (
@@ -50,6 +50,7 @@ from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.speculative import EagerStep, SpeculativeDecoder, VerifyStep
 from deepinfer.engine.worker import ForwardOutput, Worker
 from deepinfer.log import configure_logging
+from deepinfer.model_config import ServedModelConfig
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
@@ -133,6 +134,28 @@ class LLMEngine:
         self.requests = Requests(config, self.tokenizer, self.vocab_size, n, self.eos_token_ids)
         self.in_flight: InFlight | None = None  # the last step's results, not yet processed
         self.planned: StepPlan | None = None  # expert parallelism: the next step, scheduled
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's: the engine of EngineArgs(model, ...). Drive it with LLM.from_engine(engine)
+        .generate(...); its step() is deepinfer's (finished Sequences), not vLLM's request loop."""
+        if not isinstance(engine_args, EngineArgs):
+            raise TypeError(f"from_engine_args takes an EngineArgs, got {type(engine_args).__name__}")
+        return cls(engine_args.create_engine_config())
+
+    @functools.cached_property
+    def model_config(self) -> ServedModelConfig:
+        """The served model as vLLM's ModelConfig names it (deepinfer.model_config)."""
+        return ServedModelConfig.of_engine(self.config, self.model.config, self.max_model_len)
+
+    def add_request(self, *args: Any, **kwargs: Any) -> None:
+        """vLLM's request loop (add_request / step / has_unfinished_requests) is not served:
+        a clear error that says what to call instead."""
+        raise ValueError(
+            "LLMEngine.add_request() is not supported: deepinfer's engine step() is not vLLM's "
+            "request loop; wrap the engine with LLM.from_engine(engine) and call generate() or chat() "
+            "(one call serves every request with continuous batching)"
+        )
 
     @property
     def num_draft_tokens(self) -> int:
@@ -262,8 +285,11 @@ class LLMEngine:
             return error is None
         return self.expert_parallel.sync.start_call(self.config.distributed_timeout_s, error)
 
-    def run_to_completion(self, seqs: Iterable[Sequence], progress: Any = None) -> None:
-        """Add seqs and step until every request is done. On any error (or Ctrl-C) the
+    def run_to_completion(
+        self, seqs: Iterable[Sequence], on_finished: Callable[[list[Sequence]], None] | None = None
+    ) -> None:
+        """Add seqs and step until every request is done, calling on_finished with the requests
+        each step finished (e.g. a progress bar's update). On any error (or Ctrl-C) the
         requests still in flight are dropped (reported as "abort"), so the engine is ready for
         the next call.
 
@@ -276,8 +302,8 @@ class LLMEngine:
             self.add(seq)
         try:
             while (finished := self._step_all_ranks()) is not None:
-                if progress is not None and finished:
-                    progress.update(len(finished))
+                if on_finished is not None and finished:
+                    on_finished(finished)
         except BaseException:
             self.abort_all()
             raise

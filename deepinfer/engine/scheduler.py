@@ -20,12 +20,15 @@ preemption, after a step launched (advance) and as a verification step's tokens 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.engine.kv_cache import BlockManager, GroupedBlockManager, StepCopies
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,6 +119,8 @@ class Scheduler:
             if seq.num_cached_tokens is None:  # the first admission (vLLM's num_cached_tokens)
                 seq.num_cached_tokens = num_cached
                 seq.metrics.first_scheduled_time = time.time()
+            if num_cached and logger.isEnabledFor(logging.DEBUG):
+                logger.debug("request %s: %d prompt tokens from the prefix cache", seq.request_id, num_cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -123,6 +128,16 @@ class Scheduler:
             batch.num_draft_tokens.append(0)
             budget -= n
         batch.copies = bm.step_copies(batch.seqs, batch.num_new_tokens, batch.num_draft_tokens)
+        if batch.seqs and logger.isEnabledFor(logging.DEBUG):
+            decodes = sum(1 for n in batch.num_new_tokens if n == 1)
+            logger.debug(
+                "step: %d requests (%d decode, %d prefill), %d tokens of a %d budget, %d drafts; "
+                "%d running, %d waiting, %d free KV blocks%s",
+                len(batch.seqs), decodes, len(batch.seqs) - decodes, sum(batch.num_new_tokens),
+                self.max_num_batched_tokens, sum(batch.num_draft_tokens), len(self.running),
+                len(self.waiting), bm.num_free_blocks,
+                f", {len(batch.preempted)} preempted" if batch.preempted else "",
+            )  # fmt: skip
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
@@ -133,6 +148,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        logger.debug(
+            "request %s preempted (KV blocks ran out): its %d tokens are recomputed once admitted again",
+            seq.request_id, seq.num_tokens,
+        )  # fmt: skip
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the step launched: the scheduled tokens are in the cache (a draft's only once it

@@ -207,6 +207,12 @@ class Worker:
         self.num_prefill_graph_steps = 0  # steps that replayed one
         self.hidden: torch.Tensor | None = None  # the last forward's that kept them (keep_hidden)
         buckets, verify_buckets, prefill_shapes = self._graph_plan(expert_parallel)
+        logger.debug(
+            "graph plan: decode batch sizes %s, verification batch sizes %s, prefill (requests, tokens) "
+            "shapes %s%s",
+            buckets or "none", verify_buckets or "none", prefill_shapes or "none",
+            " (enforce_eager)" if config.enforce_eager else "",
+        )  # fmt: skip
         reserve = self._graph_reserve(buckets, verify_buckets, prefill_shapes)
         self.num_blocks = self._num_kv_blocks(reserve)
         logger.info(
@@ -347,6 +353,13 @@ class Worker:
             + self.ring_prefix_blocks(num_blocks)
         )
         bytes_per_block = cdiv(self.kv_pool_bytes(num_blocks), max(pool_blocks, 1))
+        logger.debug(
+            "KV sizing: %d blocks of %d tokens from %s (device memory %d free of %d bytes, %d set aside "
+            "for graphs; at most %d blocks: max_num_seqs=%d at max_model_len=%d); pools of every group: "
+            "%d blocks, %d bytes each",
+            num_blocks, bs, source, free, total, graph_reserve, c.max_num_seqs * cdiv(self.max_model_len, bs),
+            c.max_num_seqs, self.max_model_len, pool_blocks, bytes_per_block,
+        )  # fmt: skip
         check_kv_pool_fits(pool_blocks, bytes_per_block, bs, free - graph_reserve, on_host, source)
         if num_blocks * bs < self.max_model_len:
             fixed = self.kv_pool_bytes(0)  # a ring group's per-request-slot caches and scratch

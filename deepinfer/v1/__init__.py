@@ -1,0 +1,1 @@
+"""vLLM's import paths under vllm.v1 (deepinfer.v1.metrics.reader)."""
