@@ -43,12 +43,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("parallel", ("deepinfer.parallel",)),  # expert parallelism over the contract's collectives
     ("models", ("deepinfer.models",)),
-    ("engine", ("deepinfer.engine",)),
+    # the engine, and vLLM's view of the served model it gives (model_config)
+    ("engine", ("deepinfer.engine", "deepinfer.model_config")),
     # conformance suite, random checkpoints and models, float64 oracles, the paged test driver
     ("testing", ("deepinfer.testing",)),
     # what LLM(data_parallel_size=N) runs: above the engine, below the API that starts it
     ("executor", ("deepinfer.entrypoints.data_parallel",)),
-    # the offline API, its beam search, and vLLM's import paths (inputs, sampling_params, outputs, logprobs)
+    # the offline API, its beam search and metrics, and vLLM's import paths (inputs, sampling_params,
+    # outputs, logprobs, v1.metrics.reader)
     (
         "api",
         (
@@ -58,6 +60,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "deepinfer.outputs",
             "deepinfer.logprobs",
             "deepinfer.beam_search",
+            "deepinfer.metrics",
+            "deepinfer.v1",
         ),
     ),
     ("entrypoints", ("deepinfer.entrypoints", "deepinfer.cli", "deepinfer.__main__")),
