@@ -515,20 +515,25 @@ class LayerCaches:
     key_tables: torch.Tensor | None = None
 
 
-class V4Attention(nn.Module):
-    """Shared K = V MQA with partial rope, per-head sinks, a sliding window, an optional
-    compressed branch, and the grouped low-rank output projection."""
+class SharedKVAttention(nn.Module):
+    """The attention both V4 and V4.1 build on: MQA over one shared K = V head of head_dim D
+    with a partial rope tail, per-head sinks and a sliding window; the query through a low rank
+    (wq_a, q_norm, wq_b), the grouped low-rank output (G groups of H/G heads -> o_lora_rank each,
+    then one mix to Dm). Subclasses add the compressed branch; their forward is project ->
+    window or compressed attention -> output."""
 
     ones: torch.Tensor  # (D,) the unweighted per-head query norm's weight
+    QUERY_NORM = True  # V4 normalises each head's query (unweighted RMSNorm); V4.1 does not
+    KV_NORM_NAME = "norm"  # the checkpoint name of the K = V projection's norm under {prefix}.
 
-    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int) -> None:
+    def __init__(self, backend: Backend, config: ModelConfig, head_dim: int, window: int, o_groups: int,
+                 o_lora_rank: int) -> None:  # fmt: skip
         super().__init__()
-        self.backend, self.ratio = backend, ratio
-        c, d = config, v4.head_dim
+        c, d = config, head_dim
         assert c.q_lora_rank is not None
+        self.backend = backend
         self.heads, self.dim, self.eps = c.num_attention_heads, d, c.rms_norm_eps
-        self.window = v4.sliding_window
-        self.groups, self.o_rank = v4.o_groups, v4.o_lora_rank
+        self.window, self.groups, self.o_rank = window, o_groups, o_lora_rank
         self.wq_a = Linear(backend, c.hidden_size, c.q_lora_rank)
         self.q_norm = RMSNorm(backend, c.q_lora_rank, c.rms_norm_eps)
         self.wq_b = Linear(backend, c.q_lora_rank, self.heads * d)
@@ -537,10 +542,73 @@ class V4Attention(nn.Module):
         self.wo_a = Linear(backend, self.heads * d // self.groups, self.groups * self.o_rank)
         self.wo_b = Linear(backend, self.groups * self.o_rank, c.hidden_size)
         self.register_buffer("attn_sink", torch.empty(0, device="meta"))  # (H,) float32
-        self.register_buffer("ones", torch.ones(d, device=backend.device.device()), persistent=False)
-        # ratio 0: sliding window only; CSA: overlapping windows and the indexer; HCA: neither
+        if self.QUERY_NORM:
+            self.register_buffer("ones", torch.ones(d, device=backend.device.device()), persistent=False)
+
+    def project(
+        self, x: torch.Tensor, batch: ForwardBatch, window: PagedKVCache, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, Dm) -> (q_residual (T, q_lora_rank), q (T, H, D) roped); this step's K = V rows
+        (T, D), roped, written into the window cache."""
+        backend, t, pos = self.backend, x.shape[0], batch.positions
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).view(t, self.heads, self.dim)
+        if self.QUERY_NORM:
+            q = backend.small.rms_norm(q, self.ones, self.eps)
+        q = rope_tail(backend, q, pos, table)
+        kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]
+        backend.kv_cache.write_kv(window, kv, batch.slot_mapping)
+        return q_residual, q
+
+    def window_attention(self, q: torch.Tensor, batch: ForwardBatch, window: PagedKVCache) -> torch.Tensor:
+        """Sliding-window-only layers: (T, H, D) over the window ring, with the sinks."""
+        mods = AttentionModifiers(window=self.window, sinks=self.attn_sink)
+        attend = (
+            self.backend.attention.decode if batch.attn.is_decode_only else self.backend.attention.prefill
+        )
+        return attend(q, window, batch.attn, scale=self.dim**-0.5, v_dim=self.dim, modifiers=mods)
+
+    def compressed_attention(
+        self, q: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, ratio: int, topk: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The window plus the compressed entries (all of them, or the indexer's top-k)."""
+        assert caches.compressed is not None
+        mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
+        return self.backend.attention.compressed_attention(
+            q, caches.window, caches.compressed.caches[0], batch.attn, scale=self.dim**-0.5, ratio=ratio,
+            modifiers=mods, compressed_block_tables=caches.entry_tables,
+        )  # fmt: skip
+
+    def output(self, o: torch.Tensor, batch: ForwardBatch, table: torch.Tensor) -> torch.Tensor:
+        """(T, H, D) attention output -> (T, Dm). V = K carries the keys' rotation: rotating the
+        output back by its own position leaves each entry's contribution a function of the
+        relative distance. Then the grouped output: (G, T, H*D/G) -> (T, G, o_lora_rank) -> wo_b."""
+        t = o.shape[0]
+        o = rope_tail(self.backend, o, batch.positions, table, inverse=True)
+        per_group = o.reshape(t, self.groups, -1).transpose(0, 1)
+        grouped = grouped_output(self.backend, self.wo_a, self.o_rank, per_group).transpose(0, 1)
+        out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
+        return out
+
+    def load_projections(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
+        keep_grouped_fp8(self.wo_a, self.o_rank, dtype)
+        self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
+        self.kv_norm.weight = load_f32(reader, f"{prefix}.{self.KV_NORM_NAME}.weight", (self.dim,))
+        self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+
+
+class V4Attention(SharedKVAttention):
+    """V4's: the shared K = V attention with, by the layer's ratio, nothing more (sliding window
+    only), a compressed branch over all entries (HCA) or over the indexer's top-k of overlapping
+    windows' entries (CSA)."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int) -> None:
+        super().__init__(backend, config, v4.head_dim, v4.sliding_window, v4.o_groups, v4.o_lora_rank)
+        self.ratio = ratio
         csa = ratio == v4.csa_ratio
-        self.compressor = Compressor(backend, config, ratio, d, overlap=csa) if ratio else None
+        self.compressor = Compressor(backend, config, ratio, v4.head_dim, overlap=csa) if ratio else None
         self.indexer = Indexer(backend, config, v4, ratio) if csa else None
 
     def forward(
@@ -553,52 +621,21 @@ class V4Attention(nn.Module):
     ) -> torch.Tensor:
         """x (T, Dm) -> (T, Dm). table: this layer's rope (main for sliding-only layers, compress
         otherwise)."""
-        backend, t, pos = self.backend, x.shape[0], batch.positions
-        q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora_rank)
-        q = self.wq_b(q_residual).view(t, self.heads, self.dim)
-        q = rope_tail(backend, backend.small.rms_norm(q, self.ones, self.eps), pos, table)  # (T, H, D)
-        kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
-        backend.kv_cache.write_kv(caches.window, kv, batch.slot_mapping)
-
-        scale = self.dim**-0.5
+        q_residual, q = self.project(x, batch, caches.window, table)
         if self.compressor is None:
-            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink)
-            attend = backend.attention.decode if batch.attn.is_decode_only else backend.attention.prefill
-            o = attend(q, caches.window, batch.attn, scale=scale, v_dim=self.dim, modifiers=mods)
-        else:
-            assert caches.compressed is not None and caches.state is not None
-            self.compressor(x, batch, entries, caches.state, caches.compressed, table)
-            topk = None
-            if self.indexer is not None:
-                assert caches.index_state is not None and caches.index_keys is not None
-                topk = self.indexer(
-                    x, q_residual, batch, entries, caches.index_state, caches.index_keys, table,
-                    caches.key_tables,
-                )  # fmt: skip
-            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
-            o = backend.attention.compressed_attention(
-                q, caches.window, caches.compressed.caches[0], batch.attn, scale=scale, ratio=self.ratio,
-                modifiers=mods, compressed_block_tables=caches.entry_tables,
-            )  # fmt: skip
-        # V = K carries the keys' rotation: rotating the output back by its own position leaves
-        # each entry's contribution a function of the relative distance.
-        o = rope_tail(backend, o, pos, table, inverse=True)
-        # Grouped output: G groups of H/G heads, each (H*D/G) -> o_lora_rank, then one mix to Dm.
-        per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
-        grouped = self._grouped_output(per_group).transpose(0, 1)  # (T, G, o_lora_rank)
-        out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
-        return out
-
-    def _grouped_output(self, per_group: torch.Tensor) -> torch.Tensor:
-        return grouped_output(self.backend, self.wo_a, self.o_rank, per_group)
+            return self.output(self.window_attention(q, batch, caches.window), batch, table)
+        assert caches.compressed is not None and caches.state is not None
+        self.compressor(x, batch, entries, caches.state, caches.compressed, table)
+        topk = None
+        if self.indexer is not None:
+            assert caches.index_state is not None and caches.index_keys is not None
+            topk = self.indexer(
+                x, q_residual, batch, entries, caches.index_state, caches.index_keys, table, caches.key_tables
+            )
+        return self.output(self.compressed_attention(q, batch, caches, self.ratio, topk), batch, table)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
-        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
-            getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
-        keep_grouped_fp8(self.wo_a, self.o_rank, dtype)
-        self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
-        self.kv_norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.dim,))
-        self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+        self.load_projections(reader, prefix, dtype)
         if self.compressor is not None:
             self.compressor.load(reader, f"{prefix}.compressor", dtype)
         if self.indexer is not None:

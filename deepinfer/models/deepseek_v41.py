@@ -65,17 +65,16 @@ from torch import nn
 
 from deepinfer import envs
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
+from deepinfer.backend.types import KVCacheSpec, PagedKVCache
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.config_v41 import V41Config
 from deepinfer.models.deepseek_v4 import (
     HyperConnection,
     LayerCaches,
     NewEntries,
+    SharedKVAttention,
     V4MoE,
     WideCache,
-    grouped_output,
-    keep_grouped_fp8,
     load_f32,
     rope_tail,
 )
@@ -295,34 +294,24 @@ class SparseIndexer(nn.Module):
                     reader.skip(name)
 
 
-class V41Attention(nn.Module):
-    """Shared K = V MQA with partial rope, sinks, a sliding window, and for compressed layers the
-    main entries (own or a source's) picked by a sparse indexer (own or a source's); the grouped
-    low-rank output projection. No per-head query norm."""
+class V41Attention(SharedKVAttention):
+    """V4.1's: the shared K = V attention (no per-head query norm) with, for compressed layers,
+    the main entries (own or a source's) picked by a sparse indexer (own or a source's)."""
+
+    QUERY_NORM = False
+    KV_NORM_NAME = "kv_norm"
 
     def __init__(self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int) -> None:
-        super().__init__()
-        c, d, topo = config, v41.head_dim, v41.sharing
-        assert c.q_lora_rank is not None
-        self.backend, self.layer = backend, layer
-        self.ratio = v41.compress_ratios[layer]
-        self.heads, self.dim, self.window = c.num_attention_heads, d, v41.sliding_window
-        self.groups, self.o_rank = v41.o_groups, v41.o_lora_rank
+        d, topo = v41.head_dim, v41.sharing
+        super().__init__(backend, config, d, v41.sliding_window, v41.o_groups, v41.o_lora_rank)
+        self.layer, self.ratio = layer, v41.compress_ratios[layer]
         self.kv_source, self.index_source = topo.kv[layer], topo.index[layer]
         self.decoder = layer >= v41.n_prefill_layer
-        self.wq_a = Linear(backend, c.hidden_size, c.q_lora_rank)
-        self.q_norm = RMSNorm(backend, c.q_lora_rank, c.rms_norm_eps)
-        self.wq_b = Linear(backend, c.q_lora_rank, self.heads * d)
-        self.wkv = Linear(backend, c.hidden_size, d)
-        self.kv_norm = RMSNorm(backend, d, c.rms_norm_eps)
-        self.wo_a = Linear(backend, self.heads * d // self.groups, self.groups * self.o_rank)
-        self.wo_b = Linear(backend, self.groups * self.o_rank, c.hidden_size)
-        self.register_buffer("attn_sink", torch.empty(0, device="meta"))  # (H,) float32
         own_kv = self.ratio and self.kv_source == layer
-        self.compressor = MainEntries(backend, c, self.ratio, d) if own_kv else None
+        self.compressor = MainEntries(backend, config, self.ratio, d) if own_kv else None
         own_index = self.ratio and self.index_source == layer
         has_keys = bool(self.ratio) and topo.index_k[layer] == layer
-        self.indexer = SparseIndexer(backend, c, v41, self.ratio, has_keys) if own_index else None
+        self.indexer = SparseIndexer(backend, config, v41, self.ratio, has_keys) if own_index else None
         self.has_keys = has_keys
 
     def forward(
@@ -336,54 +325,32 @@ class V41Attention(nn.Module):
     ) -> torch.Tensor:
         """x (T, Dm) the normed attention input -> (T, Dm). caches: this layer's window, its KV
         source's entries and its index-key source's keys (LayerCaches)."""
-        backend, t, pos = self.backend, x.shape[0], batch.positions
-        q_residual = self.q_norm(self.wq_a(x))  # (T, q_lora_rank)
-        q = rope_tail(backend, self.wq_b(q_residual).view(t, self.heads, self.dim), pos, table)
-        kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]  # (T, D)
-        backend.kv_cache.write_kv(caches.window, kv, batch.slot_mapping)
-        scale = self.dim**-0.5
+        q_residual, q = self.project(x, batch, caches.window, table)
         if not self.ratio:
-            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink)
-            attend = backend.attention.decode if batch.attn.is_decode_only else backend.attention.prefill
-            o = attend(q, caches.window, batch.attn, scale=scale, v_dim=self.dim, modifiers=mods)
-        else:
-            assert caches.compressed is not None
-            if self.compressor is not None:
-                if self.decoder and step.shared_hidden is None:
-                    step.shared_hidden = x  # h*: the decoder half's first layer's attention input
-                source = step.shared_hidden if self.decoder else x
-                assert source is not None
-                step.pre_rope[self.layer] = self.compressor(
-                    source, batch, entries, caches.state, caches.compressed, table
-                )
-            if self.has_keys:
-                assert self.indexer is not None and caches.index_keys is not None
-                pre = step.pre_rope.get(self.kv_source)
-                self.indexer.write_keys(pre, entries, caches.index_keys, table)
-            if self.indexer is not None:
-                assert caches.index_keys is not None
-                step.topk[self.layer] = self.indexer.select(
-                    x, q_residual, batch, caches.index_keys, caches.key_tables, table
-                )
-            topk = step.topk[self.index_source]
-            mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
-            o = backend.attention.compressed_attention(
-                q, caches.window, caches.compressed.caches[0], batch.attn, scale=scale, ratio=self.ratio,
-                modifiers=mods, compressed_block_tables=caches.entry_tables,
-            )  # fmt: skip
-        o = rope_tail(backend, o, pos, table, inverse=True)  # V = K carries the keys' rotation
-        per_group = o.reshape(t, self.groups, -1).transpose(0, 1)  # (G, T, H*D/G)
-        grouped = grouped_output(backend, self.wo_a, self.o_rank, per_group).transpose(0, 1)
-        out: torch.Tensor = self.wo_b(grouped.reshape(t, -1))
-        return out
+            return self.output(self.window_attention(q, batch, caches.window), batch, table)
+        assert caches.compressed is not None
+        if self.compressor is not None:
+            if self.decoder and step.shared_hidden is None:
+                step.shared_hidden = x  # h*: the decoder half's first layer's attention input
+            source = step.shared_hidden if self.decoder else x
+            assert source is not None
+            step.pre_rope[self.layer] = self.compressor(
+                source, batch, entries, caches.state, caches.compressed, table
+            )
+        if self.has_keys:
+            assert self.indexer is not None and caches.index_keys is not None
+            pre = step.pre_rope.get(self.kv_source)
+            self.indexer.write_keys(pre, entries, caches.index_keys, table)
+        if self.indexer is not None:
+            assert caches.index_keys is not None
+            step.topk[self.layer] = self.indexer.select(
+                x, q_residual, batch, caches.index_keys, caches.key_tables, table
+            )
+        topk = step.topk[self.index_source]
+        return self.output(self.compressed_attention(q, batch, caches, self.ratio, topk), batch, table)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
-        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
-            getattr(self, name).load(reader, f"{prefix}.{name}", dtype)
-        keep_grouped_fp8(self.wo_a, self.o_rank, dtype)
-        self.q_norm.weight = load_f32(reader, f"{prefix}.q_norm.weight", (self.q_norm.dim,))
-        self.kv_norm.weight = load_f32(reader, f"{prefix}.kv_norm.weight", (self.dim,))
-        self.attn_sink = load_f32(reader, f"{prefix}.attn_sink", (self.heads,))
+        self.load_projections(reader, prefix, dtype)
         if self.compressor is not None:
             self.compressor.load(reader, f"{prefix}.compressor", dtype)
         if self.indexer is not None:
