@@ -753,8 +753,28 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
         mtp_compress_ratios=tuple(ratio_of[t] for t in layer_types[n:]),
         mtp_hash_layers=tuple(t == "hash_moe" for t in mlp_types[n:]),
     )
+    return single_kv_head_config(
+        f, model_type="deepseek_v4", n=n, heads=heads, head_dim=head_dim, rope_dim=rope_dim, inter=inter,
+        n_routed=n_routed, top_k=top_k, nextn=nextn, rope=_parse_rope({"rope_parameters": main}, f),
+        dtype=_DTYPES[dtype_name], quantization=_parse_quantization(raw),
+        scoring_func=f.get_choice("scoring_func", "sqrtsoftplus", ("softmax", "sigmoid", "sqrtsoftplus")),
+        routed_scaling_factor=f.get_float("routed_scaling_factor", 1.5, positive=True),
+        bos_token_id=f.get_token_id("bos_token_id"),
+        eos_token_id=_parse_eos(f.value("eos_token_id")),
+        v4=v4,
+    )  # fmt: skip
+
+
+def single_kv_head_config(
+    f: _Fields, *, model_type: str, n: int, heads: int, head_dim: int, rope_dim: int,
+    inter: int, n_routed: int, top_k: int, nextn: int, rope: RopeConfig, dtype: torch.dtype, **specific: Any,
+) -> ModelConfig:  # fmt: skip
+    """ModelConfig of the V4 family (V4, V4.1): the MLA fields describe the single K = V head
+    (kv_lora_rank = v_head_dim = head_dim, qk_rope_head_dim the rotated tail), the router is
+    noaux_tc with normalised top-k, rope interleaved; `specific` the fields each model reads its
+    own way (scoring_func, routed_scaling_factor, token ids, quantization, v4 / v41)."""
     return ModelConfig(
-        model_type="deepseek_v4",
+        model_type=model_type,
         vocab_size=f.get_int("vocab_size"),
         hidden_size=f.get_int("hidden_size"),
         intermediate_size=inter,
@@ -770,18 +790,13 @@ def _parse_v4(raw: dict[str, Any]) -> ModelConfig:
         num_experts_per_tok=top_k,
         moe_intermediate_size=inter,
         topk_method="noaux_tc",
-        scoring_func=f.get_choice("scoring_func", "sqrtsoftplus", ("softmax", "sigmoid", "sqrtsoftplus")),
         norm_topk_prob=True,
-        routed_scaling_factor=f.get_float("routed_scaling_factor", 1.5, positive=True),
         rms_norm_eps=f.get_float("rms_norm_eps", 1e-6, positive=True),
         max_position_embeddings=f.get_int("max_position_embeddings"),
-        rope=_parse_rope({"rope_parameters": main}, f),
+        rope=rope,
         rope_interleave=True,
         tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
-        bos_token_id=f.get_token_id("bos_token_id"),
-        eos_token_id=_parse_eos(f.value("eos_token_id")),
         num_nextn_predict_layers=nextn,
-        quantization=_parse_quantization(raw),
-        torch_dtype=_DTYPES[dtype_name],
-        v4=v4,
+        torch_dtype=dtype,
+        **specific,
     )

@@ -34,6 +34,7 @@ from deepinfer.models.config import (
     _Fields,
     _parse_eos,
     _parse_rope,
+    single_kv_head_config,
 )
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
@@ -386,38 +387,15 @@ def parse_v41(raw: dict[str, Any]) -> ModelConfig:
         mtp_compress_ratios=(0,) * nextn,  # draft layers are sliding window only
     )
     inter = f.get_int("moe_intermediate_size")
-    cfg = ModelConfig(
-        model_type="deepseek_v41",
-        vocab_size=f.get_int("vocab_size"),
-        hidden_size=f.get_int("hidden_size"),
-        intermediate_size=inter,
-        num_hidden_layers=n,
-        num_attention_heads=heads,
-        kv_lora_rank=head_dim,
-        qk_nope_head_dim=head_dim - rope_dim,
-        qk_rope_head_dim=rope_dim,
-        v_head_dim=head_dim,
-        q_lora_rank=f.get_int("q_lora_rank"),
-        n_routed_experts=n_routed,
-        n_shared_experts=f.get_int("n_shared_experts", minimum=0),
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        topk_method="noaux_tc",
-        scoring_func="sqrtsoftplus",
-        norm_topk_prob=True,
+    cfg = single_kv_head_config(
+        f, model_type="deepseek_v41", n=n, heads=heads, head_dim=head_dim, rope_dim=rope_dim,
+        inter=inter, n_routed=n_routed, top_k=top_k, nextn=nextn, rope=main_rope, dtype=_DTYPES[dtype_name],
+        quantization=_parse_quantization(raw), scoring_func="sqrtsoftplus",
         routed_scaling_factor=f.get_float("routed_scaling_factor", 1.0, positive=True),
-        rms_norm_eps=f.get_float("rms_norm_eps", 1e-6, positive=True),
-        max_position_embeddings=f.get_int("max_position_embeddings"),
-        rope=main_rope,
-        rope_interleave=True,
-        tie_word_embeddings=f.get_bool("tie_word_embeddings", False),
         bos_token_id=top.get_token_id("bos_token_id"),
         eos_token_id=_parse_eos(raw.get("eos_token_id")),
-        num_nextn_predict_layers=nextn,
-        quantization=_parse_quantization(raw),
-        torch_dtype=_DTYPES[dtype_name],
         v41=v41,
-    )
+    )  # fmt: skip
     _check_token_ids(cfg)
     return cfg
 
