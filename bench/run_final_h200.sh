@@ -20,7 +20,7 @@ start=$SECONDS
 
 engine() {
   timeout "${ENGINE_TIMEOUT:-230}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest -q -rfs -p no:cacheprovider \
-    -n 2 tests/test_async_graphs.py tests/test_cuda_kernels.py tests/test_parity_v4.py tests/test_v4_spec.py \
+    -n 2 tests/test_async_graphs.py tests/test_cuda_kernels.py tests/test_cuda_gpu_kernels.py tests/test_parity_v4.py tests/test_v4_spec.py \
     > "$OUT/engine_tests.log" 2>&1
   echo "engine tests rc=$? at $((SECONDS - start)) s"
   tail -n 4 "$OUT/engine_tests.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (under 10 minutes) for the MXFP4 grouped GEMM on Triton's microscaled product,
 # on one H200, each part under `timeout`:
-#   1. the GPU tests of the MXFP4 and MoE kernels (tests/test_cuda_kernels.py -k "fp4 or moe") and
+#   1. the GPU tests of the MXFP4 and MoE kernels (tests/test_cuda_kernels.py and tests/test_cuda_gpu_kernels.py -k "fp4 or moe") and
 #      the conformance suite's MoE and GEMM cases on cuda, bf16;
 #   2. bench/bench_v4_decode.py --only prefill: the grouped GEMM over 64 to 4096 tokens' copies
 #      (dispatch, nibble pairs, tile sweeps);
@@ -32,7 +32,7 @@ part() {  # part NAME LIMIT command...
 
 want tests && part tests "${TEST_TIMEOUT:-90}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
-  --pyargs deepinfer.testing.conformance tests/test_cuda_kernels.py -k "fp4 or moe or grouped"
+  --pyargs deepinfer.testing.conformance tests/test_cuda_kernels.py tests/test_cuda_gpu_kernels.py -k "fp4 or moe or grouped"
 grep -E "passed|failed|FAILED|Error" "$R/tests.log" | tail -n 8 | tee -a "$R/summary.txt"
 
 want kernels && part prefill "${PREFILL_TIMEOUT:-90}" python3 bench/bench_v4_decode.py --only prefill --out "$R/kernels/prefill"

@@ -1,0 +1,59 @@
+"""The CUDA backend's Triton kernels that only a GPU runs: tl.dot_scaled has no interpreter path,
+so tests/test_cuda_interpret.py cannot run these on the CPU (tests/test_cuda_compile.py checks
+their PTX there instead). Oracles are float64 and the reference backend, as in
+tests/test_cuda_kernels.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: no interpreter")
+DEV = torch.device("cuda")
+
+
+def test_grouped_gemm_fp4_on_the_microscaled_product(gen: torch.Generator) -> None:
+    """_grouped_mx_kernel (tl.dot_scaled; CudaGemm's MXFP4 grouped GEMM for bf16 x where
+    DEEPINFER_CUDA_MX_FP4=1): every code
+    under scales 2^-126 .. 2^125 through identity rows gives the dequantised weights exactly in
+    bf16; random groups (empty ones, K not a multiple of the tile, N past the last tile) within
+    bf16 rounding of float64, for every tile of grouped_mx_config and the backend's dispatch."""
+    from deepinfer_cuda import backend as cuda_backend
+    from deepinfer_cuda.kernels import gemm as gemm_k
+
+    from deepinfer import envs
+    from deepinfer.backend import fp4
+    from deepinfer.backend.types import BackendOptions
+    from deepinfer.reference.gemm import grouped_gemm_fp4 as ref_grouped_fp4
+
+    n, k = 16, 64
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)[None]
+    scales = torch.tensor([1, 2, 126, 127, 128, 200, 252, 100] * 4, dtype=torch.uint8).view(1, n, 2)
+    want = fp4.dequantize_weight(packed[0], scales[0]).T.to(torch.bfloat16)
+    sizes = torch.tensor([k], device=DEV)
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEV)
+    y = gemm_k.grouped_gemm_fp4(eye, packed.to(DEV), scales.to(DEV), sizes, scaled=True)
+    assert torch.equal(y.cpu(), want), (y.cpu().float() - want.float()).abs().max()
+
+    env = dataclasses.replace(envs.read(), cuda_mx_fp4=True)
+    gemm = cuda_backend.create_cuda_backend(BackendOptions(), env).gemm
+    assert gemm.mx_fp4 and not cuda_backend.create_cuda_backend(BackendOptions()).gemm.mx_fp4
+    e, n, k = 5, 200, 320
+    packed = torch.randint(0, 256, (e, n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(118, 124, (e, n, k // 32), generator=gen, dtype=torch.uint8)
+    for counts in ([0, 7, 0, 1, 12], [40, 0, 33, 300, 2], [1, 0, 0, 0, 0]):
+        sizes = torch.tensor(counts, dtype=torch.int32)
+        x = torch.randn((sum(counts), k), generator=gen).to(torch.bfloat16)
+        want = ref_grouped_fp4(x.double(), packed, scales, sizes)
+        tol = dict(rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        xd, pd, sd, zd = x.to(DEV), packed.to(DEV), scales.to(DEV), sizes.to(DEV)
+        for rows in (16, 2048, 20000):  # grouped_mx_config's token tiles 16, 64, 128
+            cfg = gemm_k.grouped_mx_config(rows)
+            y = gemm_k.grouped_gemm_fp4(xd, pd, sd, zd, config=cfg, scaled=True)
+            torch.testing.assert_close(y.cpu().double(), want, **tol)
+        torch.testing.assert_close(gemm.grouped_gemm_fp4(xd, pd, sd, zd).cpu().double(), want, **tol)
+    with pytest.raises(ValueError, match="microscaled kernel takes bf16"):
+        gemm_k.grouped_gemm_fp4(xd.float(), pd, sd, zd, scaled=True)
