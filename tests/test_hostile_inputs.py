@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine import structured
+from deepinfer.engine import structured, tokenizer
 from deepinfer.engine.structured import check_json_schema, validate_output
 from deepinfer.models import loader
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
@@ -275,8 +275,22 @@ def _config(root: Path, **fields: Any) -> None:
         ({"num_nextn_predict_layers": 5}, ("num_nextn_predict_layers=5", "holds 1 MTP layer")),
         ({"num_attention_heads": 8}, ("num_attention_heads=8", "q_b_proj", "rows")),
         ({"v_head_dim": 8}, ("num_attention_heads=4", "o_proj", "columns")),
+        ({"first_k_dense_replace": 99}, ("layer 1 is a dense layer", "first_k_dense_replace=99", "mlp.gate")),
+        ({"first_k_dense_replace": 0}, ("layer 0 is an MoE layer", "first_k_dense_replace=0", "has no")),
+        ({"moe_layer_freq": 2}, ("moe_layer_freq=2",)),
     ],
-    ids=["rope-theta-0", "eos-huge", "eos-past-vocab", "bos-past-vocab", "nextn-5", "heads", "v-head-dim"],
+    ids=[
+        "rope-theta-0",
+        "eos-huge",
+        "eos-past-vocab",
+        "bos-past-vocab",
+        "nextn-5",
+        "heads",
+        "v-head-dim",
+        "first-dense-99",
+        "first-dense-0",
+        "moe-freq-2",
+    ],
 )
 def test_config_values_are_named(
     ckpt: Path,
@@ -330,6 +344,22 @@ def test_chat_template_sandbox_refusal_is_named(
     assert "prompt is empty" not in str(info.value)
     for word in words:
         assert word in str(info.value)
+    served(llm, baseline)
+
+
+def test_chat_template_output_past_host_memory(
+    llm: LLM, baseline: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizers library aborts the process when an allocation fails: a rendered prompt
+    too long to encode in the memory available is refused first, naming the template (here
+    with 64 MiB available; `'x' * 10**9` meets the same check on any host)."""
+    monkeypatch.setattr(tokenizer, "host_memory_info", lambda: (64 * 2**20, 64 * 2**20))
+    big = "{{ 'x' * 300000 }}"
+    with pytest.raises(ValueError, match=r"template \(the chat_template argument\) rendered a prompt too"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template=big, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0.*300000 characters: encoding it needs about 0.0715 GiB"):
+        llm.generate("x" * 300000, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
     served(llm, baseline)
 
 
@@ -490,6 +520,12 @@ def test_truncate_minus_one_leaves_room(llm: LLM, baseline: list[int]) -> None:
         ),
         ({"type": "integer", "minimum": 5, "maximum": 1}, ("'minimum' (5) exceeds 'maximum' (1)",)),
         (False, ("`false`",)),
+        ({"type": "array", "uniqueItems": True}, ("'uniqueItems'",)),
+        ({"type": "array", "contains": {"const": 5}}, ("'contains'",)),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ("'dependentRequired'",)),
+        ({"type": "object", "dependencies": {"a": ["b"]}}, ("'dependencies'",)),
+        ({"type": "number", "multipleOf": 0.5}, ("'multipleOf' 0.5",)),
+        ({"type": "object", "required": ["a"]}, ("'required' property 'a'", "not in 'properties'")),
     ],
     ids=[
         "not",
@@ -503,6 +539,12 @@ def test_truncate_minus_one_leaves_room(llm: LLM, baseline: list[int]) -> None:
         "ref-sibling",
         "min-max",
         "false",
+        "uniqueItems",
+        "contains",
+        "dependentRequired",
+        "dependencies",
+        "multipleOf-number",
+        "required-unlisted",
     ],
 )
 def test_schemas_the_grammar_cannot_enforce_are_refused(
@@ -557,6 +599,13 @@ def test_a_violating_output_is_an_error_not_a_success(
     assert completion.finish_reason == "error", completion
     assert "violates the JSON schema" in str(completion.error)
     served(llm, baseline)
+
+
+def test_enforced_keywords_still_pass() -> None:
+    """What xgrammar does enforce (probed) is not refused."""
+    check_json_schema({"type": "integer", "multipleOf": 7})
+    check_json_schema({"type": "array", "uniqueItems": False, "items": {"type": "integer"}})
+    check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 
 
 def test_validate_output_directly() -> None:

@@ -13,7 +13,10 @@ adds two bounds. A budget (TEMPLATE_MAX_STEPS lines of template code, TEMPLATE_M
 wall time, counted by a trace function on the template's own frames only) turns a template that
 loops for ever into a ValueError naming the template file; and an attribute the sandbox
 refuses (`__globals__`, `__class__`, ...) is an error naming the sandbox, where jinja would
-render it as an empty string.
+render it as an empty string. A template whose output outgrows host memory (`'x' * 10**9`) is
+an error naming it too: MemoryError while it renders, or a text longer than the tokenizer can
+encode in the memory available (check_encodable; the tokenizers library would abort the
+process).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
+from deepinfer.backend.host import host_memory_info
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -43,6 +48,13 @@ ChatMessage = dict[str, Any]
 # a long conversation in a few thousand lines and milliseconds).
 TEMPLATE_MAX_STEPS = 1_000_000
 TEMPLATE_MAX_SECONDS = 10.0
+# Peak host memory the tokenizers library takes to encode one character (its encoding, offsets
+# and words, then the Python list of ids): 120 bytes for "x" * 10**7, 245 for short words,
+# measured; 256 to be safe. Past the memory available it aborts the process (a failed Rust
+# allocation), so longer texts are refused first: encoding may take half the available memory.
+ENCODE_BYTES_PER_CHAR = 256
+# Texts shorter than this (64 MiB to encode) are encoded without reading /proc/meminfo.
+ENCODE_CHECK_CHARS = 2**18
 
 
 def lone_surrogate(text: str) -> str | None:
@@ -52,6 +64,18 @@ def lone_surrogate(text: str) -> str | None:
     except UnicodeEncodeError as exc:
         return f"a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
     return None
+
+
+def check_encodable(text: str) -> None:
+    """ValueError where encoding `text` would need more than half the available host memory."""
+    if len(text) < ENCODE_CHECK_CHARS:
+        return
+    need, available = len(text) * ENCODE_BYTES_PER_CHAR, host_memory_info()[0]
+    if need > available // 2:
+        raise ValueError(
+            f"the text is {len(text)} characters: encoding it needs about {need / 2**30:.3g} GiB of host "
+            f"memory, more than half the {available / 2**30:.3g} GiB available"
+        )
 
 
 class TemplateBudgetError(Exception):
@@ -200,7 +224,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As hf_tokenizer.encode(text, add_special_tokens=...). ValueError naming a lone
-        surrogate (text that is not valid Unicode, so not UTF-8 encodable)."""
+        surrogate (text that is not valid Unicode, so not UTF-8 encodable), or a text too long to
+        encode in the host memory available (check_encodable)."""
+        check_encodable(text)
         try:
             ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
@@ -277,6 +303,10 @@ class Tokenizer:
             ) from None
         except SecurityError as exc:
             raise ValueError(f"the chat template ({source}) was stopped by the jinja sandbox: {exc}") from exc
+        except MemoryError:
+            raise ValueError(
+                f"the chat template ({source}) ran out of host memory (its output grows too large)"
+            ) from None
         except TemplateSyntaxError as exc:
             raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
         except TemplateError as exc:  # raise_exception(...) in the template, or a sandbox refusal
@@ -287,6 +317,10 @@ class Tokenizer:
             # the template's own code: OverflowError, TypeError, ZeroDivisionError, ...
             raise ValueError(f"chat template failed ({source}): {type(exc).__name__}: {exc}") from exc
         assert isinstance(text, str)
+        try:
+            check_encodable(text)
+        except ValueError as exc:
+            raise ValueError(f"the chat template ({source}) rendered a prompt too long: {exc}") from None
         # apply_chat_template(tokenize=True) encodes the text exactly so: no special tokens added
         return text, self.encode(text, add_special_tokens=False)
 

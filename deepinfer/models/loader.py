@@ -494,6 +494,7 @@ def _preflight(
             f"config.json says num_hidden_layers={c.num_hidden_layers}, but checkpoint {root} has no "
             f"tensor {last!r}"
         )
+    _check_moe_layers(c, reader)
     moe = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
     if moe and ep is None:
         prefix = f"model.layers.{moe[0]}.mlp.experts"
@@ -517,6 +518,21 @@ def _preflight(
             f"config.json: max_position_embeddings={c.max_position_embeddings} needs a {table / 2**30:.4g} "
             f"GiB rotary table, more than the {free / 2**30:.4g} GiB of free device memory"
         )
+
+
+def _check_moe_layers(c: ModelConfig, reader: CheckpointReader) -> None:
+    """Which layers are MoE (n_routed_experts, first_k_dense_replace, moe_layer_freq) against the
+    routers (`mlp.gate.weight`) the checkpoint holds."""
+    for i in range(c.num_hidden_layers):
+        has_router = reader.has(f"model.layers.{i}.mlp.gate.weight")
+        if c.is_moe_layer(i) != has_router:
+            raise CheckpointError(
+                f"config.json says layer {i} is {'an MoE' if c.is_moe_layer(i) else 'a dense'} layer "
+                f"(n_routed_experts={c.n_routed_experts}, first_k_dense_replace={c.first_k_dense_replace}, "
+                f"moe_layer_freq={c.moe_layer_freq}), but checkpoint {reader.root} "
+                f"{'has no' if c.is_moe_layer(i) else 'has a'} router tensor "
+                f"'model.layers.{i}.mlp.gate.weight'"
+            )
 
 
 def _check_attention_shapes(c: ModelConfig, reader: CheckpointReader) -> None:
