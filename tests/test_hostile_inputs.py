@@ -310,6 +310,26 @@ def test_config_json_that_is_not_utf8(ckpt: Path, monkeypatch: pytest.MonkeyPatc
     _refused(ckpt, monkeypatch, "config.json is not UTF-8", "0xff", "offset")
 
 
+DEEP = '{"a": ' * 100_000 + "1" + "}" * 100_000  # past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "words"),
+    [
+        ("config.json", DEEP, ("config.json is not valid JSON", "recursion")),
+        (INDEX, DEEP, (INDEX, "not a valid safetensors index", "recursion")),
+        ("drafter_config.json", "\xff", ("drafter_config.json cannot be read as JSON", "utf-8")),
+        ("tokenizer_config.json", DEEP, ("tokenizer_config.json is not valid JSON", "recursion")),
+    ],
+    ids=["config-deep", "index-deep", "drafter-config-not-utf8", "tokenizer-config-deep"],
+)
+def test_checkpoint_json_files_are_named(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, file: str, content: str, words: tuple[str, ...]
+) -> None:
+    (ckpt / file).write_bytes(content.encode("latin-1"))
+    _refused(ckpt, monkeypatch, *words)
+
+
 # --------------------------------------------------------------------------- chat templates
 
 LOOPS = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x"
@@ -620,6 +640,15 @@ def test_validate_output_directly() -> None:
     check_json_schema(
         {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
     )
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValueError, match="nested too deeply to check"):
+        check_json_schema(deep)
+    nested = "[" * 100_000 + "]" * 100_000
+    assert "nested too deeply" in str(validate_output(StructuredOutputsParams(json_object=True), nested))
+    recursive = StructuredOutputsParams(json={"type": "array", "items": {"$ref": "#"}})
+    assert "nested too deeply to validate" in str(validate_output(recursive, "[" * 900 + "]" * 900))
 
 
 # --------------------------------------------------------------------------- re-entrant calls

@@ -227,7 +227,7 @@ def json_schema(p: StructuredOutputsParams) -> Any:
         return p.json
     try:
         return json.loads(p.json)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ValueError(
             f"structured output: the json does not compile: it is not valid JSON: {exc}"
         ) from exc
@@ -240,7 +240,10 @@ def check_json_schema(schema: Any) -> None:
         return
     if schema is False:  # (`false` inside a schema forbids a property or an item: satisfiable)
         raise ValueError("structured output: the JSON schema is `false`: no value meets it")
-    _check_schema_node(schema, "#")
+    try:
+        _check_schema_node(schema, "#")
+    except RecursionError:
+        raise ValueError("structured output: the JSON schema is nested too deeply to check") from None
     if isinstance(schema, dict):
         try:
             from jsonschema import validators
@@ -275,12 +278,17 @@ def validate_output(p: StructuredOutputsParams, text: str) -> str | None:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         return f"the output {_clip(text)} is not JSON: {exc}"
+    except RecursionError:
+        return f"the output {_clip(text)} is nested too deeply to parse and validate"
     try:
         from jsonschema import validators
     except ImportError:
         return None
     cls = validators.validator_for(schema) if isinstance(schema, dict) else validators.Draft202012Validator
-    error = next(iter(cls(schema).iter_errors(value)), None)
+    try:
+        error = next(iter(cls(schema).iter_errors(value)), None)
+    except RecursionError:
+        return f"the output {_clip(text)} is nested too deeply to validate"
     if error is None:
         return None
     at = "/".join(str(x) for x in error.absolute_path)

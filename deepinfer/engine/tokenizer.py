@@ -134,7 +134,7 @@ def read_json_file(path: Path) -> Any:
     """The JSON content of a checkpoint file, or a ValueError naming the file."""
     try:
         return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # Recursion: nested too deeply
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 

@@ -147,7 +147,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map, checked: an object of tensor name -> shard file name."""
     try:
         content = json.loads(index.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # Recursion: nested too deeply
         raise CorruptCheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
