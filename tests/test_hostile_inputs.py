@@ -278,6 +278,13 @@ def _config(root: Path, **fields: Any) -> None:
         ({"first_k_dense_replace": 99}, ("layer 1 is a dense layer", "first_k_dense_replace=99", "mlp.gate")),
         ({"first_k_dense_replace": 0}, ("layer 0 is an MoE layer", "first_k_dense_replace=0", "has no")),
         ({"moe_layer_freq": 2}, ("moe_layer_freq=2",)),
+        ({"num_hidden_layers": 1}, ("num_hidden_layers=1", "decoder layer model.layers.1")),
+        ({"num_nextn_predict_layers": 0}, ("num_nextn_predict_layers=0", "MTP layer model.layers.2")),
+        ({"kv_lora_rank": 8}, ("kv_lora_rank=8", "kv_a_proj_with_mqa")),
+        ({"q_lora_rank": 8}, ("q_lora_rank=8", "q_a_proj")),
+        ({"intermediate_size": 24}, ("intermediate_size=24", "model.layers.0.mlp.gate_proj")),
+        ({"moe_intermediate_size": 24}, ("moe_intermediate_size=24", "mlp.shared_experts.gate_proj")),
+        ({"n_shared_experts": 2}, ("n_shared_experts=2", "moe_intermediate_size * n_shared_experts")),
     ],
     ids=[
         "rope-theta-0",
@@ -290,6 +297,13 @@ def _config(root: Path, **fields: Any) -> None:
         "first-dense-99",
         "first-dense-0",
         "moe-freq-2",
+        "layers-1",
+        "nextn-0",
+        "kv-lora-rank",
+        "q-lora-rank",
+        "intermediate-size",
+        "moe-intermediate-size",
+        "shared-experts",
     ],
 )
 def test_config_values_are_named(
