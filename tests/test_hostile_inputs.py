@@ -381,6 +381,23 @@ def test_chat_template_sandbox_refusal_is_named(
     served(llm, baseline)
 
 
+def test_chat_template_that_swells_is_stopped(
+    llm: LLM, baseline: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A string doubled in a loop: 40 steps would need a TiB; the memory budget (here 32 MiB)
+    stops it after a few, and the peak RSS stays within about twice the budget."""
+    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_BYTES", 32 * 2**20)
+    swell = "{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
+    before = peak_rss_bytes()
+    # the budget counts from the peak: what the process holds now may be below it
+    headroom = before - int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    with pytest.raises(ValueError, match=r"ran past its budget \(more than 32 MiB of host memory"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template=swell + "{{ s.v }}", use_tqdm=False)
+    assert peak_rss_bytes() - before < 3 * (headroom + 32 * 2**20)
+    monkeypatch.undo()
+    served(llm, baseline)
+
+
 def test_chat_template_output_past_host_memory(
     llm: LLM, baseline: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
