@@ -193,7 +193,7 @@ def _json_object(text: str) -> dict[str, Any]:
     """A command-line value holding a JSON object (e.g. --speculative-config)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ValueError(f"not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {text!r}")

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from tiny_model import TINY
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine import structured
+from deepinfer.engine import structured, tokenizer
 from deepinfer.engine.structured import check_json_schema, validate_output
 from deepinfer.models import loader
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
@@ -275,8 +275,36 @@ def _config(root: Path, **fields: Any) -> None:
         ({"num_nextn_predict_layers": 5}, ("num_nextn_predict_layers=5", "holds 1 MTP layer")),
         ({"num_attention_heads": 8}, ("num_attention_heads=8", "q_b_proj", "rows")),
         ({"v_head_dim": 8}, ("num_attention_heads=4", "o_proj", "columns")),
+        ({"first_k_dense_replace": 99}, ("layer 1 is a dense layer", "first_k_dense_replace=99", "mlp.gate")),
+        ({"first_k_dense_replace": 0}, ("layer 0 is an MoE layer", "first_k_dense_replace=0", "has no")),
+        ({"moe_layer_freq": 2}, ("moe_layer_freq=2",)),
+        ({"num_hidden_layers": 1}, ("num_hidden_layers=1", "decoder layer model.layers.1")),
+        ({"num_nextn_predict_layers": 0}, ("num_nextn_predict_layers=0", "MTP layer model.layers.2")),
+        ({"kv_lora_rank": 8}, ("kv_lora_rank=8", "kv_a_proj_with_mqa")),
+        ({"q_lora_rank": 8}, ("q_lora_rank=8", "q_a_proj")),
+        ({"intermediate_size": 24}, ("intermediate_size=24", "model.layers.0.mlp.gate_proj")),
+        ({"moe_intermediate_size": 24}, ("moe_intermediate_size=24", "mlp.shared_experts.gate_proj")),
+        ({"n_shared_experts": 2}, ("n_shared_experts=2", "moe_intermediate_size * n_shared_experts")),
     ],
-    ids=["rope-theta-0", "eos-huge", "eos-past-vocab", "bos-past-vocab", "nextn-5", "heads", "v-head-dim"],
+    ids=[
+        "rope-theta-0",
+        "eos-huge",
+        "eos-past-vocab",
+        "bos-past-vocab",
+        "nextn-5",
+        "heads",
+        "v-head-dim",
+        "first-dense-99",
+        "first-dense-0",
+        "moe-freq-2",
+        "layers-1",
+        "nextn-0",
+        "kv-lora-rank",
+        "q-lora-rank",
+        "intermediate-size",
+        "moe-intermediate-size",
+        "shared-experts",
+    ],
 )
 def test_config_values_are_named(
     ckpt: Path,
@@ -294,6 +322,26 @@ def test_config_values_are_named(
 def test_config_json_that_is_not_utf8(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (ckpt / "config.json").write_bytes(b'{"model_type": "deepseek_v3", "x": "\xff\xfe"}')
     _refused(ckpt, monkeypatch, "config.json is not UTF-8", "0xff", "offset")
+
+
+DEEP = '{"a": ' * 100_000 + "1" + "}" * 100_000  # past Python's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("file", "content", "words"),
+    [
+        ("config.json", DEEP, ("config.json is not valid JSON", "recursion")),
+        (INDEX, DEEP, (INDEX, "not a valid safetensors index", "recursion")),
+        ("drafter_config.json", "\xff", ("drafter_config.json cannot be read as JSON", "utf-8")),
+        ("tokenizer_config.json", DEEP, ("tokenizer_config.json is not valid JSON", "recursion")),
+    ],
+    ids=["config-deep", "index-deep", "drafter-config-not-utf8", "tokenizer-config-deep"],
+)
+def test_checkpoint_json_files_are_named(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, file: str, content: str, words: tuple[str, ...]
+) -> None:
+    (ckpt / file).write_bytes(content.encode("latin-1"))
+    _refused(ckpt, monkeypatch, *words)
 
 
 # --------------------------------------------------------------------------- chat templates
@@ -330,6 +378,39 @@ def test_chat_template_sandbox_refusal_is_named(
     assert "prompt is empty" not in str(info.value)
     for word in words:
         assert word in str(info.value)
+    served(llm, baseline)
+
+
+def test_chat_template_that_swells_is_stopped(
+    llm: LLM, baseline: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A string doubled in a loop: 40 steps would need a TiB; the memory budget (here 32 MiB)
+    stops it after a few, and the peak RSS stays within about twice the budget."""
+    monkeypatch.setattr(tokenizer, "TEMPLATE_MAX_BYTES", 32 * 2**20)
+    swell = "{% set s = namespace(v='x') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
+    before = peak_rss_bytes()
+    # the budget counts from the peak: what the process holds now may be below it
+    headroom = before - int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    with pytest.raises(ValueError, match=r"ran past its budget \(more than 32 MiB of host memory"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template=swell + "{{ s.v }}", use_tqdm=False)
+    assert peak_rss_bytes() - before < 3 * (headroom + 32 * 2**20)
+    monkeypatch.undo()
+    served(llm, baseline)
+
+
+def test_chat_template_output_past_host_memory(
+    llm: LLM, baseline: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizers library aborts the process when an allocation fails: a rendered prompt
+    too long to encode in the memory available is refused first, naming the template (here
+    with 64 MiB available; `'x' * 10**9` meets the same check on any host)."""
+    monkeypatch.setattr(tokenizer, "host_memory_info", lambda: (64 * 2**20, 64 * 2**20))
+    big = "{{ 'x' * 300000 }}"
+    with pytest.raises(ValueError, match=r"template \(the chat_template argument\) rendered a prompt too"):
+        llm.chat([{"role": "user", "content": "Hi"}], chat_template=big, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 0.*300000 characters: encoding it needs about 0.0715 GiB"):
+        llm.generate("x" * 300000, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
     served(llm, baseline)
 
 
@@ -490,6 +571,12 @@ def test_truncate_minus_one_leaves_room(llm: LLM, baseline: list[int]) -> None:
         ),
         ({"type": "integer", "minimum": 5, "maximum": 1}, ("'minimum' (5) exceeds 'maximum' (1)",)),
         (False, ("`false`",)),
+        ({"type": "array", "uniqueItems": True}, ("'uniqueItems'",)),
+        ({"type": "array", "contains": {"const": 5}}, ("'contains'",)),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ("'dependentRequired'",)),
+        ({"type": "object", "dependencies": {"a": ["b"]}}, ("'dependencies'",)),
+        ({"type": "number", "multipleOf": 0.5}, ("'multipleOf' 0.5",)),
+        ({"type": "object", "required": ["a"]}, ("'required' property 'a'", "not in 'properties'")),
     ],
     ids=[
         "not",
@@ -503,6 +590,12 @@ def test_truncate_minus_one_leaves_room(llm: LLM, baseline: list[int]) -> None:
         "ref-sibling",
         "min-max",
         "false",
+        "uniqueItems",
+        "contains",
+        "dependentRequired",
+        "dependencies",
+        "multipleOf-number",
+        "required-unlisted",
     ],
 )
 def test_schemas_the_grammar_cannot_enforce_are_refused(
@@ -559,6 +652,13 @@ def test_a_violating_output_is_an_error_not_a_success(
     served(llm, baseline)
 
 
+def test_enforced_keywords_still_pass() -> None:
+    """What xgrammar does enforce (probed) is not refused."""
+    check_json_schema({"type": "integer", "multipleOf": 7})
+    check_json_schema({"type": "array", "uniqueItems": False, "items": {"type": "integer"}})
+    check_json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
 def test_validate_output_directly() -> None:
     assert validate_output(StructuredOutputsParams(regex="[a-z]+"), "abc") is None
     assert "does not match the regex" in str(validate_output(StructuredOutputsParams(regex="[a-z]+"), "ab1"))
@@ -571,6 +671,15 @@ def test_validate_output_directly() -> None:
     check_json_schema(
         {"type": "object", "properties": {"a": {"anyOf": [{"type": "integer"}, {"type": "null"}]}}}
     )
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValueError, match="nested too deeply to check"):
+        check_json_schema(deep)
+    nested = "[" * 100_000 + "]" * 100_000
+    assert "nested too deeply" in str(validate_output(StructuredOutputsParams(json_object=True), nested))
+    recursive = StructuredOutputsParams(json={"type": "array", "items": {"$ref": "#"}})
+    assert "nested too deeply to validate" in str(validate_output(recursive, "[" * 900 + "]" * 900))
 
 
 # --------------------------------------------------------------------------- re-entrant calls

@@ -9,8 +9,10 @@ grammar is complete the matcher allows only EOS; once it accepts it, the request
 
 Promises kept or refused: a JSON schema is checked before it is compiled (check_json_schema):
 keywords xgrammar does not enforce (it would silently let violating output through: `not`,
-`allOf`, `if` / `then` / `else`, `oneOf`'s exclusivity, a `pattern` or `format` together with
-length bounds, an unknown `format`, constraints beside a `$ref`) and schemas no value can meet
+`allOf`, `if` / `then` / `else`, `oneOf`'s exclusivity, `uniqueItems`, `contains`, the
+`dependent*` keywords, `multipleOf` but for integers, `required` beyond the listed `properties`,
+a `pattern` or `format` together with length bounds, an unknown `format`, constraints beside a
+`$ref`) and schemas no value can meet
 (`false`, a `const` or `enum` outside the schema's `type`, a `required` property that
 `additionalProperties: false` forbids) are a ValueError naming the keyword and where it is. A
 grammar that admits no first token (a regex that matches nothing) is refused when the request is
@@ -78,6 +80,13 @@ UNENFORCED_KEYWORDS = {
     "then": "xgrammar ignores conditional subschemas",
     "else": "xgrammar ignores conditional subschemas",
     "oneOf": "xgrammar treats it as anyOf (exactly-one is not enforced); use anyOf",
+    "uniqueItems": "xgrammar ignores it",
+    "contains": "xgrammar ignores it",
+    "minContains": "xgrammar ignores it",
+    "maxContains": "xgrammar ignores it",
+    "dependentRequired": "xgrammar ignores it",
+    "dependentSchemas": "xgrammar ignores it",
+    "dependencies": "xgrammar ignores it",
 }
 # `format` values xgrammar generates (others are ignored).
 SUPPORTED_FORMATS = frozenset(
@@ -121,7 +130,7 @@ def _check_schema_node(node: Any, where: str) -> None:
     if not isinstance(node, dict):
         return
     for key, why in UNENFORCED_KEYWORDS.items():
-        if key in node:
+        if key in node and not (key == "uniqueItems" and node[key] is False):
             raise ValueError(
                 f"structured output: JSON-schema keyword {key!r} at {where} is not supported ({why}); "
                 "the output could violate the schema"
@@ -146,7 +155,21 @@ def _check_schema_node(node: Any, where: str) -> None:
             f"structured output: JSON-schema keyword {length!r} with 'pattern' / 'format' at {where} is "
             "not supported (xgrammar drops the length bound); put the length in the pattern"
         )
+    step = node.get("multipleOf")
+    if step is not None and not (node.get("type") == "integer" and isinstance(step, int)):
+        raise ValueError(
+            f"structured output: JSON-schema keyword 'multipleOf' {step!r} at {where} is not supported "
+            "(xgrammar enforces it only for an integer multiple on 'type': 'integer')"
+        )
     _check_satisfiable(node, where)
+    props: dict[str, Any] = node["properties"] if isinstance(node.get("properties"), dict) else {}
+    required: list[Any] = node["required"] if isinstance(node.get("required"), list) else []
+    unlisted = [r for r in required if isinstance(r, str) and r not in props]
+    if unlisted:
+        raise ValueError(
+            f"structured output: JSON-schema 'required' property {unlisted[0]!r} at {where} is not in "
+            "'properties', and xgrammar enforces 'required' only for the properties listed; add it there"
+        )
     for key in _SUBSCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             for name, sub in node[key].items():
@@ -204,7 +227,7 @@ def json_schema(p: StructuredOutputsParams) -> Any:
         return p.json
     try:
         return json.loads(p.json)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise ValueError(
             f"structured output: the json does not compile: it is not valid JSON: {exc}"
         ) from exc
@@ -217,7 +240,10 @@ def check_json_schema(schema: Any) -> None:
         return
     if schema is False:  # (`false` inside a schema forbids a property or an item: satisfiable)
         raise ValueError("structured output: the JSON schema is `false`: no value meets it")
-    _check_schema_node(schema, "#")
+    try:
+        _check_schema_node(schema, "#")
+    except RecursionError:
+        raise ValueError("structured output: the JSON schema is nested too deeply to check") from None
     if isinstance(schema, dict):
         try:
             from jsonschema import validators
@@ -252,12 +278,17 @@ def validate_output(p: StructuredOutputsParams, text: str) -> str | None:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         return f"the output {_clip(text)} is not JSON: {exc}"
+    except RecursionError:
+        return f"the output {_clip(text)} is nested too deeply to parse and validate"
     try:
         from jsonschema import validators
     except ImportError:
         return None
     cls = validators.validator_for(schema) if isinstance(schema, dict) else validators.Draft202012Validator
-    error = next(iter(cls(schema).iter_errors(value)), None)
+    try:
+        error = next(iter(cls(schema).iter_errors(value)), None)
+    except RecursionError:
+        return f"the output {_clip(text)} is nested too deeply to validate"
     if error is None:
         return None
     at = "/".join(str(x) for x in error.absolute_path)

@@ -9,17 +9,22 @@ pipeline without transformers' Python layers), and detokenisation streams throug
 `tokenizers.decoders.DecodeStream`.
 
 Chat templates are untrusted code: transformers renders them in jinja's sandbox, and deepinfer
-adds two bounds. A budget (TEMPLATE_MAX_STEPS lines of template code, TEMPLATE_MAX_SECONDS of
-wall time, counted by a trace function on the template's own frames only) turns a template that
-loops for ever into a ValueError naming the template file; and an attribute the sandbox
-refuses (`__globals__`, `__class__`, ...) is an error naming the sandbox, where jinja would
-render it as an empty string.
+adds bounds. A budget (TEMPLATE_MAX_STEPS lines of template code, TEMPLATE_MAX_SECONDS of wall
+time, TEMPLATE_MAX_BYTES of growth of the peak RSS, counted by a trace function on the
+template's own frames only) turns a template that loops for ever or swells into a ValueError
+naming the template file; an attribute the sandbox refuses (`__globals__`, `__class__`, ...) is
+an error naming the sandbox, where jinja would render it as an empty string; and a rendered
+prompt longer than the tokenizer can encode in the memory available (check_encodable; the
+tokenizers library would abort the process) or a MemoryError while rendering is an error
+naming the template. (One step that allocates more than the host holds, `'x' * 10**11`, is
+beyond a trace function's reach.)
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import resource
 import sys
 import time
 import traceback
@@ -34,6 +39,8 @@ from jinja2.exceptions import SecurityError
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
+from deepinfer.backend.host import host_memory_info
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -43,6 +50,20 @@ ChatMessage = dict[str, Any]
 # a long conversation in a few thousand lines and milliseconds).
 TEMPLATE_MAX_STEPS = 1_000_000
 TEMPLATE_MAX_SECONDS = 10.0
+# ... and host memory: growth of the process's peak RSS while it renders (a template that doubles
+# a string forty times would otherwise take all of it in a few steps), checked every
+# TEMPLATE_MEMORY_EVERY lines (a getrusage call each; measured on the tiny model's template over
+# 2001 messages: 47 ms rendering with the step and time budget, 52 ms with this check too, 69 ms
+# checking at every line).
+TEMPLATE_MAX_BYTES = 256 * 2**20
+TEMPLATE_MEMORY_EVERY = 4
+# Peak host memory the tokenizers library takes to encode one character (its encoding, offsets
+# and words, then the Python list of ids): 120 bytes for "x" * 10**7, 245 for short words,
+# measured; 256 to be safe. Past the memory available it aborts the process (a failed Rust
+# allocation), so longer texts are refused first: encoding may take half the available memory.
+ENCODE_BYTES_PER_CHAR = 256
+# Texts shorter than this (64 MiB to encode) are encoded without reading /proc/meminfo.
+ENCODE_CHECK_CHARS = 2**18
 
 
 def lone_surrogate(text: str) -> str | None:
@@ -54,17 +75,39 @@ def lone_surrogate(text: str) -> str | None:
     return None
 
 
+def check_encodable(text: str) -> None:
+    """ValueError where encoding `text` would need more than half the available host memory."""
+    if len(text) < ENCODE_CHECK_CHARS:
+        return
+    need, available = len(text) * ENCODE_BYTES_PER_CHAR, host_memory_info()[0]
+    if need > available // 2:
+        raise ValueError(
+            f"the text is {len(text)} characters: encoding it needs about {need / 2**30:.3g} GiB of host "
+            f"memory, more than half the {available / 2**30:.3g} GiB available"
+        )
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
 class TemplateBudgetError(Exception):
     """A chat template ran past its step or time budget (raised inside the template's code)."""
 
 
 @contextmanager
 def template_budget(
-    max_steps: int = TEMPLATE_MAX_STEPS, max_seconds: float = TEMPLATE_MAX_SECONDS
+    max_steps: int = TEMPLATE_MAX_STEPS,
+    max_seconds: float = TEMPLATE_MAX_SECONDS,
+    max_bytes: int | None = None,
 ) -> Iterator[None]:
     """Count the lines jinja-compiled template code runs in this thread ("<template>" frames:
-    every other frame is left untraced) and raise TemplateBudgetError past either bound."""
+    every other frame is left untraced) and raise TemplateBudgetError past any bound. Memory is
+    checked every TEMPLATE_MEMORY_EVERY lines: a line can double a string, so the peak may pass
+    the bound by a few doublings. max_bytes None: TEMPLATE_MAX_BYTES."""
+    limit = TEMPLATE_MAX_BYTES if max_bytes is None else max_bytes
     deadline = time.monotonic() + max_seconds
+    peak = _peak_rss() + limit
     steps = 0
 
     def line(frame: FrameType, event: str, arg: Any) -> Any:
@@ -75,6 +118,8 @@ def template_budget(
                 raise TemplateBudgetError(f"more than {max_steps} steps")
             if not steps & 4095 and time.monotonic() > deadline:
                 raise TemplateBudgetError(f"more than {max_seconds:g} s")
+            if not steps % TEMPLATE_MEMORY_EVERY and _peak_rss() > peak:
+                raise TemplateBudgetError(f"more than {limit / 2**20:g} MiB of host memory")
         return line
 
     def call(frame: FrameType, event: str, arg: Any) -> Any:
@@ -110,7 +155,7 @@ def read_json_file(path: Path) -> Any:
     """The JSON content of a checkpoint file, or a ValueError naming the file."""
     try:
         return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # Recursion: nested too deeply
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
 
 
@@ -200,7 +245,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As hf_tokenizer.encode(text, add_special_tokens=...). ValueError naming a lone
-        surrogate (text that is not valid Unicode, so not UTF-8 encodable)."""
+        surrogate (text that is not valid Unicode, so not UTF-8 encodable), or a text too long to
+        encode in the host memory available (check_encodable)."""
+        check_encodable(text)
         try:
             ids: list[int] = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
@@ -273,10 +320,15 @@ class Tokenizer:
         except TemplateBudgetError as exc:
             raise ValueError(
                 f"the chat template ({source}) ran past its budget ({exc}; at most {TEMPLATE_MAX_STEPS} "
-                f"steps and {TEMPLATE_MAX_SECONDS:g} s): it loops too long (nested loops?)"
+                f"steps, {TEMPLATE_MAX_SECONDS:g} s and {TEMPLATE_MAX_BYTES / 2**20:g} MiB): it loops too "
+                "long (nested loops?) or its output grows too large"
             ) from None
         except SecurityError as exc:
             raise ValueError(f"the chat template ({source}) was stopped by the jinja sandbox: {exc}") from exc
+        except MemoryError:
+            raise ValueError(
+                f"the chat template ({source}) ran out of host memory (its output grows too large)"
+            ) from None
         except TemplateSyntaxError as exc:
             raise ValueError(f"the chat template ({source}) does not compile: {exc}") from exc
         except TemplateError as exc:  # raise_exception(...) in the template, or a sandbox refusal
@@ -287,6 +339,10 @@ class Tokenizer:
             # the template's own code: OverflowError, TypeError, ZeroDivisionError, ...
             raise ValueError(f"chat template failed ({source}): {type(exc).__name__}: {exc}") from exc
         assert isinstance(text, str)
+        try:
+            check_encodable(text)
+        except ValueError as exc:
+            raise ValueError(f"the chat template ({source}) rendered a prompt too long: {exc}") from None
         # apply_chat_template(tokenize=True) encodes the text exactly so: no special tokens added
         return text, self.encode(text, add_special_tokens=False)
 

@@ -170,7 +170,7 @@ def run_batch(llm: Any, text: str, model_name: str, use_tqdm: bool = True) -> li
 def _parse(base: Any, llm: Any, raw: str, line: Line, model_name: str) -> None:
     try:
         request = json.loads(raw)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise BadLine(f"not valid JSON: {exc}") from exc
     if not isinstance(request, dict):
         raise BadLine("a request must be a JSON object")

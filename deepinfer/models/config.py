@@ -261,7 +261,7 @@ class ModelConfig:
             ) from exc
         try:
             raw = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deeply
             raise ModelConfigError(f"{p} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ModelConfigError(f"{p} must hold a JSON object")

@@ -60,7 +60,7 @@ class DrafterConfig:
     def from_file(cls, path: Path) -> DrafterConfig:
         try:
             data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             raise ValueError(f"{path} cannot be read as JSON: {exc}") from exc
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object")

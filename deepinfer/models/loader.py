@@ -26,7 +26,8 @@ an absolute path, through "..", or by a symlink out of the model directory (deep
 index whose weight_map is not an object of tensor name -> file name; one tensor name in two
 shards (the copy the index does not point at would be loaded without a word); a safetensors
 header larger than MAX_HEADER_BYTES or than the file; sizes in config.json that disagree with the
-tensors (num_attention_heads, num_nextn_predict_layers, ...), naming the field.
+tensors (num_attention_heads and the head dims, the LoRA ranks, the MLP widths, which layers are
+MoE, num_hidden_layers, num_nextn_predict_layers), naming the field.
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     """The index's weight_map, checked: an object of tensor name -> shard file name."""
     try:
         content = json.loads(index.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # Recursion: nested too deeply
         raise CorruptCheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
@@ -494,6 +495,7 @@ def _preflight(
             f"config.json says num_hidden_layers={c.num_hidden_layers}, but checkpoint {root} has no "
             f"tensor {last!r}"
         )
+    _check_moe_layers(c, reader)
     moe = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
     if moe and ep is None:
         prefix = f"model.layers.{moe[0]}.mlp.experts"
@@ -519,32 +521,100 @@ def _preflight(
         )
 
 
+def _check_moe_layers(c: ModelConfig, reader: CheckpointReader) -> None:
+    """Which layers are MoE (n_routed_experts, first_k_dense_replace, moe_layer_freq) against the
+    routers (`mlp.gate.weight`) the checkpoint holds."""
+    for i in range(c.num_hidden_layers):
+        has_router = reader.has(f"model.layers.{i}.mlp.gate.weight")
+        if c.is_moe_layer(i) != has_router:
+            raise CheckpointError(
+                f"config.json says layer {i} is {'an MoE' if c.is_moe_layer(i) else 'a dense'} layer "
+                f"(n_routed_experts={c.n_routed_experts}, first_k_dense_replace={c.first_k_dense_replace}, "
+                f"moe_layer_freq={c.moe_layer_freq}), but checkpoint {reader.root} "
+                f"{'has no' if c.is_moe_layer(i) else 'has a'} router tensor "
+                f"'model.layers.{i}.mlp.gate.weight'"
+            )
+
+
 def _check_attention_shapes(c: ModelConfig, reader: CheckpointReader) -> None:
-    """num_attention_heads (with the head dims) against layer 0's attention projections."""
-    prefix = "model.layers.0.self_attn"
-    q = f"{prefix}.q_proj.weight" if c.q_lora_rank is None else f"{prefix}.q_b_proj.weight"
+    """The sizes in config.json that shape the first dense and the first MoE layer (heads, head
+    dims, LoRA ranks, MLP widths) against those layers' tensors, naming the fields."""
     heads = c.num_attention_heads
-    checks = [
-        (q, 0, heads * c.qk_head_dim, "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)"),
-        (f"{prefix}.o_proj.weight", 1, heads * c.v_head_dim, "num_attention_heads * v_head_dim"),
-    ]
-    for name, dim, want, fields in checks:
+    attn = "model.layers.0.self_attn"
+    said = f"num_attention_heads={heads}"
+    checks: list[tuple[str, int, int, str, str]] = [  # (tensor, dim, size, config says, fields)
+        (f"{attn}.o_proj.weight", 1, heads * c.v_head_dim, said, "num_attention_heads * v_head_dim"),
+        (
+            f"{attn}.kv_a_proj_with_mqa.weight", 0, c.kv_lora_rank + c.qk_rope_head_dim,
+            f"kv_lora_rank={c.kv_lora_rank}", "kv_lora_rank + qk_rope_head_dim",
+        ),
+        (
+            f"{attn}.kv_b_proj.weight", 0, heads * (c.qk_nope_head_dim + c.v_head_dim), said,
+            "num_attention_heads * (qk_nope_head_dim + v_head_dim)",
+        ),
+    ]  # fmt: skip
+    q_fields = "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim)"
+    if c.q_lora_rank is None:
+        checks.insert(0, (f"{attn}.q_proj.weight", 0, heads * c.qk_head_dim, said, q_fields))
+    else:
+        checks.insert(0, (f"{attn}.q_b_proj.weight", 0, heads * c.qk_head_dim, said, q_fields))
+        checks.append(
+            (f"{attn}.q_a_proj.weight", 0, c.q_lora_rank, f"q_lora_rank={c.q_lora_rank}", "q_lora_rank")
+        )
+    layers = range(c.num_hidden_layers)
+    dense = next((i for i in layers if not c.is_moe_layer(i)), None)
+    if dense is not None:
+        checks.append(
+            (
+                f"model.layers.{dense}.mlp.gate_proj.weight", 0, c.intermediate_size,
+                f"intermediate_size={c.intermediate_size}", "intermediate_size",
+            )
+        )  # fmt: skip
+    moe = next((i for i in layers if c.is_moe_layer(i)), None)
+    if moe is not None and c.n_shared_experts:
+        checks.append(
+            (
+                f"model.layers.{moe}.mlp.shared_experts.gate_proj.weight", 0,
+                c.moe_intermediate_size * c.n_shared_experts,
+                f"moe_intermediate_size={c.moe_intermediate_size}, n_shared_experts={c.n_shared_experts}",
+                "moe_intermediate_size * n_shared_experts",
+            )
+        )  # fmt: skip
+    if moe is not None:
+        checks.append(
+            (
+                f"model.layers.{moe}.mlp.experts.0.gate_proj.weight", 0, c.moe_intermediate_size,
+                f"moe_intermediate_size={c.moe_intermediate_size}", "moe_intermediate_size",
+            )
+        )  # fmt: skip
+    for name, dim, want, says, fields in checks:
         if not reader.has(name):
             continue
         shape = reader.shape_of(name)
         if len(shape) == 2 and shape[dim] != want:
             expected = (want, shape[1]) if dim == 0 else (shape[0], want)
             raise ShapeMismatchError(
-                f"config.json says num_attention_heads={heads} ({fields} = {want}), but tensor "
-                f"{name!r} in {reader.location[name]} has {shape[dim]} {'rows' if dim == 0 else 'columns'}: "
-                f"expected shape {expected}, found {shape}; num_attention_heads or a head dim in "
-                "config.json is wrong"
+                f"config.json says {says} ({fields} = {want}), but tensor {name!r} in "
+                f"{reader.location[name]} has {shape[dim]} {'rows' if dim == 0 else 'columns'}: expected "
+                f"shape {expected}, found {shape}; a size in config.json ({fields}) is wrong"
             )
 
 
 def _check_mtp_layers(c: ModelConfig, reader: CheckpointReader) -> None:
     """num_nextn_predict_layers against the MTP layers the checkpoint holds: none (transformers
     drops them when it saves) or every one the config names."""
+    first = f"model.layers.{c.num_hidden_layers}"
+    if reader.has(f"{first}.input_layernorm.weight") and not reader.has(f"{first}.enorm.weight"):
+        raise CheckpointError(
+            f"config.json says num_hidden_layers={c.num_hidden_layers}, but checkpoint {reader.root} holds "
+            f"decoder layer {first} (it has no {first}.enorm.weight, so it is no MTP layer); "
+            "num_hidden_layers in config.json is wrong"
+        )
+    if c.num_nextn_predict_layers == 0 and reader.has(f"{first}.enorm.weight"):
+        raise CheckpointError(
+            f"config.json says num_nextn_predict_layers=0, but checkpoint {reader.root} holds MTP layer "
+            f"{first}; set num_nextn_predict_layers to the number of MTP layers it holds"
+        )
     found = 0
     while found < c.num_nextn_predict_layers and reader.has(
         f"model.layers.{c.num_hidden_layers + found}.input_layernorm.weight"
