@@ -13,17 +13,19 @@ Confidence. Each draft j of a request comes with a confidence c_j: the chance th
 block drafter: its confidence head, trained for exactly that). A request keeps its drafts up to
 the first whose confidence is below the threshold (min_draft_confidence).
 
-Confidence scheduling (confidence_scheduling=True). A decode step's forward costs about the
-same for any token count up to a knee (it is bound by reading the weights, not by arithmetic);
-beyond it, every verified draft takes compute that plain decoding would have spent on other
-requests. So a step may hold step_token_budget tokens in all: with R requests waiting or
-running (one token each), the drafts get budget = max(0, step_token_budget - R) tokens, given
-to the drafts of highest confidence across the batch (the expected accepted tokens are the sum
-of the verified confidences; confidences fall along a request's drafts, so each request
-verifies a prefix). When budget = 0 the step is a plain decoding step: no drafter, and graphs
-and async scheduling where they are on, so a large batch is never slower than without drafts.
-A request's first step after plain steps has no drafts; the MTP head's cache misses the
-positions plain steps computed, which lowers its acceptance, never the outputs' exactness.
+Confidence scheduling (confidence_scheduling=True) chooses the drafts a step verifies. The
+measured policy (deepinfer.engine.step_times, the default): the step-time curve of every graph,
+measured once, and per step the drafts (by rank of confidence) that maximise expected tokens per
+ms, a plain step where none pays. The budget policy (step_token_budget given): a decode step's
+forward costs about the same for any token count up to a knee; so a step may hold
+step_token_budget tokens in all: with R requests waiting or running (one token each), the drafts
+get budget = max(0, step_token_budget - R) tokens, given to the drafts of highest confidence
+across the batch (confidences fall along a request's drafts, so each request verifies a
+prefix). When no draft is chosen the step is a plain decoding step: no drafter, and graphs and
+async scheduling where they are on. A request's first step after plain steps has no drafts; the
+MTP head's cache misses the positions plain steps computed, which lowers its acceptance, never
+the outputs' exactness. Verification is rejection sampling with the drafter's one-hot q
+(deepinfer.engine.rejection): sampling each row and comparing is exactly that.
 
 Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
 step's accepted tokens; the engine processes every token in flight before scheduling one. A
