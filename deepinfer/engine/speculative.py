@@ -175,7 +175,16 @@ class SpeculativeDecoder:
         without verification graphs, where the budget policy applies instead."""
         if self.step_times is None and self.policy == "measured":
             self.step_times = self.worker.measure_step_times()
-            if self.step_times is None:
+            if self.step_times is not None:
+                curve = self.step_times
+                logger.info(
+                    "confidence scheduling: step times (ms, forward + sampler) by (bucket, width): %s",
+                    ", ".join(
+                        f"{key}: {curve.forward[key]:.3f} + {curve.sampler.get(key, 0.0):.3f}"
+                        for key in sorted(curve.forward)
+                    ),
+                )
+            else:
                 logger.warning(
                     "confidence scheduling: no verification graphs to time (eager steps); the "
                     "fixed step_token_budget rule applies"
