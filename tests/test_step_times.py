@@ -157,3 +157,33 @@ def test_worker_measures_every_graph(plain: list[list[int]]) -> None:
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == plain
     assert llm.llm_engine.speculative is not None and llm.llm_engine.speculative.step_times is not None
+
+
+def test_engine_drafts_only_where_the_curve_pays(
+    plain: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A curve flat at batch 1 and compute-bound above: while several requests run every step is
+    plain; the last one left alone verifies drafts. Outputs equal plain decoding."""
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "confidence_scheduling": True}
+    llm = LLM(str(ROOT / "model/tiny"), speculative_config=spec, **ARGS)
+    engine = llm.llm_engine
+    decoder = engine.speculative
+    assert decoder is not None
+    buckets = sorted({b for b, _ in engine.worker.verify_graphs.forwards})
+    forward = {(b, w): (1.0 + 0.01 * w if b == 1 else float(b * (1 + w))) for b in buckets for w in range(4)}
+    decoder.step_times = StepTimes(forward, {})
+    seen: list[tuple[int, int]] = []  # (requests running, drafts verified) per scheduled step
+    real = engine.scheduler.schedule
+
+    def record():  # type: ignore[no-untyped-def]
+        batch = real()
+        seen.append((len(batch), sum(batch.num_draft_tokens)))
+        return batch
+
+    monkeypatch.setattr(engine.scheduler, "schedule", record)
+    lengths = [4, 6, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [p[:n] for p, n in zip(plain, lengths)]
+    assert all(drafts == 0 for n, drafts in seen if n > 1), seen
+    assert engine.num_draft_tokens > 0  # the last request alone
