@@ -9,8 +9,9 @@ held-out files (train/train_tiny.py's rule) with the model's tokenizer, or rando
 the model has none. Plain decoding (graphs and async scheduling where the backend has them) and
 every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
 block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
-(--threshold, --step-token-budget). A configuration whose drafter the model lacks is listed as
-skipped, with the reason, in the table. Speculative steps of up to 64 requests replay
+(--threshold; --schedule measured: expected tokens per ms on the step times the engine measures
+at start-up, or --schedule budget with --step-token-budget). A configuration whose drafter the
+model lacks is listed as skipped, with the reason, in the table. Speculative steps of up to 64 requests replay
 verification graphs (forward, then draw + acceptance + the drafter's next block: the block
 drafter's pass, or the MTP head over the verified rows and chained k - 1 times), chained so that
 the host reads step N while step N + 1 runs; larger batches step eagerly. graph_steps = the share
@@ -101,8 +102,10 @@ def configurations(
                     spec.update(
                         confidence_scheduling=True,
                         min_draft_confidence=args.threshold,
-                        step_token_budget=args.step_token_budget,
+                        schedule=args.schedule,
                     )
+                    if args.schedule == "budget":
+                        spec["step_token_budget"] = args.step_token_budget
                 runs.append(spec)
     return runs, skipped
 
@@ -412,7 +415,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--mtp-k", type=int, nargs="*", default=None, help="MTP chain lengths (default 1 2 3)")
     ap.add_argument("--block-k", type=int, nargs="*", default=None, help="block drafter k (default 1..5)")
     ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
-    ap.add_argument("--step-token-budget", type=int, default=64, help="step_token_budget when scheduled")
+    ap.add_argument(
+        "--schedule",
+        choices=("measured", "budget"),
+        default="measured",
+        help="confidence scheduling's policy",
+    )
+    ap.add_argument(
+        "--step-token-budget", type=int, default=64, help="step_token_budget with --schedule budget"
+    )
     ap.add_argument(
         "--scheduling", choices=("both", "off", "on"), default="both",
         help="each configuration without and with confidence scheduling (both), or only one of them",
@@ -482,7 +493,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     header = (
         f"Speculative decoding on {device} ({args.model.name}, backend {engine.backend.name}): "
         f"{args.new_tokens} greedy output tokens per request from {args.prompt_len}-token held-out prompts; "
-        f"scheduled = confidence threshold {args.threshold}, step_token_budget {args.step_token_budget}."
+        f"scheduled = confidence threshold {args.threshold}, "
+        + (
+            f"step_token_budget {args.step_token_budget}."
+            if args.schedule == "budget"
+            else "drafts chosen on the measured step times."
+        )
     )
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -519,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "drafter": spec["method"],
                 "k": spec["num_speculative_tokens"],
                 "scheduled": bool(spec.get("confidence_scheduling", False)),
+                "schedule": spec.get("schedule") if spec.get("confidence_scheduling") else None,
                 "batch": b,
                 "plain_tok_s": round(timing.beside_tok_s, 2),
                 "spec_tok_s": round(tok_s, 2),

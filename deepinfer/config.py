@@ -42,8 +42,12 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 MAX_SPECULATIVE_TOKENS = 8
 SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "dspark")
 SPECULATIVE_KEYS = (
-    "method", "num_speculative_tokens", "min_draft_confidence", "confidence_scheduling", "step_token_budget",
+    "method", "num_speculative_tokens", "min_draft_confidence", "confidence_scheduling", "schedule",
+    "step_token_budget",
 )  # fmt: skip
+# confidence scheduling's policies: "measured" (expected tokens per ms on the step times measured
+# at start-up, deepinfer.engine.step_times) or "budget" (a fixed step_token_budget)
+SCHEDULE_POLICIES = ("measured", "budget")
 DEFAULT_STEP_TOKEN_BUDGET = 64  # tokens a decode step may hold with confidence scheduling
 # Tokens per KV block: Ascend's fused paged MLA attention (npu_fused_infer_attention_score)
 # takes blocks of at most 1024 tokens; the CUDA (Triton) and reference kernels take any size, and
@@ -296,7 +300,9 @@ class EngineConfig:
         "k tokens in one pass); drafts are verified in the next step and outputs are those of plain "
         'decoding. "min_draft_confidence": p verifies only the drafts whose confidence (the chance '
         'that they and the drafts before them are accepted) is >= p; "confidence_scheduling": true '
-        'also caps the drafts a step verifies at "step_token_budget" (default 64) minus the tokens the '
+        "chooses per step the drafts that maximise expected tokens per ms on the step times measured at "
+        'start-up ("schedule": "measured", the default), or ("schedule": "budget", the default when '
+        '"step_token_budget" is given) caps them at "step_token_budget" (default 64) minus the tokens the '
         "step computes anyway (docs/speculative.md)",
         _speculative_config,
         type=_json_object,
@@ -437,6 +443,11 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_config: confidence_scheduling must be true or false, got {scheduling!r}"
             )
+        policy = spec.get("schedule", "measured")
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"speculative_config: schedule must be one of {SCHEDULE_POLICIES}, got {policy!r}"
+            )
         budget = spec.get("step_token_budget", DEFAULT_STEP_TOKEN_BUDGET)
         if not _is_int(budget) or budget < 0:
             raise ValueError(f"speculative_config: step_token_budget must be an integer >= 0, got {budget!r}")
@@ -457,11 +468,21 @@ class EngineConfig:
         return "mtp" if method == "deepseek_mtp" else str(method)
 
     @property
-    def step_token_budget(self) -> int | None:
-        """With confidence scheduling, the tokens a decode step may hold, verified drafts included
-        (None: no cap)."""
+    def schedule_policy(self) -> str | None:
+        """Confidence scheduling's policy: "measured" (step times), "budget" (step_token_budget),
+        None (no scheduling: every confident draft is verified). "budget" is the default when
+        step_token_budget is given, else "measured"."""
         spec = self.speculative_config or {}
         if not spec.get("confidence_scheduling", False):
+            return None
+        return str(spec.get("schedule", "budget" if "step_token_budget" in spec else "measured"))
+
+    @property
+    def step_token_budget(self) -> int | None:
+        """With the budget policy, the tokens a decode step may hold, verified drafts included
+        (None: no cap)."""
+        spec = self.speculative_config or {}
+        if self.schedule_policy != "budget":
             return None
         return int(spec.get("step_token_budget", DEFAULT_STEP_TOKEN_BUDGET))
 

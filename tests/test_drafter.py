@@ -418,7 +418,7 @@ def test_bench_spec_small_run(ckpt: Path, tmp_path: Path) -> None:
     import bench_spec
 
     args = "--small --backend reference --dtype float32 --batches 1 3 --new-tokens 5 --prompt-len 6"
-    args += " --mtp-k 1 --block-k 2 6 --repeats 1 --min-seconds 0"
+    args += " --mtp-k 1 --block-k 2 6 --repeats 1 --min-seconds 0 --schedule budget"  # no timing decides
     rows = bench_spec.main(["--model", str(ckpt), "--out", str(tmp_path), *args.split()])
     assert [(r["drafter"], r["k"], r["scheduled"], r["batch"]) for r in rows] == [
         (d, k, s, b) for d, k in (("dspark", 2), ("mtp", 1)) for s in (False, True) for b in (1, 3)

@@ -986,6 +986,22 @@ class SmallOps(_Part):
         ref_small.argmax_rows(logits, out)
         return out
 
+    def sampling_probs(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+    ) -> torch.Tensor:
+        """The distribution `sample` draws each row from: logits (B, V) float32 and the per-row
+        parameters as in `sample` -> (B, V) float32 probabilities, softmax of logits / T
+        filtered by top_k, then top_p, then min_p (zero outside); rows with temperature <= 0
+        filtered at T = 1 (`sample` takes their argmax). Speculative rejection sampling reads
+        p(d) from it (deepinfer.engine.rejection). Device only, graph-safe. Default: the
+        reference."""
+        return ref_small.sampling_probs(logits, temperature, top_k, top_p, min_p)
+
     def sample(
         self,
         logits: torch.Tensor,

@@ -13,17 +13,19 @@ Confidence. Each draft j of a request comes with a confidence c_j: the chance th
 block drafter: its confidence head, trained for exactly that). A request keeps its drafts up to
 the first whose confidence is below the threshold (min_draft_confidence).
 
-Confidence scheduling (confidence_scheduling=True). A decode step's forward costs about the
-same for any token count up to a knee (it is bound by reading the weights, not by arithmetic);
-beyond it, every verified draft takes compute that plain decoding would have spent on other
-requests. So a step may hold step_token_budget tokens in all: with R requests waiting or
-running (one token each), the drafts get budget = max(0, step_token_budget - R) tokens, given
-to the drafts of highest confidence across the batch (the expected accepted tokens are the sum
-of the verified confidences; confidences fall along a request's drafts, so each request
-verifies a prefix). When budget = 0 the step is a plain decoding step: no drafter, and graphs
-and async scheduling where they are on, so a large batch is never slower than without drafts.
-A request's first step after plain steps has no drafts; the MTP head's cache misses the
-positions plain steps computed, which lowers its acceptance, never the outputs' exactness.
+Confidence scheduling (confidence_scheduling=True) chooses the drafts a step verifies. The
+measured policy (deepinfer.engine.step_times, the default): the step-time curve of every graph,
+measured once, and per step the drafts (by rank of confidence) that maximise expected tokens per
+ms, a plain step where none pays. The budget policy (step_token_budget given): a decode step's
+forward costs about the same for any token count up to a knee; so a step may hold
+step_token_budget tokens in all: with R requests waiting or running (one token each), the drafts
+get budget = max(0, step_token_budget - R) tokens, given to the drafts of highest confidence
+across the batch (confidences fall along a request's drafts, so each request verifies a
+prefix). When no draft is chosen the step is a plain decoding step: no drafter, and graphs and
+async scheduling where they are on. A request's first step after plain steps has no drafts; the
+MTP head's cache misses the positions plain steps computed, which lowers its acceptance, never
+the outputs' exactness. Verification is rejection sampling with the drafter's one-hot q
+(deepinfer.engine.rejection): sampling each row and comparing is exactly that.
 
 Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
 step's accepted tokens; the engine processes every token in flight before scheduling one. A
@@ -47,17 +49,27 @@ launches every step (deepinfer.engine.llm_engine), the worker runs them on the d
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from deepinfer.config import DEFAULT_STEP_TOKEN_BUDGET
 from deepinfer.engine.graphs import PendingVerify, VerifyResult
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.step_times import StepTimes, best_at_width, choose_drafts, schedule_drafts, step_value
 from deepinfer.engine.worker import ForwardOutput, Worker
+
+logger = logging.getLogger(__name__)
+
+# With the measured policy, a request without drafts yet is estimated to have drafts of these
+# confidences: a running mean of the confidences the drafter gave (optimistic at the start, so
+# that the first decoding step tries drafting; below the threshold counts as 0).
+ESTIMATE_WEIGHT = 0.1  # of a new observation in the running mean
 
 
 def draft_budget(step_token_budget: int | None, num_requests: int) -> int | None:
@@ -65,23 +77,6 @@ def draft_budget(step_token_budget: int | None, num_requests: int) -> int | None
     if step_token_budget is None:
         return None
     return max(0, step_token_budget - num_requests)
-
-
-def schedule_drafts(confidences: list[list[float]], budget: int | None) -> list[int]:
-    """How many of its drafts each request verifies: the `budget` drafts of highest confidence
-    across the batch (every draft when budget is None), taken as a prefix of each request's
-    drafts. confidences[b][j]: draft j of request b, non-increasing in j (ties go to the earlier
-    draft, then to the earlier request)."""
-    if budget is None:
-        return [len(c) for c in confidences]
-    ranked = sorted(
-        ((c, j, b) for b, conf in enumerate(confidences) for j, c in enumerate(conf)),
-        key=lambda t: (-t[0], t[1], t[2]),
-    )
-    counts = [0] * len(confidences)
-    for _, j, b in ranked[:budget]:
-        counts[b] = max(counts[b], j + 1)  # confidences fall along j: the taken ones are a prefix
-    return counts
 
 
 # A chain of verification steps makes each request's blocks cover this many steps ahead when it
@@ -149,6 +144,10 @@ class SpeculativeDecoder:
         # the drafter's cache rows past a step's verified ones (the block drafter keeps no cache)
         self.head_rows = worker.proposer.head_rows
         self.step_token_budget = config.step_token_budget
+        # confidence scheduling: None (off), "budget" (step_token_budget) or "measured" (step_times)
+        self.policy = config.schedule_policy
+        self.step_times: StepTimes | None = None  # measured on first use (tests set a curve)
+        self.estimates = [1.0] * self.k  # the expected confidence of draft j (measured policy)
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
         self.num_steps = 0  # steps that verified or proposed drafts
@@ -162,25 +161,82 @@ class SpeculativeDecoder:
     # ------------------------------------------------------------------ policy
 
     def budget(self) -> int | None:
-        """This step's draft budget: one token per request that may run (waiting ones included,
-        up to max_num_seqs) is taken out of step_token_budget."""
+        """The budget policy's draft budget: one token per request that may run (waiting ones
+        included, up to max_num_seqs) is taken out of step_token_budget."""
+        return draft_budget(self.step_token_budget, self.num_requests())
+
+    def num_requests(self) -> int:
+        """The requests the next step may hold: running or waiting, up to max_num_seqs."""
         sch = self.scheduler
-        requests = min(len(sch.running) + len(sch.waiting), sch.max_num_seqs)
-        return draft_budget(self.step_token_budget, requests)
+        return min(len(sch.running) + len(sch.waiting), sch.max_num_seqs)
+
+    def times(self) -> StepTimes | None:
+        """The measured policy's step-time curve, measured once (Worker.measure_step_times); None
+        without verification graphs, where the budget policy applies instead."""
+        if self.step_times is None and self.policy == "measured":
+            self.step_times = self.worker.measure_step_times()
+            if self.step_times is not None:
+                curve = self.step_times
+                logger.info(
+                    "confidence scheduling: step times (ms, forward + sampler) by (bucket, width): %s",
+                    ", ".join(
+                        f"{key}: {curve.forward[key]:.3f} + {curve.sampler.get(key, 0.0):.3f}"
+                        for key in sorted(curve.forward)
+                    ),
+                )
+            else:
+                logger.warning(
+                    "confidence scheduling: no verification graphs to time (eager steps); the "
+                    "fixed step_token_budget rule applies"
+                )
+                self.policy = "budget"
+                self.step_token_budget = self.step_token_budget or DEFAULT_STEP_TOKEN_BUDGET
+        return self.step_times
+
+    def _measured_confidences(self, estimate: bool) -> list[list[float]]:
+        """Per running request, its drafts' confidences; estimate: for one without drafts, the
+        running estimates (the drafts it would get)."""
+        conf = []
+        for s in self.scheduler.running:
+            if s.draft:
+                conf.append(self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)])
+            elif estimate:
+                conf.append(self.estimates[: self.k])
+        return conf
 
     def wants_step(self) -> bool:
-        """Whether the next step drafts (False: confidence scheduling left no budget for drafts,
-        and the step is a plain decoding step)."""
+        """Whether the next step drafts (False: confidence scheduling found drafting does not
+        pay, and the step is a plain decoding step)."""
+        times = self.times()
+        if self.policy == "measured" and times is not None:
+            conf = self._measured_confidences(estimate=True)
+            return any(choose_drafts(times, conf, max(self.num_requests(), len(conf))))
         budget = self.budget()
         return budget is None or budget > 0
 
     def limit_drafts(self) -> None:
-        """Before scheduling: each running request keeps the drafts the budget gives it."""
-        self.last_budget = budget = self.budget()
+        """Before scheduling: each running request keeps the drafts the policy gives it."""
         seqs = [s for s in self.scheduler.running if s.draft]
         conf = [self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)] for s in seqs]
-        for seq, n in zip(seqs, schedule_drafts(conf, budget)):
+        times = self.times()
+        if self.policy == "measured" and times is not None:
+            counts = choose_drafts(times, conf, max(self.num_requests(), len(conf)))
+            self.last_budget = sum(counts)
+        else:
+            self.last_budget = budget = self.budget()
+            counts = schedule_drafts(conf, budget)
+        for seq, n in zip(seqs, counts):
             del seq.draft[n:]
+
+    def chain_pays(self, num_requests: int) -> bool:
+        """Measured policy: whether steps of the chain's width K (graphs verify every request
+        padded to K drafts) beat plain steps on the curve, by the drafts' estimates."""
+        times = self.step_times
+        if self.policy != "measured" or times is None:
+            return True
+        conf = [self.estimates[: self.k]] * num_requests
+        _, value = best_at_width(times, conf, num_requests, self.k)
+        return value > step_value(times, conf, [0] * num_requests, num_requests)
 
     def drop_drafts(self) -> None:
         """Before a plain step: no request verifies drafts."""
@@ -198,15 +254,20 @@ class SpeculativeDecoder:
         return not chain.stop and room and not self.scheduler.waiting
 
     def _keep_confident(self, seq: Sequence, chain: Iterable[tuple[int, float]]) -> None:
-        """seq's drafts: the chain's tokens up to the first below min_draft_confidence."""
+        """seq's drafts: the chain's tokens up to the first below min_draft_confidence. Their
+        confidences update the measured policy's estimates (a draft cut off counts as 0)."""
+        offered = list(chain)
         conf: list[float] = []
-        for token, c in chain:
+        for token, c in offered:
             if c < self.min_draft_confidence:
                 break
             seq.draft.append(token)
             conf.append(min(c, conf[-1]) if conf else c)
         if conf:
             self.confidence[id(seq)] = conf
+        for j in range(len(offered)):
+            seen = conf[j] if j < len(conf) else 0.0
+            self.estimates[j] += ESTIMATE_WEIGHT * (seen - self.estimates[j])
 
     # ------------------------------------------------------------------ launching
 
@@ -236,7 +297,10 @@ class SpeculativeDecoder:
         self.num_graph_steps += 1
         seqs, greedy = list(batch.seqs), all(s.params.greedy for s in batch.seqs)
         chained = (
-            self.overlap and (bucket, self.k) in self.worker.verify_graphs and not self.scheduler.waiting
+            self.overlap
+            and (bucket, self.k) in self.worker.verify_graphs
+            and not self.scheduler.waiting
+            and self.chain_pays(len(seqs))
         )
         if chained:  # fewer steps where the pool runs short
             limits = self._cover(seqs, [CHAIN_STEPS * (1 + self.k) + self.head_rows] * len(seqs))
@@ -275,6 +339,10 @@ class SpeculativeDecoder:
     def _chain_budget(self, num_requests: int) -> int:
         """The draft budget of a chained step (every draft when unscheduled): the same for every
         step of a chain, as nothing waits and nothing joins."""
+        times = self.step_times
+        if self.policy == "measured" and times is not None:
+            conf = [self.estimates[: self.k]] * num_requests
+            return sum(best_at_width(times, conf, num_requests, self.k)[0])
         budget = self.budget()
         return num_requests * self.k if budget is None else budget
 

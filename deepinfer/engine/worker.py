@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer.backend.ops import Backend
+from deepinfer.backend.ops import Backend, GraphRunner
 from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.config import EngineConfig
 from deepinfer.engine.drafters import (
@@ -80,6 +80,7 @@ from deepinfer.engine.sampler import (
 )
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.step_times import StepTimes
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.exchanges import current_log
@@ -678,6 +679,45 @@ class Worker:
         if batch is not None:
             self.inputs.prepare(batch, bucket, width)
         return self.verify_graphs.launch(bucket, width, greedy, rows)
+
+    @torch.inference_mode()
+    def measure_step_times(self, repeats: int = 5) -> StepTimes | None:
+        """Confidence scheduling's step-time curve (deepinfer.engine.step_times): every captured
+        verification graph (bucket, width >= 1) and decode graph (width 0), its forward and its
+        sampler (the draw; for verification also acceptance and drafting) replayed `repeats`
+        times each, the median ms. Their inputs are those of the capture (padding: no cache row
+        is written): all padding, prepared before each graph's replays as for its capture.
+        None without verification graphs (eager steps only)."""
+        dev = self.backend.device
+        verify, decode = self.verify_graphs, self.decode_graphs
+        if not verify.forwards:
+            return None
+
+        def median_ms(graph: GraphRunner) -> float:
+            times = []
+            for _ in range(repeats):
+                dev.synchronize()
+                start = time.perf_counter()
+                graph.replay()
+                dev.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            return sorted(times)[len(times) // 2]
+
+        forward: dict[tuple[int, int], float] = {}
+        sampler: dict[tuple[int, int], float] = {}
+
+        def measure(bucket: int, width: int | None, graph: GraphRunner, draw: GraphRunner) -> None:
+            self.inputs.prepare(ScheduledBatch(), bucket, width, False)
+            key = (bucket, width or 0)
+            forward[key], sampler[key] = median_ms(graph), median_ms(draw)
+
+        for (b, w), graph in verify.forwards.items():
+            if w > 0 or not decode.forwards:  # width 0: the decode graph where there is one
+                measure(b, w, graph, verify.finishes[(b, w, False)])
+        for b, graph in decode.forwards.items():
+            measure(b, None, graph, decode.draws[(b, False)])
+        dev.synchronize()
+        return StepTimes(forward, sampler)
 
     def verify_read(self, pending: PendingVerify) -> VerifyResult:
         """Wait for a launched verification step's results."""

@@ -363,6 +363,24 @@ def test_sample_matches_reference(backend: Backend, gen: torch.Generator, batch:
     assert torch.equal(out.cpu(), expected), "sampled tokens differ from the reference for the same noise"
 
 
+@pytest.mark.parametrize("batch,vocab", [(0, 50), (1, 7), (20, 50), (10, 1000)])
+def test_sampling_probs_matches_reference(
+    backend: Backend, gen: torch.Generator, batch: int, vocab: int
+) -> None:
+    """The distribution `sample` draws from (speculative rejection sampling reads it): the
+    reference's, zero on filtered tokens, each row summing to 1."""
+    dev = backend.device.device()
+    inputs = sampling_inputs(gen, batch, vocab)
+    out = backend.small.sampling_probs(**{k: v.to(dev) for k, v in inputs.items()}).cpu()
+    expected = ref_small.sampling_probs(**inputs)
+    assert out.dtype == torch.float32 and out.shape == (batch, vocab)
+    torch.testing.assert_close(
+        out, expected, atol=1e-6, rtol=1e-5, msg="sampling_probs differ from the reference"
+    )
+    assert not out[expected == 0].any(), "a filtered-out token has probability"
+    torch.testing.assert_close(out.sum(dim=-1), torch.ones(batch), atol=1e-5, rtol=0)
+
+
 def test_sample_never_picks_filtered_tokens(backend: Backend, gen: torch.Generator) -> None:
     dev = backend.device.device()
     batch, vocab = 10, 40
