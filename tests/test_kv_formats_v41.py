@@ -14,3 +14,18 @@ def test_published_bytes_per_token():
 def test_unknown_format_is_named():
     with pytest.raises(ValueError, match="fp3"):
         bytes_per_entry_v41("main", 512, "fp3")
+
+
+def test_fp8_row_roundtrip_within_e4m3_rounding():
+    import torch
+
+    from deepinfer.backend.kv_formats_v41 import dequantize_fp8_rows_v41, quantize_fp8_rows_v41
+
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    rows = quantize_fp8_rows_v41(x)
+    assert rows.shape == (5, 528) and rows.dtype == torch.uint8
+    back = dequantize_fp8_rows_v41(rows).double()
+    # e4m3 has 3 mantissa bits: round-to-nearest error is at most 2^-4 relative per value,
+    # and subnormal values (below 2^-6 x scale) at most half their spacing 2^-9 x scale.
+    scale = torch.exp2(rows[:, 512:].double() - 127).repeat_interleave(32, dim=-1)
+    assert ((back - x).abs() <= x.abs() * 2**-4 + scale * 2**-10 + 1e-12).all()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
+
 CacheKind = Literal["window", "main", "index"]
 KV_CACHE_DTYPES_V41 = ("auto", "bf16", "fp8", "fp4")
 
@@ -38,3 +40,26 @@ def bytes_per_entry_v41(kind: CacheKind, width: int, kv_cache_dtype: str) -> int
     if width % 32:
         raise ValueError(f"fp4 index keys need a width divisible by 32, got {width}")
     return width // 2 + width // 32
+
+
+def quantize_fp8_rows_v41(x: torch.Tensor) -> torch.Tensor:
+    """[..., W] float -> [..., W + W/32] uint8: W e4m3 bytes, then W/32 UE8M0 scales.
+
+    Each scale is the power of two 2^ceil(log2(amax / 448)) of its 32 values.
+    """
+    w = x.shape[-1]
+    blocks = x.float().reshape(*x.shape[:-1], w // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
+    q = (blocks / torch.exp2(exp)).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = (exp.squeeze(-1) + 127).to(torch.uint8)
+    return torch.cat([q.reshape(*x.shape[:-1], w), scales], dim=-1)
+
+
+def dequantize_fp8_rows_v41(rows: torch.Tensor) -> torch.Tensor:
+    """[..., W + W/32] uint8 -> [..., W] float32 (inverse of quantize_fp8_rows_v41)."""
+    w = rows.shape[-1] * 32 // 33
+    q = rows[..., :w].contiguous().view(torch.float8_e4m3fn).float()
+    exp = rows[..., w:].float() - 127.0
+    blocks = q.reshape(*q.shape[:-1], w // 32, 32) * torch.exp2(exp).unsqueeze(-1)
+    return blocks.reshape(*q.shape[:-1], w)
