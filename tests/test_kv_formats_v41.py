@@ -29,3 +29,20 @@ def test_fp8_row_roundtrip_within_e4m3_rounding():
     # and subnormal values (below 2^-6 x scale) at most half their spacing 2^-9 x scale.
     scale = torch.exp2(rows[:, 512:].double() - 127).repeat_interleave(32, dim=-1)
     assert ((back - x).abs() <= x.abs() * 2**-4 + scale * 2**-10 + 1e-12).all()
+
+
+def test_fp4_row_roundtrip_within_e2m1_rounding():
+    import torch
+
+    from deepinfer.backend.kv_formats_v41 import dequantize_fp4_rows_v41, quantize_fp4_rows_v41
+
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    rows = quantize_fp4_rows_v41(x)
+    assert rows.shape == (5, 288) and rows.dtype == torch.uint8
+    back = dequantize_fp4_rows_v41(rows).double()
+    # e2m1 spacing is at most 2 (between 4 and 6) in units of the scale, so round-to-nearest
+    # errs by at most 1 x scale; the e4m3 scale itself (amax/6, 2^-4 relative) can clip amax
+    # by a further 6 x 2^-4 x scale.
+    s = rows[:, 256:].contiguous().view(torch.float8_e4m3fn).double()
+    s = s.repeat_interleave(16, dim=-1)
+    assert ((back - x).abs() <= s * (1 + 6 * 2**-4) + 1e-12).all()

@@ -63,3 +63,35 @@ def dequantize_fp8_rows_v41(rows: torch.Tensor) -> torch.Tensor:
     exp = rows[..., w:].float() - 127.0
     blocks = q.reshape(*q.shape[:-1], w // 32, 32) * torch.exp2(exp).unsqueeze(-1)
     return blocks.reshape(*q.shape[:-1], w)
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def quantize_fp4_rows_v41(x: torch.Tensor) -> torch.Tensor:
+    """[..., W] float -> [..., W/2 + W/16] uint8: e2m1 pairs (even index in the low
+    nibble), then W/16 e4m3 scales, each amax/6 of its 16 values."""
+    w = x.shape[-1]
+    blocks = x.float().reshape(*x.shape[:-1], w // 16, 16)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = (amax / 6.0).to(torch.float8_e4m3fn)
+    s = scale.float()
+    y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0).clamp(-6.0, 6.0)
+    grid = torch.tensor(_E2M1)
+    code = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1).to(torch.uint8)
+    code = code | ((y < 0).to(torch.uint8) << 3)
+    code = code.reshape(*x.shape[:-1], w // 2, 2)
+    packed = code[..., 0] | (code[..., 1] << 4)
+    scales = scale.squeeze(-1).view(torch.uint8)
+    return torch.cat([packed, scales], dim=-1)
+
+
+def dequantize_fp4_rows_v41(rows: torch.Tensor) -> torch.Tensor:
+    """[..., W/2 + W/16] uint8 -> [..., W] float32 (inverse of quantize_fp4_rows_v41)."""
+    w = rows.shape[-1] * 16 // 9
+    packed = rows[..., : w // 2]
+    code = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*rows.shape[:-1], w)
+    mag = torch.tensor(_E2M1)[(code & 7).long()]
+    val = torch.where(code >= 8, -mag, mag)
+    s = rows[..., w // 2 :].contiguous().view(torch.float8_e4m3fn).float()
+    return (val.reshape(*val.shape[:-1], w // 16, 16) * s.unsqueeze(-1)).reshape(val.shape)
