@@ -46,3 +46,21 @@ def test_fp4_row_roundtrip_within_e2m1_rounding():
     s = rows[:, 256:].contiguous().view(torch.float8_e4m3fn).double()
     s = s.repeat_interleave(16, dim=-1)
     assert ((back - x).abs() <= s * (1 + 6 * 2**-4) + 1e-12).all()
+
+
+def test_fp4_index_key_roundtrip_within_e2m1_rounding():
+    import torch
+
+    from deepinfer.backend.kv_formats_v41 import (
+        dequantize_fp4_index_keys_v41,
+        quantize_fp4_index_keys_v41,
+    )
+
+    k = torch.randn(7, 128, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    rows = quantize_fp4_index_keys_v41(k)
+    assert rows.shape == (7, 68) and rows.dtype == torch.uint8
+    back = dequantize_fp4_index_keys_v41(rows).double()
+    # the power-of-two scale keeps amax/scale <= 6, so no clipping: the error is at most
+    # half the widest e2m1 spacing (2) in units of the scale.
+    s = torch.exp2(rows[:, 64:].double() - 127).repeat_interleave(32, dim=-1)
+    assert ((back - k).abs() <= s + 1e-12).all()

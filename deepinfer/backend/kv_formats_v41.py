@@ -95,3 +95,29 @@ def dequantize_fp4_rows_v41(rows: torch.Tensor) -> torch.Tensor:
     val = torch.where(code >= 8, -mag, mag)
     s = rows[..., w // 2 :].contiguous().view(torch.float8_e4m3fn).float()
     return (val.reshape(*val.shape[:-1], w // 16, 16) * s.unsqueeze(-1)).reshape(val.shape)
+
+
+def quantize_fp4_index_keys_v41(k: torch.Tensor) -> torch.Tensor:
+    """[..., D] float -> [..., D/2 + D/32] uint8: e2m1 pairs (even index in the low
+    nibble), then D/32 UE8M0 scales, each 2^ceil(log2(amax / 6)) of its 32 values."""
+    d = k.shape[-1]
+    blocks = k.float().reshape(*k.shape[:-1], d // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    y = (blocks / torch.exp2(exp)).clamp(-6.0, 6.0)
+    grid = torch.tensor(_E2M1)
+    code = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1).to(torch.uint8)
+    code = (code | ((y < 0).to(torch.uint8) << 3)).reshape(*k.shape[:-1], d // 2, 2)
+    packed = code[..., 0] | (code[..., 1] << 4)
+    return torch.cat([packed, (exp.squeeze(-1) + 127).to(torch.uint8)], dim=-1)
+
+
+def dequantize_fp4_index_keys_v41(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D/2 + D/32] uint8 -> [..., D] float32 (inverse of quantize_fp4_index_keys_v41)."""
+    d = rows.shape[-1] * 32 // 17
+    packed = rows[..., : d // 2]
+    code = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*rows.shape[:-1], d)
+    mag = torch.tensor(_E2M1)[(code & 7).long()]
+    val = torch.where(code >= 8, -mag, mag)
+    s = torch.exp2(rows[..., d // 2 :].float() - 127.0)
+    return (val.reshape(*val.shape[:-1], d // 32, 32) * s.unsqueeze(-1)).reshape(val.shape)
