@@ -91,12 +91,22 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.nn.functional.pad(weight.float(), (0, pad)).reshape(*lead, n, -1, FP4_BLOCK)
     amax = w.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-126 * E2M1_MAX)
     scale = pow2_ceil(amax / E2M1_MAX)  # (..., N, Kb, 1)
-    a = (w / scale).abs().flatten(-2)[..., :k].contiguous()
-    mids = torch.tensor(_MIDPOINTS, device=w.device)  # on w's device: quantising on a GPU
+    packed = pack_e2m1(e2m1_codes((w / scale).flatten(-2)[..., :k]))
+    return packed, float_to_e8m0(scale[..., 0])
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Values already divided by their scale (|y| <= 6) -> 4-bit codes (int64): the nearest
+    e2m1 magnitude, ties to the even code, sign in bit 3 (never on zero)."""
+    a = y.abs().contiguous()
+    mids = torch.tensor(_MIDPOINTS, device=y.device)  # on y's device: quantising on a GPU
     code = torch.bucketize(a, mids, right=True)  # ties round up here ...
     on_tie = (a[..., None] == mids).any(-1)
-    down = on_tie & ~torch.tensor(_TIE_UP, device=w.device)[(code - 1).clamp(min=0)]
+    down = on_tie & ~torch.tensor(_TIE_UP, device=y.device)[(code - 1).clamp(min=0)]
     code = code - down.long()  # ... and down again where the even code is below
-    code = code | ((w.flatten(-2)[..., :k] < 0) & (code > 0)).long() << 3
-    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-    return packed, float_to_e8m0(scale[..., 0])
+    return code | ((y < 0) & (code > 0)).long() << 3
+
+
+def pack_e2m1(code: torch.Tensor) -> torch.Tensor:
+    """(..., K) 4-bit codes (K even) -> (..., K/2) uint8, element 2j in the low nibble of byte j."""
+    return (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)

@@ -1,11 +1,14 @@
-"""V4.1 KV-cache row formats: the real bytes each cached entry occupies.
+"""V4.1 KV-cache row formats (reference deepseek-v4.1.md, section 1.13): the bytes each cached
+entry occupies, and the reference packing of each row.
 
-All V4.1 entries are 512 wide, RoPE dims quantised too (no bf16 part):
-- "fp8" window ring row: 512 e4m3 + 16 UE8M0 scales (one per 32) = 528 B;
-- "fp4" main compressed KV row: 256 B e2m1 (two per byte, even index in the
-  low nibble) + 32 e4m3 scales (one per 16) = 288 B;
-- "fp4" index key (128 wide): 64 B e2m1 + 4 UE8M0 scales (one per 32) = 68 B.
-"bf16" keeps every kind at 2 bytes per value.
+Every V4.1 entry is quantised whole, RoPE dims included (no bf16 part):
+- "fp8" row (window rings; the main KV when FP4 is off): W e4m3 + W/32 UE8M0 scales
+  (one per 32 values) -> 528 B for W = 512;
+- "fp4" main compressed KV row: W/2 B e2m1 (two per byte, even index in the low nibble)
+  + W/16 e4m3 scales (one per 16 values) -> 288 B for W = 512;
+- "fp4" index key: D/2 B e2m1 + D/32 UE8M0 scales, MXFP4's layout -> 68 B for D = 128.
+"bf16" keeps every kind at 2 bytes per value. The e2m1 and UE8M0 codings are
+deepinfer.backend.fp4's.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from typing import Literal
 
 import torch
 
+from deepinfer.backend import fp4
+
 CacheKind = Literal["window", "main", "index"]
 KV_CACHE_DTYPES_V41 = ("auto", "bf16", "fp8", "fp4")
+E4M3_MAX = 448.0
 
 
 def bytes_per_entry_v41(kind: CacheKind, width: int, kv_cache_dtype: str) -> int:
@@ -43,81 +49,51 @@ def bytes_per_entry_v41(kind: CacheKind, width: int, kv_cache_dtype: str) -> int
 
 
 def quantize_fp8_rows_v41(x: torch.Tensor) -> torch.Tensor:
-    """[..., W] float -> [..., W + W/32] uint8: W e4m3 bytes, then W/32 UE8M0 scales.
-
-    Each scale is the power of two 2^ceil(log2(amax / 448)) of its 32 values.
-    """
+    """[..., W] float -> [..., W + W/32] uint8: W e4m3 bytes, then W/32 UE8M0 scales, each the
+    smallest power of two that maps its 32 values' amax within e4m3's 448 (nothing clips)."""
     w = x.shape[-1]
     blocks = x.float().reshape(*x.shape[:-1], w // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    exp = torch.ceil(torch.log2(amax / 448.0)).clamp(-127, 127)
-    q = (blocks / torch.exp2(exp)).to(torch.float8_e4m3fn).view(torch.uint8)
-    scales = (exp.squeeze(-1) + 127).to(torch.uint8)
-    return torch.cat([q.reshape(*x.shape[:-1], w), scales], dim=-1)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0**-126 * E4M3_MAX)
+    scale = fp4.pow2_ceil(amax / E4M3_MAX)
+    q = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([q.reshape(*x.shape[:-1], w), fp4.float_to_e8m0(scale[..., 0])], dim=-1)
 
 
 def dequantize_fp8_rows_v41(rows: torch.Tensor) -> torch.Tensor:
     """[..., W + W/32] uint8 -> [..., W] float32 (inverse of quantize_fp8_rows_v41)."""
     w = rows.shape[-1] * 32 // 33
     q = rows[..., :w].contiguous().view(torch.float8_e4m3fn).float()
-    exp = rows[..., w:].float() - 127.0
-    blocks = q.reshape(*q.shape[:-1], w // 32, 32) * torch.exp2(exp).unsqueeze(-1)
-    return blocks.reshape(*q.shape[:-1], w)
-
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+    scale = fp4.e8m0_to_float(rows[..., w:].contiguous())
+    return (q.reshape(*q.shape[:-1], w // 32, 32) * scale[..., None]).reshape(q.shape)
 
 
 def quantize_fp4_rows_v41(x: torch.Tensor) -> torch.Tensor:
-    """[..., W] float -> [..., W/2 + W/16] uint8: e2m1 pairs (even index in the low
-    nibble), then W/16 e4m3 scales, each amax/6 of its 16 values."""
+    """[..., W] float -> [..., W/2 + W/16] uint8: e2m1 pairs, then W/16 e4m3 scales, each
+    amax/6 of its 16 values rounded to e4m3 (a rounded-down scale clips at +-6)."""
     w = x.shape[-1]
     blocks = x.float().reshape(*x.shape[:-1], w // 16, 16)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    scale = (amax / 6.0).to(torch.float8_e4m3fn)
+    scale = (blocks.abs().amax(-1, keepdim=True) / fp4.E2M1_MAX).to(torch.float8_e4m3fn)
     s = scale.float()
-    y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0).clamp(-6.0, 6.0)
-    grid = torch.tensor(_E2M1)
-    code = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1).to(torch.uint8)
-    code = code | ((y < 0).to(torch.uint8) << 3)
-    code = code.reshape(*x.shape[:-1], w // 2, 2)
-    packed = code[..., 0] | (code[..., 1] << 4)
-    scales = scale.squeeze(-1).view(torch.uint8)
-    return torch.cat([packed, scales], dim=-1)
+    y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0).clamp(-fp4.E2M1_MAX, fp4.E2M1_MAX)
+    packed = fp4.pack_e2m1(fp4.e2m1_codes(y.reshape(x.shape)))
+    return torch.cat([packed, scale[..., 0].view(torch.uint8)], dim=-1)
 
 
 def dequantize_fp4_rows_v41(rows: torch.Tensor) -> torch.Tensor:
     """[..., W/2 + W/16] uint8 -> [..., W] float32 (inverse of quantize_fp4_rows_v41)."""
     w = rows.shape[-1] * 16 // 9
-    packed = rows[..., : w // 2]
-    code = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*rows.shape[:-1], w)
-    mag = torch.tensor(_E2M1)[(code & 7).long()]
-    val = torch.where(code >= 8, -mag, mag)
+    val = fp4.unpack_e2m1(rows[..., : w // 2])
     s = rows[..., w // 2 :].contiguous().view(torch.float8_e4m3fn).float()
-    return (val.reshape(*val.shape[:-1], w // 16, 16) * s.unsqueeze(-1)).reshape(val.shape)
+    return (val.reshape(*val.shape[:-1], w // 16, 16) * s[..., None]).reshape(val.shape)
 
 
 def quantize_fp4_index_keys_v41(k: torch.Tensor) -> torch.Tensor:
-    """[..., D] float -> [..., D/2 + D/32] uint8: e2m1 pairs (even index in the low
-    nibble), then D/32 UE8M0 scales, each 2^ceil(log2(amax / 6)) of its 32 values."""
-    d = k.shape[-1]
-    blocks = k.float().reshape(*k.shape[:-1], d // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
-    y = (blocks / torch.exp2(exp)).clamp(-6.0, 6.0)
-    grid = torch.tensor(_E2M1)
-    code = (y.abs().unsqueeze(-1) - grid).abs().argmin(-1).to(torch.uint8)
-    code = (code | ((y < 0).to(torch.uint8) << 3)).reshape(*k.shape[:-1], d // 2, 2)
-    packed = code[..., 0] | (code[..., 1] << 4)
-    return torch.cat([packed, (exp.squeeze(-1) + 127).to(torch.uint8)], dim=-1)
+    """[..., D] float -> [..., D/2 + D/32] uint8: MXFP4 (e2m1 pairs, one UE8M0 scale per 32)."""
+    packed, scales = fp4.quantize_weight(k.reshape(-1, k.shape[-1]))
+    return torch.cat([packed, scales], dim=-1).reshape(*k.shape[:-1], -1)
 
 
 def dequantize_fp4_index_keys_v41(rows: torch.Tensor) -> torch.Tensor:
     """[..., D/2 + D/32] uint8 -> [..., D] float32 (inverse of quantize_fp4_index_keys_v41)."""
     d = rows.shape[-1] * 32 // 17
-    packed = rows[..., : d // 2]
-    code = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*rows.shape[:-1], d)
-    mag = torch.tensor(_E2M1)[(code & 7).long()]
-    val = torch.where(code >= 8, -mag, mag)
-    s = torch.exp2(rows[..., d // 2 :].float() - 127.0)
-    return (val.reshape(*val.shape[:-1], d // 32, 32) * s.unsqueeze(-1)).reshape(val.shape)
+    return fp4.dequantize_weight(rows[..., : d // 2], rows[..., d // 2 :].contiguous())
