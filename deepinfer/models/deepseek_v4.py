@@ -109,6 +109,7 @@ from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
+from deepinfer.parallel.expert_parallel import ExpertParallel, routed_experts
 
 if TYPE_CHECKING:
     from deepinfer.models.drafter import BlockDrafter
@@ -138,7 +139,7 @@ def rope_tail(
 
 def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
     """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
-    return x.view(*x.shape[:-1], -1, 2).flip(-1).flatten(-2)
+    return x.view(*x.shape[:-1], x.shape[-1] // 2, 2).flip(-1).flatten(-2)
 
 
 def grouped_output(backend: Backend, wo_a: Linear, o_rank: int, per_group: torch.Tensor) -> torch.Tensor:
@@ -650,13 +651,29 @@ class V4MoE(nn.Module):
     router's top-k with its correction bias, or by the fixed tid2eid table in hash layers) plus
     one shared expert, every SwiGLU clamped at swiglu_limit. The router's scores are float32
     products of x and the float32 gate (moe.select_experts), as V2 / V3's; transformers' V4 takes
-    them in the model dtype, which in bfloat16 rounds the logits before routing."""
+    them in the model dtype, which in bfloat16 rounds the logits before routing.
 
-    def __init__(self, backend: Backend, config: ModelConfig, swiglu_limit: float, hashed: bool) -> None:
+    With expert parallelism (deepinfer.parallel.expert_parallel) the layer holds only its rank's
+    routed experts (self.local); the router, the hash table and the shared expert stay on every
+    rank, and every rank runs forward (possibly with no tokens) the same number of times."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        config: ModelConfig,
+        swiglu_limit: float,
+        hashed: bool,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         c = config
         self.backend, self.hashed, self.limit = backend, hashed, swiglu_limit
         self.num_experts, self.hidden, self.inter = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.ep = ep
+        # rank r holds the routed experts [bounds[r], bounds[r + 1]) (all of them without EP)
+        self.bounds = ep.expert_bounds(self.num_experts) if ep is not None else [0, self.num_experts]
+        rank = ep.rank if ep is not None else 0
+        self.local = range(self.bounds[rank], self.bounds[rank + 1])
         self.router = RouterConfig(
             scoring=c.scoring_func,  # type: ignore[arg-type]
             top_k=c.num_experts_per_tok,
@@ -669,27 +686,44 @@ class V4MoE(nn.Module):
             self.register_buffer(name, torch.empty(0, device="meta"))
         self.register_buffer("w13_scale", None)
         self.register_buffer("w2_scale", None)
-        # w13 (E, 2I, Dm) = [gate; up], w2 (E, Dm, I) in the model dtype, no scales; or
+        # E' = this rank's routed experts (E without expert parallelism)
+        # w13 (E', 2I, Dm) = [gate; up], w2 (E', Dm, I) in the model dtype, no scales; or
         #   FP8: e4m3, each half of w13 padded to whole 128-row blocks (layers.fuse_gate_up), block
         #   scales (E, 2I'/128, Dm/128), (E, Dm/128, I'/128) float32;
         #   MXFP4: packed uint8 (E, 2I, Dm/2), (E, Dm, I/2), UE8M0 bytes (E, 2I, Dm/32), (E, Dm, I/32).
         # gate_weight (E, Dm) float32 (routing is computed in float32), bias (E,) float32,
         # tid2eid (V, K) int64
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x (T, Dm), input_ids (T,) -> (T, Dm)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
+        """x (T, Dm), input_ids (T,) -> (T, Dm). fixed_exchange (expert parallelism): every rank
+        runs this layer with the same T (a graph step: ForwardBatch.fixed_exchange)."""
         moe, small = self.backend.moe, self.backend.small
         if self.hashed:
             hash_ids = self.tid2eid[input_ids]
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, hash_ids=hash_ids)
         else:
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, correction_bias=self.bias)
-        routed = moe.fused_moe(
+        if self.ep is None:
+            routed = self._local_moe(x, weights, ids)
+            shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
+            out: torch.Tensor = routed + shared
+            return out
+        parts: list[torch.Tensor] = []
+
+        def shared_expert() -> None:  # overlaps the last combine with two micro-batches
+            parts.append(self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit)))
+
+        routed = routed_experts(
+            self.backend.collectives, self.ep, self.bounds, x, weights, ids, fixed_exchange,
+            self._local_moe, shared_expert,
+        )  # fmt: skip
+        return routed + parts[0]
+
+    def _local_moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's routed experts: x (R, Dm), weights / ids (R, K') of its own experts -> (R, Dm)."""
+        return self.backend.moe.fused_moe(
             x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale, swiglu_limit=self.limit
         )
-        shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
-        out: torch.Tensor = routed + shared
-        return out
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
         dm, i, e = self.hidden, self.inter, self.num_experts
@@ -712,12 +746,18 @@ class V4MoE(nn.Module):
         self.shared_gate_up.block = self.shared_down.block = reader.fp8_block
 
     def _load_experts(self, reader: WeightSource, ex: str, dtype: torch.dtype) -> None:
-        """Every routed expert's w1 (gate), w3 (up), w2 (down), in one format for all of them."""
+        """Every routed expert's w1 (gate), w3 (up), w2 (down), in one format for all of them
+        (with expert parallelism: this rank's; the others' tensors are marked as known)."""
         dm, i = self.hidden, self.inter
         shapes = {"w1": (i, dm), "w3": (i, dm), "w2": (dm, i)}
+        for k in [*range(self.local.start), *range(self.local.stop, self.num_experts)]:
+            for n in shapes:
+                for suffix in ("weight", "scale", "weight_scale_inv"):
+                    if reader.has(f"{ex}.{k}.{n}.{suffix}"):
+                        reader.skip(f"{ex}.{k}.{n}.{suffix}")
         experts = [
             {n: reader.linear(f"{ex}.{k}.{n}", shape, dtype, fp4=True) for n, shape in shapes.items()}
-            for k in range(self.num_experts)
+            for k in self.local
         ]
 
         def fmt(w: torch.Tensor, s: torch.Tensor | None) -> str:
@@ -783,7 +823,14 @@ class V4Block(nn.Module):
     """streams += mHC(attention(norm(collapse(streams)))); then the same around the MoE.
     ratio: its compression ratio (0: sliding window only); hashed: its MoE routes by tid2eid."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, ratio: int, hashed: bool) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: ModelConfig,
+        ratio: int,
+        hashed: bool,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         v4 = config.v4
         assert v4 is not None
@@ -792,7 +839,7 @@ class V4Block(nn.Module):
         self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.attn = V4Attention(backend, config, v4, self.ratio)
         self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
-        self.ffn = V4MoE(backend, config, v4.swiglu_limit, hashed)
+        self.ffn = V4MoE(backend, config, v4.swiglu_limit, hashed, ep)
         hc = (v4.hc_mult, v4.hc_eps, v4.hc_sinkhorn_iters)
         self.hc_attn = HyperConnection(backend, config, *hc)
         self.hc_ffn = HyperConnection(backend, config, *hc)
@@ -811,7 +858,7 @@ class V4Block(nn.Module):
         a = self.attn(self.attn_norm(x), batch, caches, entries, table)
         streams = small.hc_post(a, streams, post, comb)
         x, post, comb = self.hc_ffn.pre(streams)
-        f = self.ffn(self.ffn_norm(x), batch.input_ids)
+        f = self.ffn(self.ffn_norm(x), batch.input_ids, batch.fixed_exchange)
         return small.hc_post(f, streams, post, comb)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
@@ -866,14 +913,22 @@ class V4MTPLayer(nn.Module):
       -> its own StreamHead (collapse, norm) over the shared output matrix: logits of token i+2.
     The embedding and the output matrix are the main model's."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, v4: V4Config, ratio: int, hashed: bool) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        config: ModelConfig,
+        v4: V4Config,
+        ratio: int,
+        hashed: bool,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         dm, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(backend, dm, eps)
         self.hnorm = RMSNorm(backend, dm, eps)
         self.e_proj = Linear(backend, dm, dm)
         self.h_proj = Linear(backend, dm, dm)
-        self.block = V4Block(backend, config, ratio, hashed)
+        self.block = V4Block(backend, config, ratio, hashed, ep)
         self.head = StreamHead(backend, config, v4)
 
     def forward(
@@ -906,6 +961,17 @@ class V4MTPLayer(nn.Module):
                 reader.skip(f"{prefix}.{copy}")
 
 
+def join_exchanges(layers: nn.ModuleList, embed: torch.Tensor, hidden_shape: tuple[int, ...]) -> torch.Tensor:
+    """A forward over no tokens (an expert-parallel rank without requests): every layer's MoE
+    exchange with no rows of this rank, which the other ranks' forwards wait for; attention has
+    nothing to compute. -> the empty hidden states (0, *hidden_shape)."""
+    x = embed.new_empty((0, embed.shape[1]))
+    ids = torch.empty((0,), dtype=torch.int64, device=embed.device)
+    for block in layers:
+        cast(V4MoE, block.ffn)(x, ids)
+    return embed.new_empty((0, *hidden_shape))
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """The DeepSeek-V4 decoder over its paged caches (LayerCaches per layer, flattened into the
     engine's cache list: num_kv_layers caches, kv_cache_groups' caches in order, D-wide rows but
@@ -925,15 +991,24 @@ class DeepseekV4ForCausalLM(nn.Module):
     supports_prefix_caching = True  # entries shared or copied, the ring's lookback restored (docstring)
     token_history = 0  # reads no earlier tokens than its KV cache holds
 
-    def __init__(self, config: ModelConfig, backend: Backend, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        expert_parallel: ExpertParallel | None = None,
+    ) -> None:
+        """expert_parallel: this rank's share of the routed experts (every layer's and the MTP
+        layers'); attention, its window ring and compressed caches are the rank's own requests'."""
         super().__init__()
         v4 = config.v4
         if v4 is None:
             raise ValueError(f"DeepseekV4ForCausalLM needs a deepseek_v4 config, got {config.model_type!r}")
         self.config, self.v4, self.backend, self.dtype = config, v4, backend, dtype
+        self.expert_parallel = expert_parallel
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
         self.layers = nn.ModuleList(
-            V4Block(backend, config, ratio, hashed)
+            V4Block(backend, config, ratio, hashed, expert_parallel)
             for ratio, hashed in zip(v4.compress_ratios, v4.hash_layers)
         )
         self.head = StreamHead(backend, config, v4)
@@ -1033,6 +1108,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self._check_length(batch)
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        if batch.num_tokens == 0:  # an expert-parallel rank with no requests: the exchanges only
+            return join_exchanges(self.layers, self.embed_tokens, self.hidden_shape)
         tables, entries = self._entries(batch, v4.compress_ratios, kv_caches[0].spec.block_size)
         caches = self._layer_caches(kv_caches, self._slices, v4.compress_ratios, tables)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
@@ -1117,7 +1194,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                     f"{found[0]}: an MTP layer of compression ratio {ratio}, which no layer of the "
                     f"model has ({sorted(set(v4.compress_ratios))}), is not supported"
                 )
-            mtp = V4MTPLayer(self.backend, c, v4, ratio, v4.mtp_hash_layers[k])
+            mtp = V4MTPLayer(self.backend, c, v4, ratio, v4.mtp_hash_layers[k], self.expert_parallel)
             mtp.load(reader, found[0], dtype, c.vocab_size)
             self.mtp.append(mtp)
         # the tensors of MTP layers not loaded (past num_nextn_predict_layers) are left unused

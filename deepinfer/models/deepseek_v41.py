@@ -75,6 +75,7 @@ from deepinfer.models.deepseek_v4 import (
     SharedKVAttention,
     V4MoE,
     WideCache,
+    join_exchanges,
     load_f32,
     rope_tail,
 )
@@ -83,6 +84,7 @@ from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.layers import Linear, RMSNorm
 from deepinfer.models.rope import cos_sin_cache
 from deepinfer.models.weights import WeightSource
+from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
     from deepinfer.models.drafter import BlockDrafter
@@ -365,7 +367,13 @@ class V41Block(nn.Module):
     Shifted: the pre mix each sublayer applies is the previous sublayer's (passed in, passed on)."""
 
     def __init__(
-        self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int, engram: Engram | None = None
+        self,
+        backend: Backend,
+        config: ModelConfig,
+        v41: V41Config,
+        layer: int,
+        engram: Engram | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.backend, self.shifted, self.ratio = backend, v41.hc_shifted, v41.compress_ratios[layer]
@@ -373,7 +381,7 @@ class V41Block(nn.Module):
         self.attn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         self.attn = V41Attention(backend, config, v41, layer)
         self.ffn_norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
-        self.ffn = V4MoE(backend, config, v41.swiglu_limit, hashed=False)
+        self.ffn = V4MoE(backend, config, v41.swiglu_limit, hashed=False, ep=ep)
         hc = (v41.hc_mult, v41.hc_eps, v41.hc_sinkhorn_iters)
         self.hc_attn = HyperConnection(backend, config, *hc)
         self.hc_ffn = HyperConnection(backend, config, *hc)
@@ -408,7 +416,7 @@ class V41Block(nn.Module):
         a = self.attn(self.attn_norm(x), batch, caches, entries, table, step)
         streams = small.hc_post(a, streams, post, comb)
         x, post, comb, pre = self._pre(self.hc_ffn, streams, pre)
-        f = self.ffn(self.ffn_norm(x), batch.input_ids)
+        f = self.ffn(self.ffn_norm(x), batch.input_ids, batch.fixed_exchange)
         return small.hc_post(f, streams, post, comb), pre
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
@@ -439,9 +447,15 @@ class DeepseekV41ForCausalLM(nn.Module):
     token_history = 0  # Engram models: max_ngram_size - 1 (set in __init__)
 
     def __init__(
-        self, config: ModelConfig, backend: Backend, dtype: torch.dtype, root: Path | None = None
+        self,
+        config: ModelConfig,
+        backend: Backend,
+        dtype: torch.dtype,
+        root: Path | None = None,
+        expert_parallel: ExpertParallel | None = None,
     ) -> None:
-        """root: the checkpoint directory (Engram's compressed vocabulary reads its tokenizer.json)."""
+        """root: the checkpoint directory (Engram's compressed vocabulary reads its tokenizer.json).
+        expert_parallel: this rank's share of the routed experts (V4MoE)."""
         super().__init__()
         v41 = config.v41
         if v41 is None:
@@ -477,7 +491,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             for i in e.layer_ids:
                 engrams[i] = Engram(backend, config, e, i, sizes[i], hash_vocab, v41.hc_mult, host)
             self.token_history = e.max_ngram_size - 1
-        self.layers = nn.ModuleList(V41Block(backend, config, v41, i, engrams.get(i)) for i in range(n))
+        self.layers = nn.ModuleList(
+            V41Block(backend, config, v41, i, engrams.get(i), expert_parallel) for i in range(n)
+        )
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
         for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):  # unshifted only
             self.register_buffer(name, torch.empty(0, device="meta"))
@@ -564,6 +580,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             )
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        if batch.num_tokens == 0:  # an expert-parallel rank with no requests: the exchanges only
+            return join_exchanges(self.layers, self.embed_tokens, self.hidden_shape)
         keys = self._group_keys
         tables = dict(zip(keys, batch.group_block_tables or [batch.attn.block_tables] * len(keys)))
         block_size = kv_caches[0].spec.block_size

@@ -692,13 +692,9 @@ def load_model(
         _preflight(config, reader, backend, expert_parallel)
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
         if config.v41 is not None:
-            if expert_parallel is not None:
-                raise ValueError("expert parallelism is not supported for DeepSeek-V4.1 yet")
-            model = DeepseekV41ForCausalLM(config, backend, dtype, root)
+            model = DeepseekV41ForCausalLM(config, backend, dtype, root, expert_parallel)
         elif config.v4 is not None:
-            if expert_parallel is not None:
-                raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
-            model = DeepseekV4ForCausalLM(config, backend, dtype)
+            model = DeepseekV4ForCausalLM(config, backend, dtype, expert_parallel)
         else:
             model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
         start = time.perf_counter()

@@ -161,6 +161,41 @@ def dispatch_combine(
     return y.to(x.dtype)
 
 
+def routed_experts(
+    collectives: CollectiveOps,
+    ep: ExpertParallel,
+    bounds: Sequence[int],
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fixed: bool,
+    local_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    meanwhile: Callable[[], object] | None = None,
+) -> torch.Tensor:
+    """x (T, Dm), routing weights / global expert ids (T, K) -> sum_k weights * expert_k(x), (T, Dm)
+    over the ranks: fixed_exchange in a graph step (`fixed`: ForwardBatch.fixed_exchange), else
+    dispatch_combine. local_moe(rows (R, Dm), weights (R, K'), local ids (R, K')) -> (R, Dm), the
+    weighted sum of this rank's experts (a fused MoE over the rank's weights). meanwhile() (e.g.
+    the shared experts) runs once: with two micro-batches while the last combine is in flight,
+    else after the exchange."""
+    overlap = not fixed and ep.micro_batches == 2
+    if fixed:
+        y = fixed_exchange(collectives, x, weights, ids, bounds, ep.rank, local_moe)
+    else:
+
+        def pairs(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:  # one row per pair
+            ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+            return local_moe(rows, ones, local_ids.view(-1, 1))
+
+        y = dispatch_combine(
+            collectives, x, weights, ids, bounds, ep.rank, pairs, ep.micro_batches,
+            meanwhile if overlap else None,
+        )  # fmt: skip
+    if meanwhile is not None and not overlap:
+        meanwhile()
+    return y
+
+
 def _fused_exchange(
     fused: Callable[..., torch.Tensor],
     collectives: CollectiveOps,

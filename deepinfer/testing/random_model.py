@@ -239,16 +239,12 @@ def random_model(
     model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
     fp8_linears, fp8_block = stored_in_fp8, FP8_BLOCK
     if config.v41 is not None:
-        if expert_parallel is not None:
-            raise ValueError("expert parallelism is not supported for DeepSeek-V4.1 yet")
-        model = DeepseekV41ForCausalLM(config, backend, dtype)
+        model = DeepseekV41ForCausalLM(config, backend, dtype, expert_parallel=expert_parallel)
         fp8_linears = v41_stored_in_fp8
         if config.quantization is not None:
             fp8_block = config.quantization.weight_block_size[0]
     elif config.v4 is not None:
-        if expert_parallel is not None:
-            raise ValueError("expert parallelism is not supported for DeepSeek-V4 yet")
-        model = DeepseekV4ForCausalLM(config, backend, dtype)
+        model = DeepseekV4ForCausalLM(config, backend, dtype, expert_parallel)
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
     device, fp4_experts = backend.device.device(), has_fp4_experts(config, fp8)
