@@ -45,7 +45,8 @@ def test_listed_and_chosen_only_when_named(site: Path, run_deepinfer: Run) -> No
     out = run_deepinfer("backends", env=env_for(site))
     assert out.returncode == 0, out.stdout + out.stderr
     table = {line.split()[0]: line.split() for line in out.stdout.split("\n\n")[0].splitlines()[1:]}
-    assert table["template"][1:4] == ["0.1.0", "50", "yes"]
+    assert table["template"][1:5] == ["0.1.0", "50", "yes", "explicit"]
+    assert table["reference"][4] == "fallback", "the selection column"
     assert "selected: template" not in out.stdout, "explicit_only: never chosen automatically"
     named = run_deepinfer("backends", "--backend", "template", env=env_for(site))
     assert named.returncode == 0 and "selected: template" in named.stdout, named.stdout + named.stderr

@@ -22,17 +22,16 @@ def cmd_backends(args: argparse.Namespace) -> int:
     from deepinfer.backend.registry import BackendError, BackendRegistry
 
     registry = BackendRegistry.discover()
-    rows = [("name", "version", "priority", "available", "reason")]
+    rows = [("name", "version", "priority", "available", "selection", "reason")]
     for entry in registry.entries():
         info, avail = entry.info, entry.availability
-        rows.append(
-            (info.name, info.version, str(info.priority), "yes" if avail.available else "no", avail.reason)
-        )
+        available = "yes" if avail.available else "no"
+        rows.append((info.name, info.version, str(info.priority), available, info.selection, avail.reason))
     for plugin, error in sorted(registry.load_errors.items()):
-        rows.append((plugin, "?", "-", "no", f"plugin failed to load: {error}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append((plugin, "?", "-", "no", "-", f"plugin failed to load: {error}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
     try:
         chosen = registry.select(args.backend).name
         print(f"\nselected: {chosen}")
