@@ -89,12 +89,28 @@ def test_hc_finish_kernel(head: bool, block_d: int) -> None:
     n, dm = 4, 4096
     mix = n if head else (2 + n) * n
     splits, _ = v4_k.hc_splits(n * dm)
-    types = {f"{a}_ptr": PTR["f32"] for a in ("base", "scale", "part", "ssq", "post", "comb")}
+    types = {f"{a}_ptr": PTR["f32"] for a in ("base", "scale", "part", "ssq", "post", "comb", "pre")}
     types |= {"s_ptr": PTR["bf16"], "out_ptr": PTR["bf16"], "norm_eps": "fp32", "hc_eps": "fp32"}
     constexprs = dict(
         N=n, HEAD=head, SPLITS=splits, SPLITSP=splits, NP=n, MIXP=32 if mix > 16 else 16, BLOCK_D=block_d
     )
     compile_sm90(v4_k._hc_finish_kernel, types, constexprs, num_warps=4)
+
+
+def test_hc_mixes_finish_and_collapse_kernels() -> None:
+    """DeepSeek-V4.1's hc_mixes (the finish storing pre, no collapse) and hc_collapse."""
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    n, dm = 4, 4096
+    splits, _ = v4_k.hc_splits(n * dm)
+    types = {f"{a}_ptr": PTR["f32"] for a in ("base", "scale", "part", "ssq", "post", "comb", "pre")}
+    types |= {"s_ptr": PTR["bf16"], "out_ptr": PTR["f32"], "norm_eps": "fp32", "hc_eps": "fp32"}
+    constexprs = dict(
+        N=n, HEAD=False, SPLITS=splits, SPLITSP=splits, NP=n, MIXP=32, BLOCK_D=256, COLLAPSE=False
+    )
+    compile_sm90(v4_k._hc_finish_kernel, types, constexprs, num_warps=4)
+    types = {"s_ptr": PTR["bf16"], "pre_ptr": PTR["f32"], "out_ptr": PTR["bf16"]}
+    compile_sm90(v4_k._hc_collapse_kernel, types, dict(N=n, BLOCK_D=1024))
 
 
 def test_hc_post_kernel() -> None:

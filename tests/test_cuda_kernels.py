@@ -1370,6 +1370,64 @@ def test_hc_is_batch_invariant(gen: torch.Generator) -> None:
             assert_bitwise_equal(a, b, what="one token alone vs batched")
 
 
+def _hc_mixes_f64(
+    s: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mixes in float64, written out: (pre, post, comb) of streams (T, N, Dm)."""
+    t, n, _ = s.shape
+    flat = s.double().flatten(1)
+    flat = flat / torch.sqrt((flat**2).mean(-1, keepdim=True) + 1e-6)
+    m = flat @ fn.double().T
+    b, sc = base.double(), scale.double()
+    pre = 1 / (1 + torch.exp(-(m[:, :n] * sc[0] + b[:n]))) + 1e-6
+    post = 2 / (1 + torch.exp(-(m[:, n : 2 * n] * sc[1] + b[n : 2 * n])))
+    logits = m[:, 2 * n :].reshape(t, n, n) * sc[2] + b[2 * n :].reshape(n, n)
+    e = torch.exp(logits - logits.amax(-1, keepdim=True))
+    comb = e / e.sum(-1, keepdim=True) + 1e-6
+    comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + 1e-6)
+        comb = comb / (comb.sum(-2, keepdim=True) + 1e-6)
+    return pre, post, comb
+
+
+@pytest.mark.parametrize("t,n,dm", [(1, 4, 256), (40, 3, 200), (300, 2, 72)])
+def test_hc_mixes_and_collapse_against_float64(gen: torch.Generator, t: int, n: int, dm: int) -> None:
+    """hc_mixes (split mix, finish storing pre) and hc_collapse against float64 sums; post and
+    comb are hc_pre's bits, and collapsing by hc_mixes' pre gives hc_pre's output."""
+    s, fn, base, scale = _hc_inputs(gen, t, n, dm, head=False)
+    s = s.to(torch.bfloat16)
+    args = (1e-6, 1e-6, 20)
+    pre, post, comb = v4_k.hc_mixes(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), *args)
+    want = _hc_mixes_f64(s, fn, base, scale, 20)
+    for g, w, name in zip((pre, post, comb), want, ("pre", "post", "comb")):
+        assert g.dtype == torch.float32, name
+        torch.testing.assert_close(g.cpu().double(), w, rtol=1e-4, atol=1e-5, msg=name)
+    full = v4_k.hc_pre(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), *args)
+    assert_bitwise_equal(post, full[1], what="hc_mixes post vs hc_pre")
+    assert_bitwise_equal(comb, full[2], what="hc_mixes comb vs hc_pre")
+    other = torch.rand((t, n), generator=gen)
+    for p in (pre.cpu(), other):
+        got = v4_k.hc_collapse(s.to(DEV), p.to(DEV))
+        assert got.dtype == torch.bfloat16 and got.shape == (t, dm)
+        want_c = torch.einsum("tn,tnd->td", p.double(), s.double())
+        torch.testing.assert_close(got.cpu().double(), want_c, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(v4_k.hc_collapse(s.to(DEV), pre), full[0], rtol=1e-2, atol=1e-2)
+
+
+def test_hc_mixes_and_collapse_edge_shapes_and_bad_input(gen: torch.Generator) -> None:
+    """No tokens: empty outputs; pre that does not fit the streams: a clear error."""
+    s, fn, base, scale = _hc_inputs(gen, 0, 4, 16, head=False)
+    pre, post, comb = v4_k.hc_mixes(s.to(DEV), fn.to(DEV), base.to(DEV), scale.to(DEV), 1e-6, 1e-6, 20)
+    assert pre.shape == (0, 4) and post.shape == (0, 4) and comb.shape == (0, 4, 4)
+    assert v4_k.hc_collapse(s.to(DEV), pre).shape == (0, 16)
+    with pytest.raises(ValueError, match="hc_collapse"):
+        v4_k.hc_collapse(torch.zeros((2, 4, 16), device=DEV), torch.zeros((2, 3), device=DEV))
+    with pytest.raises(ValueError, match="hc_mixes"):
+        v4_k.hc_mixes(torch.zeros((2, 4, 16), device=DEV), fn[:, :8].to(DEV), base.to(DEV), scale.to(DEV),
+                      1e-6, 1e-6, 20)  # fmt: skip
+
+
 def _entry_pool(
     seq_lens: list[int], ratio: int, d: int, bs: int, gen: torch.Generator
 ) -> tuple[PagedKVCache, torch.Tensor, list[torch.Tensor]]:

@@ -76,6 +76,28 @@ class CudaSmall(SmallOps):
             streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant=self.batch_invariant
         )
 
+    def hc_mixes(
+        self,
+        streams: torch.Tensor,
+        fn: torch.Tensor,
+        base: torch.Tensor,
+        scale: torch.Tensor,
+        norm_eps: float,
+        hc_eps: float,
+        sinkhorn_iters: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hc_pre's kernels without the collapse (the same bits of pre, post and comb)."""
+        if not self.fused:
+            return super().hc_mixes(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+        return v4_k.hc_mixes(
+            streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, batch_invariant=self.batch_invariant
+        )
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        if not self.fused:
+            return super().hc_collapse(streams, pre)
+        return v4_k.hc_collapse(streams, pre)
+
     def hc_post(
         self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
     ) -> torch.Tensor:

@@ -12,6 +12,8 @@ partials (a tree of fixed shape), computes the rms, the sigmoids, the softmax an
 iterations on (N, N) register tiles and collapses its block of channels. SPLITS depends on N*Dm
 only, so a row's bits never depend on the batch. (A single launch whose last-arriving split did
 the finish ran it in one program: 41 us a call at decode, mostly the serial collapse loop.)
+hc_mixes: hc_pre's two launches, the finish storing pre instead of collapsing (one program a
+token). hc_collapse: one program per (token, Dm block), the N streams added in order.
 hc_post: one program per (token, Dm block), the N output streams of that block at once.
 
 Indexer (indexer_topk): two launches. Scores: program (query token, request, split) walks its
@@ -109,15 +111,16 @@ def _hc_mix_kernel(
 
 @triton.jit
 def _hc_finish_kernel(
-    s_ptr, base_ptr, scale_ptr, part_ptr, ssq_ptr, out_ptr, post_ptr, comb_ptr,
+    s_ptr, base_ptr, scale_ptr, part_ptr, ssq_ptr, out_ptr, post_ptr, comb_ptr, pre_ptr,
     DM, norm_eps, hc_eps, iters,
     N: tl.constexpr, HEAD: tl.constexpr, SPLITS: tl.constexpr, SPLITSP: tl.constexpr,
-    NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr,
+    NP: tl.constexpr, MIXP: tl.constexpr, BLOCK_D: tl.constexpr, COLLAPSE: tl.constexpr = True,
 ):  # fmt: skip
     """Program (token, Dm block): the token's mix summed over its splits (one tree of fixed shape:
     the bits do not depend on the batch), the rms, the sigmoids, the softmax and the Sinkhorn
     iterations on (N, N) tiles in registers (every Dm block of the token computes them: no
-    program waits for another), then the block's collapse. Dm block 0 stores post and comb."""
+    program waits for another), then the block's collapse. Dm block 0 stores post and comb.
+    COLLAPSE False (hc_mixes, one Dm block a token): stores pre (T, N) instead of collapsing."""
     t = tl.program_id(0).to(tl.int64)
     db = tl.program_id(1)
     K = N * DM
@@ -162,14 +165,17 @@ def _hc_finish_kernel(
                 comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
             tl.store(comb_ptr + t * (N * N) + i2 * N + j2, comb, mask=valid)
 
-    # collapse: out[t, d] = sum_n pre[n] * streams[t, n, d] over this block's channels
-    d = db * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = d < DM
-    x = tl.load(
-        s_ptr + t * K + n[:, None] * DM + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0
-    ).to(tl.float32)
-    y = tl.sum(pre[:, None] * x, axis=0)  # (BLOCK_D,)
-    tl.store(out_ptr + t * DM + d, to_dtype(y, out_ptr.dtype.element_ty), mask=dmask)
+    if COLLAPSE:
+        # out[t, d] = sum_n pre[n] * streams[t, n, d] over this block's channels
+        d = db * BLOCK_D + tl.arange(0, BLOCK_D)
+        dmask = d < DM
+        x = tl.load(
+            s_ptr + t * K + n[:, None] * DM + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)
+        y = tl.sum(pre[:, None] * x, axis=0)  # (BLOCK_D,)
+        tl.store(out_ptr + t * DM + d, to_dtype(y, out_ptr.dtype.element_ty), mask=dmask)
+    else:
+        tl.store(pre_ptr + t * N + n, pre, mask=nmask)
 
 
 def hc_splits(k: int) -> tuple[int, int]:
@@ -190,8 +196,10 @@ def _hc(
     head: bool,
     batch_invariant: bool,
     block_t: int | None = None,
+    mixes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    name = "hc_head" if head else "hc_pre"
+    """hc_pre / hc_head: (collapsed (T, Dm), post, comb); mixes (hc_mixes): (pre (T, N), post, comb)."""
+    name = "hc_head" if head else "hc_mixes" if mixes else "hc_pre"
     if streams.dim() != 3:
         raise ValueError(f"{name} takes streams (T, N, Dm), got {tuple(streams.shape)}")
     t, n, dm = streams.shape
@@ -202,7 +210,9 @@ def _hc(
             f"{n} streams of width {dm} (fn must be ({mix}, {n * dm}))"
         )
     dev = streams.device
-    out = torch.empty((t, dm), dtype=streams.dtype, device=dev)
+    # out: the collapse (T, Dm) in streams' dtype, or hc_mixes' pre (T, N) float32
+    out_shape, out_dtype = ((t, n), torch.float32) if mixes else ((t, dm), streams.dtype)
+    out = torch.empty(out_shape, dtype=out_dtype, device=dev)
     post = torch.empty((t, n), dtype=torch.float32, device=dev)
     comb = torch.empty((t, n, n), dtype=torch.float32, device=dev)
     if t == 0 or n == 0 or dm == 0:
@@ -219,11 +229,12 @@ def _hc(
         num_warps=4 if bt <= HC_BLOCK_T else 8,
     )  # fmt: skip
     block_d = min(next_pow2(dm), HC_DECODE_BLOCK_D if t <= HC_DECODE_ROWS else HC_PREFILL_BLOCK_D)
-    _hc_finish_kernel[(t, triton.cdiv(dm, block_d))](
-        s, base.float().contiguous(), scale.float().contiguous(), part, ssq, out, post, comb,
+    d_blocks = 1 if mixes else triton.cdiv(dm, block_d)  # hc_mixes: no channels, one program a token
+    _hc_finish_kernel[(t, d_blocks)](
+        s, base.float().contiguous(), scale.float().contiguous(), part, ssq, out, post, comb, out,
         dm, norm_eps, hc_eps, iters,
         N=n, HEAD=head, SPLITS=splits, SPLITSP=next_pow2(splits, 1), NP=next_pow2(n, 1), MIXP=mixp,
-        BLOCK_D=block_d, num_warps=4,
+        BLOCK_D=block_d, COLLAPSE=not mixes, num_warps=4,
     )  # fmt: skip
     return out, post, comb
 
@@ -257,6 +268,62 @@ def hc_head(
     """streams (T, N, Dm) -> (T, Dm): the final collapse, fn (N, N*Dm), base (N,), scale (1,).
     One launch."""
     return _hc(streams, fn, base, scale, norm_eps, hc_eps, 0, True, batch_invariant, block_t)[0]
+
+
+def hc_mixes(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    batch_invariant: bool = False,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams (T, N, Dm) -> (pre (T, N), post (T, N), comb (T, N, N)) float32: hc_pre's launches
+    with the collapse left out: the same bits of post and comb as hc_pre's, and the pre mix
+    hc_pre collapses with."""
+    iters = sinkhorn_iters
+    return _hc(streams, fn, base, scale, norm_eps, hc_eps, iters, False, batch_invariant, block_t, mixes=True)
+
+
+@triton.jit
+def _hc_collapse_kernel(
+    s_ptr, pre_ptr, out_ptr, DM,
+    N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (token, Dm block): out[t, d] = sum_n pre[t, n] * streams[t, n, d] in float32,
+    adding stream n = 0, 1, ... in order. streams (T, N, DM) contiguous, pre (T, N) float32."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < DM
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(N):
+        p = tl.load(pre_ptr + t * N + j)
+        s = tl.load(s_ptr + (t * N + j) * DM + d, mask=dmask, other=0.0).to(tl.float32)
+        acc += p * s
+    tl.store(out_ptr + t * DM + d, to_dtype(acc, out_ptr.dtype.element_ty), mask=dmask)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams (T, N, Dm), pre (T, N) -> (T, Dm) in streams' dtype, float32 sums. One launch."""
+    if streams.dim() != 3 or pre.shape != streams.shape[:2]:
+        raise ValueError(
+            f"hc_collapse: pre {tuple(pre.shape)} does not fit streams {tuple(streams.shape)} "
+            "(streams (T, N, Dm), pre (T, N))"
+        )
+    t, n, dm = streams.shape
+    out = torch.empty((t, dm), dtype=streams.dtype, device=streams.device)
+    if out.numel() == 0:
+        return out
+    if n == 0:
+        return out.zero_()
+    block_d = min(1024, next_pow2(dm))
+    _hc_collapse_kernel[(t, triton.cdiv(dm, block_d))](
+        streams.contiguous(), pre.float().contiguous(), out, dm, N=n, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
