@@ -6,7 +6,7 @@
 #   2. bench/bench_v4_decode.py --only prefill: the grouped GEMM over 64 to 4096 tokens' copies
 #      (dispatch, nibble pairs, tile sweeps);
 #   3. bench/bench_e2e_v4.py, V4-Flash at 4 layers: both formats as built (the nibble-pair kernel),
-#      then fp8_fp4 with DEEPINFER_CUDA_MX_FP4=1, batch 1 / 8 / 64, its step profiled at 64;
+#      then fp8_fp4 with DEEPINFER_CUDA_MX_FP4=0 (nibble pairs only), batch 1 / 8 / 64, its step profiled at 64;
 #   4. bench/bench_v4_decode.py --only moe: the expert layer at 1 to 256 tokens.
 #   usage: OUT=dir bash bench/run_mxfp4_h200.sh    (PARTS="tests kernels e2e", the default, picks)
 set -u -o pipefail
@@ -43,7 +43,7 @@ if want e2e; then
   part e2e "${E2E_TIMEOUT:-150}" python3 bench/bench_e2e_v4.py --out "$R/e2e" --skip-transformers \
     --batches 1,8,64 --time-budget 100
   grep -E "tok/s" "$R/e2e.log" | cut -c1-170 | tee -a "$R/summary.txt"
-  DEEPINFER_CUDA_MX_FP4=1 part e2e_mx "${E2E_MX_TIMEOUT:-110}" python3 bench/bench_e2e_v4.py \
+  DEEPINFER_CUDA_MX_FP4=0 part e2e_mx "${E2E_MX_TIMEOUT:-110}" python3 bench/bench_e2e_v4.py \
     --out "$R/e2e_mx" --skip-transformers --formats fp8_fp4 --batches 1,8,64 --time-budget 60 --profile-batches 64
   grep -E "tok/s|GPU idle" "$R/e2e_mx.log" | cut -c1-170 | tee -a "$R/summary.txt"
 fi

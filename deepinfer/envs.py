@@ -286,11 +286,11 @@ CUDA_MX_FP4 = Switch(
     name="DEEPINFER_CUDA_MX_FP4",
     attr="cuda_mx_fp4",
     kind="flag",
-    default=False,
+    default=True,
     meaning=(
-        "1: the MXFP4 grouped GEMM (MoE experts past the decode kernels' copies, bf16 activations) on "
-        "Triton's microscaled product (tl.dot_scaled), not the nibble-pair kernel; compiled for SM90 in "
-        "CI, not yet run on a GPU (bench/run_mxfp4_h200.sh measures and tests it)"
+        "0: the MXFP4 grouped GEMM (MoE experts past the decode kernels' copies, bf16 activations) "
+        "always on the nibble-pair kernel, not on Triton's microscaled product (tl.dot_scaled), which "
+        "it takes from 4 token copies an expert (gemm.MX_MIN_ROWS_PER_GROUP)"
     ),
     audience="benchmark",
     read_when=_CUDA,

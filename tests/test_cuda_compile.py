@@ -222,15 +222,15 @@ def test_router_kernels(router: str) -> None:
         compile_sm90(moe_k._select_experts_kernel, types, route | gemv, num_warps=tile.num_warps)
 
 
-@pytest.mark.parametrize("rows", [16, 2048, 20000])
-def test_grouped_mx_kernel(rows: int) -> None:
+@pytest.mark.parametrize("rows, groups", [(1536, 256), (24576, 256)])
+def test_grouped_mx_kernel(rows: int, groups: int) -> None:
     """The MXFP4 grouped GEMM on tl.dot_scaled (CudaGemm's for bf16 x; the interpreter lacks the
     op, so only the GPU runs it) lowers, at grouped_mx_config's tiles, to SM90's warpgroup MMA on
     bf16 with the upcast weights as its register operand (wgmma ... {registers}, descriptor) and
     the e2m1 decode as byte permutes (prmt), not to mma.sync or a float32 decode."""
     from deepinfer_cuda.kernels import gemm as gemm_k
 
-    cfg = gemm_k.grouped_mx_config(rows)
+    cfg = gemm_k.grouped_mx_config(rows, groups)
     types = {"a_ptr": PTR["bf16"], "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": PTR["bf16"],
              "tile_group_ptr": PTR["i32"], "tile_rows_ptr": PTR["i32"]}  # fmt: skip
     ints = ("N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_cm")

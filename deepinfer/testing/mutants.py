@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend import (
     NO_MODIFIERS,
     Availability,
@@ -355,7 +356,7 @@ def run_suite(backend: str, select: str) -> tuple[int, str]:
     processes and initialise torch.distributed); (exit code, output)."""
     path = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # this tree's deepinfer, for the plugin
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    env.pop("DEEPINFER_REFERENCE_DEVICE", None)
+    env.pop(envs.REFERENCE_DEVICE.name, None)
     proc = subprocess.run(
         suite_command(backend, select), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )

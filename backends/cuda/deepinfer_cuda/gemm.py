@@ -23,8 +23,8 @@ class CudaGemm(GemmOps):
         # ... and FP8 ones on its FP8 flag (skinny_fp8_matmul); the MXFP4 grouped GEMM's pair decode
         self.v4_decode = env.cuda_v4_decode
         self.skinny_fp8 = self.skinny and self.v4_decode
-        # the MXFP4 grouped GEMM on Triton's microscaled product (bf16 x, not batch-invariant), where
-        # DEEPINFER_CUDA_MX_FP4=1 asks for it: not yet measured on a GPU, so not the default
+        # the MXFP4 grouped GEMM on Triton's microscaled product (bf16 x, not batch-invariant) from
+        # gemm_k.MX_MIN_ROWS_PER_GROUP copies an expert (DEEPINFER_CUDA_MX_FP4=0: never)
         self.mx_fp4 = self.v4_decode and env.cuda_mx_fp4 and not self.batch_invariant and not INTERPRET
         self.pdl = env.cuda_pdl
         self.vendor = env.cuda_vendor  # DeepGEMM where installed (deepinfer_cuda.vendor)
@@ -155,11 +155,13 @@ class CudaGemm(GemmOps):
     ) -> torch.Tensor:
         """MXFP4 experts in one Triton launch: e2m1 codes and UE8M0 scales decoded in the kernel,
         the product in x's dtype (SM90 has no FP4 tensor cores): bf16 x on Triton's microscaled
-        product (_grouped_mx_kernel), else the nibble-pair kernel."""
+        product (_grouped_mx_kernel) from MX_MIN_ROWS_PER_GROUP rows an expert, else the
+        nibble-pair kernel."""
         pairs = self.v4_decode
-        scaled = self.mx_fp4 and x.dtype == torch.bfloat16
+        rows, groups = x.shape[0], weight.shape[0]
+        scaled = self.mx_fp4 and x.dtype == torch.bfloat16 and rows >= gemm_k.MX_MIN_ROWS_PER_GROUP * groups
         if scaled:
-            cfg = gemm_k.grouped_mx_config(x.shape[0])
+            cfg = gemm_k.grouped_mx_config(rows, groups)
         else:
             cfg = gemm_k.grouped_fp4_config(x.shape[0], self.batch_invariant, x.device, pairs)
         tiles = moe_k.tile_table(group_sizes, x.shape[0], cfg.block_m) if self.fused else None

@@ -1405,7 +1405,7 @@ def grouped_gemm_fp4(
         return out.zero_()
     if scaled:
         return _grouped_gemm_mx(
-            x, weight, weight_scale, group_sizes, out, config or grouped_mx_config(rows), tiles
+            x, weight, weight_scale, group_sizes, out, config or grouped_mx_config(rows, e), tiles
         )
     cfg = config or grouped_fp4_config(rows, batch_invariant, x.device, pairs)
     if pairs and (cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1)):
@@ -1427,11 +1427,21 @@ def grouped_gemm_fp4(
     return out
 
 
-def grouped_mx_config(rows: int) -> GemmConfig:
-    """Tiles of _grouped_mx_kernel: block_m token rows (grouped_config's, so the MoE's tile
-    table serves), block_n weight rows, block_k values per step."""
-    block_m = 16 if rows <= 1024 else 64 if rows <= 16384 else 128
-    return GemmConfig(block_m=block_m, block_n=128, block_k=128, num_warps=4, num_stages=3)
+# The microscaled kernel pays from this many token copies an expert on average (V4-Flash's
+# gate_up on an H200, bench/bench_v4_decode.py --only prefill: at 1.5 copies an expert the
+# nibble-pair kernel's 1.73 ms beat its best 2.00 ms; at 6, 12 and 96 it ran 2.7x, 2.8x and 1.8x
+# the nibble pairs: 2.68 / 2.99 / 11.16 ms against 7.33 / 8.28 / 20.22 ms).
+MX_MIN_ROWS_PER_GROUP = 4
+
+
+def grouped_mx_config(rows: int, groups: int = 1) -> GemmConfig:
+    """Tiles of _grouped_mx_kernel: block_m token rows, block_n weight rows, block_k values per
+    step, from the copies an expert gets on average (rows / groups). The best of twelve tilings
+    on an H200 (V4-Flash gate_up, 256 experts): 16 x 128 x 128, 8 warps, 3 stages at 6 and 12
+    copies an expert; 64 x 256 x 128, 8 warps at 96 (11.16 ms against 13.27 for 64 x 128)."""
+    if rows <= 32 * max(groups, 1):
+        return GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=8, num_stages=3)
+    return GemmConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=3)
 
 
 def _grouped_gemm_mx(
