@@ -175,6 +175,7 @@ def make_paged_batch(
     rope_dim: int = 0,
     shared_blocks: int = 0,
     poison_unwritten: bool = False,
+    kv_rows: Sequence[torch.Tensor] | None = None,
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
     request, through the backend's own kv_cache.write_kv, and build the metadata of the step.
@@ -182,7 +183,8 @@ def make_paged_batch(
     shared_blocks: every request starts with request 0's first `shared_blocks` blocks (a cached
     common prefix: the same block ids in several tables, holding the same rows).
     poison_unwritten: every slot is first written with NaN, so the rows no request has reached
-    (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output."""
+    (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output.
+    kv_rows: per request, the (seq_len, D) K rows to write (cast to `dtype`) instead of random ones."""
     device = backend.device.device()
     table, num_blocks = random_block_tables(seq_lens, block_size, gen)
     if shared_blocks:
@@ -201,7 +203,10 @@ def make_paged_batch(
         backend.kv_cache.write_kv(cache, nan_rows.to(device), every.to(device))
     kv: list[torch.Tensor] = []
     for b, n in enumerate(seq_lens):
-        rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
+        if kv_rows is not None:
+            rows = kv_rows[b].to(dtype).cpu()
+        else:
+            rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
         if b and shared_blocks:
             m = min(n, shared_blocks * block_size)
             rows[:m] = kv[0][:m]

@@ -158,6 +158,28 @@ class AttentionIgnoresScale(ReferenceAttention):
         return super().prefill(q, cache, meta, scale=q.shape[-1] ** -0.5, v_dim=v_dim, modifiers=modifiers)
 
 
+class AttentionScaleOnePercent(ReferenceAttention):
+    """The softmax scale 1% too large (a folded constant, a YaRN factor applied once too often):
+    inside bfloat16's elementwise budget on random inputs."""
+
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        return super().prefill(q, cache, meta, scale=scale * 1.01, v_dim=v_dim, modifiers=modifiers)
+
+
+class RmsNormWeightOnePercent(SmallOps):
+    """The norm weight read 1% too large (e.g. a (1 + w) convention applied to a rescaled w)."""
+
+    def rms_norm(self, x, weight, eps):  # type: ignore[no-untyped-def]
+        return ref_small.rms_norm(x, weight.float() * 1.01, eps)
+
+
+class RopeOnePercent(SmallOps):
+    """The rotary output 1% too large (a cos/sin table scaled by a stray mscale)."""
+
+    def rope(self, x, positions, cos_sin_cache, interleaved):  # type: ignore[no-untyped-def]
+        return ref_small.rope(x, positions, cos_sin_cache * 1.01, interleaved)
+
+
 class AttentionNaNWhenNoKey(ReferenceAttention):
     """The classic 0/0: a query row whose top-k list names no visible key gets NaN (an empty
     softmax) instead of the edge rule's zeros."""
@@ -239,10 +261,14 @@ class Mutant:
     caught_by: tuple[str, ...]  # test functions that must fail (others may fail too)
     message: str  # text the failure must contain
     located: tuple[str, ...] = ()  # more text it must contain: the failure's place and parameters
+    dtypes: tuple[torch.dtype, ...] = ()  # the dtypes it claims (default: the reference's)
 
     def create(self, options: BackendOptions) -> Backend:
         ref = create_reference_backend(options)
-        return dataclasses.replace(ref, name=f"mutant-{self.name}", **{self.part: self.make(options)})
+        caps = dataclasses.replace(ref.capabilities, dtypes=self.dtypes) if self.dtypes else ref.capabilities
+        return dataclasses.replace(
+            ref, name=f"mutant-{self.name}", capabilities=caps, **{self.part: self.make(options)}
+        )
 
 
 MUTANT_LIST = [
@@ -276,6 +302,22 @@ MUTANT_LIST = [
         "or chunked or sinks_extreme)",
         ("test_decode", "test_prefill"), "elements outside atol",
         ("worst at request ", ", head ", ", column ", "scale="),
+    ),
+    # a 1% scale error in a backend that claims only bfloat16 (its elementwise budget is 2.5%)
+    Mutant(
+        "attention-scale-1pct", "attention", AttentionScaleOnePercent, "test_attention_scale_precision",
+        ("test_attention_scale_precision",), "scale-sensitive inputs", ("worst at request ",),
+        dtypes=(torch.bfloat16,),
+    ),
+    Mutant(
+        "rms-weight-1pct", "small", RmsNormWeightOnePercent, "test_small_op_scale_precision",
+        ("test_small_op_scale_precision",), "rms_norm (torch.bfloat16; x (64, 512)",
+        ("the output is the reference times 1.01",), dtypes=(torch.bfloat16,),
+    ),
+    Mutant(
+        "rope-1pct", "small", RopeOnePercent, "test_small_op_scale_precision",
+        ("test_small_op_scale_precision",), "rope (torch.bfloat16; x (64, 8, 64)",
+        ("the output is the reference times 1.01",), dtypes=(torch.bfloat16,),
     ),
     # located failure messages: the place (request, query row, head) and the case's parameters
     Mutant(
