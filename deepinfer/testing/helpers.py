@@ -251,6 +251,35 @@ def request_rows(meta: AttentionMetadata, b: int) -> slice:
     return slice(start, start + meta.query_lens_host[b])
 
 
+def writer_rows(slot_mapping: torch.Tensor, num_slots: int) -> list[int | None]:
+    """Per cache slot, the input row a write with `slot_mapping` (-1: padding) put there, or None."""
+    rows: list[int | None] = [None] * num_slots
+    for i, s in enumerate(slot_mapping.cpu().tolist()):
+        if s >= 0:
+            rows[s] = i
+    return rows
+
+
+def slot_locator(
+    slots: torch.Tensor | Sequence[int], block_size: int, input_rows: Sequence[int | None] | None = None
+) -> Locator:
+    """Names element (i, c) of rows read back from a paged cache at `slots` (row i holds slot
+    slots[i]) by its place in the cache: "slot 37 (block 4, offset 5), column 2", and with
+    `input_rows` (per read-back row) the row of the op's input that wrote it ("; input row 3",
+    or "; not written"). Not an index into a filtered set of rows."""
+    slot_list = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+
+    def locate(index: tuple[int, ...]) -> str:
+        s = slot_list[index[0]]
+        text = f"slot {s} (block {s // block_size}, offset {s % block_size}"
+        if input_rows is not None:
+            row = input_rows[index[0]]
+            text += "; not written" if row is None else f"; input row {row}"
+        return text + ")" + (f", column {index[1]}" if len(index) > 1 else "")
+
+    return locate
+
+
 def attention_locator(meta: AttentionMetadata) -> Locator:
     """Names an element of an attention output (T, H, Dv) by request, query row (and its absolute
     position), head and column: where a kernel went wrong, not only by how much."""

@@ -183,8 +183,11 @@ def assert_close(
         raise AssertionError(f"{head}: relative L2 error {l2 / norm:.3e} > {tol.rel_l2}")
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "result") -> None:
-    """Same shape, dtype and bits (NaNs with equal bits compare equal)."""
+def assert_bitwise_equal(
+    actual: torch.Tensor, expected: torch.Tensor, *, what: str = "result", locate: Locator | None = None
+) -> None:
+    """Same shape, dtype and bits (NaNs with equal bits compare equal). `locate` names the first
+    differing element (e.g. a KV cache row by slot, block and offset); by default its index."""
     __tracebackhide__ = True
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise AssertionError(
@@ -198,4 +201,5 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: 
         diff = a != e
         n = int(diff.sum())
         first = _unravel(int(diff.flatten().nonzero()[0]), tuple(a.shape))
-        raise AssertionError(f"{what}: {n}/{a.numel()} elements differ bitwise, the first at index {first}")
+        where = locate(first) if locate is not None else f"index {first}"
+        raise AssertionError(f"{what}: {n}/{a.numel()} elements differ bitwise, the first at {where}")
