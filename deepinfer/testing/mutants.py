@@ -312,12 +312,12 @@ MUTANT_LIST = [
     Mutant(
         "rms-weight-1pct", "small", RmsNormWeightOnePercent, "test_small_op_scale_precision",
         ("test_small_op_scale_precision",), "rms_norm (torch.bfloat16; x (64, 512)",
-        ("the output is the reference times 1.01",), dtypes=(torch.bfloat16,),
+        ("a systematic scale error of +1.00%",), dtypes=(torch.bfloat16,),
     ),
     Mutant(
         "rope-1pct", "small", RopeOnePercent, "test_small_op_scale_precision",
-        ("test_small_op_scale_precision",), "rope (torch.bfloat16; x (64, 8, 64)",
-        ("the output is the reference times 1.01",), dtypes=(torch.bfloat16,),
+        ("test_small_op_scale_precision",), "rope_interleaved (torch.bfloat16; x (64, 8, 64)",
+        ("a systematic scale error of +1.00%",), dtypes=(torch.bfloat16,),
     ),
     # located failure messages: the place (request, query row, head) and the case's parameters
     Mutant(
@@ -337,6 +337,12 @@ MUTANT_LIST = [
     Mutant(
         "mla-query-rope-layout", "attention", MlaQueryRopeLayoutFixed, "test_mla_query and float32",
         ("test_mla_query",), "mla_query (torch.float32; T, H, N, C, R = (", ("worst at token ", ", column "),
+    ),
+    # a model-level failure names the first op whose output diverges
+    Mutant(
+        "model-attention-scale", "attention", AttentionIgnoresScale, "test_tiny_model and float32",
+        ("test_tiny_model",), "logits (torch.float32)",
+        ("first op whose output diverges: attention.prefill, call ",),
     ),
     # DeepSeek-V4's ops
     Mutant(
