@@ -86,3 +86,24 @@ def _fed(root: Path) -> list[dict[int, int]]:
     reference = create_reference_backend()
     _, fed = test_model._run(load_model(root, reference, dtype=torch.float64), reference, None)
     return fed
+
+
+def test_v4_model_failure_names_the_first_divergent_op(tmp_path: Path) -> None:
+    """The same for the tiny DeepSeek-V4 model (sliding-window attention, compressed attention,
+    mHC, hash and routed MoE): its sliding-window attention's scale doubled."""
+    from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
+    from deepinfer.testing.conformance import test_v4_ops
+
+    config = tiny_v4_config(num_experts_per_tok=4, index_topk=16)
+    root = write_random_v4_checkpoint(tmp_path / "tiny-v4", config, seed=3)
+    trace: list[OpCall] = []
+    test_v4_ops._run_v4(create_reference_backend(), root, torch.float64, trace)
+    index = first_call(trace, "attention.prefill")
+    ref = create_reference_backend()
+    backend = dataclasses.replace(ref, name="planted", attention=AttentionScaleDoubled(BackendOptions()))
+    with pytest.raises(AssertionError) as exc:
+        test_v4_ops._check_v4(backend, root, torch.float32, tolerance(torch.float32))
+    msg = str(exc.value)
+    assert msg.startswith("step 0 (torch.float32): "), msg
+    op = "attention.prefill"
+    assert f"; first op whose output diverges: {op}, call {index} of the run (call 0 of {op})" in msg, msg
