@@ -175,6 +175,7 @@ def make_paged_batch(
     rope_dim: int = 0,
     shared_blocks: int = 0,
     poison_unwritten: bool = False,
+    kv_rows: Sequence[torch.Tensor] | None = None,
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
     request, through the backend's own kv_cache.write_kv, and build the metadata of the step.
@@ -182,7 +183,8 @@ def make_paged_batch(
     shared_blocks: every request starts with request 0's first `shared_blocks` blocks (a cached
     common prefix: the same block ids in several tables, holding the same rows).
     poison_unwritten: every slot is first written with NaN, so the rows no request has reached
-    (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output."""
+    (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output.
+    kv_rows: per request, the (seq_len, D) K rows to write (cast to `dtype`) instead of random ones."""
     device = backend.device.device()
     table, num_blocks = random_block_tables(seq_lens, block_size, gen)
     if shared_blocks:
@@ -201,7 +203,10 @@ def make_paged_batch(
         backend.kv_cache.write_kv(cache, nan_rows.to(device), every.to(device))
     kv: list[torch.Tensor] = []
     for b, n in enumerate(seq_lens):
-        rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
+        if kv_rows is not None:
+            rows = kv_rows[b].to(dtype).cpu()
+        else:
+            rows = randn((n, head_dim), dtype, "cpu", gen, kv_scale)
         if b and shared_blocks:
             m = min(n, shared_blocks * block_size)
             rows[:m] = kv[0][:m]
@@ -244,6 +249,35 @@ def request_rows(meta: AttentionMetadata, b: int) -> slice:
     """The query rows of request b in a ragged step."""
     start = sum(meta.query_lens_host[:b])
     return slice(start, start + meta.query_lens_host[b])
+
+
+def writer_rows(slot_mapping: torch.Tensor, num_slots: int) -> list[int | None]:
+    """Per cache slot, the input row a write with `slot_mapping` (-1: padding) put there, or None."""
+    rows: list[int | None] = [None] * num_slots
+    for i, s in enumerate(slot_mapping.cpu().tolist()):
+        if s >= 0:
+            rows[s] = i
+    return rows
+
+
+def slot_locator(
+    slots: torch.Tensor | Sequence[int], block_size: int, input_rows: Sequence[int | None] | None = None
+) -> Locator:
+    """Names element (i, c) of rows read back from a paged cache at `slots` (row i holds slot
+    slots[i]) by its place in the cache: "slot 37 (block 4, offset 5), column 2", and with
+    `input_rows` (per read-back row) the row of the op's input that wrote it ("; input row 3",
+    or "; not written"). Not an index into a filtered set of rows."""
+    slot_list = [int(s) for s in (slots.tolist() if isinstance(slots, torch.Tensor) else slots)]
+
+    def locate(index: tuple[int, ...]) -> str:
+        s = slot_list[index[0]]
+        text = f"slot {s} (block {s // block_size}, offset {s % block_size}"
+        if input_rows is not None:
+            row = input_rows[index[0]]
+            text += "; not written" if row is None else f"; input row {row}"
+        return text + ")" + (f", column {index[1]}" if len(index) > 1 else "")
+
+    return locate
 
 
 def attention_locator(meta: AttentionMetadata) -> Locator:

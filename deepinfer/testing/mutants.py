@@ -1,6 +1,8 @@
 """Mutants of the reference backend: copies with one op subtly wrong, each the kind of slip a
 real port could ship, and the conformance cases that must catch it. The conformance suite must
-FAIL each one (tests/test_conformance_mutations.py, ci/mutation_run.py).
+FAIL each one (tests/test_conformance_mutations.py, ci/mutation_run.py). Engine mutants
+(ENGINE_MUTANT_LIST) break a policy of the engine instead, and the tests of docs/policies.md
+must fail them.
 
 Each mutant replaces one part of the reference backend by a subclass that overrides one op.
 They are registered with the suite through `--deepinfer-plugin deepinfer.testing.mutants:MUTANTS`
@@ -11,6 +13,7 @@ run selects only the cases that concern it (-k, `Mutant.select`).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -159,6 +162,28 @@ class AttentionIgnoresScale(ReferenceAttention):
         return super().prefill(q, cache, meta, scale=q.shape[-1] ** -0.5, v_dim=v_dim, modifiers=modifiers)
 
 
+class AttentionScaleOnePercent(ReferenceAttention):
+    """The softmax scale 1% too large (a folded constant, a YaRN factor applied once too often):
+    inside bfloat16's elementwise budget on random inputs."""
+
+    def prefill(self, q, cache, meta, *, scale, v_dim, modifiers=NO_MODIFIERS):  # type: ignore[no-untyped-def]
+        return super().prefill(q, cache, meta, scale=scale * 1.01, v_dim=v_dim, modifiers=modifiers)
+
+
+class RmsNormWeightOnePercent(SmallOps):
+    """The norm weight read 1% too large (e.g. a (1 + w) convention applied to a rescaled w)."""
+
+    def rms_norm(self, x, weight, eps):  # type: ignore[no-untyped-def]
+        return ref_small.rms_norm(x, weight.float() * 1.01, eps)
+
+
+class RopeOnePercent(SmallOps):
+    """The rotary output 1% too large (a cos/sin table scaled by a stray mscale)."""
+
+    def rope(self, x, positions, cos_sin_cache, interleaved):  # type: ignore[no-untyped-def]
+        return ref_small.rope(x, positions, cos_sin_cache * 1.01, interleaved)
+
+
 class AttentionNaNWhenNoKey(ReferenceAttention):
     """The classic 0/0: a query row whose top-k list names no visible key gets NaN (an empty
     softmax) instead of the edge rule's zeros."""
@@ -240,10 +265,14 @@ class Mutant:
     caught_by: tuple[str, ...]  # test functions that must fail (others may fail too)
     message: str  # text the failure must contain
     located: tuple[str, ...] = ()  # more text it must contain: the failure's place and parameters
+    dtypes: tuple[torch.dtype, ...] = ()  # the dtypes it claims (default: the reference's)
 
     def create(self, options: BackendOptions) -> Backend:
         ref = create_reference_backend(options)
-        return dataclasses.replace(ref, name=f"mutant-{self.name}", **{self.part: self.make(options)})
+        caps = dataclasses.replace(ref.capabilities, dtypes=self.dtypes) if self.dtypes else ref.capabilities
+        return dataclasses.replace(
+            ref, name=f"mutant-{self.name}", capabilities=caps, **{self.part: self.make(options)}
+        )
 
 
 MUTANT_LIST = [
@@ -278,6 +307,22 @@ MUTANT_LIST = [
         ("test_decode", "test_prefill"), "elements outside atol",
         ("worst at request ", ", head ", ", column ", "scale="),
     ),
+    # a 1% scale error in a backend that claims only bfloat16 (its elementwise budget is 2.5%)
+    Mutant(
+        "attention-scale-1pct", "attention", AttentionScaleOnePercent, "test_attention_scale_precision",
+        ("test_attention_scale_precision",), "scale-sensitive inputs", ("worst at request ",),
+        dtypes=(torch.bfloat16,),
+    ),
+    Mutant(
+        "rms-weight-1pct", "small", RmsNormWeightOnePercent, "test_small_op_scale_precision",
+        ("test_small_op_scale_precision",), "rms_norm (torch.bfloat16; x (64, 512)",
+        ("a systematic scale error of +1.00%",), dtypes=(torch.bfloat16,),
+    ),
+    Mutant(
+        "rope-1pct", "small", RopeOnePercent, "test_small_op_scale_precision",
+        ("test_small_op_scale_precision",), "rope_interleaved (torch.bfloat16; x (64, 8, 64)",
+        ("a systematic scale error of +1.00%",), dtypes=(torch.bfloat16,),
+    ),
     # located failure messages: the place (request, query row, head) and the case's parameters
     Mutant(
         "attention-no-key-nan", "attention", AttentionNaNWhenNoKey,
@@ -296,6 +341,12 @@ MUTANT_LIST = [
     Mutant(
         "mla-query-rope-layout", "attention", MlaQueryRopeLayoutFixed, "test_mla_query and float32",
         ("test_mla_query",), "mla_query (torch.float32; T, H, N, C, R = (", ("worst at token ", ", column "),
+    ),
+    # a model-level failure names the first op whose output diverges
+    Mutant(
+        "model-attention-scale", "attention", AttentionIgnoresScale, "test_tiny_model and float32",
+        ("test_tiny_model",), "logits (torch.float32)",
+        ("first op whose output diverges: attention.prefill, call ",),
     ),
     # DeepSeek-V4's ops
     Mutant(
@@ -338,6 +389,143 @@ class _MutantPlugin:
 MUTANTS = _MutantPlugin()
 
 
+# --------------------------------------------------------------------------- engine mutants
+# Product code outside the backend, patched in the pytest process of deepinfer's own tests
+# (`-p deepinfer.testing.mutants --deepinfer-engine-mutant NAME`; processes the tests spawn run
+# unpatched). Each is a documented policy broken in a way no output of one request shows.
+
+
+def _take_most_recently_freed(take_free: Callable[..., Any]) -> Callable[..., Any]:
+    """BlockManager.take_free from the tail of the free queue (LIFO) instead of its head."""
+
+    def take(self: Any) -> Any:
+        if self.free:
+            self.free.move_to_end(next(reversed(self.free)), last=False)
+        return take_free(self)
+
+    return take
+
+
+def _free_first_block_first(free_sequence: Callable[..., Any]) -> Callable[..., Any]:
+    """BlockManager.free_sequence queueing a sequence's FIRST block first (a prefix is then
+    evicted from its head: the blocks that every later prompt shares go first)."""
+
+    def free(self: Any, seq: Any) -> None:
+        if self.table < len(seq.block_tables):
+            seq.block_tables[self.table].reverse()
+        free_sequence(self, seq)
+
+    return free
+
+
+def _resume_at_the_back(preempt: Callable[..., Any]) -> Callable[..., Any]:
+    """Scheduler._preempt putting the victim at the BACK of the waiting queue."""
+
+    def move(self: Any, seq: Any) -> None:
+        preempt(self, seq)
+        self.waiting.remove(seq)
+        self.waiting.append(seq)
+
+    return move
+
+
+def _top_p_before_top_k(filter_logits: Callable[..., Any]) -> Callable[..., Any]:
+    """filter_logits with top-p measured over every token's probability, not over the top-k
+    survivors renormalised."""
+
+    def filtered(
+        logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    ) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        full = torch.softmax(sorted_logits, dim=-1)  # the bug: before the top-k cut
+        before = full.cumsum(dim=-1) - full
+        ranks = torch.arange(vocab, device=logits.device)
+        k = torch.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (before >= top_p[:, None]) | (probs < min_p[:, None] * probs[:, :1])
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+    return filtered
+
+
+def _gather_in_arrival_order(gather: Callable[..., Any]) -> Callable[..., Any]:
+    """DataParallelEngine._gather returning the replies in the order they arrived, not by rank."""
+
+    def arrival(self: Any, what: str, on_reply: Callable[[int], object] | None = None) -> list[Any]:
+        arrived: list[int] = []
+
+        def note(rank: int) -> None:
+            arrived.append(rank)
+            if on_reply is not None:
+                on_reply(rank)
+
+        replies = gather(self, what, note)
+        return [replies[r] for r in arrived] + [r for i, r in enumerate(replies) if i not in arrived]
+
+    return arrival
+
+
+@dataclass(frozen=True)
+class EngineMutant:
+    name: str
+    target: str  # "module:attribute.path" of the function replaced
+    wrap: Callable[[Any], Any]  # the original -> the wrong one
+    tests: tuple[str, ...]  # pytest arguments: the tests that concern it (paths under ROOT, -k)
+    caught_by: tuple[str, ...]  # test functions that must fail
+
+    def apply(self) -> None:
+        module, _, path = self.target.partition(":")
+        owner: Any = importlib.import_module(module)
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        setattr(owner, attr, self.wrap(getattr(owner, attr)))
+
+
+POLICIES = "tests/test_engine_policies.py"
+ENGINE_MUTANT_LIST = [
+    EngineMutant(
+        "kv-reuse-lifo", "deepinfer.engine.kv_cache:BlockManager.take_free", _take_most_recently_freed,
+        (POLICIES, "-k", "reused or reuse"), ("test_freed_blocks_are_reused_least_recently_freed_first",),
+    ),
+    EngineMutant(
+        "kv-free-first-block-first", "deepinfer.engine.kv_cache:BlockManager.free_sequence",
+        _free_first_block_first, (POLICIES, "-k", "evicts or reuse"),
+        ("test_prefix_cache_evicts_the_least_recently_freed_blocks_a_prefix_tail_first",),
+    ),
+    EngineMutant(
+        "preempt-resume-at-back", "deepinfer.engine.scheduler:Scheduler._preempt", _resume_at_the_back,
+        (POLICIES, "-k", "preempted"), ("test_preempted_requests_resume_at_the_front_of_the_queue",),
+    ),
+    EngineMutant(
+        "top-p-before-top-k", "deepinfer.reference.small:filter_logits", _top_p_before_top_k,
+        (POLICIES, "-k", "sampling_probabilities"),
+        ("test_sampling_probabilities_match_a_float64_brute_force",),
+    ),
+    EngineMutant(
+        "dp-gather-arrival-order", "deepinfer.entrypoints.data_parallel:DataParallelEngine._gather",
+        _gather_in_arrival_order, (POLICIES, "-k", "data_parallel"),
+        ("test_data_parallel_outputs_come_back_in_prompt_order_whichever_rank_answers_first",),
+    ),
+]  # fmt: skip
+ENGINE_MUTANTS_BY_NAME = {m.name: m for m in ENGINE_MUTANT_LIST}
+
+
+def pytest_addoption(parser: Any) -> None:
+    """This module as a pytest plugin (-p deepinfer.testing.mutants): one engine mutant applied."""
+    parser.addoption("--deepinfer-engine-mutant", default=None, choices=list(ENGINE_MUTANTS_BY_NAME))
+
+
+def pytest_configure(config: Any) -> None:
+    name = config.getoption("--deepinfer-engine-mutant")
+    if name:
+        ENGINE_MUTANTS_BY_NAME[name].apply()
+
+
 # --------------------------------------------------------------------------- the runs
 
 
@@ -351,16 +539,27 @@ def suite_command(backend: str, select: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_suite(backend: str, select: str) -> tuple[int, str]:
-    """Run the selected conformance cases against `backend` in a fresh process (the cases spawn
-    processes and initialise torch.distributed); (exit code, output)."""
+def _run(command: list[str]) -> tuple[int, str]:
     path = [str(ROOT), os.environ.get("PYTHONPATH", "")]  # this tree's deepinfer, for the plugin
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     env.pop(envs.REFERENCE_DEVICE.name, None)
-    proc = subprocess.run(
-        suite_command(backend, select), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def run_suite(backend: str, select: str, dtypes: str | None = None) -> tuple[int, str]:
+    """Run the selected conformance cases against `backend` in a fresh process (the cases spawn
+    processes and initialise torch.distributed), for `dtypes` only when given ("bfloat16");
+    (exit code, output)."""
+    return _run(suite_command(backend, select) + (["--deepinfer-dtypes", dtypes] if dtypes else []))
+
+
+def run_engine_tests(mutant: str | None, tests: tuple[str, ...]) -> tuple[int, str]:
+    """deepinfer's own tests `tests` (pytest arguments, paths under ROOT) in a fresh process with
+    the engine mutant `mutant` applied (None: unmutated); (exit code, output)."""
+    patch = ["-p", "deepinfer.testing.mutants", "--deepinfer-engine-mutant", mutant] if mutant else []
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *patch, *tests, "-q", "-rfE"]
+    return _run(command)
 
 
 def failed_tests(output: str) -> list[str]:

@@ -10,6 +10,7 @@ ever ran the odd shapes has never run its fast path.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +18,14 @@ import torch
 from deepinfer.backend.ops import Backend
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.testing.helpers import mxfp4_weight, oracle, quantized_weight, randn
-from deepinfer.testing.tolerances import FP8_REL, FP8_SUBNORMAL, Locator, assert_close, index_locator
+from deepinfer.testing.tolerances import (
+    FP8_REL,
+    FP8_SUBNORMAL,
+    Locator,
+    assert_close,
+    index_locator,
+    tolerance,
+)
 
 SHAPES = [(0, 17, 9), (1, 64, 32), (7, 67, 45), (33, 128, 130)]  # (M, K, N)
 FP8_SHAPES = [
@@ -52,6 +60,85 @@ def grouped_locator(sizes: list[int]) -> Locator:
         return f"row {row} (group {group}, its row {row - bounds[group]}), column {col}"
 
     return locate
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]  # (K,) bool: x's columns kept -> (M, N)
+
+
+def k_blocks_at_fault(
+    run: Product, expect: Product, k: int, block: int, dtype: torch.dtype, fp8_act: bool = False
+) -> str:
+    """Which K blocks an FP8 GEMM gets wrong: each block's product alone (x zeroed outside its
+    columns: `run` on the backend, `expect` the float64 reference), compared with the budget."""
+    tol = tolerance(dtype, fp8_act)
+    blocks = math.ceil(k / block)
+    bad = []
+    for kb in range(blocks):
+        keep = torch.zeros(k, dtype=torch.bool)
+        keep[kb * block : (kb + 1) * block] = True
+        a, e = run(keep).detach().to("cpu", torch.float64), expect(keep)
+        ratio = float(((a - e).abs() / (tol.atol + tol.rtol * e.abs())).nan_to_num(float("inf")).max())
+        if ratio > 1:
+            bad.append(f"K block {kb} (columns {kb * block}..{min(k, (kb + 1) * block) - 1}): {ratio:.3g}x")
+    if not bad:
+        return (
+            f"each of the {blocks} K block(s) alone is within budget: the blocks' products are summed wrong"
+        )
+    return f"K block(s) wrong alone, error / budget: {'; '.join(bad)} (of {blocks} K blocks of {block})"
+
+
+def assert_close_by_k_block(
+    y: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    run: Product,
+    expect: Product,
+    k: int,
+    block: int,
+    *,
+    what: str,
+    case: str,
+    fp8_act: bool = False,
+) -> None:
+    """assert_close of an FP8 product; a failure also names the K blocks at fault."""
+    __tracebackhide__ = True
+    try:
+        assert_close(
+            y, expected, dtype, what=what, fp8_act=fp8_act, locate=mn_locator(tuple(y.shape)), case=case
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; {k_blocks_at_fault(run, expect, k, block, dtype, fp8_act)}") from None
+
+
+def fp8_gemm_by_k_block(
+    backend: Backend,
+    dtype: torch.dtype,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    wq: torch.Tensor,
+    ws: torch.Tensor,
+    expect: Callable[[torch.Tensor], torch.Tensor],
+    block: int,
+    what: str,
+) -> None:
+    """fp8_gemm on CPU operands xq (M, K) e4m3, wq (N, K) against `expect(xq)` (float64); a
+    failure names the K blocks at fault (the product of xq's columns of one block at a time)."""
+    __tracebackhide__ = True
+    dev = backend.device.device()
+    (m, k), n = xq.shape, wq.shape[0]
+
+    def masked(keep: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, xq.float(), 0.0).to(xq.dtype)  # e4m3 values: exact
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return backend.gemm.fp8_gemm(x.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype, block=block)
+
+    y = run(xq)
+    assert y.dtype == dtype and y.shape == (m, n), f"fp8_gemm returned {y.dtype} {tuple(y.shape)}"
+    assert_close_by_k_block(
+        y, expect(xq), dtype, lambda keep: run(masked(keep)), lambda keep: expect(masked(keep)), k, block,
+        what=what, case=f"M={m} K={k} N={n}",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
@@ -148,15 +235,12 @@ def test_fp8_gemm(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
 ) -> None:
     m, k, n = shape
-    dev = backend.device.device()
     xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen))
     wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5)
-    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype)
-    expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
-    assert y.dtype == dtype
-    assert_close(
-        y, expected, dtype, what="fp8_gemm", locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}"
-    )
+    fp8_gemm_by_k_block(
+        backend, dtype, xq, xs, wq, ws, lambda x: ref_gemm.fp8_gemm(x, xs, wq, ws, torch.float64),
+        ref_gemm.FP8_BLOCK, "fp8_gemm",
+    )  # fmt: skip
 
 
 # (M, K, N, the K block whose scales are perturbed): one K block (K = 128), the last of three
@@ -172,17 +256,17 @@ def test_fp8_gemm_one_block_scale_perturbed(
     that reads a block's scale from the wrong place (the first K block's, the last one's). The
     failure names the block."""
     m, k, n, j = case
-    dev = backend.device.device()
     xq, xs = ref_gemm.quantize_fp8(randn((m, k), torch.float32, "cpu", gen))
     wq, ws = quantized_weight((n, k), "cpu", gen, k**-0.5)
     ws[1, j] *= 8.0
     xs[1, j] *= 0.25
-    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype)
-    expected = ref_gemm.fp8_gemm(xq, xs, wq, ws, torch.float64)
     what = (
         f"fp8_gemm, weight scale of block (N block 1, K block {j}) x8 and x scale (row 1, K block {j}) x1/4"
     )
-    assert_close(y, expected, dtype, what=what, locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}")
+    fp8_gemm_by_k_block(
+        backend, dtype, xq, xs, wq, ws, lambda x: ref_gemm.fp8_gemm(x, xs, wq, ws, torch.float64),
+        ref_gemm.FP8_BLOCK, what,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", ALIGNED_FP8_SHAPES, ids=lambda s: "aligned-" + ids(s))
@@ -275,13 +359,12 @@ def test_fp8_gemm_block32(
     backend: Backend, fp8: None, dtype: torch.dtype, gen: torch.Generator, shape: tuple[int, ...]
 ) -> None:
     m, k, n = shape
-    dev = backend.device.device()
     xq, xs, wq, ws = _mx_operands(m, k, n, gen)
-    y = backend.gemm.fp8_gemm(xq.to(dev), xs.to(dev), wq.to(dev), ws.to(dev), dtype, block=MX)
-    expected = _blockwise(xq, xs, 1, MX) @ _blockwise(wq, ws, MX, MX).T
-    assert y.dtype == dtype and y.shape == (m, n)
     what = "fp8_gemm, 32 x 32 blocks (weight block (last, 0) x8, x scale (0, last) x1/4)"
-    assert_close(y, expected, dtype, what=what, locate=mn_locator(tuple(y.shape)), case=f"M={m} K={k} N={n}")
+    fp8_gemm_by_k_block(
+        backend, dtype, xq, xs, wq, ws, lambda x: _blockwise(x, xs, 1, MX) @ _blockwise(wq, ws, MX, MX).T,
+        MX, what,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", MXFP8_SHAPES, ids=ids)
@@ -366,15 +449,21 @@ def test_linear_fp8(
     wq, ws = quantized_weight((n, k), dev, gen, k**-0.5)
     b = randn((n,), dtype, dev, gen) if with_bias else None
     y = backend.gemm.linear_fp8(x, wq, ws, b)
-    xq, xs = ref_gemm.quantize_fp8(oracle(x))
-    expected = ref_gemm.fp8_gemm(xq, xs, wq.cpu(), ws.cpu(), torch.float64)
-    if b is not None:
-        expected = expected + oracle(b)
+
+    def expect(xk: torch.Tensor) -> torch.Tensor:
+        xq, xs = ref_gemm.quantize_fp8(oracle(xk))
+        out = ref_gemm.fp8_gemm(xq, xs, wq.cpu(), ws.cpu(), torch.float64)
+        return out if b is None else out + oracle(b)
+
+    def masked(keep: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep.to(dev), x, 0)
+
     assert y.dtype == dtype
-    case = f"M={m} K={k} N={n}, {'with' if with_bias else 'no'} bias"
-    assert_close(
-        y, expected, dtype, what="linear_fp8", fp8_act=True, locate=mn_locator(tuple(y.shape)), case=case
-    )
+    assert_close_by_k_block(
+        y, expect(x), dtype, lambda keep: backend.gemm.linear_fp8(masked(keep), wq, ws, b),
+        lambda keep: expect(masked(keep)), k, ref_gemm.FP8_BLOCK, what="linear_fp8", fp8_act=True,
+        case=f"M={m} K={k} N={n}, {'with' if with_bias else 'no'} bias",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", ALIGNED_FP8_SHAPES, ids=lambda s: "aligned-" + ids(s))

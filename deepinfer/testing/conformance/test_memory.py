@@ -10,7 +10,7 @@ from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import Event, KVCacheSpec, Stream
 from deepinfer.reference import small as ref_small
-from deepinfer.testing.helpers import oracle, randn
+from deepinfer.testing.helpers import oracle, randn, slot_locator, writer_rows
 from deepinfer.testing.tolerances import TOLERANCES, assert_bitwise_equal, assert_close
 
 SPECS = [  # (num_blocks, block_size, latent_dim, rope_dim)
@@ -142,7 +142,10 @@ def test_allocate_write_read_copy(
     expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
     keep = slots >= 0
     expected[slots[keep]] = kv[keep].to(dtype)
-    assert_bitwise_equal(backend.kv_cache.read_kv(caches[0], all_slots), expected, what="write_kv/read_kv")
+    assert_bitwise_equal(
+        backend.kv_cache.read_kv(caches[0], all_slots), expected, what="write_kv/read_kv",
+        locate=slot_locator(all_slots, bs, writer_rows(slots, nb * bs)),
+    )  # fmt: skip
     assert not backend.kv_cache.read_kv(caches[1], all_slots).any(), "write_kv touched another layer"
 
     # copy blocks: src -> dst, every tensor of the cache; other blocks untouched
@@ -152,8 +155,9 @@ def test_allocate_write_read_copy(
     after = expected.view(nb, bs, -1).clone()
     after[dst] = after[src]
     assert_bitwise_equal(
-        backend.kv_cache.read_kv(caches[0], all_slots), after.view(nb * bs, -1), what="copy_blocks"
-    )
+        backend.kv_cache.read_kv(caches[0], all_slots), after.view(nb * bs, -1),
+        what=f"copy_blocks {src.tolist()} -> {dst.tolist()}", locate=slot_locator(all_slots, bs),
+    )  # fmt: skip
 
 
 def test_write_kv_empty(backend: Backend, device: torch.device) -> None:
@@ -181,19 +185,25 @@ def test_write_kv_strided_rows_and_padding(
     expected = torch.zeros((nb * bs, spec.head_dim), dtype=dtype)
     keep = slots >= 0
     expected[slots[keep]] = kv[keep].to(dtype)
-    assert_bitwise_equal(backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided rows)")
+    where = slot_locator(all_slots, bs, writer_rows(slots, nb * bs))
+    assert_bitwise_equal(
+        backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided rows)", locate=where
+    )
     backend.kv_cache.write_kv(
         cache, randn((3, spec.head_dim), dtype, device, gen), torch.full((3,), -1, device=device)
     )
-    assert_bitwise_equal(backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (all padding)")
+    assert_bitwise_equal(
+        backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (all padding)", locate=where
+    )
     # slot_mapping a strided view (one column of a (T, 2) table)
     table = torch.tensor([[3, 1], [-1, 2], [5, 19]])
     rows = randn((3, spec.head_dim), dtype, "cpu", gen)
     backend.kv_cache.write_kv(cache, rows.to(device), table.to(device)[:, 1])
     expected[table[:, 1]] = rows
     assert_bitwise_equal(
-        backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided slots)"
-    )
+        backend.kv_cache.read_kv(cache, all_slots), expected, what="write_kv (strided slots)",
+        locate=slot_locator(all_slots, bs, writer_rows(table[:, 1], nb * bs)),
+    )  # fmt: skip
 
 
 def test_copy_blocks_fork(backend: Backend, device: torch.device, gen: torch.Generator) -> None:
@@ -209,13 +219,15 @@ def test_copy_blocks_fork(backend: Backend, device: torch.device, gen: torch.Gen
     backend.kv_cache.copy_blocks(cache, src.to(device), dst.to(device))
     after = kv.view(nb, bs, -1).clone()
     after[dst] = after[src]
+    where = slot_locator(all_slots, bs)
     assert_bitwise_equal(
-        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1), what="copy_blocks"
-    )
+        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1),
+        what=f"copy_blocks {src.tolist()} -> {dst.tolist()}", locate=where,
+    )  # fmt: skip
     empty = torch.empty(0, dtype=torch.int64, device=device)
     backend.kv_cache.copy_blocks(cache, empty, empty)
     assert_bitwise_equal(
-        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1), what="empty copy"
+        backend.kv_cache.read_kv(cache, all_slots), after.view(nb * bs, -1), what="empty copy", locate=where
     )
 
 
@@ -306,13 +318,17 @@ def test_write_mla_kv(
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots[keep]] = False
     assert_bitwise_equal(
-        stored[untouched], before[untouched], what="slots not written (padding rows skipped)"
-    )
+        stored[untouched], before[untouched], what="slots not written (padding rows skipped)",
+        locate=slot_locator(all_slots[untouched], bs),
+    )  # fmt: skip
 
     got = stored[slots[keep]]
+    written = slot_locator(slots[keep], bs, keep.nonzero().flatten().tolist())  # row -> slot, input row
     coarse = max((dtype, kv_dt), key=lambda d: TOLERANCES[d].rtol)
     expected = mla_rows(oracle(kv), oracle(w), positions, table.double(), latent, interleaved)
-    assert_close(got, expected[keep], coarse, what="write_mla_kv rows vs the float64 reference")
+    assert_close(
+        got, expected[keep], coarse, what="write_mla_kv rows vs the float64 reference", locate=written
+    )
     # the contract: "rms_norm and rope as the small ops define them". So a fused write is the
     # backend's own composition in the same dtypes (kv's, then the cache's), a rounding apart at
     # most, plus float32 differences inside the norm and rope (summation order, FMA)
@@ -330,7 +346,7 @@ def test_write_mla_kv(
         part = "latent (rms_norm)" if col < latent else "rope part"
         raise AssertionError(
             f"write_mla_kv differs from this backend's own small.rms_norm + small.rope in {kv_dt} -> "
-            f"{dtype} by {err.max().item():.3e}; worst at written row {row}, column {col} ({part}), "
+            f"{dtype} by {err.max().item():.3e}; worst at {written((row, col))} ({part}), "
             f"spec {spec_args}, {'interleaved' if interleaved else 'half'} rope"
         )
 

@@ -13,6 +13,9 @@ sublayers, so logits get MODEL_DEPTH x the per-op budget (measured on the refere
 bfloat16 1.3x, float16 0.9x, float32 < 0.01x the per-op budget), elementwise and, for FP8, in
 relative L2 per step.
 
+A failure names the first op whose output diverges: both runs again with every op call recorded,
+compared call by call with the same budget (deepinfer.testing.op_trace).
+
 Router near-ties are not errors: a token whose expert choice is within ROUTER_MARGIN of flipping
 (in the oracle's selection scores) may legitimately pick another expert at lower precision. The
 tiny model's only MoE layer is its last layer, so such a flip changes that token's logits alone;
@@ -39,6 +42,7 @@ from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import tiny_config, write_random_checkpoint
 from deepinfer.testing.helpers import router_margin
+from deepinfer.testing.op_trace import first_divergence, recording
 from deepinfer.testing.paged_runner import PagedRunner
 from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, tolerance
@@ -109,6 +113,21 @@ def _check(backend: Backend, dtype: torch.dtype, root: Path, fp8: bool) -> None:
     actual, _ = _run(load_model(root, backend, dtype=dtype), backend, fed)  # teacher-forced
     assert len(margins) == len(expected)
     tol = _model_tolerance(dtype, fp8)
+    try:
+        _compare(actual, expected, margins, tol, dtype)
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}; first op whose output diverges: {_first_op(root, backend, dtype, fed, tol)}"
+        ) from None
+
+
+def _compare(
+    actual: list[torch.Tensor],
+    expected: list[torch.Tensor],
+    margins: list[torch.Tensor],
+    tol: Tolerance,
+    dtype: torch.dtype,
+) -> None:
     num_prefill = len(actual) - DECODE_STEPS
     clear_rows = 0
     for i, (a, e, m) in enumerate(zip(actual, expected, margins)):
@@ -125,6 +144,21 @@ def _check(backend: Backend, dtype: torch.dtype, root: Path, fp8: bool) -> None:
         assert bool(agree[clear].all()), f"{what}: greedy token differs from the reference"
     total = sum(len(e) for e in expected)
     assert clear_rows >= 0.5 * total, f"only {clear_rows}/{total} rows are clear of router near-ties"
+
+
+def _first_op(
+    root: Path, backend: Backend, dtype: torch.dtype, fed: list[dict[int, int]], tol: Tolerance
+) -> str:
+    """After a failure: the same steps again on both backends, every op call recorded, and the
+    first call whose output leaves the model budget (deepinfer.testing.op_trace)."""
+    reference = create_reference_backend()
+    oracle = load_model(root, reference, dtype=torch.float64)
+    with recording(reference) as expected:
+        _run(oracle, reference, fed)
+    model = load_model(root, backend, dtype=dtype)
+    with recording(backend) as actual:
+        _run(model, backend, fed)
+    return first_divergence(actual, expected, tol)
 
 
 def _assert_within(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, what: str) -> None:

@@ -64,6 +64,42 @@ def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
     return weights.cpu().double().gather(1, order), ids.gather(1, order)
 
 
+def routing_stage(got: list[int], want: list[int], config: RouterConfig, experts: int) -> str:
+    """Which stage of group-limited routing two choices of routed experts part at: "group" (the
+    experts lie in other groups: the group scores or their top-k differ) or "expert"."""
+    per = experts // config.num_groups
+    if config.num_groups > 1 and {e // per for e in got} != {e // per for e in want}:
+        return "group"
+    return "expert"
+
+
+def assert_same_experts(
+    ids: torch.Tensor,
+    ref_ids: torch.Tensor,
+    config: RouterConfig,
+    experts: int,
+    rows: list[int] | None = None,
+    what: str = "selected experts differ from the reference",
+) -> None:
+    """ids, ref_ids (T, K (+ S)): each row's set of experts equals the reference's. A failure names
+    the first row that differs (by its index in the op's input: `rows` maps the rows compared
+    to it) and the routing stage (group or expert; hash routing has none)."""
+    __tracebackhide__ = True
+    got, want = ids.cpu().long().tolist(), ref_ids.cpu().long().tolist()
+    for i, (g, w) in enumerate(zip(got, want)):
+        if sorted(g) != sorted(w):
+            routed_g = sorted(e for e in g if e < experts)
+            routed_w = sorted(e for e in w if e < experts)
+            row = i if rows is None else rows[i]
+            stage = routing_stage(routed_g, routed_w, config, experts)
+            raise AssertionError(
+                f"{what}: row {row} chose experts {sorted(g)}, the reference {sorted(w)} "
+                f"({sum(a != b for a, b in zip(got, want))} of {len(got)} rows differ); the {stage} "
+                f"stage differs ({config.scoring}, {config.num_groups} group(s), top-{config.topk_groups} "
+                f"groups, top-{config.top_k} of {experts} experts)"
+            )
+
+
 @pytest.mark.parametrize("tokens", [0, 1, 13, 70])
 @pytest.mark.parametrize("experts,dm", [(64, 200), (10, 1100)], ids=["E64", "E10-wide"])
 def test_router_logits(
@@ -92,7 +128,7 @@ def test_route(backend: Backend, gen: torch.Generator, name: str, tokens: int) -
     ref_w, ref_ids = ref_moe.route(oracle(logits), config, None if bias is None else oracle(bias))
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
-    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert_same_experts(i, ri, config, experts)
     assert_close(w, rw, torch.float32, what="router weights")
 
 
@@ -109,7 +145,7 @@ def test_route_sqrtsoftplus_extreme_logits(backend: Backend, gen: torch.Generato
     ref_w, ref_ids = ref_moe.route(oracle(logits), config)
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
-    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert_same_experts(i, ri, config, experts)
     assert_close(w, rw, torch.float32, what="router weights")
 
 
@@ -127,7 +163,7 @@ def test_route_hash(backend: Backend, gen: torch.Generator, scoring: str, expert
     ref_w, ref_ids = ref_moe.route(oracle(logits), config, hash_ids=hash_ids)
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
-    assert torch.equal(i, ri), "hash routing must select exactly the given experts"
+    assert_same_experts(i, ri, config, experts, what="hash routing must select exactly the given experts")
     assert_close(w, rw, torch.float32, what="hash-routed weights")
 
 
@@ -159,7 +195,7 @@ def test_route_with_shared_experts(backend: Backend, gen: torch.Generator, name:
     ref_w, ref_ids = ref_moe.route(oracle(logits), config, None if bias is None else oracle(bias))
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
-    assert torch.equal(i, ri), "selected experts differ from the reference"
+    assert_same_experts(i, ri, config, experts)
     assert torch.equal(i[:, -s:], torch.arange(experts, experts + s).expand(tokens, s)), "shared ids"
     assert torch.equal(w[:, -s:], torch.ones((tokens, s), dtype=torch.float64)), "shared weights must be 1"
     assert_close(w, rw, torch.float32, what="router weights")
@@ -181,7 +217,9 @@ def test_route_hash_with_shared_experts(backend: Backend, gen: torch.Generator) 
     ref_w, ref_ids = ref_moe.route(oracle(logits), config, hash_ids=hash_ids)
     w, i = by_expert(weights, ids)
     rw, ri = by_expert(ref_w, ref_ids)
-    assert torch.equal(i, ri), "hash routing must select exactly the given experts plus the shared ones"
+    assert_same_experts(
+        i, ri, config, experts, what="hash routing must select exactly the given experts plus the shared ones"
+    )
     assert_close(w, rw, torch.float32, what="hash-routed weights")
 
 
@@ -243,7 +281,7 @@ def test_select_experts(
     if not hashed:
         clear = router_margin(logits, config, to_ref(bias)) > ROUTER_TIE
     assert int(clear.sum()) >= int(0.8 * tokens), f"only {int(clear.sum())}/{tokens} rows clear of ties"
-    assert torch.equal(i[clear], ri[clear]), "selected experts differ from the reference"
+    assert_same_experts(i[clear], ri[clear], config, experts, clear.nonzero().flatten().tolist())
     assert_close(w[clear], rw[clear], torch.float32, what="router weights")
 
 
@@ -585,14 +623,21 @@ def clear_of_near_ties(logits: torch.Tensor, chosen: list[int], config: RouterCo
     return all(a == b or abs(a - b) > ROUTER_TIE for a, b in pairs)
 
 
-def assert_tied_choice(ids: torch.Tensor, want: list[list[int]], config: RouterConfig, experts: int) -> None:
+def assert_tied_choice(
+    ids: torch.Tensor,
+    want: list[list[int]],
+    config: RouterConfig,
+    experts: int,
+    rows: list[int] | None = None,
+) -> None:
     """ids (T, K + S) the op's: each row's routed set equals `want`, the failure naming the row
-    and the stage (group: the chosen experts lie in other groups; expert: same groups)."""
-    per = experts // config.num_groups
+    (its index in the op's input: `rows` maps the rows compared to it) and the stage (group: the
+    chosen experts lie in other groups; expert: same groups)."""
     got = [sorted(r[: config.top_k]) for r in ids.cpu().long().tolist()]
-    for t, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            stage = "group" if {e // per for e in g} != {e // per for e in w} else "expert"
+            stage = routing_stage(g, w, config, experts)
+            t = i if rows is None else rows[i]
             raise AssertionError(
                 f"row {t}: tied scores chose experts {g}, the tie rule (lower group id, then lower "
                 f"expert id) gives {w}: the {stage} stage breaks ties differently"
@@ -641,4 +686,5 @@ def test_select_experts_tied_scores(
     clear = [t == 0 or clear_of_near_ties(r, w, config) for t, (r, w) in enumerate(zip(logits, want))]
     assert sum(clear) >= 0.5 * tokens, f"only {sum(clear)}/{tokens} rows clear of near-ties"
     rows = torch.tensor(clear, device=ids.device)
-    assert_tied_choice(ids[rows], [w for w, c in zip(want, clear) if c], config, experts)
+    kept = [t for t, c in enumerate(clear) if c]
+    assert_tied_choice(ids[rows], [want[t] for t in kept], config, experts, kept)

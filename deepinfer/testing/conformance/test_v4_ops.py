@@ -16,6 +16,7 @@ from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
 from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
+from deepinfer.testing.op_trace import OpCall, first_divergence, recording
 from deepinfer.testing.paged_runner import PagedRunner
 from deepinfer.testing.plugin import skip_not_applicable
 from deepinfer.testing.tolerances import Tolerance, assert_close, tolerance
@@ -328,9 +329,22 @@ V4_CHUNK = 7
 V4_DECODE = [[9, 40], [77, 3], [15, 100]]
 
 
-def _run_v4(backend: Backend, root: Path, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Logits of every row of each step: chunked prefill of both prompts, then decode steps."""
-    runner = PagedRunner(load_model(root, backend, dtype=dtype), backend, num_blocks=32, block_size=4)
+def _run_v4(
+    backend: Backend, root: Path, dtype: torch.dtype, trace: list[OpCall] | None = None
+) -> list[torch.Tensor]:
+    """Logits of every row of each step: chunked prefill of both prompts, then decode steps
+    (with every op call of the steps appended to `trace`, when given)."""
+    model = load_model(root, backend, dtype=dtype)
+    if trace is None:
+        return _steps_v4(model, backend)
+    with recording(backend) as calls:
+        out = _steps_v4(model, backend)
+    trace.extend(calls)
+    return out
+
+
+def _steps_v4(model: torch.nn.Module, backend: Backend) -> list[torch.Tensor]:
+    runner = PagedRunner(model, backend, num_blocks=32, block_size=4)  # type: ignore[arg-type]
     out, done = [], dict.fromkeys(V4_PROMPTS, 0)
     while any(done[r] < len(p) for r, p in V4_PROMPTS.items()):
         chunks = []
@@ -351,9 +365,7 @@ def test_tiny_v4_model(backend: Backend, dtype: torch.dtype, tmp_path: Path) -> 
     can flip between precisions: the logits must stay within V4_MODEL_DEPTH x the per-op budget."""
     config = tiny_v4_config(num_experts_per_tok=4, index_topk=16)
     root = write_random_v4_checkpoint(tmp_path / "tiny-v4", config, seed=3)
-    expected = _run_v4(create_reference_backend(), root, torch.float64)
-    actual = _run_v4(backend, root, dtype)
-    _assert_v4_within(actual, expected, tolerance(dtype), dtype)
+    _check_v4(backend, root, dtype, tolerance(dtype))
 
 
 @pytest.mark.usefixtures("fp8")
@@ -365,9 +377,23 @@ def test_tiny_v4_model_fp8_fp4(backend: Backend, dtype: torch.dtype, tmp_path: P
         skip_not_applicable("FP8 GEMMs produce float32 or narrower activations, not float64")
     config = tiny_v4_config(num_experts_per_tok=4, index_topk=16, o_lora_rank=128)
     root = write_random_v4_checkpoint(tmp_path / "tiny-v4-fp8-fp4", config, seed=3, quantized=True)
+    _check_v4(backend, root, dtype, tolerance(dtype, fp8_act=True))
+
+
+def _check_v4(backend: Backend, root: Path, dtype: torch.dtype, tol: Tolerance) -> None:
+    """The logits within the model budget; a failure names the first op whose output diverges
+    (both runs again with every op call recorded: deepinfer.testing.op_trace)."""
     expected = _run_v4(create_reference_backend(), root, torch.float64)
     actual = _run_v4(backend, root, dtype)
-    _assert_v4_within(actual, expected, tolerance(dtype, fp8_act=True), dtype)
+    try:
+        _assert_v4_within(actual, expected, tol, dtype)
+    except AssertionError as exc:
+        traces: tuple[list[OpCall], list[OpCall]] = ([], [])
+        _run_v4(create_reference_backend(), root, torch.float64, traces[1])
+        _run_v4(backend, root, dtype, traces[0])
+        budget = Tolerance(tol.atol * V4_MODEL_DEPTH, tol.rtol * V4_MODEL_DEPTH)
+        first = first_divergence(*traces, budget)
+        raise AssertionError(f"{exc}; first op whose output diverges: {first}") from None
 
 
 def _assert_v4_within(
