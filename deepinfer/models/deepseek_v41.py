@@ -33,6 +33,12 @@ Caches (paged by the engine, D-wide rows but the index keys' Di):
   entries/m   KV sources of ratio m: row j holds entry j;
   index/m     index-key sources of ratio m: row j holds entry j's key (Di wide).
 The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one position back).
+Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "auto" stores the
+window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
+(68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
+sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk), prefill
+included, so every step attends the rounded values; the C2 state keeps the model dtype bit for
+bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
 Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
 streams before the attention's pre mix; the n-gram ids come from each token's input id and the

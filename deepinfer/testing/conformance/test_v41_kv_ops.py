@@ -142,7 +142,11 @@ CASES = {
     "prefill-from-zero": ([23, 0, 12], [23, 0, 12]),
 }
 # (window format, entry format): the published default, FP8 entries, the window alone
-LAYOUTS = {"fp8-fp4": ("fp8", "fp4"), "fp8-fp8": ("fp8", "fp8"), "window-only": ("fp8", None)}
+LAYOUTS: dict[str, tuple[RowFormat, RowFormat | None]] = {
+    "fp8-fp4": ("fp8", "fp4"),
+    "fp8-fp8": ("fp8", "fp8"),
+    "window-only": ("fp8", None),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
