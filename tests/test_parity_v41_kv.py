@@ -9,6 +9,7 @@ real bytes, so the same memory holds more blocks in the ratio of the bytes per t
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,20 @@ def test_the_rounding_is_visible(tmp_path_factory: pytest.TempPathFactory) -> No
     for fmt in FORMATS:
         cases = [Case(name, fmt, tmp_path_factory.mktemp(f"vis-{name}-{fmt}")) for name in CONFIGS]
         assert any(c.expected != c.exact for c in cases), fmt
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_published_formats_on_the_cuda_backend(tmp_path: Path) -> None:
+    """The cuda backend's Triton kernels over the quantised rows (attention and indexer scoring
+    dequantising in registers) inside the whole model, float32, decode graphs: the rounding
+    oracle's greedy tokens, sharing included."""
+    c = Case("shared", "auto", tmp_path)
+    llm = c.llm(backend="cuda")
+    assert llm.llm_engine.backend.name == "cuda"
+    assert greedy(llm, c.prompts) == c.expected
 
 
 # --------------------------------------------------------------------------- the KV budget

@@ -14,7 +14,8 @@ Row formats (RowFormat) name these byte layouts for the contract's quantised KV 
 (KVCacheOps.write_kv_rows / read_kv_rows, AttentionOps.quantized_attention /
 quantized_indexer_topk): "fp8" (e4m3 + UE8M0 per 32), "fp4" (e2m1 + e4m3 per 16), "mxfp4"
 (e2m1 + UE8M0 per 32, the index keys); None: rows in the cache's own float dtype. The quantisers
-here are the formats' definitions; they run on any device without a host sync (graph steps).
+here are the formats' definitions; they run on any device without a host sync or a host tensor
+(graph steps capture them).
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def dequantize_rows(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     return dequantize_fp4_index_keys_v41(rows)
 
 
+def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """fp4.e2m1_codes' codes (nearest e2m1 magnitude, ties to the even code, sign in bit 3) by
+    arithmetic alone, so that graph capture sees no host tensor: |y| <= 6 rounds on e2m1's grid
+    (steps 0.5 below 2, then 1, then 2; round() halves to even, the even code), and a magnitude
+    q = m 2^e (m in [0.5, 1)) >= 1 has code 2e + 2 (q / 2^(e-1)) - 2."""
+    a = y.abs()
+    _, e = torch.frexp(a)  # a = m 2^e: floor(log2 a) = e - 1
+    step = torch.exp2((torch.clamp(e - 1, min=0) - 1).to(a.dtype))
+    q = torch.round(a / step) * step
+    _, eq = torch.frexp(q)
+    code = torch.where(q < 1, 2 * q, 2 * eq + 2 * q / torch.exp2((eq - 1).to(q.dtype)) - 2).long()
+    return code | ((y < 0) & (code > 0)).long() << 3
+
+
 def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
     """Positive normal float32 powers of two -> their UE8M0 bytes (the exponent field; no check,
     so no host sync: the callers' scales are powers of two by construction)."""
@@ -133,7 +148,7 @@ def quantize_fp4_rows_v41(x: torch.Tensor) -> torch.Tensor:
     scale = (blocks.abs().amax(-1, keepdim=True) / fp4.E2M1_MAX).to(torch.float8_e4m3fn)
     s = scale.float()
     y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0).clamp(-fp4.E2M1_MAX, fp4.E2M1_MAX)
-    packed = fp4.pack_e2m1(fp4.e2m1_codes(y.reshape(x.shape)))
+    packed = fp4.pack_e2m1(_e2m1_codes(y.reshape(x.shape)))
     return torch.cat([packed, scale[..., 0].view(torch.uint8)], dim=-1)
 
 
@@ -153,7 +168,7 @@ def quantize_fp4_index_keys_v41(k: torch.Tensor) -> torch.Tensor:
     blocks = k.float().reshape(*k.shape[:-1], d // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0**-126 * fp4.E2M1_MAX)
     scale = fp4.pow2_ceil(amax / fp4.E2M1_MAX)
-    packed = fp4.pack_e2m1(fp4.e2m1_codes((blocks / scale).reshape(k.shape)))
+    packed = fp4.pack_e2m1(_e2m1_codes((blocks / scale).reshape(k.shape)))
     return torch.cat([packed, _e8m0_bytes(scale[..., 0])], dim=-1)
 
 
