@@ -169,3 +169,41 @@ def test_kv_budget_counts_the_real_bytes(tmp_path: Path) -> None:
     # each count within a block of the prediction (partial blocks of the ratio-2 pools round up)
     assert abs(plain_blocks - plain_want) <= 1 and abs(quant_blocks - quant_want) <= 1
     assert quant_blocks > 3.7 * plain_blocks, (quant_blocks, plain_blocks)  # the rings shrink too
+
+
+# --------------------------------------------------------------------------- the engine argument
+
+
+def test_bad_kv_cache_dtypes_name_the_value_and_the_choices(tmp_path: Path) -> None:
+    raw = tiny_v41_config(layers=4, **WIDTHS)
+    raw.pop("quantization_config")
+    raw["dtype"] = "float32"
+    root = write_v41_checkpoint(tmp_path / "v41", raw, random_v41_tensors(raw))
+    args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": 32}
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp3' is not supported for deepseek_v41; .*'bf16'"):
+        LLM(str(root), kv_cache_dtype="fp3", **args)
+    narrow = tiny_v41_config(layers=4)  # head_dim 24: no whole 32-value scale blocks
+    narrow.pop("quantization_config")
+    narrow["dtype"] = "float32"
+    root = write_v41_checkpoint(tmp_path / "narrow", narrow, random_v41_tensors(narrow))
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='auto' cannot hold .*head_dim 24.*use kv_cache_dtype='bf16'"
+    ):
+        LLM(str(root), **args)
+    from tiny_model import TINY  # DeepSeek-V2 architecture: its caches in the model dtype only
+
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8' is not supported for deepseek_v\d; choose one of \('auto',\)"
+    ):
+        LLM(str(TINY), backend="reference", kv_cache_dtype="fp8")
+
+
+def test_kv_cache_dtype_is_a_command_line_option() -> None:
+    import argparse
+
+    from deepinfer.engine.args import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_kwargs(parser.parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"
+    assert engine_kwargs(parser.parse_args([]))["kv_cache_dtype"] == "auto"
