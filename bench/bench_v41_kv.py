@@ -113,7 +113,7 @@ def kv_per_token(model: Any, worker: Any) -> dict[str, dict[str, Any]]:
     fmt = model.kv_cache_dtype
     rows = {g.name: g.cache_spec(spec).bytes_per_token for g in worker.kv_groups}
     out: dict[str, dict[str, Any]] = {}
-    layers = range(len(v41.compress_ratios))
+    layers = range(len(model.layers))  # compress_ratios also lists the draft layers
     window = rows["ring"] if model.formats["window"] is not None else d * spec.dtype.itemsize
     out["window"] = {"layers": len(layers), "row_bytes": window, "published": PUBLISHED["window"]}
     for m in (1, 2):
@@ -152,7 +152,7 @@ def step_bytes(model: Any, batch: int, length: float, weights: tuple[int, list[i
         win = main = d * model.dtype.itemsize
         key = di * model.dtype.itemsize
     per_req = 0.0
-    for i, m in enumerate(v41.compress_ratios):
+    for i, m in enumerate(v41.compress_ratios[: len(model.layers)]):
         per_req += min(length, v41.sliding_window) * win + win
         if m:
             per_req += min(v41.index_topk, length / m) * main
