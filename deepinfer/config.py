@@ -274,6 +274,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = engine_arg(
         None, "KV cache size in bytes (instead of gpu_memory_utilization)", _positive_int
     )
+    kv_cache_dtype: str = engine_arg(
+        "auto",
+        "KV cache format: auto = the model's default (its dtype; DeepSeek-V4.1: its published FP8 window "
+        "rings and FP4 main KV and index keys); DeepSeek-V4.1 also takes bf16 (unquantised, the model "
+        "dtype), fp8 (FP8 main KV) and fp4 (= auto)",
+        _string,
+    )
     block_size: int = engine_arg(64, f"tokens per KV block, 1..{MAX_BLOCK_SIZE}", _block_size)
     seed: int = engine_arg(0, "seeds the generators of requests that have no seed of their own", _integer)
     enable_prefix_caching: bool = engine_arg(

@@ -155,6 +155,36 @@ def test_compressed_attention_kernel(topk: bool, direct: bool) -> None:
     compile_sm90(v4_k._compressed_attention_kernel, types, constexprs, num_warps=cfg.num_warps)
 
 
+@pytest.mark.parametrize("formats", [("fp8", "fp4"), ("fp8", "fp8")], ids=["fp8-fp4", "fp8-fp8"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "splits"])
+def test_quantized_attention_kernel(formats: tuple[str, str], direct: bool) -> None:
+    """DeepSeek-V4.1's rows: the compressed-attention kernel over uint8 FP8 window rows and FP4 /
+    FP8 entry rows (V4.1-Flash: 64 heads, D 512), dequantised in registers."""
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    types = {a: PTR["bf16"] for a in ("q_ptr", "out_ptr")} | {"kv_ptr": "*u8", "ckv_ptr": "*u8"}
+    types |= {a: PTR["i32"] for a in ("bt_ptr", "cbt_ptr", "seq_lens_ptr", "qsl_ptr", "topk_ptr")}
+    types |= {"sinks_ptr": PTR["f32"], "part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
+    cfg = v4_k._compressed_config(64, torch.bfloat16)
+    constexprs = dict(
+        BLOCK_D=512, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=True, HAS_TOPK=True, HAS_SINKS=True,
+        DIRECT=direct, IEEE=False, KV_FMT=v4_k.row_format_code(formats[0]),
+        CKV_FMT=v4_k.row_format_code(formats[1]),
+    )  # fmt: skip
+    compile_sm90(v4_k._compressed_attention_kernel, types, constexprs, num_warps=cfg.num_warps)
+
+
+def test_quantized_indexer_scores_kernel() -> None:
+    """MXFP4 index keys (V4.1-Flash: 32 heads x 128), dequantised in registers."""
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
+    types = {"q_ptr": PTR["bf16"], "k_ptr": "*u8", "w_ptr": PTR["f32"], "score_ptr": PTR["f32"]}
+    types["scale"] = "fp32"
+    constexprs = dict(BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code("mxfp4"))
+    compile_sm90(v4_k._indexer_scores_kernel, types | lengths, constexprs)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 @pytest.mark.parametrize("tile", ["decode", "prefill"])
 def test_mla_query_kernel(dtype: str, tile: str) -> None:

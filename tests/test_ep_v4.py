@@ -114,8 +114,9 @@ def test_v4_expert_parallel_equals_one_process(tmp_path: Path, quantized: bool) 
 
 
 def test_v41_expert_parallel_equals_one_process(tmp_path: Path) -> None:
-    """V4.1: a window layer, C2, then the C1 YOCO half; 4 experts over 2 ranks."""
-    raw = tiny_v41_config()
+    """V4.1: a window layer, C2, then the C1 YOCO half; 4 experts over 2 ranks; the published KV
+    formats (kv_cache_dtype auto: rows of 32-value scale blocks)."""
+    raw = tiny_v41_config(head_dim=32, index_head_dim=32)
     raw.pop("quantization_config")  # float weights
     raw["dtype"] = "float32"
     ckpt = write_v41_checkpoint(tmp_path / "ckpt", raw, random_v41_tensors(raw, seed=4))

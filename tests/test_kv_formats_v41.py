@@ -64,3 +64,28 @@ def test_fp4_index_key_roundtrip_within_e2m1_rounding():
     # half the widest e2m1 spacing (2) in units of the scale.
     s = torch.exp2(rows[:, 64:].double() - 127).repeat_interleave(32, dim=-1)
     assert ((back - k).abs() <= s + 1e-12).all()
+
+
+def test_graph_safe_e2m1_codes_equal_the_mxfp4_codes():
+    """The KV quantisers' arithmetic e2m1 rounding (no host tensor, so graph capture takes it)
+    gives fp4.e2m1_codes' codes: a fine grid over +-6 and every tie between two magnitudes."""
+    import torch
+
+    from deepinfer.backend import fp4
+    from deepinfer.backend.kv_formats_v41 import _e2m1_codes
+
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    y = torch.cat([torch.linspace(-6, 6, 4801), ties, -ties, torch.tensor([0.0, -0.0, 6.0, -6.0])])
+    assert torch.equal(_e2m1_codes(y), fp4.e2m1_codes(y))
+
+
+def test_index_keys_are_mxfp4_weights_bytes():
+    """The index keys' bytes are MXFP4's (fp4.quantize_weight's packing and UE8M0 scales)."""
+    import torch
+
+    from deepinfer.backend import fp4
+    from deepinfer.backend.kv_formats_v41 import quantize_fp4_index_keys_v41
+
+    k = torch.randn(6, 128, generator=torch.Generator().manual_seed(3)) * 4
+    packed, scales = fp4.quantize_weight(k)
+    assert torch.equal(quantize_fp4_index_keys_v41(k), torch.cat([packed, scales], dim=-1))

@@ -114,7 +114,9 @@ class Case:
         self.expected = [list(oracle.greedy(p, NEW_TOKENS)) for p in self.prompts]
 
     def llm(self, **kwargs: Any) -> LLM:
-        args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": 64} | kwargs
+        # unquantised caches: the oracle's exact KV (tests/test_parity_v41_kv.py: the published formats)
+        args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": 64}
+        args = args | {"kv_cache_dtype": "bf16"} | kwargs
         return LLM(str(self.root), **args)
 
 

@@ -137,8 +137,9 @@ class Case:
         """LLM.generate, greedy, in `dtype`, on the checkpoint at root: per prompt (the generated
         tokens, log-probabilities of every vocabulary entry at every position after the first)."""
         llm = LLM(
-            str(root), backend="reference", dtype=dtype, block_size=4, max_model_len=64, max_logprobs=-1
-        )
+            str(root), backend="reference", dtype=dtype, block_size=4, max_model_len=64, max_logprobs=-1,
+            kv_cache_dtype="bf16",  # the weights' formats alone (the KV formats: test_parity_v41_kv.py)
+        )  # fmt: skip
         params = SamplingParams(
             temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=-1, prompt_logprobs=-1
         )

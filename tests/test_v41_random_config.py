@@ -126,7 +126,9 @@ def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool) 
 
 
 def test_bench_reduced_depth_runs(run_deepinfer: Any, tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(tiny()))
+    """The published formats: FP8 weights, MXFP4 experts, the default KV formats (rows of whole
+    32-value scale blocks)."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny(head_dim=32, index_head_dim=32)))
     r = run_deepinfer(
         "bench", "--random-config", str(tmp_path / "config.json"), "--num-hidden-layers", "3",
         "--quantization", "fp8", "--backend", "reference", "--num-prompts", "2",

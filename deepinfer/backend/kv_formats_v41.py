@@ -7,8 +7,15 @@ Every V4.1 entry is quantised whole, RoPE dims included (no bf16 part):
 - "fp4" main compressed KV row: W/2 B e2m1 (two per byte, even index in the low nibble)
   + W/16 e4m3 scales (one per 16 values) -> 288 B for W = 512;
 - "fp4" index key: D/2 B e2m1 + D/32 UE8M0 scales, MXFP4's layout -> 68 B for D = 128.
-"bf16" keeps every kind at 2 bytes per value. The e2m1 and UE8M0 codings are
-deepinfer.backend.fp4's.
+"bf16" keeps every kind unquantised, in the model dtype (2 bytes a value in bfloat16). The e2m1
+and UE8M0 codings are deepinfer.backend.fp4's.
+
+Row formats (RowFormat) name these byte layouts for the contract's quantised KV ops
+(KVCacheOps.write_kv_rows / read_kv_rows, AttentionOps.quantized_attention /
+quantized_indexer_topk): "fp8" (e4m3 + UE8M0 per 32), "fp4" (e2m1 + e4m3 per 16), "mxfp4"
+(e2m1 + UE8M0 per 32, the index keys); None: rows in the cache's own float dtype. The quantisers
+here are the formats' definitions; they run on any device without a host sync or a host tensor
+(graph steps capture them).
 """
 
 from __future__ import annotations
@@ -20,8 +27,77 @@ import torch
 from deepinfer.backend import fp4
 
 CacheKind = Literal["window", "main", "index"]
+RowFormat = Literal["fp8", "fp4", "mxfp4"]
 KV_CACHE_DTYPES_V41 = ("auto", "bf16", "fp8", "fp4")
 E4M3_MAX = 448.0
+
+
+def check_kv_cache_dtype_v41(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES_V41:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by V4.1; choose one of {KV_CACHE_DTYPES_V41}"
+        )
+
+
+def row_formats_v41(kv_cache_dtype: str) -> dict[CacheKind, RowFormat | None]:
+    """The row format of each cache kind: "auto" / "fp4" fp8 window rings, fp4 main entries,
+    mxfp4 index keys (the published default); "fp8" the same with fp8 main entries; "bf16"
+    none quantised."""
+    check_kv_cache_dtype_v41(kv_cache_dtype)
+    if kv_cache_dtype == "bf16":
+        return {"window": None, "main": None, "index": None}
+    return {"window": "fp8", "main": "fp8" if kv_cache_dtype == "fp8" else "fp4", "index": "mxfp4"}
+
+
+def row_bytes(fmt: RowFormat, width: int) -> int:
+    """Bytes of one row of `width` values in `fmt`."""
+    kind: CacheKind = "window" if fmt == "fp8" else "main" if fmt == "fp4" else "index"
+    return bytes_per_entry_v41(kind, width, "auto")
+
+
+def row_width(fmt: RowFormat, nbytes: int) -> int:
+    """Values of a row of `nbytes` bytes in `fmt` (inverse of row_bytes)."""
+    if fmt == "fp8":
+        return nbytes * 32 // 33
+    return nbytes * 16 // 9 if fmt == "fp4" else nbytes * 32 // 17
+
+
+def quantize_rows(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """[..., W] float -> [..., row_bytes(fmt, W)] uint8."""
+    if fmt == "fp8":
+        return quantize_fp8_rows_v41(x)
+    if fmt == "fp4":
+        return quantize_fp4_rows_v41(x)
+    return quantize_fp4_index_keys_v41(x)
+
+
+def dequantize_rows(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
+    """[..., row_bytes(fmt, W)] uint8 -> [..., W] float32 (inverse of quantize_rows)."""
+    if fmt == "fp8":
+        return dequantize_fp8_rows_v41(rows)
+    if fmt == "fp4":
+        return dequantize_fp4_rows_v41(rows)
+    return dequantize_fp4_index_keys_v41(rows)
+
+
+def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """fp4.e2m1_codes' codes (nearest e2m1 magnitude, ties to the even code, sign in bit 3) by
+    arithmetic alone, so that graph capture sees no host tensor: |y| <= 6 rounds on e2m1's grid
+    (steps 0.5 below 2, then 1, then 2; round() halves to even, the even code), and a magnitude
+    q = m 2^e (m in [0.5, 1)) >= 1 has code 2e + 2 (q / 2^(e-1)) - 2."""
+    a = y.abs()
+    _, e = torch.frexp(a)  # a = m 2^e: floor(log2 a) = e - 1
+    step = torch.exp2((torch.clamp(e - 1, min=0) - 1).to(a.dtype))
+    q = torch.round(a / step) * step
+    _, eq = torch.frexp(q)
+    code = torch.where(q < 1, 2 * q, 2 * eq + 2 * q / torch.exp2((eq - 1).to(q.dtype)) - 2).long()
+    return code | ((y < 0) & (code > 0)).long() << 3
+
+
+def _e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Positive normal float32 powers of two -> their UE8M0 bytes (the exponent field; no check,
+    so no host sync: the callers' scales are powers of two by construction)."""
+    return (scale.float().contiguous().view(torch.int32) >> 23).to(torch.uint8)
 
 
 def bytes_per_entry_v41(kind: CacheKind, width: int, kv_cache_dtype: str) -> int:
@@ -29,10 +105,7 @@ def bytes_per_entry_v41(kind: CacheKind, width: int, kv_cache_dtype: str) -> int
 
     "auto" is V4.1's published default: fp8 window rings, fp4 main KV and index keys.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES_V41:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported by V4.1; choose one of {KV_CACHE_DTYPES_V41}"
-        )
+    check_kv_cache_dtype_v41(kv_cache_dtype)
     if kv_cache_dtype == "bf16":
         return 2 * width
     if kind == "window" or (kind == "main" and kv_cache_dtype == "fp8"):
@@ -56,7 +129,7 @@ def quantize_fp8_rows_v41(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0**-126 * E4M3_MAX)
     scale = fp4.pow2_ceil(amax / E4M3_MAX)
     q = (blocks / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([q.reshape(*x.shape[:-1], w), fp4.float_to_e8m0(scale[..., 0])], dim=-1)
+    return torch.cat([q.reshape(*x.shape[:-1], w), _e8m0_bytes(scale[..., 0])], dim=-1)
 
 
 def dequantize_fp8_rows_v41(rows: torch.Tensor) -> torch.Tensor:
@@ -75,7 +148,7 @@ def quantize_fp4_rows_v41(x: torch.Tensor) -> torch.Tensor:
     scale = (blocks.abs().amax(-1, keepdim=True) / fp4.E2M1_MAX).to(torch.float8_e4m3fn)
     s = scale.float()
     y = torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0).clamp(-fp4.E2M1_MAX, fp4.E2M1_MAX)
-    packed = fp4.pack_e2m1(fp4.e2m1_codes(y.reshape(x.shape)))
+    packed = fp4.pack_e2m1(_e2m1_codes(y.reshape(x.shape)))
     return torch.cat([packed, scale[..., 0].view(torch.uint8)], dim=-1)
 
 
@@ -88,9 +161,15 @@ def dequantize_fp4_rows_v41(rows: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_fp4_index_keys_v41(k: torch.Tensor) -> torch.Tensor:
-    """[..., D] float -> [..., D/2 + D/32] uint8: MXFP4 (e2m1 pairs, one UE8M0 scale per 32)."""
-    packed, scales = fp4.quantize_weight(k.reshape(-1, k.shape[-1]))
-    return torch.cat([packed, scales], dim=-1).reshape(*k.shape[:-1], -1)
+    """[..., D] float -> [..., D/2 + D/32] uint8: MXFP4 (e2m1 pairs, one UE8M0 scale per 32, the
+    smallest power of two that maps its 32 values' amax within +-6, so nothing clips), as
+    fp4.quantize_weight codes weights."""
+    d = k.shape[-1]
+    blocks = k.float().reshape(*k.shape[:-1], d // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0**-126 * fp4.E2M1_MAX)
+    scale = fp4.pow2_ceil(amax / fp4.E2M1_MAX)
+    packed = fp4.pack_e2m1(_e2m1_codes((blocks / scale).reshape(k.shape)))
+    return torch.cat([packed, _e8m0_bytes(scale[..., 0])], dim=-1)
 
 
 def dequantize_fp4_index_keys_v41(rows: torch.Tensor) -> torch.Tensor:

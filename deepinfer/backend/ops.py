@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend import fp4
+from deepinfer.backend import kv_formats_v41 as kvf
 from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.host import HostEvent, HostStream
 from deepinfer.backend.types import (
@@ -270,6 +271,26 @@ class KVCacheOps(_Part):
             k_pe = small.rope(k_pe[:, None], positions, cos_sin_cache, interleaved)[:, 0]
         self.write_kv(cache, torch.cat([latent, k_pe.to(latent.dtype)], dim=-1), slot_mapping)
 
+    def write_kv_rows(
+        self, cache: PagedKVCache, rows: torch.Tensor, slot_mapping: torch.Tensor, fmt: kvf.RowFormat | None
+    ) -> None:
+        """Store rows (T, W) float, quantised to `fmt` (DeepSeek-V4.1's KV row formats: the bytes
+        kv_formats_v41.quantize_rows defines, in a uint8 cache of rows row_bytes(fmt, W) wide;
+        None: write_kv as it is). Slot -1 skips a row. Default: that quantiser (no host sync),
+        then this part's write_kv of the bytes."""
+        if fmt is None:
+            self.write_kv(cache, rows, slot_mapping)
+        else:
+            self.write_kv(cache, kvf.quantize_rows(rows, fmt), slot_mapping)
+
+    def read_kv_rows(
+        self, cache: PagedKVCache, slots: torch.Tensor, fmt: kvf.RowFormat | None
+    ) -> torch.Tensor:
+        """(n, W) float32 rows at `slots` (n,) int64 of a cache write_kv_rows filled in `fmt`,
+        dequantised (kv_formats_v41.dequantize_rows; None: read_kv's rows as float32)."""
+        raw = self.read_kv(cache, slots)
+        return raw.float() if fmt is None else kvf.dequantize_rows(raw, fmt)
+
     def copy_blocks(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor.
         Every source is read before any destination is written; destinations are distinct.
@@ -462,6 +483,66 @@ class AttentionOps(_Part):
         read on the host (NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "indexer_topk")
         return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, self.backend.kv_cache.read_kv)
+
+    def quantized_attention(
+        self,
+        q: torch.Tensor,
+        window: PagedKVCache,
+        entries: PagedKVCache | None,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        ratio: int,
+        window_format: kvf.RowFormat | None,
+        entry_format: kvf.RowFormat | None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+        compressed_block_tables: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4.1's sparse attention over quantised rows: compressed_attention(q, window,
+        entries, ...) where each cache's rows are those read_kv_rows dequantises (window in
+        window_format, entries in entry_format; the rows are D = q's width values). entries None:
+        the window only (a sliding-window layer; ratio unused). q (T, H, D) -> (T, H, D) in q's
+        dtype. Default: the reference over read_kv_rows (any layout), one request at a time from
+        the device lengths read on the host (NotImplementedError while a real graph captures)."""
+        _refuse_capture(self.backend, "quantized_attention")
+        kv = self.backend.kv_cache
+
+        def read_window(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
+            return kv.read_kv_rows(cache, slots, window_format)
+
+        def read_entries(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
+            return kv.read_kv_rows(cache, slots, entry_format)
+
+        if entries is None:  # the window alone: a ratio past every length closes no entry
+            entries, ratio, read_entries = window, 1 << 62, read_window
+        return ref_v4.compressed_attention(
+            q, window, entries, meta, scale, ratio, modifiers, read_window, compressed_block_tables,
+            read_compressed=read_entries,
+        )  # fmt: skip
+
+    def quantized_indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        key_format: kvf.RowFormat | None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4.1's indexer scoring over quantised keys: indexer_topk(q, weights, keys, ...)
+        where the keys are the rows read_kv_rows dequantises in key_format (Di = q's width
+        values). Default: the reference over read_kv_rows, one request at a time from the device
+        lengths read on the host (NotImplementedError while a real graph captures)."""
+        _refuse_capture(self.backend, "quantized_indexer_topk")
+        kv = self.backend.kv_cache
+
+        def read(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
+            return kv.read_kv_rows(cache, slots, key_format)
+
+        return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, read)
 
 
 def _refuse_capture(backend: Backend, op: str) -> None:

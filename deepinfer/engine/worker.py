@@ -176,6 +176,7 @@ class Worker:
         # past a row a later step still reads); a request computing more tokens in a step (a
         # prefill chunk, a recompute) runs over step-scratch blocks (deepinfer.engine.ring), a
         # pool sized from the step's token budget. MTP caches are rows of the same groups.
+        model.use_kv_cache_dtype(config.kv_cache_dtype)
         self.kv_groups = model.kv_cache_groups(bs, k, 1 if method == "mtp" else 0)
         ring = self.kv_groups[0]
         # prefix caching of several groups keeps ring rows of cached token blocks in a pool of its
@@ -299,7 +300,11 @@ class Worker:
         if base is None:
             return None
         spec = self.model.kv_cache_spec(1, self.block_size)
-        caches = self.backend.kv_cache.allocate(spec, self.model.num_kv_layers)
+        caches = [  # each group's own (its rows' width and dtype), the MTP head's left out
+            c
+            for g in self.kv_groups
+            for c in self.backend.kv_cache.allocate(g.cache_spec(spec), g.num_caches - g.num_mtp_caches)
+        ]
         real, self.kv_caches = self.kv_caches, caches
         try:
             step = self.inputs.prepare(ScheduledBatch(), bucket, width, prefill)

@@ -19,6 +19,7 @@ from deepinfer.backend.types import KVCacheSpec, PagedKVCache
 from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
+from deepinfer.models.interface import check_kv_cache_dtype
 from deepinfer.models.layers import MLP, Linear, RMSNorm
 from deepinfer.models.moe import MoE
 from deepinfer.models.rope import cos_sin_cache
@@ -166,6 +167,10 @@ class DeepseekForCausalLM(nn.Module):
     def num_mtp_layers(self) -> int:
         """MTP layers loaded (0 when the checkpoint has none, e.g. transformers' saves)."""
         return len(self.mtp)
+
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Only "auto": the caches in the model dtype."""
+        check_kv_cache_dtype(kv_cache_dtype, ("auto",), self.config.model_type)
 
     def kv_cache_groups(
         self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0

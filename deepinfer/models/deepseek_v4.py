@@ -102,11 +102,13 @@ import torch
 from torch import nn
 
 from deepinfer.backend.fp8 import FP8_BLOCK, dequantize_weight
+from deepinfer.backend.kv_formats_v41 import RowFormat
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.models.config import ModelConfig, V4Config
 from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
+from deepinfer.models.interface import check_kv_cache_dtype
 from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
 from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel, routed_experts
@@ -547,10 +549,15 @@ class SharedKVAttention(nn.Module):
             self.register_buffer("ones", torch.ones(d, device=backend.device.device()), persistent=False)
 
     def project(
-        self, x: torch.Tensor, batch: ForwardBatch, window: PagedKVCache, table: torch.Tensor
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        window: PagedKVCache,
+        table: torch.Tensor,
+        window_format: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x (T, Dm) -> (q_residual (T, q_lora_rank), q (T, H, D) roped); this step's K = V rows
-        (T, D), roped, written into the window cache."""
+        (T, D), roped, written into the window cache (quantised to window_format: V4.1's rows)."""
         backend, t, pos = self.backend, x.shape[0], batch.positions
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).view(t, self.heads, self.dim)
@@ -558,7 +565,7 @@ class SharedKVAttention(nn.Module):
             q = backend.small.rms_norm(q, self.ones, self.eps)
         q = rope_tail(backend, q, pos, table)
         kv = rope_tail(backend, self.kv_norm(self.wkv(x))[:, None], pos, table)[:, 0]
-        backend.kv_cache.write_kv(window, kv, batch.slot_mapping)
+        backend.kv_cache.write_kv_rows(window, kv, batch.slot_mapping, window_format)
         return q_residual, q
 
     def window_attention(self, q: torch.Tensor, batch: ForwardBatch, window: PagedKVCache) -> torch.Tensor:
@@ -1039,6 +1046,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return sum(end - first for slices in self._slices for first, end, _ in slices.values())
+
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Only "auto": the caches in the model dtype."""
+        check_kv_cache_dtype(kv_cache_dtype, ("auto",), self.config.model_type)
 
     def kv_cache_groups(
         self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0

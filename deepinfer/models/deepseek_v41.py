@@ -33,6 +33,12 @@ Caches (paged by the engine, D-wide rows but the index keys' Di):
   entries/m   KV sources of ratio m: row j holds entry j;
   index/m     index-key sources of ratio m: row j holds entry j's key (Di wide).
 The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one position back).
+Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "auto" stores the
+window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
+(68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
+sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk), prefill
+included, so every step attends the rounded values; the C2 state keeps the model dtype bit for
+bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
 Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
 streams before the attention's pre mix; the n-gram ids come from each token's input id and the
@@ -64,8 +70,15 @@ import torch
 from torch import nn
 
 from deepinfer import envs
+from deepinfer.backend.kv_formats_v41 import (
+    KV_CACHE_DTYPES_V41,
+    CacheKind,
+    RowFormat,
+    row_bytes,
+    row_formats_v41,
+)
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import KVCacheSpec, PagedKVCache
+from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.config_v41 import V41Config
 from deepinfer.models.deepseek_v4 import (
@@ -81,6 +94,7 @@ from deepinfer.models.deepseek_v4 import (
 )
 from deepinfer.models.engram import Engram, ngram_ids, table_sizes, vocabulary_table
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
+from deepinfer.models.interface import check_kv_cache_dtype
 from deepinfer.models.layers import Linear, RMSNorm
 from deepinfer.models.rope import cos_sin_cache
 from deepinfer.models.weights import WeightSource
@@ -104,6 +118,39 @@ def stored_in_fp8(prefix: str) -> bool:
 
 
 # --------------------------------------------------------------------------- caches
+
+
+class QuantizedRows(WideCache):
+    """One cache of rows quantised to `fmt` (V4.1's KV row formats; the contract's write_kv_rows
+    and read_kv_rows): `width` values a row, row_bytes(fmt, width) bytes."""
+
+    def __init__(self, cache: PagedKVCache, width: int, fmt: RowFormat) -> None:
+        super().__init__([cache], width)
+        self.fmt = fmt
+
+    def write(self, backend: Backend, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        backend.kv_cache.write_kv_rows(self.caches[0], rows, slots, self.fmt)
+
+    def read(self, backend: Backend, slots: torch.Tensor) -> torch.Tensor:
+        return backend.kv_cache.read_kv_rows(self.caches[0], slots, self.fmt)
+
+
+class ByteRows(WideCache):
+    """Rows of `width` values in `dtype` kept bit for bit in uint8 caches of another width (the
+    C2 state beside the FP8 window rows of its group): each row's bytes split over the caches."""
+
+    def __init__(self, caches: Sequence[PagedKVCache], width: int, dtype: torch.dtype) -> None:
+        super().__init__(caches, width)
+        self.dtype = dtype
+
+    def write(self, backend: Backend, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        raw = rows.to(self.dtype).contiguous().view(torch.uint8)  # (n, width * itemsize)
+        WideCache.write(self, backend, raw, slots)
+
+    def read(self, backend: Backend, slots: torch.Tensor) -> torch.Tensor:
+        parts = [backend.kv_cache.read_kv(cache, slots) for cache in self.caches]
+        nbytes = self.width * self.dtype.itemsize
+        return torch.cat(parts, dim=-1)[:, :nbytes].contiguous().view(self.dtype)
 
 
 def layer_cache_kinds(v41: V41Config, layer: int) -> list[tuple[str, int]]:
@@ -132,11 +179,45 @@ def ring_lookback(v41: V41Config) -> int:
     return max(v41.sliding_window - 1, 1 if 2 in v41.compress_ratios else 0)
 
 
-def cache_layout(v41: V41Config) -> tuple[list[dict[str, tuple[int, int, int]]], dict[tuple[int, int], int]]:
+# a layer's cache kinds (layer_cache_kinds) -> the kind whose row format they take
+FORMAT_OF: dict[str, CacheKind] = {
+    "window": "window",
+    "state": "window",
+    "compressed": "main",
+    "index_keys": "index",
+}
+GROUP_KIND: dict[int, CacheKind] = {0: "window", 1: "main", 2: "index"}  # _group_key's first -> kind
+
+
+def group_row(
+    v41: V41Config, key: tuple[int, int], formats: dict[CacheKind, RowFormat | None]
+) -> tuple[int, RowFormat | None]:
+    """(row width, format) of the caches of group `key`: values (the ring's and the entries' D,
+    the index keys' Di) where unquantised, else the bytes of one row of the group's format."""
+    fmt = formats[GROUP_KIND[key[0]]]
+    width = v41.index_head_dim if key[0] == 2 else v41.head_dim
+    return (width, None) if fmt is None else (row_bytes(fmt, width), fmt)
+
+
+def cache_count(kind: str, width: int, row: int, fmt: RowFormat | None, dtype: torch.dtype) -> int:
+    """Caches one layer's `kind` of `width` values takes in a group of rows `row` wide: one
+    quantised row (window, entries, index keys in a format), or the state's values bit for bit
+    in the ring's bytes (ByteRows), or ceil(width / row) rows of values."""
+    if fmt is None:
+        return WideCache.count(width, row)
+    return WideCache.count(width * dtype.itemsize, row) if kind == "state" else 1
+
+
+def cache_layout(
+    v41: V41Config,
+    formats: dict[CacheKind, RowFormat | None] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[list[dict[str, tuple[int, int, int]]], dict[tuple[int, int], int]]:
     """Per layer, kind -> (first, end, width) in the flat cache list laid out group by group
     (ring, entries by ratio, index keys by ratio), layer by layer within a group; and the number
-    of caches of each group."""
-    d = v41.head_dim
+    of caches of each group. formats: the row formats (row_formats_v41; default none quantised),
+    dtype: the model's (the state's values)."""
+    formats = formats or row_formats_v41("bf16")
     kinds = [layer_cache_kinds(v41, i) for i in range(len(v41.compress_ratios))]
     out: list[dict[str, tuple[int, int, int]]] = [{} for _ in kinds]
     counts: dict[tuple[int, int], int] = {}
@@ -146,7 +227,8 @@ def cache_layout(v41: V41Config) -> tuple[list[dict[str, tuple[int, int, int]]],
         for i, layer_kinds in enumerate(kinds):
             for kind, width in layer_kinds:
                 if _group_key(kind, v41.compress_ratios[i]) == key:
-                    n = WideCache.count(width, v41.index_head_dim if key[0] == 2 else d)
+                    row, fmt = group_row(v41, key, formats)
+                    n = cache_count(kind, width, row, fmt, dtype)
                     out[i][kind] = (at, at + n, width)
                     counts[key] = counts.get(key, 0) + n
                     at += n
@@ -171,6 +253,13 @@ def _c1_entries(entries: NewEntries, batch: ForwardBatch) -> NewEntries:
 
 
 # --------------------------------------------------------------------------- attention
+
+
+@dataclass
+class V41LayerCaches(LayerCaches):
+    """V4's LayerCaches with the row format of each kind (row_formats_v41)."""
+
+    formats: dict[CacheKind, RowFormat | None] = field(default_factory=lambda: row_formats_v41("bf16"))
 
 
 @dataclass
@@ -271,17 +360,30 @@ class SparseIndexer(nn.Module):
         keys: WideCache,
         key_tables: torch.Tensor | None,
         table: torch.Tensor,
+        key_format: RowFormat | None = None,
     ) -> torch.Tensor:
         """-> (T, index_topk) int32 entry ids per query, -1 unused (lower id first among ties).
         The scores' positive scale factors do not change the picks; the contract's scale is
-        Di^-0.5 on q . k."""
+        Di^-0.5 on q . k. key_format: the keys' row format (their quantised scoring op)."""
         q = rope_tail(
             self.backend, self.wq_b(q_residual).view(-1, self.heads, self.dim), batch.positions, table
         )
         weights = self.weights_proj(x).float()  # (T, Hi)
         meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
-        return self.backend.attention.indexer_topk(
-            q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=self.dim**-0.5
+        attention, scale = self.backend.attention, self.dim**-0.5
+        if key_format is None:
+            return attention.indexer_topk(
+                q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=scale
+            )
+        return attention.quantized_indexer_topk(
+            q,
+            weights,
+            keys.caches[0],
+            meta,
+            ratio=self.ratio,
+            topk=self.topk,
+            scale=scale,
+            key_format=key_format,
         )
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
@@ -320,16 +422,19 @@ class V41Attention(SharedKVAttention):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        caches: LayerCaches,
+        caches: V41LayerCaches,
         entries: NewEntries | None,
         table: torch.Tensor,
         step: StepState,
     ) -> torch.Tensor:
         """x (T, Dm) the normed attention input -> (T, Dm). caches: this layer's window, its KV
         source's entries and its index-key source's keys (LayerCaches)."""
-        q_residual, q = self.project(x, batch, caches.window, table)
+        formats = caches.formats
+        q_residual, q = self.project(x, batch, caches.window, table, formats["window"])
         if not self.ratio:
-            return self.output(self.window_attention(q, batch, caches.window), batch, table)
+            if formats["window"] is None:
+                return self.output(self.window_attention(q, batch, caches.window), batch, table)
+            return self.output(self.quantized_attention(q, batch, caches, formats, None), batch, table)
         assert caches.compressed is not None
         if self.compressor is not None:
             if self.decoder and step.shared_hidden is None:
@@ -346,10 +451,30 @@ class V41Attention(SharedKVAttention):
         if self.indexer is not None:
             assert caches.index_keys is not None
             step.topk[self.layer] = self.indexer.select(
-                x, q_residual, batch, caches.index_keys, caches.key_tables, table
+                x, q_residual, batch, caches.index_keys, caches.key_tables, table, formats["index"]
             )
         topk = step.topk[self.index_source]
-        return self.output(self.compressed_attention(q, batch, caches, self.ratio, topk), batch, table)
+        if formats["window"] is None and formats["main"] is None:
+            return self.output(self.compressed_attention(q, batch, caches, self.ratio, topk), batch, table)
+        return self.output(self.quantized_attention(q, batch, caches, formats, topk), batch, table)
+
+    def quantized_attention(
+        self,
+        q: torch.Tensor,
+        batch: ForwardBatch,
+        caches: V41LayerCaches,
+        formats: dict[CacheKind, RowFormat | None],
+        topk: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The window's rows (and, in a compressed layer, the top-k entries) read from their
+        quantised rows (the contract's quantized_attention). (T, H, D)."""
+        mods = AttentionModifiers(window=self.window, sinks=self.attn_sink, topk_indices=topk)
+        entries = None if caches.compressed is None or not self.ratio else caches.compressed.caches[0]
+        return self.backend.attention.quantized_attention(
+            q, caches.window, entries, batch.attn, scale=self.dim**-0.5, ratio=self.ratio or 1,
+            window_format=formats["window"], entry_format=formats["main"], modifiers=mods,
+            compressed_block_tables=caches.entry_tables,
+        )  # fmt: skip
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.load_projections(reader, prefix, dtype)
@@ -403,7 +528,7 @@ class V41Block(nn.Module):
         streams: torch.Tensor,
         pre: torch.Tensor | None,
         batch: ForwardBatch,
-        caches: LayerCaches,
+        caches: V41LayerCaches,
         entries: NewEntries | None,
         table: torch.Tensor,
         step: StepState,
@@ -500,8 +625,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name, rope in (("main_rope", config.rope), ("compress_rope", v41.compress_rope)):
             table = cos_sin_cache(rope, v41.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
-        self._slices, self._counts = cache_layout(v41)
-        self._group_keys = sorted(set(self._counts) - {(0, 0)})
+        self.use_kv_cache_dtype("bf16")  # until the engine sets EngineConfig.kv_cache_dtype (Worker)
 
     @property
     def rope_positions(self) -> int:
@@ -521,8 +645,39 @@ class DeepseekV41ForCausalLM(nn.Module):
     def num_kv_layers(self) -> int:
         return sum(self._counts.values())
 
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """The caches' row formats (kv_formats_v41.row_formats_v41): "auto" / "fp4" the published
+        ones (FP8 window rings, FP4 main entries and index keys), "fp8" FP8 main entries, "bf16"
+        none quantised. The C2 state stays in the model dtype whatever the choice: it holds the
+        projections a pair pools before its norm, read once when the pair closes, a ring-bounded
+        cache per request (DeepSeek keeps it in float32 too); rounding it would round the entry
+        twice."""
+        check_kv_cache_dtype(kv_cache_dtype, KV_CACHE_DTYPES_V41, self.config.model_type)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.formats = row_formats_v41(kv_cache_dtype)
+        try:
+            self._slices, self._counts = cache_layout(self.v41, self.formats, self.dtype)
+        except ValueError as exc:  # widths the formats' scale blocks do not divide
+            raise ValueError(
+                f"kv_cache_dtype={kv_cache_dtype!r} cannot hold this model's rows (head_dim "
+                f"{self.v41.head_dim}, index_head_dim {self.v41.index_head_dim}): {exc}; use "
+                "kv_cache_dtype='bf16'"
+            ) from exc
+        self._group_keys = sorted(set(self._counts) - {(0, 0)})
+
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         return KVCacheSpec(num_blocks, block_size, self.v41.head_dim, 0, self.dtype)
+
+    def _group(
+        self, name: str, key: tuple[int, int], ratio: int = 1, ring_blocks: int = 0, ring_lookback: int = 0
+    ) -> KVCacheGroup:
+        """Group `key`'s KVCacheGroup: quantised rows are uint8 bytes, row_bytes of them."""
+        row, fmt = group_row(self.v41, key, self.formats)
+        width = row if fmt is not None or key[0] == 2 else None
+        return KVCacheGroup(
+            name, self._counts[key], ratio=ratio, ring_blocks=ring_blocks, ring_lookback=ring_lookback,
+            row_dim=width, dtype=None if fmt is None else torch.uint8,
+        )  # fmt: skip
 
     def kv_cache_groups(
         self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
@@ -533,42 +688,44 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError("DeepSeek-V4.1's draft layers are not loaded; no MTP caches to hold")
         lookback = ring_lookback(self.v41)
         ring = -(-(lookback + 1 + max_backtrack) // block_size)
-        groups = [KVCacheGroup("ring", self._counts[(0, 0)], ring_blocks=ring, ring_lookback=lookback)]
+        groups = [self._group("ring", (0, 0), ring_blocks=ring, ring_lookback=lookback)]
         for kind, m in self._group_keys:
-            if kind == 1:
-                groups.append(KVCacheGroup(f"entries/{m}", self._counts[(kind, m)], ratio=m))
-            else:
-                groups.append(
-                    KVCacheGroup(
-                        f"index/{m}", self._counts[(kind, m)], ratio=m, row_dim=self.v41.index_head_dim
-                    )
-                )
+            groups.append(self._group(f"{'entries' if kind == 1 else 'index'}/{m}", (kind, m), ratio=m))
         return groups
 
     def _layer_caches(
         self, kv_caches: Sequence[PagedKVCache], tables: dict[tuple[int, int], torch.Tensor]
-    ) -> list[LayerCaches]:
+    ) -> list[V41LayerCaches]:
         """Each layer's window, and its KV source's entries (and state) and index-key source's
         keys, wherever they sit."""
-        own = [
-            {kind: WideCache(kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
-            for layer in self._slices
-        ]
+        own = [{kind: self._rows(kind, kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
+               for layer in self._slices]  # fmt: skip
         topo, out = self.v41.sharing, []
         for i, ratio in enumerate(self.v41.compress_ratios):
             window = own[i]["window"].caches[0]
             if not ratio:
-                out.append(LayerCaches(window))
+                out.append(V41LayerCaches(window, formats=self.formats))
                 continue
             src, keys = own[topo.kv[i]], own[topo.index_k[i]]
             entry_tables, key_tables = tables.get((1, ratio)), tables.get((2, ratio))
             out.append(
-                LayerCaches(
+                V41LayerCaches(
                     window, compressed=src["compressed"], state=src.get("state"),
                     index_keys=keys["index_keys"], entry_tables=entry_tables, key_tables=key_tables,
+                    formats=self.formats,
                 )
             )  # fmt: skip
         return out
+
+    def _rows(self, kind: str, caches: Sequence[PagedKVCache], width: int) -> WideCache:
+        """One layer's `kind` over its caches: quantised rows, the state's bytes beside FP8 window
+        rows, or rows of values."""
+        fmt = self.formats[FORMAT_OF[kind]]
+        if fmt is None:
+            return WideCache(caches, width)
+        return (
+            ByteRows(caches, width, self.dtype) if kind == "state" else QuantizedRows(caches[0], width, fmt)
+        )
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
         """(T, Dm) final hidden states of every token in the batch."""

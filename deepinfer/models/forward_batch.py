@@ -30,6 +30,8 @@ class KVCacheGroup:
                  decoding): paged, freed and rolled back with the model's, kept apart by the engine
     row_dim      values per cache row; None: the model's KVCacheSpec width (head_dim). The engine
                  allocates the group's caches (and counts their bytes) at this width
+    dtype        the caches' element dtype; None: the model's KVCacheSpec dtype (uint8: rows of
+                 quantised bytes, row_dim of them, e.g. DeepSeek-V4.1's FP8 / FP4 rows)
     """
 
     name: str
@@ -39,13 +41,14 @@ class KVCacheGroup:
     num_mtp_caches: int = 0
     ring_lookback: int = 0
     row_dim: int | None = None
+    dtype: torch.dtype | None = None
 
     def cache_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
         """The spec of this group's caches, from the model's `spec`: rows row_dim wide (all
-        latent) where set."""
-        if self.row_dim is None:
-            return spec
-        return dataclasses.replace(spec, latent_dim=self.row_dim, rope_dim=0)
+        latent) and of `dtype` where set."""
+        if self.row_dim is not None:
+            spec = dataclasses.replace(spec, latent_dim=self.row_dim, rope_dim=0)
+        return spec if self.dtype is None else dataclasses.replace(spec, dtype=self.dtype)
 
     def ring_step_tokens(self, block_size: int) -> int:
         """A ring's: the most tokens a request computes in one step in place, R - lookback (R =

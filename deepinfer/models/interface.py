@@ -76,6 +76,11 @@ class CausalLM(Protocol):
         """One cache of num_blocks blocks (a group narrows its rows: KVCacheGroup.cache_spec)."""
         ...
 
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """The format of the caches kv_cache_groups declares from now on (EngineConfig's
+        kv_cache_dtype; check_kv_cache_dtype with the model's choices)."""
+        ...
+
     def kv_cache_groups(
         self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0
     ) -> list[KVCacheGroup]:
@@ -102,3 +107,11 @@ class CausalLM(Protocol):
     def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
         """hidden (S, Dm) rows of forward_mtp's output -> logits (S, V) float32."""
         ...
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, choices: tuple[str, ...], model_type: str) -> None:
+    """ValueError naming the value and the choices unless kv_cache_dtype is one of them."""
+    if kv_cache_dtype not in choices:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported for {model_type}; choose one of {choices}"
+        )

@@ -178,12 +178,15 @@ def compressed_attention(
     modifiers: AttentionModifiers = NO_MODIFIERS,
     read_rows: RowReader = read_kv,
     compressed_block_tables: torch.Tensor | None = None,
+    read_compressed: RowReader | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D): one softmax over the token rows of `cache` the window lets through
     and the compressed entries of `compressed` (all visible ones, or the top-k ids among them),
     with the sinks in the denominator. K = V (the whole row). `compressed` is paged by
-    compressed_block_tables (default meta.block_tables)."""
+    compressed_block_tables (default meta.block_tables) and read through read_compressed
+    (default read_rows)."""
     d = q.shape[-1]
+    read_entries = read_rows if read_compressed is None else read_compressed
     entry_tables = meta.block_tables if compressed_block_tables is None else compressed_block_tables
     out = torch.empty_like(q)
     start = 0
@@ -200,7 +203,7 @@ def compressed_attention(
         k = _request_rows(cache, meta.block_tables[b], kv_len, read_rows, first)[:, :d]
         mask = visible_mask(positions, kv_len, modifiers.window, None)[:, first:]
         num_entries = kv_len // ratio
-        kc = _request_rows(compressed, entry_tables[b], num_entries, read_rows)[:, :d]
+        kc = _request_rows(compressed, entry_tables[b], num_entries, read_entries)[:, :d]
         cmask = _compressed_visible(positions, num_entries, ratio)
         if modifiers.topk_indices is not None:
             cmask &= visible_mask(positions, num_entries, None, modifiers.topk_indices[rows])

@@ -108,7 +108,9 @@ class PagedRunner:
         self.device = backend.device.device()
         self.alloc = BlockAllocator(num_blocks, block_size, seed)
         spec = model.kv_cache_spec(num_blocks, block_size)
-        self.kv_caches: list[PagedKVCache] = backend.kv_cache.allocate(spec, model.num_kv_layers)
+        self.kv_caches: list[PagedKVCache] = []  # each group's caches at its rows' width and dtype
+        for g in model.kv_cache_groups(block_size):
+            self.kv_caches += backend.kv_cache.allocate(g.cache_spec(spec), g.num_caches)
         self.last_batch: ForwardBatch | None = None
         self.last_hidden: torch.Tensor | None = None
 

@@ -39,8 +39,16 @@ Semantics fixed here (DeepSeek engine defaults, its YOCO prefill truncation mode
 
 Not from DeepSeek's source (kernels not in the sdist; taken from TileKernels' torch references or
 chosen): the Sinkhorn / split-mix formulas, the MoE weight normalisation without an epsilon, the
-tie order of every top-k. Not modelled: FP8/FP4 rounding of weights, KV and index K; YOCO prefill
-truncation (`compact` / `mask`); image tokens (`ffn.gate.bias_vl`, Engram image mask); DFlash layers.
+tie order of every top-k. Not modelled: FP8/FP4 rounding of weights; YOCO prefill truncation
+(`compact` / `mask`); image tokens (`ffn.gate.bias_vl`, Engram image mask); DFlash layers.
+
+KV formats (1.13, `kv_cache_dtype`; "bf16", the default, keeps every cache exact): the window K,
+the main entries (after their RoPE) and the index keys are rounded to their cached formats before
+anything reads them, prefill included (DS "cast_back"): FP8 rows (e4m3, one power-of-two scale per
+32 values, the smallest that maps the block's amax within 448), FP4 main rows (e2m1, one e4m3
+scale per 16 values, amax / 6 rounded to e4m3, values past +-6 clipped; "fp8": FP8 rows instead),
+FP4 index keys (e2m1, one power-of-two scale per 32, the smallest that maps amax within 6).
+Rounding is to the nearest representable value, ties to the even one.
 """
 
 from __future__ import annotations
@@ -55,6 +63,65 @@ import torch
 import torch.nn.functional as F
 
 F64 = torch.float64
+
+# --------------------------------------------------------------------------------------------
+# KV formats (1.13): quantise-dequantise in float64
+# --------------------------------------------------------------------------------------------
+
+
+def _round_float(a: torch.Tensor, mantissa_bits: int, min_exp: int, top: float) -> torch.Tensor:
+    """Magnitudes a >= 0 to the nearest value of a float format with `mantissa_bits`, normal
+    exponents from min_exp (below: subnormal steps of 2^(min_exp - mantissa_bits)), at most `top`;
+    ties to an even mantissa."""
+    _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    step = torch.exp2((torch.clamp(e - 1, min=min_exp) - mantissa_bits).to(F64))
+    return torch.clamp(torch.round(a / step) * step, max=top)  # torch.round: half to even
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * _round_float(x.abs(), 3, -6, 448.0)
+
+
+def e2m1(x: torch.Tensor) -> torch.Tensor:
+    return torch.sign(x) * _round_float(x.abs(), 1, 0, 6.0)
+
+
+def _pow2_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= x > 0."""
+    m, e = torch.frexp(x)
+    return torch.exp2(torch.where(m == 0.5, e - 1, e).to(F64))
+
+
+def kv_round(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x (..., W) rounded as its cache row stores it: "fp8" / "fp4" / "mxfp4" (module docstring)."""
+    block = 16 if fmt == "fp4" else 32
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax = b.abs().amax(-1, keepdim=True)
+    if fmt == "fp8":
+        scale = _pow2_at_least(torch.clamp(amax, min=2.0**-126 * 448) / 448)
+        out = e4m3(b / scale) * scale
+    elif fmt == "mxfp4":
+        scale = _pow2_at_least(torch.clamp(amax, min=2.0**-126 * 6) / 6)
+        out = e2m1(b / scale) * scale
+    else:
+        scale = e4m3(amax / 6)
+        safe = torch.where(scale > 0, scale, 1.0)
+        out = torch.where(scale > 0, e2m1(torch.clamp(b / safe, -6, 6)) * scale, 0.0)
+    return out.reshape(x.shape)
+
+
+# name -> formats of (window K, main entries, index keys)
+KV_FORMATS = {
+    "bf16": (None, None, None),
+    "auto": ("fp8", "fp4", "mxfp4"),
+    "fp4": ("fp8", "fp4", "mxfp4"),
+    "fp8": ("fp8", "fp8", "mxfp4"),
+}
+
+
+def _maybe_round(x: torch.Tensor, fmt: str | None) -> torch.Tensor:
+    return x if fmt is None else kv_round(x, fmt)
+
 
 # --------------------------------------------------------------------------------------------
 # config (1.1)
@@ -520,8 +587,10 @@ class V41Oracle:
         config: dict[str, Any],
         tensors: dict[str, torch.Tensor],
         engram_lookup: Sequence[int] | None = None,
+        kv_cache_dtype: str = "bf16",
     ):
         self.cfg = V41Config.from_dict(config)
+        self.kv_formats = KV_FORMATS[kv_cache_dtype]  # (window, main, index) formats
         self.w = {name.removeprefix("model."): t.detach().to(F64) for name, t in tensors.items()}
         self.engram_lookup = (
             None if engram_lookup is None else torch.as_tensor(engram_lookup, dtype=torch.int64)
@@ -559,21 +628,23 @@ class V41Oracle:
         q = apply_rope((qn @ w[p + "wq_b.weight"].T).view(T, c.n_heads, c.head_dim), pos, inv_freq)
         # SWA K = V from the layer's own hidden.
         k_swa = apply_rope(rms_norm(x @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"], c.eps), pos, inv_freq)
+        fw, fm, fi = self.kv_formats
+        k_swa = _maybe_round(k_swa, fw)
         main = topk = None
         if r:
             if c.kv_map[L] == L:
                 # YOCO: decoder-half KV sources compress the shared hidden h*, not their own input.
                 src_in = state["h_star"] if c.n_prefill_layer <= L else x
                 state["c_pre"] = self._main_kv(L, src_in, tr)
-                state["main"] = apply_rope(
-                    state["c_pre"], torch.arange(state["c_pre"].shape[0]) * r, inv_freq
+                state["main"] = _maybe_round(
+                    apply_rope(state["c_pre"], torch.arange(state["c_pre"].shape[0]) * r, inv_freq), fm
                 )
             main = state["main"]
             E = main.shape[0]
             if c.index_k_map[L] == L:  # index K from the KV segment's pre-RoPE entries
                 kp = f"layers.{L}.attn.indexer."
                 k_i = rms_norm(state["c_pre"] @ w[kp + "wk.weight"].T, w[kp + "k_norm.weight"], c.eps)
-                state["index_k"] = apply_rope(k_i, torch.arange(E) * r, inv_freq)
+                state["index_k"] = _maybe_round(apply_rope(k_i, torch.arange(E) * r, inv_freq), fi)
             if c.index_map[L] == L:
                 ip = f"layers.{L}.attn.indexer."
                 q_i = (qn @ w[ip + "wq_b.weight"].T).view(T, c.index_heads, c.index_head_dim)

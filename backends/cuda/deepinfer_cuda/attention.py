@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import envs
+from deepinfer.backend.kv_formats_v41 import RowFormat
 from deepinfer.backend.ops import AttentionOps
 from deepinfer.backend.types import (
     NO_MODIFIERS,
@@ -216,3 +217,59 @@ class CudaAttention(AttentionOps):
         return v4_k.indexer_topk(
             q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale
         )
+
+    def quantized_attention(
+        self,
+        q: torch.Tensor,
+        window: PagedKVCache,
+        entries: PagedKVCache | None,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        ratio: int,
+        window_format: RowFormat | None,
+        entry_format: RowFormat | None,
+        modifiers: AttentionModifiers = NO_MODIFIERS,
+        compressed_block_tables: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """V4's compressed-attention kernel reading the quantised rows (dequantised per tile in
+        registers); the window alone: an empty top-k list."""
+        if not self.fused:
+            return super().quantized_attention(
+                q, window, entries, meta, scale=scale, ratio=ratio, window_format=window_format,
+                entry_format=entry_format, modifiers=modifiers,
+                compressed_block_tables=compressed_block_tables,
+            )  # fmt: skip
+        topk, sinks = modifiers.topk_indices, modifiers.sinks
+        if entries is None:  # no entry listed: the window's rows alone
+            entries, entry_format, compressed_block_tables = window, window_format, None
+            topk = torch.empty((q.shape[0], 0), dtype=torch.int32, device=q.device)
+        return v4_k.compressed_attention(
+            q, cache_tensor(window), cache_tensor(entries), meta, scale=scale, ratio=ratio,
+            window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
+            topk_indices=topk, compressed_block_tables=compressed_block_tables,
+            batch_invariant=self.batch_invariant, pdl=self.pdl, kv_format=window_format,
+            ckv_format=entry_format,
+        )  # fmt: skip
+
+    def quantized_indexer_topk(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        key_format: RowFormat | None,
+    ) -> torch.Tensor:
+        """V4's indexer kernels, the scores over the keys dequantised per tile in registers."""
+        if not self.fused:
+            return super().quantized_indexer_topk(
+                q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, key_format=key_format
+            )
+        return v4_k.indexer_topk(
+            q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
+            key_format=key_format,
+        )  # fmt: skip

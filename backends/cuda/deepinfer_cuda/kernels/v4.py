@@ -31,14 +31,24 @@ the earlier list positions); ids < 0 or past the visible entries are masked. Onl
 float32 (exp2), K = V. Splits as in kernels/attention.py (adaptive: each program cuts its own
 tile range; batch-invariant: a fixed number of tiles per split); the combine kernel there adds
 the sinks. Decode and prefill share the kernel (a prefill token is a program of its own).
+
+DeepSeek-V4.1's quantised rows (kv_formats_v41): the same two kernels read uint8 caches of FP8 /
+FP4 / MXFP4 rows (FMT constexprs, one per cache) and dequantise each tile in registers
+(_load_rows: e4m3 and e2m1 codes decoded arithmetically, their scales applied) before the
+products; SM90 has no FP4 tensor cores, so the products run in q's dtype, in which every
+dequantised value is exact (a code of at most 4 significant bits times an e4m3 or power-of-two
+scale: at most 7 significant bits, bfloat16's 8).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backend.kv_formats_v41 import RowFormat, row_bytes
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels.common import IS_INTERPRET, mma, next_pow2, num_sms, to_dtype
@@ -386,12 +396,74 @@ INDEXER_MIN_SPLIT_TILES = 4
 SCORES_BUDGET_BYTES = 1 << 29
 
 
+# row formats of the kernels' caches (FMT constexprs): the cache's own float dtype, or V4.1's
+ROW_FORMATS = {None: 0, "fp8": 1, "fp4": 2, "mxfp4": 3}
+
+
+def row_format_code(fmt: str | None) -> int:
+    if fmt not in ROW_FORMATS:
+        raise ValueError(f"unknown KV row format {fmt!r}; known: {list(ROW_FORMATS)}")
+    return ROW_FORMATS[fmt]
+
+
+@triton.jit
+def _e8m0(b):
+    """UE8M0 bytes -> float32 2^(b - 127) (the exponent field; byte 0, never written, reads 0)."""
+    return (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3(b):
+    """e4m3fn bytes -> float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
+    subnormal (m 2^-9). The NaN code is never written."""
+    x = b.to(tl.int32)
+    e = (x >> 3) & 15
+    m = (x & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((x & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1(c):
+    """4-bit e2m1 codes -> float32: sign bit 3, 2 exponent bits (bias 1), 1 mantissa bit."""
+    e = (c >> 1) & 3
+    m = (c & 1).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.5, (2.0 + m) * tl.exp2((e - 2).to(tl.float32)))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _load_rows(rows, offs_d, valid, D, FMT: tl.constexpr):
+    """Values [:D] of the rows at `rows` (BLOCK_N,) pointers, (BLOCK_N, BLOCK_D) float32, 0 where
+    masked: FMT 0 the cache's own values (exact in float32); else from uint8 rows: 1 fp8 (D
+    e4m3, D/32 UE8M0), 2 fp4 (D/2 bytes of e2m1 pairs, low nibble first, then D/16 e4m3 scales),
+    3 mxfp4 (the pairs, then D/32 UE8M0). Masked bytes are never read, so rows no request reaches
+    may hold anything."""
+    m = valid[:, None] & (offs_d[None, :] < D)
+    at = rows[:, None]
+    if FMT == 0:
+        out = tl.load(at + offs_d[None, :], mask=m, other=0.0).to(tl.float32)  # one type for all
+    elif FMT == 1:
+        v = _e4m3(tl.load(at + offs_d[None, :], mask=m, other=0))
+        out = v * _e8m0(tl.load(at + D + offs_d[None, :] // 32, mask=m, other=127))
+    else:
+        pair = tl.load(at + offs_d[None, :] // 2, mask=m, other=0).to(tl.int32)
+        v = _e2m1(tl.where(offs_d[None, :] % 2 == 0, pair & 15, pair >> 4))
+        if FMT == 2:
+            s = _e4m3(tl.load(at + D // 2 + offs_d[None, :] // 16, mask=m, other=0))
+        else:
+            s = _e8m0(tl.load(at + D // 2 + offs_d[None, :] // 32, mask=m, other=127))
+        out = v * s
+    return out
+
+
 @triton.jit(do_not_specialize=["page", "ratio", "max_splits", "row0"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, score_ptr,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_st,
     HI, DI, page, ratio, scale, max_splits, row0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    K_FMT: tl.constexpr = 0,
 ):  # fmt: skip
     i = tl.program_id(0)
     b = tl.program_id(1)
@@ -423,7 +495,7 @@ def _indexer_scores_kernel(
         valid = e < n_vis
         blk = tl.load(bt_ptr + b * stride_bt + e // page, mask=valid, other=0)
         krow = k_ptr + blk.to(tl.int64) * stride_kb + (e % page) * stride_kt
-        k = tl.load(krow[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < DI), other=0.0)
+        k = _load_rows(krow, d, valid, DI, K_FMT).to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)  # (BLOCK_H, BLOCK_N)
         score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
         tl.store(score_ptr + (t - row0) * stride_st + e, score, mask=valid)
@@ -509,15 +581,16 @@ def indexer_topk(
     block_n: int = INDEXER_BLOCK_N,
     select_block: int = SELECT_BLOCK,
     scores_budget: int = SCORES_BUDGET_BYTES,
+    key_format: str | None = None,
 ) -> torch.Tensor:
     """q (T, Hi, Di), weights (T, Hi) float32, keys (NBc, BS, >= Di) paged by meta.block_tables
     -> (T, topk) int32 entry ids, -1 unused. The scores buffer and the grid come from the host
-    lengths (upper bounds in a replayed graph); each program reads its own from the device."""
+    lengths (upper bounds in a replayed graph); each program reads its own from the device.
+    key_format: the keys' V4.1 row format (uint8 rows of row_bytes(key_format, Di) bytes)."""
     t, hi, di = q.shape
     if weights.shape != (t, hi):
         raise ValueError(f"indexer_topk: weights {tuple(weights.shape)} must be ({t}, {hi})")
-    if keys.shape[-1] < di:
-        raise ValueError(f"indexer_topk: keys of width {keys.shape[-1]} are narrower than q's {di}")
+    _check_rows("indexer_topk keys", keys, di, key_format)
     if ratio < 1 or topk < 0:
         raise ValueError(f"indexer_topk: ratio {ratio} must be >= 1 and topk {topk} >= 0")
     if sum(meta.query_lens_host) != t:
@@ -552,13 +625,28 @@ def indexer_topk(
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), tables.stride(0),
             scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, row0,
             BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            num_warps=4,
+            K_FMT=row_format_code(key_format), num_warps=4,
         )  # fmt: skip
         _indexer_select_kernel[(max_q, batch)](
             scores, seq_lens, qsl, out, scores.stride(0), out.stride(0), ratio, topk, row0,
             BLOCK=select_block, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def _check_rows(what: str, cache: torch.Tensor, width: int, fmt: str | None) -> None:
+    """ValueError unless the cache's rows hold `width` values: at least that many in a float
+    dtype, or exactly row_bytes(fmt, width) uint8 bytes in a V4.1 row format."""
+    if fmt is None:
+        if cache.shape[-1] < width:
+            raise ValueError(f"{what}: rows of width {cache.shape[-1]} are narrower than q's {width}")
+        return
+    need = row_bytes(cast(RowFormat, fmt), width)
+    if cache.dtype != torch.uint8 or cache.shape[-1] != need:
+        raise ValueError(
+            f"{what}: {fmt} rows of {width} values are {need} uint8 bytes; the cache holds "
+            f"{cache.shape[-1]} of {cache.dtype}"
+        )
 
 
 def _score_groups(
@@ -612,7 +700,7 @@ def _compressed_attention_kernel(
     H, page, cpage, qk_scale, window, ratio, KT, min_split_tiles, split_tiles, max_splits, D,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_TOPK: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    DIRECT: tl.constexpr, IEEE: tl.constexpr, KV_FMT: tl.constexpr = 0, CKV_FMT: tl.constexpr = 0,
 ):  # fmt: skip
     head_tiles = tl.cdiv(H, BLOCK_M)
     i = tl.program_id(0) // head_tiles
@@ -667,6 +755,7 @@ def _compressed_attention_kernel(
             valid = j <= pos
             tblk = tl.load(bt_ptr + b * stride_bt + j // page, mask=valid, other=0).to(tl.int64)
             rows = kv_ptr + tblk * stride_kvb + (j % page) * stride_kvt
+            k = _load_rows(rows, offs_d, valid, D, KV_FMT).to(q.dtype)  # both branches: q's dtype
         else:  # compressed entries: list positions li
             first = (tile - win_tiles) * BLOCK_N
             li = first + offs_n
@@ -680,7 +769,7 @@ def _compressed_attention_kernel(
             ids = tl.where(valid, ids, 0)
             cblk = tl.load(cbt_ptr + b * stride_cbt + ids // cpage, mask=valid, other=0).to(tl.int64)
             rows = ckv_ptr + cblk * stride_ckb + (ids % cpage) * stride_ckt
-        k = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+            k = _load_rows(rows, offs_d, valid, D, CKV_FMT).to(q.dtype)
         s = mma(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -730,19 +819,20 @@ def compressed_attention(
     config: attn_k.AttentionConfig | None = None,
     split_tiles: int | None = None,
     pdl: bool = True,
+    kv_format: str | None = None,
+    ckv_format: str | None = None,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D) in q's dtype: one softmax over each query's window rows of the
     token cache kv (NB, BS, >= D) and its compressed entries in ckv (NBc, BSc, >= D) (all visible,
     or those of topk_indices (T, Kt)), sinks (H,) float32 in the denominator. K = V.
     split_tiles: tiles per split (None: batch-invariant mode INVARIANT_SPLIT_TILES, else adaptive).
     The grid comes from the host lengths (upper bounds in a replayed graph). pdl: the split
-    merge's launch (attention.combine_splits)."""
+    merge's launch (attention.combine_splits). kv_format / ckv_format: V4.1 row formats of the
+    caches (uint8 rows of row_bytes(format, D) bytes; None: values in q's dtype family)."""
     t, h, d = q.shape
-    if kv.shape[-1] < d or ckv.shape[-1] < d:
-        raise ValueError(
-            f"compressed_attention: q has width {d}; the caches rows {kv.shape[-1]}, {ckv.shape[-1]}"
-        )
-    if kv.dtype != ckv.dtype:
+    _check_rows("compressed_attention token cache", kv, d, kv_format)
+    _check_rows("compressed_attention entry cache", ckv, d, ckv_format)
+    if kv_format is None and ckv_format is None and kv.dtype != ckv.dtype:
         raise ValueError(f"compressed_attention: token cache {kv.dtype} and entry cache {ckv.dtype} differ")
     if ratio < 1 or (window is not None and window < 1):
         raise ValueError(f"compressed_attention: ratio {ratio} and window {window} must be >= 1")
@@ -794,7 +884,8 @@ def compressed_attention(
         topk.shape[1] if topk is not None else 0, MIN_SPLIT_TILES, split_tiles or 0, max_splits, d,
         BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=bn, HAS_WINDOW=window is not None,
         HAS_TOPK=topk is not None, HAS_SINKS=sinks is not None, DIRECT=direct,
-        IEEE=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IEEE=q.dtype == torch.float32, KV_FMT=row_format_code(kv_format), CKV_FMT=row_format_code(ckv_format),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if not direct:
         attn_k.combine_splits(part, lse, sinks, out, h, max_splits, d, pdl=pdl)
