@@ -94,7 +94,7 @@ def part_tokens(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         try:
             tokens = {}
             for dp in (1, 2):
-                engine = start(args, config_file, dp, fp8)
+                engine = start(args, config_file, dp, fp8, max_num_seqs=args.tokens_prompts)
                 try:
                     requests = prompts(engine.vocab_size, args.tokens_prompts, args.input_len)
                     tokens[dp] = greedy_tokens(engine, requests, args.tokens_out)
@@ -229,19 +229,23 @@ def faults(directory: str, rank: int, llm: Any) -> None:
 
 def part_faults(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     config_file = with_layers(REPO_MODEL_DIR / "tiny" / "config.json", None, folder / "faults")
-    bound = 2 * args.timeout_s + 5
-    out: dict[str, Any] = {"distributed_timeout_s": args.timeout_s, "bound_s": bound, "cases": {}}
+    timeout = args.fault_timeout_s
+    bound = 2 * timeout + 5
+    out: dict[str, Any] = {"distributed_timeout_s": timeout, "bound_s": bound, "cases": {}}
     arm = folder / "armed"
     arm.mkdir(exist_ok=True)
     for case in ("raise", "kill", "stall", "diverge"):
         row: dict[str, Any] = {}
         try:
-            engine = start(args, config_file, 2, setup=functools.partial(faults, str(arm)))
+            engine = start(
+                args, config_file, 2, setup=functools.partial(faults, str(arm)), max_num_seqs=8,
+                distributed_timeout_s=timeout,
+            )  # fmt: skip
             pids = list(engine.worker_pids)
             try:
                 requests = prompts(engine.vocab_size, 4, 8)
                 greedy_tokens(engine, requests, 4)  # warm
-                (arm / case).write_text(str(args.timeout_s * 1.5 + 2) if case == "stall" else "")
+                (arm / case).write_text(str(timeout * 1.5 + 2) if case == "stall" else "")
                 t0 = time.monotonic()
                 try:
                     greedy_tokens(engine, requests, 16)
@@ -292,12 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=None, help="default 128 (cpu 8)")
     parser.add_argument("--redundant", type=int, default=None, help="EPLB redundant slots (default 2)")
     parser.add_argument(
-        "--interval", type=int, default=None, help="EPLB step interval = window (default 16, cpu 4)"
+        "--interval", type=int, default=None, help="EPLB step interval = window (default 32, cpu 4)"
     )
     parser.add_argument("--max-num-seqs", type=int, default=None, help="default 256 (cpu 8)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default 512 (cpu 64)")
     parser.add_argument(
-        "--timeout-s", type=float, default=None, help="distributed_timeout_s (default 20, cpu 10)"
+        "--timeout-s", type=float, default=None, help="distributed_timeout_s (default 60, cpu 30)"
+    )
+    parser.add_argument(
+        "--fault-timeout-s", type=float, default=10.0, help="distributed_timeout_s of the faults"
     )
     args = parser.parse_args(argv)
     cpu = args.cpu
@@ -305,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         "backend": "reference" if cpu else "auto", "dtype": "float32" if cpu else "bfloat16",
         "tokens_prompts": 4 if cpu else 16, "tokens_out": 6 if cpu else 32, "eplb_prompts": 6 if cpu else 256,
         "eplb_out": 6 if cpu else 64, "input_len": 8 if cpu else 128, "redundant": 2,
-        "interval": 4 if cpu else 16, "max_num_seqs": 8 if cpu else 256, "max_model_len": 64 if cpu else 512,
-        "timeout_s": 10.0 if cpu else 20.0,
+        "interval": 4 if cpu else 32, "max_num_seqs": 8 if cpu else 256, "max_model_len": 64 if cpu else 512,
+        "timeout_s": 30.0 if cpu else 60.0,
     }  # fmt: skip
     for name, value in defaults.items():
         if getattr(args, name) is None:

@@ -8,8 +8,9 @@
 #                   busiest rank's share)
 #   4. faults.json  bench_ep.py --part faults: a rank raising, killed, stalled, an unequal number of
 #                   calls, with the seconds until every rank ended the call
-# NCCL_NVLS_ENABLE=0 (no NVLink multicast). Limits in seconds: T_TOKENS 150, T_DP 200, T_EPLB 90,
-# T_FAULTS 80 (total under 9 minutes with the install).
+# NCCL_NVLS_ENABLE=0 (no NVLink multicast). Limits in seconds: T_TOKENS 120, T_DP 220, T_EPLB 80,
+# T_FAULTS 110 (530 s: under 9 minutes with the install). V2-Lite at 8 layers for tokens and EPLB,
+# whole for the throughput; faults on the tiny config with distributed_timeout_s 10.
 # CPU (tiny sizes, reference backend over gloo, every part, no GPU):  CPU=1 OUT=dir bash bench/run_ep_h200x2.sh
 #   usage: OUT=dir bash bench/run_ep_h200x2.sh
 set -u -o pipefail
@@ -21,10 +22,11 @@ PY=${PYTHON:-python3}
 start=$SECONDS
 if [ "${CPU:-0}" = 1 ]; then
   EP=(--cpu) DP=(--toy --skip-big --batches 4,8)
+  : "${T_TOKENS:=300}" "${T_DP:=300}" "${T_EPLB:=300}" "${T_FAULTS:=300}"  # two shared CPU cores
 else
   $PY -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
   echo "install rc=$?"
-  EP=() DP=(--batches 256,512 --skip-big --input-len 256 --output-len 256)
+  EP=(--v2-layers 8 --eplb-layers 8) DP=(--batches 256,512 --skip-big --input-len 256 --output-len 128)
 fi
 part() {  # name limit command...
   local name=$1 limit=$2
@@ -32,10 +34,10 @@ part() {  # name limit command...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? at $((SECONDS - start)) s"
 }
-part tokens "${T_TOKENS:-150}" $PY bench/bench_ep.py --part tokens --out "$OUT/tokens.json" "${EP[@]}"
-part dp "${T_DP:-200}" $PY bench/bench_dp.py --out "$OUT/dp.json" "${DP[@]}"
-part eplb "${T_EPLB:-90}" $PY bench/bench_ep.py --part eplb --out "$OUT/eplb.json" "${EP[@]}"
-part faults "${T_FAULTS:-80}" $PY bench/bench_ep.py --part faults --out "$OUT/faults.json" "${EP[@]}"
+part tokens "${T_TOKENS:-120}" $PY bench/bench_ep.py --part tokens --out "$OUT/tokens.json" "${EP[@]}"
+part dp "${T_DP:-220}" $PY bench/bench_dp.py --out "$OUT/dp.json" "${DP[@]}"
+part eplb "${T_EPLB:-80}" $PY bench/bench_ep.py --part eplb --out "$OUT/eplb.json" "${EP[@]}"
+part faults "${T_FAULTS:-110}" $PY bench/bench_ep.py --part faults --out "$OUT/faults.json" "${EP[@]}"
 echo "== summary"
 $PY - "$OUT" <<'PYEOF'
 import json, sys
@@ -49,6 +51,8 @@ def load(name):
         return None
 if (doc := load("tokens")) is not None:
     for model, row in doc["tokens"].items():
+        if not isinstance(row, dict):  # part_s
+            continue
         print(f"tokens {model}: equal {row.get('requests_equal')}/{row.get('requests')}", row.get("error", ""))
 if (doc := load("dp")) is not None:
     for row in doc.get("batches", []):
