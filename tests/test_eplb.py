@@ -316,3 +316,19 @@ def test_eplb_lowers_the_busiest_share_and_keeps_the_tokens(tmp_path: Path) -> N
         for layer, (moe, placement) in enumerate(zip(moes, placements)):
             for i, e in enumerate(placement[r * 5 : (r + 1) * 5]):
                 assert torch.equal(w13[layer][i], moe.w13[e]), (r, layer, i, e)
+
+
+def test_random_weights_seeded_by_name_do_not_depend_on_the_order() -> None:
+    """bench/bench_ep.py compares two expert-parallel ranks with one process on random weights:
+    with by_name each tensor's values depend on its name alone, not on what was drawn before (a
+    rank draws only its experts), and the default source keeps its one stream."""
+    from deepinfer.testing.weights import BENCH_INIT, RandomSource
+
+    names = [f"model.layers.1.mlp.experts.{e}.gate_proj" for e in range(3)]
+    one, other = RandomSource(BENCH_INIT, 4, by_name=True), RandomSource(BENCH_INIT, 4, by_name=True)
+    whole = [one.linear(n, (8, 4), torch.float32)[0] for n in names]
+    assert torch.equal(other.linear(names[2], (8, 4), torch.float32)[0], whole[2])
+    assert not torch.equal(whole[0], whole[1])
+    stream = RandomSource(BENCH_INIT, 4)
+    first = stream.linear(names[0], (8, 4), torch.float32)[0]
+    assert not torch.equal(stream.linear(names[0], (8, 4), torch.float32)[0], first)
