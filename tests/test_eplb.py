@@ -332,3 +332,39 @@ def test_random_weights_seeded_by_name_do_not_depend_on_the_order() -> None:
     stream = RandomSource(BENCH_INIT, 4)
     first = stream.linear(names[0], (8, 4), torch.float32)[0]
     assert not torch.equal(stream.linear(names[0], (8, 4), torch.float32)[0], first)
+
+
+def _v4_worker(rank: int, ckpt: str, store: str, out_dir: str) -> None:
+    result: dict[str, Any] = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        os.environ["LOCAL_RANK"] = str(rank)
+        eplb = {"num_redundant_experts": 1, "step_interval": 3, "window_size": 2}
+        llm = LLM(ckpt, enable_expert_parallel=True, enable_eplb=True, eplb_config=eplb, **V4_ARGS)
+        result["tokens"] = _tokens(llm, rank)
+        balancer = llm.llm_engine.expert_balancer
+        assert balancer is not None
+        result["layers"], result["moved"] = len(balancer.layers), balancer.moved
+        dist.destroy_process_group()
+    except Exception:
+        result["error"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+V4_ARGS = {**ARGS, "block_size": 4, "max_model_len": 64}
+
+
+def test_eplb_on_v4_moves_mxfp4_experts_and_keeps_the_tokens(tmp_path: Path) -> None:
+    """DeepSeek-V4 in its published format (FP8 linears, MXFP4 routed experts and their scales
+    moving between ranks), a hash-routed layer and top-k-routed ones; 5 experts + 1 redundant
+    slot over 2 ranks, rearranged every 3 steps: the greedy tokens of one process."""
+    from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
+
+    cfg = tiny_v4_config(n_routed_experts=5)
+    ckpt = write_random_v4_checkpoint(tmp_path / "ckpt", cfg, seed=3, quantized=True, mtp=False)
+    results = _spawn(_v4_worker, (str(ckpt), str(tmp_path / "store"), str(tmp_path)), 2, tmp_path)
+    single = LLM(str(ckpt), **V4_ARGS)
+    for r in range(2):
+        assert results[r]["tokens"] == _tokens(single, r), f"rank {r}"
+        assert results[r]["layers"] == cfg["num_hidden_layers"]
+    assert results[0]["moved"] + results[1]["moved"] > 0
