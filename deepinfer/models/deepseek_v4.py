@@ -654,7 +654,8 @@ class V4MoE(nn.Module):
     them in the model dtype, which in bfloat16 rounds the logits before routing.
 
     With expert parallelism (deepinfer.parallel.expert_parallel) the layer holds only its rank's
-    routed experts (self.local); the router, the hash table and the shared expert stay on every
+    routed experts (self.held: the logical expert of each of its slots; with EPLB redundant
+    replicas too); the router, the hash table and the shared expert stay on every
     rank, and every rank runs forward (possibly with no tokens) the same number of times."""
 
     def __init__(
