@@ -18,6 +18,7 @@ stdout.
 
     python bench/bench_dp.py --out bench/results/dp_h200x2.json         # two GPUs
     python bench/bench_dp.py --toy --out /tmp/dp_toy.json               # CPU, toy sizes, seconds
+    python bench/bench_dp.py --batches 256,512 --skip-big --out dp.json  # one vs two at B = 256, 512
 """
 
 from __future__ import annotations
@@ -140,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--two-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--enforce-eager", action="store_true", help="no decode graphs on the ranks")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="distributed_timeout_s")
+    parser.add_argument(
+        "--batches", default=None,
+        help="comma-separated batch sizes B: one device against two at each, B requests with max_num_seqs B "
+        "(instead of --num-prompts at --max-num-seqs)",
+    )  # fmt: skip
+    parser.add_argument("--skip-big", action="store_true", help="leave out the big FP8 model")
     args = parser.parse_args(argv)
     toy = args.toy
     defaults = {
@@ -165,12 +172,28 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
 
-    one = serve(small, 1, args, args.num_prompts, args.output_len, fp8=False)
-    two = serve(small, 2, args, args.num_prompts, args.output_len, fp8=False)
+    if args.batches:  # one device against two at each batch size, in the same run
+        results["batches"] = []
+        for b in (int(v) for v in args.batches.split(",")):
+            args.max_num_seqs = b
+            pair = [serve(small, dp, args, b, args.output_len, fp8=False) for dp in (1, 2)]
+            speedup = pair[1]["output_tokens_per_s"] / pair[0]["output_tokens_per_s"]
+            results["batches"].append({"batch": b, "one": pair[0], "two": pair[1], "output_speedup": speedup})
+            print(f"batch {b}: one {pair[0]['output_tokens_per_s']:.1f} out tok/s, two "
+                  f"{pair[1]['output_tokens_per_s']:.1f} ({speedup:.2f}x)", flush=True)  # fmt: skip
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        one, two = results["batches"][-1]["one"], results["batches"][-1]["two"]
+    else:
+        one = serve(small, 1, args, args.num_prompts, args.output_len, fp8=False)
+        two = serve(small, 2, args, args.num_prompts, args.output_len, fp8=False)
     results["runs"] += [one, two]
     results["speedup_two_over_one"] = two["total_tokens_per_s"] / one["total_tokens_per_s"]
 
     with tempfile.TemporaryDirectory() as folder:
+        if args.skip_big:
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+            print(f"two devices / one: {results['speedup_two_over_one']:.2f}x  (results: {args.out})")
+            return 0
         big = with_layers(REPO_MODEL_DIR / args.big_config / "config.json", args.big_layers, Path(folder))
         mc = ModelConfig.from_file(big)
         dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16

@@ -143,6 +143,40 @@ def _speculative_config(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
 
 
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (deepinfer.parallel.eplb), vLLM's EPLBConfig names."""
+
+    window_size: int = 1000  # steps whose counts the plan uses
+    step_interval: int = 3000  # steps between two rearrangements
+    num_redundant_experts: int = 0  # R: physical slots beyond the E logical experts
+    log_balancedness: bool = False  # log the busiest rank's share at each rearrangement
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any] | None) -> EplbConfig:
+        """ValueError naming the key for an unknown key or a bad value."""
+        value = dict(value or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"eplb_config: unknown keys {unknown}; known: {known}")
+        for name in ("window_size", "step_interval", "num_redundant_experts"):
+            v = value.get(name)
+            low = 0 if name == "num_redundant_experts" else 1
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"eplb_config: {name} must be an integer >= {low}, got {v!r}")
+        flag = value.get("log_balancedness")
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"eplb_config: log_balancedness must be true or false, got {flag!r}")
+        return cls(**value)
+
+
+def _eplb_config(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    EplbConfig.from_dict(value)
+
+
 def _chunked_prefill(name: str, value: Any) -> None:
     if value is None or value is True:
         return
@@ -354,6 +388,21 @@ class EngineConfig:
         "graphs exchange fixed-size buffers, unsplit)",
         _boolean,
     )
+    enable_eplb: bool = engine_arg(
+        False,
+        "with expert parallelism, balance the routed experts' load over the ranks (EPLB): count each "
+        "expert's tokens over a window of steps, give the hottest redundant replicas and move the "
+        "weights so that the busiest rank's load falls (deepinfer.parallel.eplb; same tokens)",
+        _boolean,
+    )
+    eplb_config: dict[str, Any] | None = engine_arg(  # noqa: RUF009 - a dataclasses.field
+        None,
+        'EPLB settings, vLLM\'s names: {"window_size": 1000, "step_interval": 3000, '
+        '"num_redundant_experts": 0, "log_balancedness": false} (those are the defaults)',
+        _eplb_config,
+        type=_json_object,
+        metavar="JSON",
+    )
     distributed_timeout_s: float = engine_arg(
         300.0,
         "with expert parallelism, the longest a rank waits for the others at the status exchange that "
@@ -416,6 +465,10 @@ class EngineConfig:
             raise ValueError(
                 "enable_two_batch_overlap needs enable_expert_parallel=True (it splits the MoE exchanges)"
             )
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel=True (it balances the experts' ranks)")
+        if self.eplb_config is not None and not self.enable_eplb:
+            raise ValueError("eplb_config is given but enable_eplb is False: set enable_eplb=True")
         if self.distributed_executor_backend == "external_launcher" and not self.enable_expert_parallel:
             raise ValueError(
                 "distributed_executor_backend='external_launcher' serves one rank of an expert-parallel "
@@ -430,6 +483,11 @@ class EngineConfig:
             for f in fields(self)
             if f.default is MISSING or getattr(self, f.name) != f.default
         }
+
+    @property
+    def eplb(self) -> EplbConfig | None:
+        """EPLB's settings when enable_eplb is on."""
+        return EplbConfig.from_dict(self.eplb_config) if self.enable_eplb else None
 
     @property
     def num_speculative_tokens(self) -> int:

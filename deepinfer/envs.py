@@ -355,6 +355,34 @@ CUDA_VENDOR = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_EXPERT_EXCHANGE = Switch(
+    name="DEEPINFER_CUDA_EXPERT_EXCHANGE",
+    attr="cuda_expert_exchange",
+    kind="choice",
+    default="ALL_TO_ALL",
+    meaning=(
+        "the expert-parallel MoE exchange: ALL_TO_ALL (torch.distributed), or DEEPEP (DeepEP >= 2.5's "
+        "EPBuffer; an error where it is not installed or does not fit)"
+    ),
+    audience="user",
+    read_when=_CUDA,
+    backend="cuda",
+    choices=("ALL_TO_ALL", "DEEPEP"),
+    what="an expert exchange",
+)
+CUDA_DEEPEP_TOKENS = Switch(
+    name="DEEPINFER_CUDA_DEEPEP_TOKENS",
+    attr="cuda_deepep_tokens",
+    kind="int",
+    default=8192,
+    meaning=(
+        "with DEEPEP: the most tokens one rank sends in one MoE exchange (EPBuffer's "
+        "num_max_tokens_per_rank); at least max_num_batched_tokens"
+    ),
+    audience="user",
+    read_when=_CUDA,
+    backend="cuda",
+)
 # the test suite
 TEST_BACKEND = Switch(
     name="DEEPINFER_TEST_BACKEND",
@@ -407,6 +435,8 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
     CUDA_VENDOR,
+    CUDA_EXPERT_EXCHANGE,
+    CUDA_DEEPEP_TOKENS,
     TEST_BACKEND,
     TEST_SUBPROCESS_TIMEOUT,
     SIMULATED_SOC,
@@ -440,6 +470,8 @@ class Env:
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None
     cuda_vendor: bool
+    cuda_expert_exchange: str
+    cuda_deepep_tokens: int
     test_backend: str | None
     test_subprocess_timeout: float
     simulated_soc: int

@@ -880,8 +880,11 @@ class CollectiveOps(_Part):
         self, num_experts: int, x: torch.Tensor, top_k: int
     ) -> Callable[..., torch.Tensor] | None:
         """A fused expert-parallel dispatch + combine (e.g. DeepEP, Ascend MC2) for MoE layers of
-        num_experts routed experts spread evenly over the default group's ranks, top_k experts per
-        token, with activations like x; None (the default): the layer exchanges with
+        num_experts routed experts spread over the default group's ranks as
+        ExpertParallel.expert_bounds spreads them (when W does not divide E the first E % W ranks
+        hold one more: an exchange that needs them even returns None, or raises where it was asked
+        for explicitly), top_k experts per token, with activations like x; None (the default): the
+        layer exchanges with
         all_to_all_single(_async) (deepinfer.parallel.expert_parallel.dispatch_combine defines the
         meaning). It is called as
         exchange(x (T, Dm), weights (T, K) float32, ids (T, K) global expert ids, local: range of

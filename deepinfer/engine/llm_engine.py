@@ -52,6 +52,7 @@ from deepinfer.engine.worker import ForwardOutput, Worker
 from deepinfer.log import configure_logging
 from deepinfer.model_config import ServedModelConfig
 from deepinfer.models.interface import CausalLM
+from deepinfer.parallel.eplb import ExpertBalancer
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def _expert_parallel(config: EngineConfig) -> ExpertParallel | None:
     """This rank's expert-parallel group (enable_expert_parallel), over torch.distributed."""
     if not config.enable_expert_parallel:
         return None
-    return ExpertParallel.from_torch_distributed(2 if config.enable_two_batch_overlap else 1)
+    return ExpertParallel.from_torch_distributed(2 if config.enable_two_batch_overlap else 1, config.eplb)
 
 
 class LLMEngine:
@@ -134,6 +135,11 @@ class LLMEngine:
         self.requests = Requests(config, self.tokenizer, self.vocab_size, n, self.eos_token_ids)
         self.in_flight: InFlight | None = None  # the last step's results, not yet processed
         self.planned: StepPlan | None = None  # expert parallelism: the next step, scheduled
+        # EPLB: the counts of every MoE layer and their rearrangements (deepinfer.parallel.eplb)
+        group = self.expert_parallel
+        self.expert_balancer: ExpertBalancer | None = None
+        if group is not None and group.eplb is not None:
+            self.expert_balancer = ExpertBalancer.of_model(model, group.eplb, group.rank, group.world_size)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -320,6 +326,8 @@ class LLMEngine:
         rows = sync.start_step(busy, functools.partial(self._plan_step, busy))
         if rows is None:  # no rank has requests left
             return None
+        if self.expert_balancer is not None:  # every rank passed this exchange: the same steps
+            self.expert_balancer.step(self.backend.collectives)
         bucket = self.worker.agreed_bucket(rows)
 
         def idle(bucket: int | None = bucket) -> None:

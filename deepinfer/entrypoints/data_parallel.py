@@ -171,6 +171,7 @@ class RandomWeights:
 
     config_file: str
     fp8: bool = False
+    by_name: bool = False  # each tensor seeded by its name: every rank's experts are one model's
 
 
 def _engine_for_rank(config: EngineConfig, backend: Backend, random: RandomWeights | None) -> LLMEngine:
@@ -182,10 +183,14 @@ def _engine_for_rank(config: EngineConfig, backend: Backend, random: RandomWeigh
     from deepinfer.testing.random_model import random_model
 
     micro_batches = 2 if config.enable_two_batch_overlap else 1
-    ep = ExpertParallel.from_torch_distributed(micro_batches) if config.enable_expert_parallel else None
+    ep = (
+        ExpertParallel.from_torch_distributed(micro_batches, config.eplb)
+        if config.enable_expert_parallel
+        else None
+    )
     model = random_model(
         Path(random.config_file), backend, config.torch_dtype, config.seed,
-        config.gpu_memory_utilization, ep, random.fp8,
+        config.gpu_memory_utilization, ep, random.fp8, by_name=random.by_name,
     )  # fmt: skip
     return LLMEngine(config, model=model, backend=backend)
 
@@ -239,6 +244,8 @@ def _worker_main(
         try:
             outputs = llm.generate(prompts, params, use_tqdm=False)
             reply: dict[str, Any] = {"outputs": outputs, "num_preemptions": engine.scheduler.num_preemptions}
+            if engine.expert_balancer is not None:  # EPLB: the busiest rank's share, per rearrangement
+                reply["eplb_shares"] = list(engine.expert_balancer.shares)
         except BaseException as exc:
             reply = _error_reply(exc, rank, indices)
             sync = engine.expert_parallel.sync if engine.expert_parallel is not None else None
@@ -323,6 +330,8 @@ class DataParallelEngine:
         )
         self.closed: str | None = None  # why the workers were stopped
         self.num_preemptions = 0
+        # EPLB: the busiest rank's share over each interval before a rearrangement (last call)
+        self.eplb_shares: list[float] | None = None
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
         ctx = mp.get_context("spawn")
@@ -391,6 +400,7 @@ class DataParallelEngine:
                 raise
         outputs: list[Any] = [None] * len(prompts)
         self.num_preemptions = 0
+        self.eplb_shares = replies[0].get("eplb_shares")
         for share, reply in zip(shares, replies):
             self.num_preemptions += reply["num_preemptions"]
             for i, out in zip(share, reply["outputs"]):

@@ -661,7 +661,8 @@ class V4MoE(nn.Module):
     them in the model dtype, which in bfloat16 rounds the logits before routing.
 
     With expert parallelism (deepinfer.parallel.expert_parallel) the layer holds only its rank's
-    routed experts (self.local); the router, the hash table and the shared expert stay on every
+    routed experts (self.held: the logical expert of each of its slots; with EPLB redundant
+    replicas too); the router, the hash table and the shared expert stay on every
     rank, and every rank runs forward (possibly with no tokens) the same number of times."""
 
     def __init__(
@@ -677,10 +678,14 @@ class V4MoE(nn.Module):
         self.backend, self.hashed, self.limit = backend, hashed, swiglu_limit
         self.num_experts, self.hidden, self.inter = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         self.ep = ep
-        # rank r holds the routed experts [bounds[r], bounds[r + 1]) (all of them without EP)
-        self.bounds = ep.expert_bounds(self.num_experts) if ep is not None else [0, self.num_experts]
+        # rank r holds the expert slots [bounds[r], bounds[r + 1]) (all of them without EP): with
+        # EPLB E + R physical ones whose logical experts self.eplb maps (deepinfer.parallel.eplb)
+        e = self.num_experts
+        self.bounds = ep.expert_bounds(ep.num_physical(e)) if ep is not None else [0, e]
         rank = ep.rank if ep is not None else 0
         self.local = range(self.bounds[rank], self.bounds[rank + 1])
+        self.held = ep.held_experts(e) if ep is not None else list(range(e))  # slot -> logical expert
+        self.eplb = ep.expert_map(e, backend.device.device()) if ep is not None else None
         self.router = RouterConfig(
             scoring=c.scoring_func,  # type: ignore[arg-type]
             top_k=c.num_experts_per_tok,
@@ -715,6 +720,8 @@ class V4MoE(nn.Module):
             shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))
             out: torch.Tensor = routed + shared
             return out
+        if self.eplb is not None:  # logical -> physical experts, counted in eager steps
+            ids = self.eplb.physical(weights, ids, record=not fixed_exchange)
         parts: list[torch.Tensor] = []
 
         def shared_expert() -> None:  # overlaps the last combine with two micro-batches
@@ -725,6 +732,10 @@ class V4MoE(nn.Module):
             self._local_moe, shared_expert,
         )  # fmt: skip
         return routed + parts[0]
+
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """The routed experts' tensors, (slots, ...) each (EPLB moves their rows)."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
 
     def _local_moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's routed experts: x (R, Dm), weights / ids (R, K') of its own experts -> (R, Dm)."""
@@ -757,14 +768,14 @@ class V4MoE(nn.Module):
         (with expert parallelism: this rank's; the others' tensors are marked as known)."""
         dm, i = self.hidden, self.inter
         shapes = {"w1": (i, dm), "w3": (i, dm), "w2": (dm, i)}
-        for k in [*range(self.local.start), *range(self.local.stop, self.num_experts)]:
+        for k in sorted(set(range(self.num_experts)) - set(self.held)):
             for n in shapes:
                 for suffix in ("weight", "scale", "weight_scale_inv"):
                     if reader.has(f"{ex}.{k}.{n}.{suffix}"):
                         reader.skip(f"{ex}.{k}.{n}.{suffix}")
         experts = [
             {n: reader.linear(f"{ex}.{k}.{n}", shape, dtype, fp4=True) for n, shape in shapes.items()}
-            for k in self.local
+            for k in self.held
         ]
 
         def fmt(w: torch.Tensor, s: torch.Tensor | None) -> str:

@@ -85,10 +85,14 @@ class MoE(nn.Module):
             config.moe_intermediate_size,
         )
         self.ep = ep
-        # the routed experts this layer holds (all of them without expert parallelism)
-        self.bounds = ep.expert_bounds(self.num_experts) if ep is not None else [0, self.num_experts]
+        # the expert slots each rank holds (all of them without expert parallelism): with EPLB
+        # E + R physical ones whose logical experts self.eplb maps (deepinfer.parallel.eplb)
+        e = self.num_experts
+        self.bounds = ep.expert_bounds(ep.num_physical(e)) if ep is not None else [0, e]
         rank = ep.rank if ep is not None else 0
         self.local = range(self.bounds[rank], self.bounds[rank + 1])
+        self.held = ep.held_experts(e) if ep is not None else list(range(e))  # slot -> logical expert
+        self.eplb = ep.expert_map(e, backend.device.device()) if ep is not None else None
         self.router = router_config(config)
         self.uses_bias = config.topk_method == "noaux_tc"
         meta = torch.empty(0, device="meta")
@@ -115,6 +119,8 @@ class MoE(nn.Module):
         if self.ep is None:
             y = self.backend.moe.fused_moe(x, weights, ids, self.w13, self.w2, self.w13_scale, self.w2_scale)
             return y if self.shared_experts is None else y + self.shared_experts(x)
+        if self.eplb is not None:  # logical -> physical experts, counted in eager steps
+            ids = self.eplb.physical(weights, ids, record=not fixed_exchange)
         if fixed_exchange:
             return self._fixed_exchange(x, weights, ids)
         return self._expert_parallel(x, weights, ids)
@@ -157,6 +163,10 @@ class MoE(nn.Module):
             shared_experts()
         return y + shared[0] if shared else y
 
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """The routed experts' tensors, (slots, ...) each (EPLB moves their rows)."""
+        return [t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale) if t is not None]
+
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         e, dm, inter = self.num_experts, self.hidden, self.inter
         self.gate_weight = reader.get(f"{prefix}.gate.weight", (e, dm), torch.float32)
@@ -168,7 +178,7 @@ class MoE(nn.Module):
         shared: list[ExpertWeights] = []
         if self.shared_experts is not None:
             routed_fp8 = not transformers_layout and reader.has(
-                f"{prefix}.experts.{self.local.start}.gate_proj.weight_scale_inv"
+                f"{prefix}.experts.{self.held[0]}.gate_proj.weight_scale_inv"
             )
             shared_fp8 = reader.has(f"{prefix}.shared_experts.gate_proj.weight_scale_inv")
             self.fuse_shared &= fusion_enabled("shared_experts", reader.unfused)
@@ -182,8 +192,8 @@ class MoE(nn.Module):
         if transformers_layout:  # transformers' fused in-memory layout
             w13 = reader.get(f"{prefix}.experts.gate_up_proj", (e, 2 * inter, dm), dtype)
             w2 = reader.get(f"{prefix}.experts.down_proj", (e, dm, inter), dtype)
-            mine = slice(self.local.start, self.local.stop)
-            self.w13, self.w2 = (w13, w2) if self.ep is None else (w13[mine].clone(), w2[mine].clone())
+            mine = torch.tensor(self.held, dtype=torch.int64, device=w13.device)
+            self.w13, self.w2 = (w13, w2) if self.ep is None else (w13[mine], w2[mine])
             if shared:
                 self.w13 = torch.cat([self.w13, torch.stack([w[0] for w in shared])])
                 self.w2 = torch.cat([self.w2, torch.stack([w[2] for w in shared])])
@@ -219,9 +229,8 @@ class MoE(nn.Module):
         """DeepSeek's published layout: experts.{e}.{gate,up,down}_proj.weight (+ weight_scale_inv).
         Only this rank's experts are read; the others are marked as known. `shared`: the shared
         experts' chunks, held after the routed experts (indices e .. e + S - 1)."""
-        e, dm, inter = len(self.local), self.hidden, self.inter
-        first = self.local.start
-        for i in [*range(first), *range(self.local.stop, self.num_experts)]:
+        e, dm, inter = len(self.held), self.hidden, self.inter
+        for i in sorted(set(range(self.num_experts)) - set(self.held)):
             for name in ("gate_proj", "up_proj", "down_proj"):
                 for suffix in ("weight", "weight_scale_inv"):
                     if reader.has(f"{prefix}.{i}.{name}.{suffix}"):
@@ -239,9 +248,9 @@ class MoE(nn.Module):
             s2 = torch.empty((n, num_blocks(dm), num_blocks(inter)), dtype=torch.float32, device=device)
         for i in range(n):
             if i < e:
-                gate = reader.linear(f"{prefix}.{first + i}.gate_proj", (inter, dm), dtype)
-                up = reader.linear(f"{prefix}.{first + i}.up_proj", (inter, dm), dtype)
-                down = reader.linear(f"{prefix}.{first + i}.down_proj", (dm, inter), dtype)
+                gate = reader.linear(f"{prefix}.{self.held[i]}.gate_proj", (inter, dm), dtype)
+                up = reader.linear(f"{prefix}.{self.held[i]}.up_proj", (inter, dm), dtype)
+                down = reader.linear(f"{prefix}.{self.held[i]}.down_proj", (dm, inter), dtype)
                 a, sa, b, sb = fuse_gate_up(gate, up, down)
             else:
                 a, sa, b, sb = shared[i - e]

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.backend.ops import CollectiveOps
+from deepinfer.config import EplbConfig
+from deepinfer.parallel.eplb import ExpertMap, initial_placement
 from deepinfer.parallel.exchanges import current_log
 from deepinfer.parallel.rank_sync import RankSync
 
@@ -36,6 +38,7 @@ class ExpertParallel:
     rank: int
     world_size: int
     micro_batches: int = 1  # 2: two-batch overlap in every MoE layer (dispatch_combine)
+    eplb: EplbConfig | None = None  # load balancing: redundant experts, rearranged (parallel.eplb)
     # the engine's status exchanges with the other ranks (its group is made at the first call)
     sync: RankSync = field(init=False, compare=False, repr=False)
 
@@ -43,13 +46,40 @@ class ExpertParallel:
         object.__setattr__(self, "sync", RankSync(self.rank, self.world_size))
 
     @classmethod
-    def from_torch_distributed(cls, micro_batches: int = 1) -> ExpertParallel:
+    def from_torch_distributed(cls, micro_batches: int = 1, eplb: EplbConfig | None = None) -> ExpertParallel:
         if not dist.is_initialized():
             raise ValueError(
                 "enable_expert_parallel needs torch.distributed initialised first, one process per "
                 "rank (torchrun, or torch.distributed.init_process_group)"
             )
-        return cls(dist.get_rank(), dist.get_world_size(), micro_batches)
+        return cls(dist.get_rank(), dist.get_world_size(), micro_batches, eplb)
+
+    def num_physical(self, num_experts: int) -> int:
+        """Expert weight slots over all ranks: E, plus the redundant ones with EPLB (their sum
+        a multiple of the ranks: each rank holds as many)."""
+        if self.eplb is None:
+            return num_experts
+        p = num_experts + self.eplb.num_redundant_experts
+        if p % self.world_size:
+            raise ValueError(
+                f"enable_eplb: {num_experts} routed experts + num_redundant_experts="
+                f"{self.eplb.num_redundant_experts} = {p} slots do not divide over {self.world_size} ranks; "
+                f"choose num_redundant_experts so that the sum is a multiple of {self.world_size}"
+            )
+        return p
+
+    def held_experts(self, num_experts: int) -> list[int]:
+        """The logical experts of this rank's slots when the model loads: its range of E without
+        EPLB, else those of parallel.eplb.initial_placement."""
+        p = self.num_physical(num_experts)
+        bounds = self.expert_bounds(p)
+        return initial_placement(num_experts, p)[bounds[self.rank] : bounds[self.rank + 1]]
+
+    def expert_map(self, num_experts: int, device: torch.device | str) -> ExpertMap | None:
+        """A MoE layer's logical -> physical map under EPLB (None without it)."""
+        if self.eplb is None:
+            return None
+        return ExpertMap(num_experts, self.num_physical(num_experts), device)
 
     def expert_bounds(self, num_experts: int) -> list[int]:
         """(W + 1,) bounds: rank r holds experts [bounds[r], bounds[r + 1]); when W does not divide
@@ -97,8 +127,9 @@ def dispatch_combine(
     t, k = ids.shape
     world_size = len(bounds) - 1
     local = range(bounds[rank], bounds[rank + 1])
-    even = all(bounds[r + 1] - bounds[r] == len(local) for r in range(world_size))
-    fused = collectives.expert_exchange(bounds[-1], x, k) if micro_batches == 1 and even else None
+    # the backend's fused exchange, if it has one for these experts (it checks that they divide
+    # evenly: one it was asked for explicitly raises where they do not)
+    fused = collectives.expert_exchange(bounds[-1], x, k) if micro_batches == 1 else None
     if fused is not None:
         return _fused_exchange(fused, collectives, x, weights, ids, bounds, rank, experts, meanwhile)
     flat = ids.reshape(-1).long()  # (T*K,)

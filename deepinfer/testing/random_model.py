@@ -216,6 +216,7 @@ def random_model(
     fp8: bool = False,
     num_hidden_layers: int | None = None,
     mtp: bool = False,
+    by_name: bool = False,
 ) -> DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
@@ -260,6 +261,7 @@ def random_model(
         fp4_experts=fp4_experts,
         fp8_block=fp8_block,
         fp8_linears=fp8_linears,
+        by_name=by_name,
     )
     model.load_weights(source)
     backend.device.synchronize()

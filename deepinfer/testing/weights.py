@@ -15,6 +15,7 @@ recorded benchmarks depend on them): one seed gives the same tensors.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -117,6 +118,7 @@ class RandomSource:
         fp4_experts: bool = False,
         fp8_block: int = FP8_BLOCK,
         fp8_linears: Callable[[str], bool] = stored_in_fp8,
+        by_name: bool = False,
     ) -> None:
         if (fp8 or fp4_experts) and init.matrix is None:
             raise ValueError("quantised random weights need an init with a fixed matrix scale")
@@ -127,7 +129,18 @@ class RandomSource:
         self.fp8, self.fp4_experts, self.fp8_linears = fp8, fp4_experts, fp8_linears
         self.unfused = envs.read().model_unfused  # as load_model reads DEEPINFER_MODEL_UNFUSED
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed, self.by_name = seed, by_name
         self.tensors: dict[str, torch.Tensor] = {}
+
+    def _gen(self, name: str) -> torch.Generator:
+        """The generator tensor `name` is drawn from: the shared one, or with by_name one seeded
+        by the seed and the name, so that a model loading only some tensors (an expert-parallel
+        rank's experts) gets the values a whole model gets."""
+        if not self.by_name:
+            return self.generator
+        return torch.Generator(device=self.device).manual_seed(
+            self.seed * 1_000_003 + zlib.crc32(name.encode())
+        )
 
     def has(self, name: str) -> bool:
         return name in self.present or (self.fp8 and name.endswith(".weight_scale_inv"))
@@ -138,13 +151,13 @@ class RandomSource:
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         dtype = dtype or torch.float32
         if not self.record:
-            return random_tensor(name, shape, self.init, self.generator, dtype, self.device)
-        t = random_tensor(name, shape, self.init, self.generator, torch.float32, self.device)
+            return random_tensor(name, shape, self.init, self._gen(name), dtype, self.device)
+        t = random_tensor(name, shape, self.init, self._gen(name), torch.float32, self.device)
         self.tensors[name] = t
         return t.to(dtype)
 
     def get_ids(self, name: str, shape: tuple[int, ...], upper: int) -> torch.Tensor:
-        gen, device = self.generator, self.device
+        gen, device = self._gen(name), self.device
         if self.init.distinct_ids:
             rows = [torch.randperm(upper, generator=gen, device=device)[: shape[1]] for _ in range(shape[0])]
             ids = torch.stack(rows)
@@ -160,14 +173,14 @@ class RandomSource:
         n, k = shape
         std = self.init.matrix or 0.0
         if fp4 and self.fp4_experts:
-            packed = torch.randint(256, (n, k // 2), generator=self.generator, device=self.device)
+            packed = torch.randint(256, (n, k // 2), generator=self._gen(prefix), device=self.device)
             exponent = E8M0_BIAS + round(math.log2(std / _E2M1_RMS))
             scale = torch.full(fp4_scale_shape(n, k), exponent, dtype=torch.uint8, device=self.device)
             return packed.to(torch.uint8), scale
         if not self.fp8 or not self.fp8_linears(prefix):
             return self.get(f"{prefix}.weight", shape, dtype), None
         # drawn in bfloat16, then cast: a float32 (N, K) would double the peak
-        w = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
+        w = torch.randn(shape, generator=self._gen(prefix), device=self.device, dtype=torch.bfloat16)
         blocks = (-(-n // self.fp8_block), -(-k // self.fp8_block))
         return w.to(self.fp8_dtype), torch.full(blocks, std, dtype=torch.float32, device=self.device)
 

@@ -86,6 +86,6 @@ def create_cuda_backend(options: BackendOptions | None = None, env: envs.Env | N
         attention=CudaAttention(options, env),
         gemm=CudaGemm(options, env),
         moe=CudaMoe(options, env),
-        collectives=CudaCollectives(options, device),
+        collectives=CudaCollectives(options, device, env),
         small=CudaSmall(options, env),
     )

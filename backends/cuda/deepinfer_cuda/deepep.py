@@ -1,20 +1,28 @@
-"""DeepEP's normal kernels as the expert-parallel exchange (collectives.expert_exchange).
+"""DeepEP's EPBuffer (DeepEP >= 2.5) as the expert-parallel exchange (collectives.expert_exchange).
 
-Written against DeepEP's documented V1 `deep_ep.Buffer` API (docs/legacy.md of
-deepseek-ai/DeepEP: get_dispatch_layout, dispatch, combine); used when `deep_ep` imports, the
-group is NCCL, activations are bf16 and the routed experts divide evenly over the ranks (DeepEP
-gives each rank E / W experts). It has not run here: no machine this backend was measured on had
-DeepEP installed (docs/data_parallel.md).
+Selected explicitly: DEEPINFER_CUDA_EXPERT_EXCHANGE=deepep (deepinfer.envs). Asking for it where
+`deep_ep` does not import, or has no EPBuffer (the V1 `deep_ep.Buffer` API is not supported), is
+an error when the backend is created; a MoE layer it cannot serve (activations not bf16, a group
+not on NCCL, experts that do not divide evenly over the ranks, more tokens than the buffer holds)
+is an error at that layer, never a silent fallback to all_to_all. It has not run on a GPU:
+tests/test_deepep.py runs it against a simulation of the EPBuffer calls it makes
+(tests/deepep_sim.py) over gloo.
 
-One exchange: dispatch sends each token once to every rank holding one of its experts; there the
-pairs (received token, local expert) run through this rank's experts, weighted and summed per
-received token in float32; combine sums those partial outputs over the ranks, back where each
-token lives (in bf16: DeepEP's combine dtype).
+One exchange, EPBuffer's normal (non-expanded) layout:
+  dispatch(x (T, Dm) bf16, topk_idx (T, K) topk_idx_t, topk_weights (T, K) float32, num_experts)
+    -> recv_x (R, Dm): each token once on every rank holding one of its experts,
+       recv_topk_idx (R, K): this rank's local expert ids, -1 where the expert is elsewhere,
+       recv_topk_weights (R, K), handle, event;
+  here the pairs (received token, local expert) run through this rank's experts, weighted and
+  summed per received token in float32;
+  combine(partial (R, Dm) bf16, handle) -> (T, Dm): the partial sums added over the ranks, back
+  where each token lives (bf16 out, where the all_to_all path adds the pairs in float32).
+In batch-invariant mode the buffer is deterministic (received rows in source order) with one
+reduction in combine (allow_multiple_reduction=False), as DeepSeek's engine sets it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,24 +30,50 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepinfer_cuda.vendor import _module
+from deepinfer import envs
 
 logger = logging.getLogger(__name__)
+_SELECTED = f"{envs.CUDA_EXPERT_EXCHANGE.name}=deepep"
+
+
+def load_deep_ep() -> Any:
+    """The deep_ep module with an EPBuffer; RuntimeError saying why not."""
+    try:
+        import deep_ep
+    except Exception as exc:
+        raise RuntimeError(
+            f"{_SELECTED}, but deep_ep cannot be imported "
+            f"({type(exc).__name__}: {exc}); install DeepEP >= 2.5, or unset the variable for all_to_all"
+        ) from exc
+    if not hasattr(deep_ep, "EPBuffer"):
+        version = getattr(deep_ep, "__version__", "unknown")
+        raise RuntimeError(
+            f"{_SELECTED} needs DeepEP >= 2.5 (deep_ep.EPBuffer); the installed "
+            f"deep_ep {version} has none (its V1 deep_ep.Buffer API is not supported)"
+        )
+    return deep_ep
 
 
 class DeepEPExchange:
     """exchange(x (T, Dm) bf16, weights (T, K), ids (T, K) global expert ids, local: range,
     experts(rows (R, Dm), local ids (R,)) -> (R, Dm)) -> (T, Dm) = sum_k weights * expert_k(x)."""
 
-    def __init__(self, deep_ep: Any, num_experts: int, hidden_bytes: int) -> None:
-        group = dist.group.WORLD
-        size = dist.get_world_size()
-        nvl, rdma = 0, 0
-        for config in (deep_ep.Buffer.get_dispatch_config(size), deep_ep.Buffer.get_combine_config(size)):
-            nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, size), nvl)
-            rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, size), rdma)
-        self.buffer = deep_ep.Buffer(group, nvl, rdma)
-        self.num_experts = num_experts
+    def __init__(
+        self,
+        deep_ep: Any,
+        group: Any,
+        num_experts: int,
+        hidden: int,
+        top_k: int,
+        max_tokens: int,
+        deterministic: bool,
+    ) -> None:
+        self.num_experts, self.max_tokens = num_experts, max_tokens
+        self.index_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+        self.buffer = deep_ep.EPBuffer(
+            group, num_max_tokens_per_rank=max_tokens, hidden=hidden, num_topk=top_k,
+            deterministic=deterministic, allow_multiple_reduction=not deterministic,
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -49,18 +83,16 @@ class DeepEPExchange:
         local: range,
         experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
-        topk_idx = ids.to(torch.int64)
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
-            topk_idx, self.num_experts
+        if x.shape[0] > self.max_tokens:  # every rank's buffer holds at most max_tokens rows
+            raise ValueError(
+                f"DeepEP exchange: {x.shape[0]} tokens in one MoE layer, more than its buffer's "
+                f"{self.max_tokens} ({envs.CUDA_DEEPEP_TOKENS.name}); raise it to max_num_batched_tokens"
+            )
+        recv_x, recv_idx, recv_w, handle, _ = self.buffer.dispatch(
+            x, topk_idx=ids.to(self.index_dtype), topk_weights=weights.float(), num_experts=self.num_experts
         )
-        recv_x, recv_idx, recv_w, _, handle, _ = self.buffer.dispatch(
-            x, topk_idx=topk_idx, topk_weights=weights.float(), num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-        )  # fmt: skip
-        # recv_idx (R, K): this rank's local expert ids, -1 where the expert is on another rank
-        rows, slots = (recv_idx >= 0).nonzero(as_tuple=True)
-        out = experts(recv_x[rows], recv_idx[rows, slots])  # (P, Dm)
+        rows, slots = (recv_idx >= 0).nonzero(as_tuple=True)  # the pairs of this rank's experts
+        out = experts(recv_x[rows], recv_idx[rows, slots].long())  # (P, Dm)
         partial = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device)
         partial.index_add_(0, rows, out.float() * recv_w[rows, slots].float().unsqueeze(-1))
         combined, _, _ = self.buffer.combine(partial.to(x.dtype), handle)
@@ -68,22 +100,40 @@ class DeepEPExchange:
         return result
 
 
-@functools.cache
-def _exchange(num_experts: int, hidden_bytes: int) -> DeepEPExchange | None:
-    deep_ep = _module("deep_ep")
-    if deep_ep is None:
-        return None
-    logger.info(
-        "expert parallelism: DeepEP normal kernels for dispatch and combine (%d experts)", num_experts
-    )
-    return DeepEPExchange(deep_ep, num_experts, hidden_bytes)
+class DeepEPExchanges:
+    """The exchanges of one backend, one EPBuffer per (experts, hidden, top-k) shape."""
 
+    def __init__(self, deep_ep: Any, max_tokens: int, deterministic: bool) -> None:
+        self.deep_ep, self.max_tokens, self.deterministic = deep_ep, max_tokens, deterministic
+        self._made: dict[tuple[int, int, int], DeepEPExchange] = {}
 
-def deepep_exchange(num_experts: int, x: torch.Tensor) -> DeepEPExchange | None:
-    """The DeepEP exchange for num_experts routed experts and activations like x, or None when
-    DeepEP does not apply (not installed, not bf16 on CUDA over NCCL, experts not divisible)."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and dist.is_initialized()):
-        return None
-    if dist.get_backend() != "nccl" or num_experts % dist.get_world_size():
-        return None
-    return _exchange(num_experts, x.shape[1] * 2)
+    def get(self, num_experts: int, x: torch.Tensor, top_k: int) -> DeepEPExchange:
+        """The exchange for a MoE layer; ValueError where DeepEP cannot serve it."""
+        if x.dtype != torch.bfloat16:
+            raise ValueError(
+                f"the DeepEP exchange dispatches bfloat16 activations; the model runs in {x.dtype}"
+            )
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            raise ValueError(
+                "the DeepEP exchange runs over an NCCL group (torch.distributed's default group)"
+            )
+        if num_experts % dist.get_world_size():
+            raise ValueError(
+                f"the DeepEP exchange needs the {num_experts} expert slots to divide over the "
+                f"{dist.get_world_size()} ranks"
+            )
+        key = (num_experts, x.shape[1], top_k)
+        if key not in self._made:
+            logger.info(
+                "expert parallelism: DeepEP EPBuffer for dispatch and combine (%d experts)", num_experts
+            )
+            self._made[key] = DeepEPExchange(
+                self.deep_ep,
+                dist.group.WORLD,
+                num_experts,
+                x.shape[1],
+                top_k,
+                self.max_tokens,
+                self.deterministic,
+            )
+        return self._made[key]
