@@ -29,7 +29,7 @@ Roofline of a decode step of B requests at cache length L (mean over the decode 
   bound_s = (weights + kv_read + kv_write) / copy rate;  fraction = bound_s / measured step time
 
     python bench/bench_v41_kv.py --out DIR                  # H200 (bench/run_v41_h200.sh)
-    python bench/bench_v41_kv.py --smoke --out /tmp/v41kv   # the logic on the CPU, tiny V4.1
+    python bench/bench_v41_kv.py --smoke --out /tmp/v41kv   # the logic on the CPU, tiny V4.1 (FP8)
 """
 
 from __future__ import annotations
@@ -64,9 +64,7 @@ def write_config(out: Path, smoke: bool) -> Path:
     if smoke:
         from deepinfer.testing.v41_checkpoint import tiny_v41_config
 
-        raw = tiny_v41_config(layers=4, head_dim=32, index_head_dim=32)
-        raw.pop("quantization_config")
-        raw["dtype"] = "float32"
+        raw = tiny_v41_config(layers=4, head_dim=32, index_head_dim=32)  # FP8 + MXFP4 as published
     else:
         raw = json.loads(FLASH.read_text())
         raw["text_config"]["engram_layer_ids"] = []
@@ -181,8 +179,7 @@ def main() -> None:
         "backend": "reference" if a.smoke else "cuda", "kv_cache_dtype": a.kv_cache_dtype,
         "max_num_seqs": max(batches), "max_model_len": a.input_len + a.output_len + 8,
     }  # fmt: skip
-    if not a.smoke:
-        kwargs["quantization"] = "fp8"
+    kwargs["quantization"] = "fp8"
     config = resolve_engine_config(engine_config(config_file.parent, kwargs, "bench_v41_kv"), config_file)
     backend = get_backend(config.backend, BackendOptions(max_model_len=config.max_model_len))
     dev = backend.device.device()
@@ -192,7 +189,7 @@ def main() -> None:
         config_file,
         backend,
         config.torch_dtype,
-        fp8=not a.smoke,
+        fp8=True,
         num_hidden_layers=None if a.smoke else a.layers,
     )
     llm = LLM.from_engine(LLMEngine(config, model=model, backend=backend))

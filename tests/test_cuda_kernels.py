@@ -1528,6 +1528,71 @@ def test_compressed_attention_splits_and_upper_bounds(
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("formats", [("fp8", "fp4"), ("fp8", "fp8")], ids=["fp8-fp4", "fp8-fp8"])
+def test_quantized_rows_splits_and_upper_bounds(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, formats: tuple[str, str]
+) -> None:
+    """DeepSeek-V4.1's rows: the same caches quantised (every row, the NaN ones no request owns
+    too), read by the kernel in its adaptive splits, one-tile splits and a replayed graph's upper
+    bounds, as the reference over the dequantised rows; then the indexer's scores over MXFP4 keys
+    pick what the reference picks."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+
+    monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
+    q, tokens, entries, entry_table, meta, sinks, topk = _compressed_case(gen, 40)
+    fmt_w, fmt_e = formats
+
+    def quantized(cache: PagedKVCache, fmt: str) -> PagedKVCache:
+        rows = kvf.quantize_rows(cache.tensors[0], fmt)  # type: ignore[arg-type]
+        spec = dataclasses.replace(cache.spec, latent_dim=rows.shape[-1], dtype=torch.uint8)
+        return PagedKVCache(spec, (rows,))
+
+    qt, qe = quantized(tokens, fmt_w), quantized(entries, fmt_e)
+    mods = AttentionModifiers(window=20, sinks=sinks, topk_indices=topk)
+    cpu_meta = AttentionMetadata.build(
+        meta.block_tables.cpu(), list(meta.seq_lens_host), list(meta.query_lens_host)
+    )
+
+    def reader(fmt: str) -> Any:
+        return lambda cache, slots: kvf.dequantize_rows(ref_v4.read_kv(cache, slots), fmt)
+
+    want = ref_v4.compressed_attention(
+        q, qt, qe, cpu_meta, 0.2, 4, mods, reader(fmt_w), entry_table, read_compressed=reader(fmt_e)
+    )
+    upper = 64 * 8
+    table = torch.zeros((4, upper // 8), dtype=torch.int32)
+    table[:, : meta.block_tables.shape[1]] = meta.block_tables.cpu()
+    bound = dataclasses.replace(
+        meta, block_tables=table.to(DEV), seq_lens_host=(upper,) * 4, max_seq_len=upper
+    )
+    cfg = attn_k.AttentionConfig(16, 16, 4, 1)
+    for m, split_tiles in ((meta, None), (meta, 1), (bound, None)):
+        got = v4_k.compressed_attention(
+            q.to(DEV), qt.tensors[0].to(DEV), qe.tensors[0].to(DEV), m, scale=0.2, ratio=4, window=20,
+            sinks=sinks.to(DEV), topk_indices=topk.to(DEV), compressed_block_tables=entry_table.to(DEV),
+            config=cfg, split_tiles=split_tiles, kv_format=fmt_w, ckv_format=fmt_e,
+        ).cpu()  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    keys = quantized(entries, "mxfp4")
+    key_meta = AttentionMetadata.build(entry_table, list(meta.seq_lens_host), list(meta.query_lens_host))
+    qi, w = torch.randn((q.shape[0], 3, 32), generator=gen), torch.randn((q.shape[0], 3), generator=gen)
+    want_ids = ref_v4.indexer_topk(qi, w, keys, key_meta, 4, 7, 0.3, reader("mxfp4"))
+    dev_meta = AttentionMetadata.build(
+        entry_table.to(DEV), list(meta.seq_lens_host), list(meta.query_lens_host)
+    )
+    got_ids = v4_k.indexer_topk(
+        qi.to(DEV),
+        w.to(DEV),
+        keys.tensors[0].to(DEV),
+        dev_meta,
+        ratio=4,
+        topk=7,
+        scale=0.3,
+        key_format="mxfp4",
+    ).cpu()
+    assert torch.equal(got_ids.sort(-1).values, want_ids.sort(-1).values)
+
+
 def test_compressed_attention_is_batch_invariant(gen: torch.Generator) -> None:
     """Batch-invariant mode: request 1's decode row alone and in the batch, bit for bit."""
     q, tokens, entries, entry_table, meta, sinks, topk = _compressed_case(gen, 40)

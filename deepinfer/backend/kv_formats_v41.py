@@ -55,13 +55,6 @@ def row_bytes(fmt: RowFormat, width: int) -> int:
     return bytes_per_entry_v41(kind, width, "auto")
 
 
-def row_width(fmt: RowFormat, nbytes: int) -> int:
-    """Values of a row of `nbytes` bytes in `fmt` (inverse of row_bytes)."""
-    if fmt == "fp8":
-        return nbytes * 32 // 33
-    return nbytes * 16 // 9 if fmt == "fp4" else nbytes * 32 // 17
-
-
 def quantize_rows(x: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     """[..., W] float -> [..., row_bytes(fmt, W)] uint8."""
     if fmt == "fp8":
