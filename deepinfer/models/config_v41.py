@@ -36,6 +36,7 @@ from deepinfer.models.config import (
     _parse_rope,
     single_kv_head_config,
 )
+from deepinfer.models.config_vision import VisionConfig, parse_vision
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 LAYER_RATIOS = (0, 1, 2)
@@ -141,6 +142,7 @@ class V41Config:
     dspark: DSparkConfig | None
     image_token_id: int | None
     mtp_compress_ratios: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # the vision tower (config_vision), None: text only
 
 
 def _source_map(f: _Fields, name: str, ids: Any, n: int) -> tuple[int, ...]:
@@ -385,6 +387,7 @@ def parse_v41(raw: dict[str, Any]) -> ModelConfig:
         dspark=_parse_dspark(f, nextn, n),
         image_token_id=top.get_token_id("image_token_id"),
         mtp_compress_ratios=(0,) * nextn,  # draft layers are sliding window only
+        vision=parse_vision(raw.get("vision_config")),
     )
     inter = f.get_int("moe_intermediate_size")
     cfg = single_kv_head_config(
