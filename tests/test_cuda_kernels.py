@@ -42,6 +42,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
     from deepinfer_cuda.kernels import v4 as v4_k
+    from deepinfer_cuda.kernels import vision as vision_k
     from deepinfer_cuda.kernels.moe import sort_by_expert
     from deepinfer_cuda.kv_cache import cache_tensor
 
@@ -2027,3 +2028,49 @@ def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
             y = b.moe.fused_moe(x, weights, ids, *w[:2], *w[2:], swiglu_limit=limit)
             assert calls == ([t] if expect else []), (t, calls)
             torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def _varlen_f64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
+) -> torch.Tensor:
+    """Bidirectional attention inside each segment, float64, written out per segment and head."""
+    out, at = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=torch.float64), 0
+    for n in lens:
+        for h in range(q.shape[1] if n else 0):
+            s = q[at : at + n, h].double() @ k[at : at + n, h].double().T * scale
+            out[at : at + n, h] = torch.softmax(s, dim=-1) @ v[at : at + n, h].double()
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,d", [([1, 64, 0, 65], 64), ([130, 3], 40)])
+def test_varlen_attention_against_float64(
+    gen: torch.Generator, dtype: torch.dtype, lens: list[int], d: int
+) -> None:
+    """Segments of one row, exactly one tile, one row past a tile, several key tiles, an empty
+    segment; q, k, v strided slices of one qkv buffer; D not a power of two."""
+    t, h = sum(lens), 2
+    qkv = (torch.randn((t, 3, h, d), generator=gen) * 1.5).to(dtype).to(DEV)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    got = vision_k.varlen_attention(q, k, v, cu, max(lens), d**-0.5)
+    assert got.shape == (t, h, d) and got.dtype == dtype
+    want = _varlen_f64(q.cpu(), k.cpu(), v.cpu(), lens, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    # the last segment alone gives the same bits as among the others (no state across segments)
+    a, n = t - lens[-1], lens[-1]
+    last = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    alone = vision_k.varlen_attention(q[a:], k[a:], v[a:], last, n, d**-0.5)
+    assert_bitwise_equal(alone, got[a:], what="segment alone vs among others")
+
+
+def test_varlen_attention_bad_input() -> None:
+    x = torch.zeros((4, 2, 16), device=DEV)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="dtype"):
+        vision_k.varlen_attention(x, x, x.double(), cu, 4, 1.0)
+    with pytest.raises(ValueError, match="stride"):
+        vision_k.varlen_attention(x.transpose(1, 2).contiguous().transpose(1, 2), x, x, cu, 4, 1.0)
+    assert vision_k.varlen_attention(x[:0], x[:0], x[:0], cu[:1], 0, 1.0).shape == (0, 2, 16)
