@@ -50,7 +50,7 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 
 PromptType = str | dict[str, Any]
 # The keys of a prompt dict deepinfer serves (vLLM's TextPrompt / TokensPrompt hold more).
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +101,12 @@ def _available_host_bytes() -> int | None:
 
 
 def check_request_sizes(prompts: list[PromptType], params: list[SamplingParams], max_num_seqs: int) -> None:
-    """Before any Sequence is built: each prompt dict holds only what deepinfer serves (no
-    multi_modal_data yet), n / best_of of each request at most max_num_seqs, and the call's
-    sequences within the host memory available (an estimate; ValueError naming the prompt)."""
+    """Before any Sequence is built: each prompt dict holds only what deepinfer serves (its
+    multi_modal_data is checked per request, engine.images), n / best_of of each request at
+    most max_num_seqs, and the call's sequences within the host memory available (an estimate;
+    ValueError naming the prompt)."""
     total = 0
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            raise ValueError(
-                f"prompt {i}: multi_modal_data is not supported yet (deepinfer serves text prompts only; "
-                "image input is planned with the vision tower)"
-            )
         extra = (
             sorted(str(k) for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None)
             if isinstance(prompt, dict)

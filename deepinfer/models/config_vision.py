@@ -22,6 +22,7 @@ VIT_DEPTH, VIT_HEADS, VIT_MLP_RATIO, VIT_MULTIPLE_OF = 32, 16, 2.7, 128
 NORM_EPS, ROPE_THETA = 1e-6, 10000.0
 # The image ids sit past the text vocabulary: vocab_size + offset (DeepSeek's ImageTokenOffset)
 START, PAD, IMAGE, NEWLINE, END = 0, 1, 2, 3, 4
+NUM_IMAGE_IDS = 5  # ids vocab_size .. vocab_size + 4
 PIXEL_MEAN = PIXEL_STD = 0.5  # the processor's normalisation, every channel
 
 

@@ -169,8 +169,9 @@ def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
 
     out: dict[str, torch.Tensor] = {}
     shapes = expected_tensor_shapes(cfg)
-    if config.get("vision_config") is not None:
+    if config.get("vision_config") is not None:  # the tower, and each layer's image routing bias
         shapes |= vision_tensor_shapes(config)
+        shapes |= {f"layers.{i}.ffn.gate.bias_vl": (cfg.n_experts,) for i in range(cfg.n_layers)}
     for name, shape in shapes.items():
         if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "q_weight", "k_weight")):
             t = 1.0 + 0.1 * randn(*shape)
@@ -182,6 +183,8 @@ def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
             t = 0.5 + torch.rand(*shape, generator=g, dtype=torch.float64)
         elif name.endswith(("attn_sink", "gate.bias")):
             t = 0.3 * randn(*shape)
+        elif name.endswith("gate.bias_vl"):  # large enough to route image tokens elsewhere
+            t = 2.0 * randn(*shape)
         elif name.startswith("image_") or name.endswith(".bias"):  # image vectors, vision biases
             t = 0.5 * randn(*shape)
         elif name.endswith("embed.weight"):
