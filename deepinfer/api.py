@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from deepinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from deepinfer.engine.args import engine_config, resolve_engine_config
+from deepinfer.engine.images import chat_prompt
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
@@ -416,9 +417,13 @@ class LLM:
                 raise ValueError(f"{self._model_name()} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
             prompts: list[PromptType] = []
+            engine = self.data_parallel if self.data_parallel is not None else self.llm_engine
+            setup = getattr(getattr(engine, "requests", None), "images", None)
             for conv in conversations:
-                text, ids = tok.apply_chat_template(
-                    conv,  # type: ignore[arg-type]
+                prompt = chat_prompt(
+                    tok,
+                    setup,
+                    conv,
                     chat_template=chat_template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -426,7 +431,7 @@ class LLM:
                     chat_template_kwargs=chat_template_kwargs,
                     content_format=chat_template_content_format,
                 )
-                prompts.append({"prompt": text, "prompt_token_ids": ids})
+                prompts.append(prompt)
             return prompts
 
         return self._generate(rendered, sampling_params, use_tqdm, priority)

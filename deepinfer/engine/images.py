@@ -284,3 +284,49 @@ def image_setup(model_config: Any, config: Any) -> ImageSetup | None:
         vision, v41.image_token_id, vision.token_ids(model_config.vocab_size), limits.get("image"),
         config.max_num_batched_tokens,
     )  # fmt: skip
+
+
+def split_image_parts(messages: list[Any], placeholder: str) -> tuple[list[Any], list[Any]]:
+    """A chat conversation's OpenAI image parts ({"type": "image_url", "image_url": {"url":
+    ...}}, the url also given directly) -> text parts holding the placeholder token's text
+    (one per image, where the image was), and the images' URLs in order (new message dicts;
+    the caller's are left alone). Other parts pass unchanged."""
+    out: list[Any] = []
+    images: list[Any] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError(
+                        "an image_url part needs {'image_url': {'url': 'data:image/...;base64,...'}}"
+                    )
+                images.append(url)
+                parts.append({"type": "text", "text": placeholder})
+            else:
+                parts.append(part)
+        out.append(dict(message, content=parts))
+    return out, images
+
+
+def chat_prompt(
+    tokenizer: Any, setup: ImageSetup | None, messages: list[Any], **template: Any
+) -> dict[str, Any]:
+    """One conversation rendered by the tokenizer's chat template (Tokenizer.apply_chat_template
+    with `template`'s arguments) as a prompt dict; its image parts become placeholders and its
+    multi_modal_data (a model without a vision tower leaves them to the template's checks)."""
+    images: list[Any] = []
+    if setup is not None:
+        placeholder = tokenizer.hf_tokenizer.convert_ids_to_tokens(setup.placeholder)
+        messages, images = split_image_parts(messages, placeholder)
+    text, ids = tokenizer.apply_chat_template(messages, **template)
+    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
