@@ -93,3 +93,19 @@ def test_vision_config_defaults_and_errors() -> None:
         parse_vision({"hidden_size": 16, "max_image_tokens": 16})  # 16 heads of width 1
     with pytest.raises(ModelConfigError, match="max_image_tokens"):
         parse_vision({"hidden_size": 16, "num_heads": 2})
+
+
+def test_bench_vision_smoke(tmp_path: Path) -> None:
+    """bench/bench_vision.py --smoke on the CPU: it runs and writes one result per batch."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "bench" / "bench_vision.py"), "--backend", "reference", "--smoke"]
+    proc = subprocess.run(
+        [*cmd, "--batches", "1,3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "vision.json").read_text())
+    assert [r["images"] for r in got["results"]] == [1, 3] and got["grid"] == [4, 4]
