@@ -27,7 +27,8 @@ import torch
 from deepinfer.backend.registry import get_backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.engine.images import plan_grid
-from deepinfer.models.config_vision import VisionConfig, parse_vision
+from deepinfer.models.config_v41 import parse_vision
+from deepinfer.models.config_vision import VisionConfig
 from deepinfer.models.vision import VisionModel
 from deepinfer.testing.weights import BENCH_INIT, RandomSource
 

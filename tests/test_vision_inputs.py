@@ -31,7 +31,7 @@ from deepinfer.engine.images import (
 from deepinfer.engine.kv_cache import BlockManager
 from deepinfer.engine.scheduler import whole_images
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.config_vision import parse_vision
+from deepinfer.models.config_v41 import parse_vision
 from deepinfer.models.vision import to_patches
 from deepinfer.models.vision_layout import image_token_count
 from deepinfer.testing.v41_checkpoint import (

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer.models.config import ModelConfigError
-from deepinfer.models.config_vision import parse_vision, vit_intermediate
+from deepinfer.models.config_v41 import parse_vision
+from deepinfer.models.config_vision import vit_intermediate
 from deepinfer.models.loader import CheckpointReader
 from deepinfer.models.vision import VisionModel
 from deepinfer.models.vision_layout import image_token_count

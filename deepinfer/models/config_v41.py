@@ -36,7 +36,7 @@ from deepinfer.models.config import (
     _parse_rope,
     single_kv_head_config,
 )
-from deepinfer.models.config_vision import VisionConfig, parse_vision
+from deepinfer.models.config_vision import VIT_DEPTH, VIT_HEADS, VisionConfig, vit_intermediate
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 LAYER_RATIOS = (0, 1, 2)
@@ -278,6 +278,34 @@ def _parse_dspark(f: _Fields, nextn: int, n: int) -> DSparkConfig | None:
         noise_token_id=f.get_int("dspark_noise_token_id", minimum=0),
         n_routed_experts=f.get_int("dspark_n_routed_experts"),
         num_experts_per_tok=f.get_int("dspark_num_experts_per_tok"),
+    )
+
+
+def parse_vision(raw: Any) -> VisionConfig | None:
+    """config.json's vision_config (an object, or absent / null: a text-only model)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ModelConfigError("config.json: 'vision_config' must be an object")
+    f = _Fields(raw, {}, "config.json vision_config")
+    width = f.get_int("hidden_size", 1024)
+    heads = f.get_int("num_heads", VIT_HEADS)
+    if width % heads or (width // heads) % 4:
+        raise f.error(
+            f"hidden_size {width} must split into num_heads {heads} heads of a width divisible by 4 "
+            "(the 2D rope rotates half of each head by the row, half by the column)"
+        )
+    ratio = f.value("max_wh_ratio")
+    return VisionConfig(
+        width=width,
+        depth=f.get_int("depth", VIT_DEPTH),
+        heads=heads,
+        intermediate=f.get_int("intermediate_size", vit_intermediate(width)),
+        patch_size=f.get_int("patch_size", 14),
+        downsample_ratio=f.get_int("downsample_ratio", 2),
+        max_image_tokens=f.get_int("max_image_tokens", minimum=4),
+        min_pixels=f.get_int("min_pixels", 0, minimum=0),
+        max_wh_ratio=None if ratio is None else f.get_float("max_wh_ratio", 1.0, positive=True),
     )
 
 

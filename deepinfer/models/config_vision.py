@@ -5,16 +5,15 @@ DeepSeek's config.json holds the processor's and aligner's fields: `hidden_size`
 `patch_size` (14), `max_image_tokens`, `min_pixels`, `max_wh_ratio`. The ViT's depth (32), heads
 (16) and SwiGLU width (1024 * 2.7 rounded up to a multiple of 128: 2816) are constants in
 DeepSeek's code; here they are read from the optional keys `depth`, `num_heads` and
-`intermediate_size` with those defaults, so tiny test towers use the same code.
+`intermediate_size` with those defaults, so tiny test towers use the same code. Parsed by
+config_v41.parse_vision.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from deepinfer.models.config import ModelConfigError, _Fields
 from deepinfer.models.vision_layout import ImageTokenIds
 
 # DeepSeek's ViT constants (models/vision_encoder/vit.py of its engine)
@@ -63,31 +62,3 @@ class VisionConfig:
             newline=vocab_size + NEWLINE,
             image=vocab_size + IMAGE,
         )
-
-
-def parse_vision(raw: Any) -> VisionConfig | None:
-    """config.json's vision_config (an object, or absent / null: a text-only model)."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise ModelConfigError("config.json: 'vision_config' must be an object")
-    f = _Fields(raw, {}, "config.json vision_config")
-    width = f.get_int("hidden_size", 1024)
-    heads = f.get_int("num_heads", VIT_HEADS)
-    if width % heads or (width // heads) % 4:
-        raise f.error(
-            f"hidden_size {width} must split into num_heads {heads} heads of a width divisible by 4 "
-            "(the 2D rope rotates half of each head by the row, half by the column)"
-        )
-    ratio = f.value("max_wh_ratio")
-    return VisionConfig(
-        width=width,
-        depth=f.get_int("depth", VIT_DEPTH),
-        heads=heads,
-        intermediate=f.get_int("intermediate_size", vit_intermediate(width)),
-        patch_size=f.get_int("patch_size", 14),
-        downsample_ratio=f.get_int("downsample_ratio", 2),
-        max_image_tokens=f.get_int("max_image_tokens", minimum=4),
-        min_pixels=f.get_int("min_pixels", 0, minimum=0),
-        max_wh_ratio=None if ratio is None else f.get_float("max_wh_ratio", 1.0, positive=True),
-    )
