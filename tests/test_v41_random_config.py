@@ -114,9 +114,9 @@ def test_random_model_in_the_published_format(tmp_path: Path) -> None:
             assert not layer.attn.compressor.wkv.is_fp8
 
 
-@pytest.mark.parametrize("shifted", [True, False])
-def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool) -> None:
-    raw = tiny(hc_shifted=shifted)
+@pytest.mark.parametrize("shifted,vision", [(True, False), (False, False), (True, True)])
+def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool, vision: bool) -> None:
+    raw = tiny(hc_shifted=shifted, vision=vision)
     raw.pop("quantization_config")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model = random_model(tmp_path / "config.json", get_backend("reference"), torch.float32)

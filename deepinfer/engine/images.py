@@ -138,7 +138,13 @@ def open_image(item: Any) -> Any:
         try:
             image = Image.open(io.BytesIO(item))
             image.load()
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        except (
+            UnidentifiedImageError,
+            Image.DecompressionBombError,
+            OSError,
+            ValueError,
+            SyntaxError,
+        ) as exc:
             raise ImageInputError(f"the image does not decode (corrupt or not an image): {exc}") from exc
         return image
     raise ImageInputError(
@@ -250,14 +256,33 @@ class ImageSetup:
     limit: int | None
     max_span: int
 
-    def expand(self, ids: list[int], multi_modal_data: Any) -> tuple[list[int], list[ImageSpan]]:
+    def prefetch(self, prompts: list[Any]) -> dict[int, ProcessedImage | ImageInputError]:
+        """Every image of a call's prompts processed at once on the host threads, by id(item)
+        (expand's `done`): the requests' images are decoded and resized in parallel."""
+        items = []
+        for prompt in prompts:
+            mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+            images = mm.get("image") if isinstance(mm, dict) else None
+            items += list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+        return dict(zip(map(id, items), process_images(items, self.vision)))
+
+    def expand(
+        self,
+        ids: list[int],
+        multi_modal_data: Any,
+        done: dict[int, ProcessedImage | ImageInputError] | None = None,
+    ) -> tuple[list[int], list[ImageSpan]]:
         """A prompt's ids and multi_modal_data -> the expanded ids and the image spans
-        (ImageInputError naming the first image that cannot be served)."""
+        (ImageInputError naming the first image that cannot be served); done: images already
+        processed (prefetch)."""
         items = image_items(multi_modal_data, self.limit)
         if not items:
             return ids, []
         images: list[ProcessedImage] = []
-        for i, got in enumerate(process_images(items, self.vision)):
+        done = done or {}
+        todo = [item for item in items if id(item) not in done]
+        done = done | dict(zip(map(id, todo), process_images(todo, self.vision)))
+        for i, got in enumerate(done[id(item)] for item in items):
             if isinstance(got, ImageInputError):
                 raise ImageInputError(f"image {i}: {got}") from got
             if got.num_tokens > self.max_span:

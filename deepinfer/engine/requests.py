@@ -152,6 +152,7 @@ class Requests:
         self._structured: StructuredOutputs | None = None  # made at the first structured request
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
+        self._prefetched: dict[int, Any] = {}  # a call's images, processed (ImageSetup.prefetch)
 
     def make_sequence(self, prompt: str | dict[str, Any] | list[int], params: SamplingParams) -> Sequence:
         """Validate and tokenise one request (ValueError / TypeError if it cannot be served).
@@ -202,7 +203,7 @@ class Requests:
                     f"multi_modal_data: {self.config.model} has no vision tower (no vision_config in its "
                     "config.json); it takes text prompts only"
                 )
-            ids, spans = self.images.expand(list(ids), mm)
+            ids, spans = self.images.expand(list(ids), mm, self._prefetched)
         if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (vLLM)
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
@@ -315,7 +316,17 @@ class Requests:
         its index ("prompt 3: ..."), and the engine's seed stream and request ids are left as
         they were, so a failed call does not change what the next one generates."""
         state, next_id = self._seed_rng.getstate(), self._next_id
-        seqs = []
+        seqs: list[Sequence] = []
+        if self.images is not None:  # every image of the call at once, on the host threads
+            self._prefetched = self.images.prefetch(prompts)
+        try:
+            return self._make_all(prompts, params, seqs, state, next_id)
+        finally:
+            self._prefetched = {}
+
+    def _make_all(
+        self, prompts: list[Any], params: list[SamplingParams], seqs: list[Sequence], state: Any, next_id: int
+    ) -> list[Sequence]:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 seqs.append(self.make_sequence(prompt, p))
