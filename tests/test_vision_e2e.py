@@ -17,6 +17,8 @@ import torch
 from PIL import Image
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.images import process_image
+from deepinfer.models.config_v41 import parse_vision
 from deepinfer.testing.v41_checkpoint import random_v41_tensors, tiny_v41_config, write_v41_checkpoint
 from deepinfer.testing.v41_oracle import V41Oracle
 from deepinfer.testing.vision_oracle import VisionOracle
@@ -33,16 +35,28 @@ def _picture(h: int, w: int, seed: int) -> Image.Image:
     return Image.fromarray(g.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
-def _expected_prompt(parts: list[Any]) -> tuple[list[int], list[tuple[int, Image.Image]]]:
+def _pixels(image: Image.Image, raw: dict[str, Any]) -> torch.Tensor:
+    """The pixels the tower sees: the image itself where it is sized in whole aligned tokens (the
+    processor keeps it), else the processor's resize (tests/test_vision_inputs.py checks that)."""
+    if image.height % UNIT == 0 and image.width % UNIT == 0:
+        return torch.from_numpy(np.asarray(image).copy())
+    v = parse_vision(raw["vision_config"])
+    assert v is not None
+    return process_image(image, v).pixels
+
+
+def _expected_prompt(
+    parts: list[Any], raw: dict[str, Any]
+) -> tuple[list[int], list[tuple[int, torch.Tensor]]]:
     """Text ids and images -> the prompt ids the engine should build (each image: start, rows of
-    image ids closed by newline, end) and each image's start position. Images are sized in whole
-    aligned tokens, so the processor keeps them as they are."""
+    image ids closed by newline, end) and each image's start position and pixels."""
     ids: list[int] = []
     starts = []
     for part in parts:
         if isinstance(part, Image.Image):
-            n_h, n_w = part.height // UNIT, part.width // UNIT
-            starts.append((len(ids), part))
+            pixels = _pixels(part, raw)
+            n_h, n_w = pixels.shape[0] // UNIT, pixels.shape[1] // UNIT
+            starts.append((len(ids), pixels))
             ids += [START, *(([IMAGE] * n_w + [NEWLINE]) * n_h), END]
         else:
             ids += part
@@ -61,10 +75,10 @@ class Case:
     def expected(
         self, parts: list[Any], tensors: dict[str, torch.Tensor] | None = None
     ) -> tuple[list[int], list[int]]:
-        ids, starts = _expected_prompt(parts)
+        ids, starts = _expected_prompt(parts, self.raw)
         vision = self.vision if tensors is None else VisionOracle(self.raw, tensors)
         text = self.text if tensors is None else V41Oracle(self.raw, tensors)
-        images = [(s, vision.span(torch.from_numpy(np.asarray(im).copy()))) for s, im in starts]
+        images = [(s, vision.span(pixels)) for s, pixels in starts]
         return ids, text.greedy(ids, NEW, images=images)
 
     def llm(self, **kwargs: Any) -> LLM:
@@ -91,13 +105,14 @@ PROMPTS = [
     [[8, 21, 40, 3, 11]],  # text only, in the same batch
     [[12], _picture(28, 112, 2), [6], _picture(84, 28, 3), [44, 2]],  # two images: 1 x 4 and 3 x 1
     [_picture(28, 28, 4), [33]],  # an image first, one token
+    [[7], _picture(45, 100, 6), [19]],  # resized by the processor to 2 x 4 tokens (56 x 112)
 ]
 
 
 @pytest.mark.parametrize("budget", [None, 12], ids=["whole", "chunked"])
 def test_generate_with_images_matches_the_oracles(case: Case, budget: int | None) -> None:
-    """budget 12: steps of at most 12 tokens; each image span (6 to 14 positions... here at most
-    10) is computed in one step, the text around them chunked anywhere."""
+    """budget 12: steps of at most 12 tokens; each image span (4 to 12 positions) is computed in
+    one step, the text around them chunked anywhere."""
     kwargs = {} if budget is None else {"max_num_batched_tokens": budget, "enable_chunked_prefill": True}
     llm = case.llm(**kwargs)
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
