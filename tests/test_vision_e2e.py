@@ -131,3 +131,15 @@ def test_image_bias_and_content_change_the_tokens(case: Case) -> None:
     assert [case.expected(p, no_vl)[1] for p in parts] != [case.expected(p)[1] for p in parts]
     other = [[5, 9], _picture(56, 56, 99), [17, 30, 4]]
     assert case.expected(other)[1] != case.expected(PROMPTS[0])[1]
+
+
+def test_preemption_recomputes_the_images(case: Case) -> None:
+    """Few KV blocks for the batch: requests are preempted and recomputed (their images encoded
+    again); the tokens do not change."""
+    llm = case.llm(
+        max_num_batched_tokens=16, enable_chunked_prefill=True, num_gpu_blocks_override=14, max_model_len=48
+    )
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate([_request(p) for p in PROMPTS], sp, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [case.expected(p)[1] for p in PROMPTS]
+    assert llm.llm_engine.scheduler.num_preemptions > 0

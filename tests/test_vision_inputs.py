@@ -249,6 +249,8 @@ def test_chat_image_url_parts_and_run_batch_lines(vl_dir: Path, tmp_path: Path) 
         {"prompt_token_ids": ids, "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False
     )
     assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids and outs[0].outputs[0].error is None
+    text = {"prompt": f"{words[5]} {words[8]}\n{placeholder} ", "multi_modal_data": {"image": image}}
+    assert llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     assert "offline engine" in (outs[1].outputs[0].error or "")
     lines = [
         {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
