@@ -115,8 +115,20 @@ def test_generate_with_images_matches_the_oracles(case: Case, budget: int | None
     one step, the text around them chunked anywhere."""
     kwargs = {} if budget is None else {"max_num_batched_tokens": budget, "enable_chunked_prefill": True}
     llm = case.llm(**kwargs)
+    model, encoded = llm.llm_engine.model, []
+    encode = model.encode_images
+
+    def counting(images: list[torch.Tensor]) -> list[torch.Tensor]:
+        encoded.extend(tuple(im.shape) for im in images)
+        return encode(images)
+
+    model.encode_images = counting  # type: ignore[method-assign]
     sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     outs = llm.generate([_request(p) for p in PROMPTS], sp, use_tqdm=False)
+    # each image through the tower once, whole: no chunk ended inside a span
+    assert sorted(encoded) == sorted(
+        tuple(_pixels(p, case.raw).shape) for ps in PROMPTS for p in ps if isinstance(p, Image.Image)
+    )
     for parts, out in zip(PROMPTS, outs):
         ids, want = case.expected(parts)
         assert out.prompt_token_ids == ids
