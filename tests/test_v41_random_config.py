@@ -95,11 +95,14 @@ def test_depth_out_of_range_is_refused(layers: int) -> None:
 
 
 def test_random_model_in_the_published_format(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(tiny()))
+    (tmp_path / "config.json").write_text(json.dumps(tiny(vision=True)))
     model: Any = random_model(
         tmp_path / "config.json", get_backend("reference"), fp8=True, num_hidden_layers=3
     )
     assert len(model.layers) == 3 and model.v41.n_prefill_layer == 1
+    assert (
+        model.vision is not None and model.vision.blocks[0].wqkv.weight.dtype == torch.bfloat16
+    )  # bf16 tower
     for layer in model.layers:
         for linear in (
             layer.attn.wq_a,

@@ -84,7 +84,7 @@ class BiasedLinear(nn.Module):
         return y
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
-        if reader.has(f"{prefix}.scale") or reader.has(f"{prefix}.weight_scale_inv"):
+        if reader.has(f"{prefix}.scale"):  # DeepSeek-V4.1's FP8 scale name
             raise ValueError(f"{prefix}: FP8 vision-tower weights are not supported (float weights only)")
         self.weight = reader.get(f"{prefix}.weight", self.shape, dtype)
         if self.has_bias:
