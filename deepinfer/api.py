@@ -417,8 +417,8 @@ class LLM:
                 raise ValueError(f"{self._model_name()} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
             prompts: list[PromptType] = []
-            engine = self.data_parallel if self.data_parallel is not None else self.llm_engine
-            setup = getattr(getattr(engine, "requests", None), "images", None)
+            dp = self.data_parallel
+            setup = dp.images if dp is not None else self.llm_engine.requests.images
             for conv in conversations:
                 prompt = chat_prompt(
                     tok,

@@ -261,7 +261,7 @@ def _parse_chat(base: Any, llm: Any, body: dict[str, Any], line: Line) -> None:
         raise BadLine(f"{_engine(llm).config.model} has no tokenizer.json, so no chat template")
     prompt = chat_prompt(
         tok,
-        getattr(getattr(_engine(llm), "requests", None), "images", None),
+        llm.data_parallel.images if llm.data_parallel is not None else llm.llm_engine.requests.images,
         messages,
         chat_template=body.get("chat_template"),
         add_generation_prompt=body.get("add_generation_prompt", True),
