@@ -2074,3 +2074,34 @@ def test_varlen_attention_bad_input() -> None:
     with pytest.raises(ValueError, match="stride"):
         vision_k.varlen_attention(x.transpose(1, 2).contiguous().transpose(1, 2), x, x, cu, 4, 1.0)
     assert vision_k.varlen_attention(x[:0], x[:0], x[:0], cu[:1], 0, 1.0).shape == (0, 2, 16)
+
+
+def test_vision_tower_on_the_cuda_backend(tmp_path: Any) -> None:
+    """DeepSeek-V4.1's tower (models.vision) over the cuda backend's ops (the varlen kernel on
+    the strided q / k / v the tower passes, rope, norms, biased GEMMs) against the float64
+    vision oracle: two images of other aspect ratios in one pass, float32."""
+    from safetensors.torch import save_file
+
+    from deepinfer.models.config_v41 import parse_vision
+    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.vision import VisionModel
+    from deepinfer.testing.v41_checkpoint import TINY_VISION, random_v41_tensors, tiny_v41_config
+    from deepinfer.testing.vision_oracle import VisionOracle
+
+    raw = tiny_v41_config(vision=True, hidden=24)
+    raw["vision_config"] = dict(TINY_VISION, hidden_size=32, num_heads=2)  # heads of 16
+    tensors = {
+        k: t for k, t in random_v41_tensors(raw, 4).items() if k.startswith(("vision.", "aligner.", "image_"))
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    v = parse_vision(raw["vision_config"])
+    assert v is not None
+    model = VisionModel(cuda_backend.create_cuda_backend(BackendOptions()), v, 24, torch.float32)
+    model.load(CheckpointReader(tmp_path, DEV, allow_fp8=False, backend_name="cuda"), "")
+    g = torch.Generator().manual_seed(0)
+    images = [
+        torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8) for h, w in ((56, 84), (84, 28))
+    ]
+    oracle = VisionOracle(raw, tensors)
+    for got, image in zip(model.encode([im.to(DEV) for im in images]), images):
+        torch.testing.assert_close(got.cpu().double(), oracle.span(image), rtol=1e-4, atol=1e-4)
