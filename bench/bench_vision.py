@@ -1,6 +1,7 @@
 """Throughput of DeepSeek-V4.1's vision tower (deepinfer.models.vision) at full size with random
 weights: ViT width 1024, depth 32, 16 heads, SwiGLU 2816, patch 14, aligner d = 2 into the text
-hidden size (4096 here: the aligner is 0.3% of the FLOPs), bf16, on one backend.
+hidden size (--hidden, default 7168: model/deepseek-v4.1-flash's text_config, itself an
+estimate), bf16, on one backend.
 
 For each batch of N images (default 1, 8, 32) of --size x --size pixels (resized by the
 processor's anyres rule under max_image_tokens 4096: 1024 -> a 37 x 37 token grid, 74 x 74
@@ -77,7 +78,7 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--size", type=int, default=1024, help="image side in pixels (square images)")
-    ap.add_argument("--hidden", type=int, default=4096, help="the text model's hidden size (aligner output)")
+    ap.add_argument("--hidden", type=int, default=7168, help="the text model's hidden size (aligner output)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="a 2-block width-64 tower, small images (CPU check)")
     args = ap.parse_args()
