@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from deepinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_score
 from deepinfer.engine.args import engine_config, resolve_engine_config
+from deepinfer.engine.images import chat_prompt
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
@@ -50,7 +51,7 @@ __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParam
 
 PromptType = str | dict[str, Any]
 # The keys of a prompt dict deepinfer serves (vLLM's TextPrompt / TokensPrompt hold more).
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
 
 logger = logging.getLogger(__name__)
 
@@ -101,16 +102,12 @@ def _available_host_bytes() -> int | None:
 
 
 def check_request_sizes(prompts: list[PromptType], params: list[SamplingParams], max_num_seqs: int) -> None:
-    """Before any Sequence is built: each prompt dict holds only what deepinfer serves (no
-    multi_modal_data yet), n / best_of of each request at most max_num_seqs, and the call's
-    sequences within the host memory available (an estimate; ValueError naming the prompt)."""
+    """Before any Sequence is built: each prompt dict holds only what deepinfer serves (its
+    multi_modal_data is checked per request, engine.images), n / best_of of each request at
+    most max_num_seqs, and the call's sequences within the host memory available (an estimate;
+    ValueError naming the prompt)."""
     total = 0
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-            raise ValueError(
-                f"prompt {i}: multi_modal_data is not supported yet (deepinfer serves text prompts only; "
-                "image input is planned with the vision tower)"
-            )
         extra = (
             sorted(str(k) for k, v in prompt.items() if k not in PROMPT_KEYS and v is not None)
             if isinstance(prompt, dict)
@@ -420,9 +417,13 @@ class LLM:
                 raise ValueError(f"{self._model_name()} has no tokenizer.json")
             conversations = messages if messages and isinstance(messages[0], list) else [messages]
             prompts: list[PromptType] = []
+            dp = self.data_parallel
+            setup = dp.images if dp is not None else self.llm_engine.requests.images
             for conv in conversations:
-                text, ids = tok.apply_chat_template(
-                    conv,  # type: ignore[arg-type]
+                prompt = chat_prompt(
+                    tok,
+                    setup,
+                    conv,
                     chat_template=chat_template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
@@ -430,7 +431,7 @@ class LLM:
                     chat_template_kwargs=chat_template_kwargs,
                     content_format=chat_template_content_format,
                 )
-                prompts.append({"prompt": text, "prompt_token_ids": ids})
+                prompts.append(prompt)
             return prompts
 
         return self._generate(rendered, sampling_params, use_tqdm, priority)

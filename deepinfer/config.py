@@ -177,6 +177,20 @@ def _eplb_config(name: str, value: Any) -> None:
     EplbConfig.from_dict(value)
 
 
+def _mm_limits(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict like {{'image': 2}}, got {type(value).__name__}")
+    for key, n in value.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{name}[{key!r}] must be a non-negative int, got {n!r}")
+        if key != "image" and n:
+            raise ValueError(
+                f"{name}: {key!r} inputs are not supported (images only); set it to 0 or leave it out"
+            )
+
+
 def _chunked_prefill(name: str, value: Any) -> None:
     if value is None or value is True:
         return
@@ -346,6 +360,14 @@ class EngineConfig:
         '"step_token_budget" is given) caps them at "step_token_budget" (default 64) minus the tokens the '
         "step computes anyway (docs/speculative.md)",
         _speculative_config,
+        type=_json_object,
+        metavar="JSON",
+    )
+    limit_mm_per_prompt: dict[str, int] | None = engine_arg(  # noqa: RUF009 - a dataclasses.field
+        None,
+        "most multi-modal items per prompt, {\"image\": n} (vLLM's); default: no limit but the step's "
+        "token budget (an image's span is computed in one step)",
+        _mm_limits,
         type=_json_object,
         metavar="JSON",
     )

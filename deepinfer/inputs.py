@@ -1,13 +1,14 @@
 """vLLM's `vllm.inputs` names for prompts: `from deepinfer.inputs import TokensPrompt, TextPrompt`.
 
-A prompt is a string or one of these dicts; generate() reads "prompt" (text) and
-"prompt_token_ids" only, and refuses any other key with a value (vLLM's multi_modal_data,
-mm_processor_kwargs, cache_salt, ...: deepinfer serves text prompts).
+A prompt is a string or one of these dicts; generate() reads "prompt" (text),
+"prompt_token_ids" and, for a model with a vision tower, "multi_modal_data" ({"image": a
+PIL.Image or a list of them}, one placeholder per image in the prompt: deepinfer.engine.images),
+and refuses any other key with a value (vLLM's mm_processor_kwargs, cache_salt, ...).
 """
 
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 __all__ = ["PromptType", "TextPrompt", "TokensPrompt"]
 
@@ -16,6 +17,7 @@ class TextPrompt(TypedDict):
     """A text prompt, tokenised by the engine (with the model's BOS where its tokenizer adds it)."""
 
     prompt: str
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):
@@ -23,6 +25,7 @@ class TokensPrompt(TypedDict):
 
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]
 
 
 PromptType = str | TextPrompt | TokensPrompt

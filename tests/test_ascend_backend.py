@@ -209,6 +209,38 @@ def test_v4_indexer_other_shapes_run_the_reference(backend: Backend, monkeypatch
     assert got.shape == (2, 2)
 
 
+def test_vision_varlen_attention_takes_npu_fusion_attention(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vision tower's attention (16 heads of 64, bf16, images of 5, 0 and 33 patches): one
+    npu_fusion_attention call in TND with the non-empty segments' cumulative lengths; the
+    result the reference's. D = 40 (not a multiple of 16) runs the reference definition."""
+    calls: list[dict[str, Any]] = []
+    real = tnpu.npu_fusion_attention
+
+    def spy(*args: Any, **kw: Any) -> Any:
+        calls.append(kw | {"layout": args[4]})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tnpu, "npu_fusion_attention", spy)
+    gen = torch.Generator().manual_seed(5)
+    qkv = randn((38, 3, 16, 64), torch.bfloat16, "cpu", gen)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # strided views: the backend makes them contiguous
+    cu = torch.tensor([0, 5, 5, 38], dtype=torch.int32)
+    got = backend.attention.varlen_attention(q, k, v, cu, 33, scale=0.125)
+    (kw,) = calls
+    assert kw["layout"] == "TND" and kw["actual_seq_qlen"] == [5, 38] == kw["actual_seq_kvlen"]
+    assert kw["sparse_mode"] == 0
+    want = ref_attention.varlen_attention(q, k, v, cu, 0.125)
+    assert_close(got, oracle(want), torch.bfloat16, what="varlen_attention")
+    monkeypatch.setattr(tnpu, "npu_fusion_attention", None)  # a call would fail
+    small = randn((7, 2, 40), torch.bfloat16, "cpu", gen)
+    out = backend.attention.varlen_attention(
+        small, small, small, torch.tensor([0, 7], dtype=torch.int32), 7, scale=0.2
+    )
+    assert out.shape == (7, 2, 40)
+
+
 def test_v4_model_index_keys_reach_the_lightning_indexer(
     sim: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -121,6 +121,24 @@ def test_hc_post_kernel() -> None:
     compile_sm90(v4_k._hc_post_kernel, types, dict(N=4, NP=4, BLOCK_D=1024))
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_varlen_attention_kernel(dtype: str) -> None:
+    """The vision tower's bidirectional attention at V4.1's ViT shape (16 heads of 64)."""
+    from deepinfer_cuda.kernels import vision as vision_k
+
+    types = {f"{a}_ptr": PTR[dtype] for a in ("q", "k", "v", "o")} | {"cu_ptr": PTR["i32"], "scale": "fp32"}
+    constexprs = dict(
+        D=64,
+        DV=64,
+        BLOCK_D=64,
+        BLOCK_DV=64,
+        BLOCK_M=vision_k.BLOCK_M,
+        BLOCK_N=vision_k.BLOCK_N,
+        IEEE=dtype == "f32",
+    )
+    compile_sm90(vision_k._varlen_attention_kernel, types, constexprs, num_warps=4)
+
+
 def test_indexer_kernels() -> None:
     from deepinfer_cuda.kernels import v4 as v4_k
 

@@ -42,6 +42,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
     from deepinfer_cuda.kernels import v4 as v4_k
+    from deepinfer_cuda.kernels import vision as vision_k
     from deepinfer_cuda.kernels.moe import sort_by_expert
     from deepinfer_cuda.kv_cache import cache_tensor
 
@@ -2092,3 +2093,80 @@ def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
             y = b.moe.fused_moe(x, weights, ids, *w[:2], *w[2:], swiglu_limit=limit)
             assert calls == ([t] if expect else []), (t, calls)
             torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def _varlen_f64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
+) -> torch.Tensor:
+    """Bidirectional attention inside each segment, float64, written out per segment and head."""
+    out, at = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=torch.float64), 0
+    for n in lens:
+        for h in range(q.shape[1] if n else 0):
+            s = q[at : at + n, h].double() @ k[at : at + n, h].double().T * scale
+            out[at : at + n, h] = torch.softmax(s, dim=-1) @ v[at : at + n, h].double()
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,d", [([1, 64, 0, 65], 64), ([130, 3], 40)])
+def test_varlen_attention_against_float64(
+    gen: torch.Generator, dtype: torch.dtype, lens: list[int], d: int
+) -> None:
+    """Segments of one row, exactly one tile, one row past a tile, several key tiles, an empty
+    segment; q, k, v strided slices of one qkv buffer; D not a power of two."""
+    t, h = sum(lens), 2
+    qkv = (torch.randn((t, 3, h, d), generator=gen) * 1.5).to(dtype).to(DEV)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    got = vision_k.varlen_attention(q, k, v, cu, max(lens), d**-0.5)
+    assert got.shape == (t, h, d) and got.dtype == dtype
+    want = _varlen_f64(q.cpu(), k.cpu(), v.cpu(), lens, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tol, atol=tol)
+    # the last segment alone gives the same bits as among the others (no state across segments)
+    a, n = t - lens[-1], lens[-1]
+    last = torch.tensor([0, n], dtype=torch.int32, device=DEV)
+    alone = vision_k.varlen_attention(q[a:], k[a:], v[a:], last, n, d**-0.5)
+    assert_bitwise_equal(alone, got[a:], what="segment alone vs among others")
+
+
+def test_varlen_attention_bad_input() -> None:
+    x = torch.zeros((4, 2, 16), device=DEV)
+    cu = torch.tensor([0, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="dtype"):
+        vision_k.varlen_attention(x, x, x.double(), cu, 4, 1.0)
+    with pytest.raises(ValueError, match="stride"):
+        vision_k.varlen_attention(x.transpose(1, 2).contiguous().transpose(1, 2), x, x, cu, 4, 1.0)
+    assert vision_k.varlen_attention(x[:0], x[:0], x[:0], cu[:1], 0, 1.0).shape == (0, 2, 16)
+
+
+def test_vision_tower_on_the_cuda_backend(tmp_path: Any) -> None:
+    """DeepSeek-V4.1's tower (models.vision) over the cuda backend's ops (the varlen kernel on
+    the strided q / k / v the tower passes, rope, norms, biased GEMMs) against the float64
+    vision oracle: two images of other aspect ratios in one pass, float32."""
+    from safetensors.torch import save_file
+
+    from deepinfer.models.config_v41 import parse_vision
+    from deepinfer.models.loader import CheckpointReader
+    from deepinfer.models.vision import VisionModel
+    from deepinfer.testing.v41_checkpoint import TINY_VISION, random_v41_tensors, tiny_v41_config
+    from deepinfer.testing.vision_oracle import VisionOracle
+
+    raw = tiny_v41_config(vision=True, hidden=24)
+    raw["vision_config"] = dict(TINY_VISION, hidden_size=32, num_heads=2)  # heads of 16
+    tensors = {
+        k: t for k, t in random_v41_tensors(raw, 4).items() if k.startswith(("vision.", "aligner.", "image_"))
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    v = parse_vision(raw["vision_config"])
+    assert v is not None
+    model = VisionModel(cuda_backend.create_cuda_backend(BackendOptions()), v, 24, torch.float32)
+    model.load(CheckpointReader(tmp_path, DEV, allow_fp8=False, backend_name="cuda"), "")
+    g = torch.Generator().manual_seed(0)
+    images = [
+        torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8) for h, w in ((56, 84), (84, 28))
+    ]
+    oracle = VisionOracle(raw, tensors)
+    for got, image in zip(model.encode([im.to(DEV) for im in images]), images):
+        torch.testing.assert_close(got.cpu().double(), oracle.span(image), rtol=1e-4, atol=1e-4)

@@ -95,11 +95,14 @@ def test_depth_out_of_range_is_refused(layers: int) -> None:
 
 
 def test_random_model_in_the_published_format(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(tiny()))
+    (tmp_path / "config.json").write_text(json.dumps(tiny(vision=True)))
     model: Any = random_model(
         tmp_path / "config.json", get_backend("reference"), fp8=True, num_hidden_layers=3
     )
     assert len(model.layers) == 3 and model.v41.n_prefill_layer == 1
+    assert (
+        model.vision is not None and model.vision.blocks[0].wqkv.weight.dtype == torch.bfloat16
+    )  # bf16 tower
     for layer in model.layers:
         for linear in (
             layer.attn.wq_a,
@@ -114,9 +117,9 @@ def test_random_model_in_the_published_format(tmp_path: Path) -> None:
             assert not layer.attn.compressor.wkv.is_fp8
 
 
-@pytest.mark.parametrize("shifted", [True, False])
-def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool) -> None:
-    raw = tiny(hc_shifted=shifted)
+@pytest.mark.parametrize("shifted,vision", [(True, False), (False, False), (True, True)])
+def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool, vision: bool) -> None:
+    raw = tiny(hc_shifted=shifted, vision=vision)
     raw.pop("quantization_config")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model = random_model(tmp_path / "config.json", get_backend("reference"), torch.float32)

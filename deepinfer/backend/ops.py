@@ -43,6 +43,7 @@ from deepinfer.backend.types import (
     RouterConfig,
     Stream,
 )
+from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import engram as ref_engram
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
@@ -543,6 +544,27 @@ class AttentionOps(_Part):
             return kv.read_kv_rows(cache, slots, key_format)
 
         return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, read)
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """Unpaged bidirectional attention within segments (a vision tower's images, each one
+        segment): q, k (T, H, D), v (T, H, Dv), each possibly a strided view with stride(-1) == 1
+        (slices of one qkv projection); cu_seqlens (S + 1,) int32 on the device, cu_seqlens[0] = 0,
+        cu_seqlens[S] = T, non-decreasing (empty segments allowed); max_seqlen >= the longest
+        segment, on the host. Row t of segment s: out[t, h] = sum_j softmax_j(scale * q[t, h] .
+        k[j, h]) v[j, h] over the rows j of segment s only (no causal limit), softmax in float32
+        -> (T, H, Dv) in q's dtype. Default: the reference, one segment at a time from cu_seqlens
+        read on the host (NotImplementedError while a real graph captures)."""
+        _refuse_capture(self.backend, "varlen_attention")
+        return ref_attention.varlen_attention(q, k, v, cu_seqlens, scale)
 
 
 def _refuse_capture(backend: Backend, op: str) -> None:

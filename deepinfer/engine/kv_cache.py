@@ -8,7 +8,8 @@ DeepSeek-V4 a ring of a fixed number of blocks per request for its per-token cac
 compressed-entry caches growing at 1/m blocks per token. GroupedBlockManager, the engine's,
 keeps one BlockManager per group and allocates in all or none.
 
-Prefix caching: a full block is identified by hash(parent block's hash, its token ids). When a
+Prefix caching: a full block is identified by hash(parent block's hash, its token ids, and the
+content hashes of the images whose spans it overlaps, engine.images). When a
 request is admitted, the longest run of its leading full blocks found in the cache is reused
 (their reference counts go up) and only the rest is computed. Freed blocks keep their hash and
 content until they are handed out again, least recently freed first. With several groups
@@ -130,7 +131,10 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            # image positions hold the same ids for every image: the block's images' content too
+            images = tuple(s.image.digest for s in seq.images if s.start < (i + 1) * bs and s.end > i * bs)
+            hashes.append(hash((parent, tokens, images) if images else (parent, tokens)))
         return hashes[:num_blocks]
 
     def match_prefix(self, seq: Sequence) -> list[int]:

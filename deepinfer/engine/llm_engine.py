@@ -33,6 +33,7 @@ from deepinfer.backend.registry import get_backend
 from deepinfer.backend.types import BackendOptions
 from deepinfer.config import EngineConfig
 from deepinfer.engine.args import EngineArgs, backend_choice_reason
+from deepinfer.engine.images import image_setup
 from deepinfer.engine.kv_cache import GroupedBlockManager
 from deepinfer.engine.output_processor import OutputProcessor, SampledStep
 from deepinfer.engine.requests import (
@@ -132,7 +133,9 @@ class LLMEngine:
             if config.num_speculative_tokens
             else None
         )
-        self.requests = Requests(config, self.tokenizer, self.vocab_size, n, self.eos_token_ids)
+        self.requests = Requests(
+            config, self.tokenizer, self.vocab_size, n, self.eos_token_ids, image_setup(mc, config)
+        )
         self.in_flight: InFlight | None = None  # the last step's results, not yet processed
         self.planned: StepPlan | None = None  # expert parallelism: the next step, scheduled
         # EPLB: the counts of every MoE layer and their rearrangements (deepinfer.parallel.eplb)
@@ -304,8 +307,14 @@ class LLMEngine:
         exchanges (graph replays of padding rows when the others replay graphs). A step that
         raises on one rank raises on every rank at the next exchange, naming that rank and its
         error (deepinfer.parallel.rank_sync)."""
+        refused = []
         for seq in seqs:
-            self.add(seq)
+            if seq.is_finished:  # refused before it started (an image it cannot take)
+                refused.append(seq)
+            else:
+                self.add(seq)
+        if refused and on_finished is not None:
+            on_finished(refused)
         try:
             while (finished := self._step_all_ranks()) is not None:
                 if on_finished is not None and finished:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine.images import ImageInputError, ImageSetup, ImageSpan
 from deepinfer.engine.sampler import check_token_sets
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.sequence import Sequence
+from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.engine.structured import StructuredOutputs, check_first_tokens
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_json_file
 
@@ -142,12 +143,16 @@ class Requests:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        images: ImageSetup | None = None,
     ) -> None:
-        self.config, self.tokenizer = config, tokenizer
+        """images: how this model takes images (None: a model without a vision tower refuses
+        multi_modal_data)."""
+        self.config, self.tokenizer, self.images = config, tokenizer, images
         self.vocab_size, self.max_model_len, self.eos_token_ids = vocab_size, max_model_len, eos_token_ids
         self._structured: StructuredOutputs | None = None  # made at the first structured request
         self._seed_rng = random.Random(config.seed)
         self._next_id = 0
+        self._prefetched: dict[int, Any] = {}  # a call's images, processed (ImageSetup.prefetch)
 
     def make_sequence(self, prompt: str | dict[str, Any] | list[int], params: SamplingParams) -> Sequence:
         """Validate and tokenise one request (ValueError / TypeError if it cannot be served).
@@ -158,6 +163,7 @@ class Requests:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params = params.for_request()
         text: str | None
+        mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if (
             isinstance(prompt, dict)
             and "prompt_token_ids" not in prompt
@@ -190,6 +196,14 @@ class Requests:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        spans: list[ImageSpan] = []
+        if mm is not None:
+            if self.images is None:
+                raise ValueError(
+                    f"multi_modal_data: {self.config.model} has no vision tower (no vision_config in its "
+                    "config.json); it takes text prompts only"
+                )
+            ids, spans = self.images.expand(list(ids), mm, self._prefetched)
         if len(ids) > self.max_model_len:  # one of exactly max_model_len gets one token (vLLM)
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
@@ -258,10 +272,24 @@ class Requests:
                 assert self._structured is not None and params.structured_outputs is not None
                 seq.grammar = grammar if i == 0 else self._structured.matcher(params.structured_outputs)
             seq.index, seq.group, seq.bad_words_token_ids = i, group, bad_words
+            seq.images = spans
             seq.needs_logprob = params.logprobs is not None or params.num_sequences > params.n
             group.append(seq)
         self._next_id += 1
         return group[0]
+
+    def _refused(self, prompt: Any, params: SamplingParams, error: str) -> Sequence:
+        """A request whose image cannot be served: finished before it starts, finish_reason
+        "error" and the reason in CompletionOutput.error; the other requests run."""
+        text = (
+            prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        )
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        seq = Sequence(str(self._next_id), text if isinstance(text, str) else None, list(ids or []), params)
+        self._next_id += 1
+        seq.finish_reason, seq.error, seq.status = "error", error, SequenceStatus.FINISHED
+        seq.group = [seq]
+        return seq
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's tokenisation of bad_words: each word alone and after a space (a word at the
@@ -288,10 +316,22 @@ class Requests:
         its index ("prompt 3: ..."), and the engine's seed stream and request ids are left as
         they were, so a failed call does not change what the next one generates."""
         state, next_id = self._seed_rng.getstate(), self._next_id
-        seqs = []
+        seqs: list[Sequence] = []
+        if self.images is not None:  # every image of the call at once, on the host threads
+            self._prefetched = self.images.prefetch(prompts)
+        try:
+            return self._make_all(prompts, params, seqs, state, next_id)
+        finally:
+            self._prefetched = {}
+
+    def _make_all(
+        self, prompts: list[Any], params: list[SamplingParams], seqs: list[Sequence], state: Any, next_id: int
+    ) -> list[Sequence]:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 seqs.append(self.make_sequence(prompt, p))
+            except ImageInputError as exc:  # this request only: it finishes with the error
+                seqs.append(self._refused(prompt, p, f"prompt {i}: {exc}"))
             except (ValueError, TypeError) as exc:
                 self._seed_rng.setstate(state)
                 self._next_id = next_id

@@ -51,6 +51,18 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+def whole_images(seq: Sequence, start: int, n: int) -> int:
+    """The tokens of seq to compute from position `start`, at most n, cut before an image span
+    the chunk would end inside (chunked prefill never splits an image: its vision tower output is
+    computed in one step). 0 when the chunk would start with an image that does not fit. A chunk
+    starting inside a span (a prefix-cache hit ending there) is not cut."""
+    end = start + n
+    for span in seq.images:
+        if start <= span.start < end < span.end:
+            return span.start - start
+    return n
+
+
 class Scheduler:
     def __init__(
         self,
@@ -91,6 +103,11 @@ class Scheduler:
             if seq.num_uncomputed_tokens + len(seq.draft) > limit:
                 seq.draft = []  # no room to verify it this step
             n = min(seq.num_uncomputed_tokens + len(seq.draft), limit)
+            if seq.images:
+                n = whole_images(seq, seq.num_computed_tokens, n)
+                if n == 0:  # the next image does not fit what is left of this step's budget
+                    i += 1
+                    continue
             while not bm.allocate(seq, n):
                 victim = self.running.pop()  # lowest priority, not yet scheduled this step
                 self._preempt(victim)
@@ -112,7 +129,9 @@ class Scheduler:
             hit = bm.match(seq, most)
             num_cached = hit.num_tokens
             n = min(seq.num_tokens - num_cached, budget, self.max_tokens_per_request or budget)
-            if not bm.admit(seq, n, hit):
+            if seq.images:
+                n = whole_images(seq, num_cached, n)
+            if n == 0 or not bm.admit(seq, n, hit):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached

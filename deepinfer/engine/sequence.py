@@ -10,6 +10,7 @@ from deepinfer.engine.outputs import PositionLogprobs, RequestMetrics
 from deepinfer.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deepinfer.engine.images import ImageSpan
     from deepinfer.engine.tokenizer import IncrementalDetokenizer
 
 
@@ -73,6 +74,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # finish_reason "error": why (a broken promise)
+        self.images: list[ImageSpan] = []  # the prompt's images, in order (engine.images)
         self.grammar: Any = None  # xgrammar.GrammarMatcher of a structured-output request
         self.draft: list[int] = []  # speculative tokens after token_ids, verified next step
         self.num_pending = 0  # tokens sampled on the device, not yet in token_ids (0 or 1)

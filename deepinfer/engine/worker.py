@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -81,6 +81,7 @@ from deepinfer.engine.sampler import (
 from deepinfer.engine.scheduler import ScheduledBatch
 from deepinfer.engine.sequence import Sequence
 from deepinfer.engine.step_times import StepTimes
+from deepinfer.models.config_vision import NUM_IMAGE_IDS as IMAGE_IDS
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.exchanges import current_log
@@ -91,7 +92,8 @@ logger = logging.getLogger(__name__)
 
 def token_table(vocab_size: int, max_rows: int, device: torch.device) -> torch.Tensor:
     """(V + R,) int64: [0, 1, .., V - 1 | sampled ids of rows 0 .. R - 1]. The last R entries
-    are the sampler's output (Worker.sampled_ids is that view)."""
+    are the sampler's output (Worker.sampled_ids is that view). A vision-language model's V
+    counts its image ids past the vocabulary (models.config_vision), kept as they are."""
     table = torch.zeros(vocab_size + max_rows, dtype=torch.int64, device=device)
     table[:vocab_size] = torch.arange(vocab_size, device=device)
     return table
@@ -199,8 +201,10 @@ class Worker:
         self.inputs = StepInputs(
             backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups, model.token_history
         )
-        self.token_table = token_table(self.vocab_size, self.max_rows, self.device)
-        self.sampled_ids = self.token_table[self.vocab_size :]  # (R,): placeholders read it
+        # ids past the vocabulary that prompts hold: a vision tower's image ids (identity too)
+        known = self.vocab_size + (IMAGE_IDS if getattr(model, "encode_images", None) else 0)
+        self.token_table = token_table(known, self.max_rows, self.device)
+        self.sampled_ids = self.token_table[known:]  # (R,): placeholders read it
         self.kv_caches: list[PagedKVCache] = []
         self.mtp_caches: list[PagedKVCache] = []
         self.decode_graphs = DecodeGraphs(backend.device)
@@ -545,6 +549,9 @@ class Worker:
     def _launch(
         self, batch: ScheduledBatch, bucket: int | None, eager: bool, keep_hidden: bool
     ) -> ForwardOutput:
+        images = self._image_inputs(batch)
+        if images is not None:  # a step with image spans runs eagerly (its embeddings vary)
+            eager, bucket = True, None
         if not eager and bucket is None:
             bucket = None if keep_hidden else self.decode_graphs.bucket_for(batch)
             shape = self.prefill_graphs.shape_for(batch, self.max_model_len) if bucket is None else None
@@ -558,7 +565,10 @@ class Worker:
             copies = step.ring_copies
             if copies is not None:  # step scratch: ring -> scratch, the forward, scratch -> ring
                 copies.before(self.backend, self.ring_caches())
-            hidden, logits = self.logits(step.forward)
+            fb = step.forward
+            if images is not None:
+                fb = dataclasses.replace(fb, image_embeds=images[0], image_mask=images[1])
+            hidden, logits = self.logits(fb)
             if copies is not None:
                 copies.after(self.backend, self.ring_caches())
             self._retain(step)
@@ -567,6 +577,32 @@ class Worker:
         self._replay(bucket)
         self._retain(step)
         return ForwardOutput(step, self.decode_graphs.logits[:bucket], None)
+
+    def _image_inputs(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image rows: (embeds (Ti, Dm), mask (T,) bool of the positions they take),
+        the vision tower run once over every image whose span the step's tokens overlap (a
+        chunk holds whole spans, engine.scheduler.whole_images, but a prefix-cache hit may end
+        inside one: its rows from there on); None when the step has none."""
+        found: list[tuple[int, Any, int, int]] = []  # (step row, span, first, end row of the span)
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            for span in seq.images:
+                lo, hi = max(span.start, start), min(span.end, start + n)
+                if lo < hi:
+                    found.append((row + lo - start, span, lo - span.start, hi - span.start))
+            row += n
+        if not found:
+            return None
+        encode = getattr(self.model, "encode_images", None)
+        if encode is None:
+            raise ValueError(f"{type(self.model).__name__} has no vision tower: it cannot take images")
+        spans = encode([span.image.pixels for _, span, _, _ in found])
+        mask = torch.zeros(row, dtype=torch.bool)
+        for at, _, a, b in found:
+            mask[at : at + b - a] = True
+        embeds = torch.cat([e[a:b] for (_, _, a, b), e in zip(found, spans)])
+        return embeds, mask.to(self.device)
 
     def _restore(self, batch: ScheduledBatch) -> None:
         """Before the step's forward: the prefix hits' rows into the admitted requests' blocks

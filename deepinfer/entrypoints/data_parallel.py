@@ -63,6 +63,7 @@ from deepinfer.log import progress_bar
 
 if TYPE_CHECKING:
     from deepinfer.backend.ops import Backend
+    from deepinfer.engine.images import ImageSetup
     from deepinfer.engine.llm_engine import LLMEngine
     from deepinfer.engine.outputs import RequestOutput
     from deepinfer.engine.sampling_params import SamplingParams
@@ -229,6 +230,7 @@ def _worker_main(
         conn.send({
             "vocab_size": engine.vocab_size, "backend": engine.backend.name, "pid": os.getpid(),
             "graph_buckets": sorted(engine.worker.decode_graphs), "async_scheduling": engine.async_scheduling,
+            "images": engine.requests.images,
         })  # fmt: skip
     except BaseException as exc:
         conn.send(_error_reply(exc, rank))
@@ -359,6 +361,7 @@ class DataParallelEngine:
         # the decode graphs every rank captured (none: eager steps) and whether it schedules ahead
         self.graph_buckets: list[int] = ready[0]["graph_buckets"]
         self.async_scheduling: bool = ready[0]["async_scheduling"]
+        self.images: ImageSetup | None = ready[0]["images"]  # how the model takes images (chat's parts)
         logger.info("data parallelism: %d ranks ready in %.1f s", self.size, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ calls

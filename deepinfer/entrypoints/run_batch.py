@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer.engine.images import chat_prompt
 from deepinfer.entrypoints.options import (
     DEFAULT_MODEL,
     USER_ERRORS,
@@ -258,7 +259,9 @@ def _parse_chat(base: Any, llm: Any, body: dict[str, Any], line: Line) -> None:
     tok = _engine(llm).tokenizer
     if tok is None:
         raise BadLine(f"{_engine(llm).config.model} has no tokenizer.json, so no chat template")
-    text, ids = tok.apply_chat_template(
+    prompt = chat_prompt(
+        tok,
+        llm.data_parallel.images if llm.data_parallel is not None else llm.llm_engine.requests.images,
         messages,
         chat_template=body.get("chat_template"),
         add_generation_prompt=body.get("add_generation_prompt", True),
@@ -277,7 +280,7 @@ def _parse_chat(base: Any, llm: Any, body: dict[str, Any], line: Line) -> None:
     if body.get("logprobs") not in (None, True, False):
         raise BadLine(f"logprobs must be true or false, got {body.get('logprobs')!r}")
     overrides = {"max_tokens": max_tokens, "logprobs": (top or 0) if body.get("logprobs") else None}
-    line.prompts = [{"prompt": text, "prompt_token_ids": ids}]
+    line.prompts = [prompt]
     line.params = _sampling_params(base, body, CHAT_KEYS, overrides)
     line.top_logprobs = top or 0
 
@@ -323,6 +326,11 @@ def _fail_all(lines: list[Line], exc: BaseException, status: int) -> None:
 
 def _result(llm: Any, line: Line) -> dict[str, Any]:
     request_id = f"vllm-batch-{uuid.uuid4().hex}"
+    refused = [
+        c.error for o in line.outputs for c in o.outputs if c.finish_reason == "error" and not c.token_ids
+    ]
+    if line.error is None and refused:  # a request refused before it ran (an image it cannot take)
+        line.error, line.status = f"line {line.number}: {refused[0]}", 400
     if line.error is not None:
         error = {
             "message": line.error,

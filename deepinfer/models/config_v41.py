@@ -36,6 +36,7 @@ from deepinfer.models.config import (
     _parse_rope,
     single_kv_head_config,
 )
+from deepinfer.models.config_vision import VIT_DEPTH, VIT_HEADS, VisionConfig, vit_intermediate
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 LAYER_RATIOS = (0, 1, 2)
@@ -141,6 +142,7 @@ class V41Config:
     dspark: DSparkConfig | None
     image_token_id: int | None
     mtp_compress_ratios: tuple[int, ...] = ()
+    vision: VisionConfig | None = None  # the vision tower (config_vision), None: text only
 
 
 def _source_map(f: _Fields, name: str, ids: Any, n: int) -> tuple[int, ...]:
@@ -279,6 +281,34 @@ def _parse_dspark(f: _Fields, nextn: int, n: int) -> DSparkConfig | None:
     )
 
 
+def parse_vision(raw: Any) -> VisionConfig | None:
+    """config.json's vision_config (an object, or absent / null: a text-only model)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ModelConfigError("config.json: 'vision_config' must be an object")
+    f = _Fields(raw, {}, "config.json vision_config")
+    width = f.get_int("hidden_size", 1024)
+    heads = f.get_int("num_heads", VIT_HEADS)
+    if width % heads or (width // heads) % 4:
+        raise f.error(
+            f"hidden_size {width} must split into num_heads {heads} heads of a width divisible by 4 "
+            "(the 2D rope rotates half of each head by the row, half by the column)"
+        )
+    ratio = f.value("max_wh_ratio")
+    return VisionConfig(
+        width=width,
+        depth=f.get_int("depth", VIT_DEPTH),
+        heads=heads,
+        intermediate=f.get_int("intermediate_size", vit_intermediate(width)),
+        patch_size=f.get_int("patch_size", 14),
+        downsample_ratio=f.get_int("downsample_ratio", 2),
+        max_image_tokens=f.get_int("max_image_tokens", minimum=4),
+        min_pixels=f.get_int("min_pixels", 0, minimum=0),
+        max_wh_ratio=None if ratio is None else f.get_float("max_wh_ratio", 1.0, positive=True),
+    )
+
+
 def parse_v41(raw: dict[str, Any]) -> ModelConfig:
     """A DeepSeek-V4.1 config.json dict -> ModelConfig with `v41` set. ModelConfig's MLA fields
     describe the single K = V head: kv_lora_rank = v_head_dim = head_dim, qk_rope_head_dim its
@@ -385,6 +415,7 @@ def parse_v41(raw: dict[str, Any]) -> ModelConfig:
         dspark=_parse_dspark(f, nextn, n),
         image_token_id=top.get_token_id("image_token_id"),
         mtp_compress_ratios=(0,) * nextn,  # draft layers are sliding window only
+        vision=parse_vision(raw.get("vision_config")),
     )
     inter = f.get_int("moe_intermediate_size")
     cfg = single_kv_head_config(

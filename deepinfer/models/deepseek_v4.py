@@ -694,6 +694,7 @@ class V4MoE(nn.Module):
         )
         self.shared_gate_up = Linear(backend, c.hidden_size, 2 * c.moe_intermediate_size)
         self.shared_down = Linear(backend, c.moe_intermediate_size, c.hidden_size)
+        self.bias_vl: torch.Tensor | None = None  # (E,) float32: image tokens' bias (V4.1's bias_vl)
         for name in ("gate_weight", "w13", "w2", "bias", "tid2eid"):
             self.register_buffer(name, torch.empty(0, device="meta"))
         self.register_buffer("w13_scale", None)
@@ -706,15 +707,28 @@ class V4MoE(nn.Module):
         # gate_weight (E, Dm) float32 (routing is computed in float32), bias (E,) float32,
         # tid2eid (V, K) int64
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, fixed_exchange: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        fixed_exchange: bool = False,
+        image_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x (T, Dm), input_ids (T,) -> (T, Dm). fixed_exchange (expert parallelism): every rank
-        runs this layer with the same T (a graph step: ForwardBatch.fixed_exchange)."""
+        runs this layer with the same T (a graph step: ForwardBatch.fixed_exchange). image_mask
+        (T,) bool (DeepSeek-V4.1's image tokens): those rows select with bias_vl instead of bias."""
         moe, small = self.backend.moe, self.backend.small
         if self.hashed:
             hash_ids = self.tid2eid[input_ids]
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, hash_ids=hash_ids)
         else:
             weights, ids = moe.select_experts(x, self.gate_weight, self.router, correction_bias=self.bias)
+            if image_mask is not None and self.bias_vl is not None:  # both, then each row's own
+                w_vl, ids_vl = moe.select_experts(
+                    x, self.gate_weight, self.router, correction_bias=self.bias_vl
+                )
+                weights = torch.where(image_mask[:, None], w_vl, weights)
+                ids = torch.where(image_mask[:, None], ids_vl, ids)
         if self.ep is None:
             routed = self._local_moe(x, weights, ids)
             shared = self.shared_down(small.clamped_silu_and_mul(self.shared_gate_up(x), self.limit))

@@ -53,9 +53,15 @@ format as stored (stored_in_fp8): FP8 e4m3 linears with UE8M0 scales per 32 x 32
 quantised per token per 32 channels), wo_a dequantised at load where o_lora_rank is not a
 multiple of 32 (keep_grouped_fp8); MXFP4 routed experts (packed e2m1 + UE8M0 per 32 along K);
 the rest (embedding, head, router, compressors, the indexer's wk / weights_proj) bf16, norms,
-sinks and mixing weights float32. Not yet: FP8 Engram table rows, the DSpark draft layers, the vision tower;
+sinks and mixing weights float32. Not yet: FP8 Engram table rows, the DSpark draft layers;
 their configs are refused with an error naming the part (DeepseekV41ForCausalLM.__init__,
 load_weights).
+
+Images (config.json's vision_config): the vision tower (models.vision) turns each image into
+its prompt span's rows, which replace those positions' input embeddings (ForwardBatch
+image_embeds / image_mask); image tokens select their experts with the image routing bias
+(ffn.gate.bias_vl) and are masked out of Engram (their streams pass unchanged; as n-gram
+members they read as pad).
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import check_kv_cache_dtype
 from deepinfer.models.layers import Linear, RMSNorm
 from deepinfer.models.rope import cos_sin_cache
+from deepinfer.models.vision import VisionModel
 from deepinfer.models.weights import WeightSource
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
@@ -536,22 +543,30 @@ class V41Block(nn.Module):
         small = self.backend.small
         if self.engram is not None:  # on the streams after the previous post mix
             assert step.ngram_ids is not None
-            streams = self.engram(streams, step.ngram_ids)
+            streams = self.engram(streams, step.ngram_ids, batch.image_mask)
         x, post, comb, pre = self._pre(self.hc_attn, streams, pre)
         a = self.attn(self.attn_norm(x), batch, caches, entries, table, step)
         streams = small.hc_post(a, streams, post, comb)
         x, post, comb, pre = self._pre(self.hc_ffn, streams, pre)
-        f = self.ffn(self.ffn_norm(x), batch.input_ids, batch.fixed_exchange)
+        f = self.ffn(self.ffn_norm(x), batch.input_ids, batch.fixed_exchange, batch.image_mask)
         return small.hc_post(f, streams, post, comb), pre
 
-    def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int) -> None:
+    def load(
+        self, reader: WeightSource, prefix: str, dtype: torch.dtype, vocab_size: int, vision: bool = False
+    ) -> None:
+        """vision: the model takes images (their routing bias is loaded)."""
         dm = (self.attn_norm.dim,)
         self.attn_norm.weight = load_f32(reader, f"{prefix}.attn_norm.weight", dm)
         self.ffn_norm.weight = load_f32(reader, f"{prefix}.ffn_norm.weight", dm)
         self.attn.load(reader, f"{prefix}.attn", dtype)
-        if reader.has(f"{prefix}.ffn.gate.bias_vl"):  # image tokens' routing bias: no images here
-            reader.skip(f"{prefix}.ffn.gate.bias_vl")
         self.ffn.load(reader, f"{prefix}.ffn", dtype, vocab_size)
+        name = f"{prefix}.ffn.gate.bias_vl"  # image tokens' routing bias (DeepSeek: the text bias if absent)
+        if vision:
+            self.ffn.bias_vl = (
+                load_f32(reader, name, self.ffn.bias.shape) if reader.has(name) else self.ffn.bias
+            )
+        elif reader.has(name):  # a text-only model takes no image tokens
+            reader.skip(name)
         self.hc_attn.load(reader, f"{prefix}.hc_attn")
         self.hc_ffn.load(reader, f"{prefix}.hc_ffn")
         if self.engram is not None:
@@ -620,6 +635,9 @@ class DeepseekV41ForCausalLM(nn.Module):
             V41Block(backend, config, v41, i, engrams.get(i), expert_parallel) for i in range(n)
         )
         self.norm = RMSNorm(backend, config.hidden_size, config.rms_norm_eps)
+        self.vision = (
+            None if v41.vision is None else VisionModel(backend, v41.vision, config.hidden_size, dtype)
+        )
         for name in ("hc_head_fn", "hc_head_base", "hc_head_scale"):  # unshifted only
             self.register_buffer(name, torch.empty(0, device="meta"))
         for name, rope in (("main_rope", config.rope), ("compress_rope", v41.compress_rope)):
@@ -749,7 +767,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if entries.get(1) is not None:
             entries[1] = _c1_entries(cast(NewEntries, entries[1]), batch)
         caches = self._layer_caches(kv_caches, tables)
-        x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
+        x = self._embed(batch)  # (T, Dm)
         streams = x[:, None, :].expand(-1, v41.hc_mult, -1).contiguous()  # (T, N, Dm)
         pre: torch.Tensor | None = None
         if v41.hc_shifted:  # the first sublayer reads stream 0
@@ -766,6 +784,24 @@ class DeepseekV41ForCausalLM(nn.Module):
         return small.hc_head(
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, v41.hc_eps
         )
+
+    def _embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """(T, Dm) input embeddings: the token embeddings, the image rows (ForwardBatch
+        image_embeds) at the image positions."""
+        if batch.image_mask is None:
+            return nn.functional.embedding(batch.input_ids, self.embed_tokens)
+        if batch.image_embeds is None or self.vision is None:
+            raise ValueError("a step with image positions needs image_embeds and a model with a vision tower")
+        ids = torch.where(batch.image_mask, 0, batch.input_ids)  # image ids are past the vocabulary
+        x = nn.functional.embedding(ids, self.embed_tokens)
+        return x.masked_scatter(batch.image_mask[:, None], batch.image_embeds.to(x.dtype))
+
+    def encode_images(self, images: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Resized uint8 images (h, w, 3) (engine.images) -> each one's span rows (L, Dm)
+        (models.vision.VisionModel.encode)."""
+        if self.vision is None:
+            raise ValueError("this DeepSeek-V4.1 checkpoint has no vision tower (no vision_config)")
+        return self.vision.encode(images)
 
     def _ngram_ids(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Engram's (T, G) compressed n-gram ids of the step's tokens (None without Engram)."""
@@ -802,14 +838,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         raise ValueError("DeepSeek-V4.1's DSpark draft layers are not loaded yet")
 
     def load_weights(self, reader: WeightSource) -> None:
-        """DeepSeek's names, with or without a `model.` prefix; the draft layers' (mtp.*) and the
-        vision tower's tensors are left unread (marked skipped) until those parts load."""
+        """DeepSeek's names, with or without a `model.` prefix; the draft layers' (mtp.*) are left
+        unread (marked skipped) until they load, and so are a vision tower's (vision.*, aligner.*,
+        image_*) where config.json has no vision_config."""
         c, v41, dtype = self.config, self.v41, self.dtype
         root = "model." if reader.has("model.embed.weight") else ""
         shape = (c.vocab_size, c.hidden_size)
         self.embed_tokens = reader.get(f"{root}embed.weight", shape, dtype)
+        vision = self.vision is not None
         for i, layer in enumerate(self.layers):
-            cast(V41Block, layer).load(reader, f"{root}layers.{i}", dtype, c.vocab_size)
+            cast(V41Block, layer).load(reader, f"{root}layers.{i}", dtype, c.vocab_size, vision)
+        if self.vision is not None:
+            self.vision.load(reader, root)
         self.norm.weight = load_f32(reader, f"{root}norm.weight", (c.hidden_size,))
         if not v41.hc_shifted:
             n = v41.hc_mult
@@ -821,5 +861,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
         for name in list(reader.location):
             plain = name.removeprefix("model.")
-            if plain.startswith(("mtp.", "vision_pipeline.", "image_")):
+            if plain.startswith("mtp.") or (
+                self.vision is None and plain.startswith(("vision.", "aligner.", "image_"))
+            ):
                 reader.skip(name)

@@ -157,10 +157,13 @@ def ngram_ids(
 ) -> torch.Tensor:
     """(T, G) compressed ids of tokens p, p-1, ..., p-G+1 of each token: input_ids (T,) and
     history (T, G-1) raw ids (tokens p-1, ..., p-G+1; any valid id before the start), positions
-    (T,); `pad` where p - r < 0. Device only."""
+    (T,); `pad` where p - r < 0, and for image ids (>= the vocabulary: DeepSeek's sentinel for
+    image tokens; which value it is DeepSeek's code does not say, pad here). Device only."""
     raw = torch.cat([input_ids[:, None], history], dim=1)
     back = torch.arange(raw.shape[1], device=raw.device)
-    return torch.where(positions[:, None] >= back, vocab[raw], pad)
+    text = raw < vocab.shape[0]  # ids past the vocabulary are images': they read as pad
+    ids = torch.where(text, vocab[raw.clamp(max=vocab.shape[0] - 1)], pad)
+    return torch.where(positions[:, None] >= back, ids, pad)
 
 
 class Engram(nn.Module):
@@ -189,11 +192,15 @@ class Engram(nn.Module):
         self.register_buffer("gate_weight", torch.empty(0, device="meta"))  # (N, Dm) float32
         self.wkv = Linear(backend, len(sizes) * engram.head_dim, (hc_mult + 1) * self.dim)
 
-    def forward(self, streams: torch.Tensor, ngram_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, streams: torch.Tensor, ngram_ids: torch.Tensor, image_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """image_mask (T,) bool: image tokens are masked out (their streams pass unchanged)."""
         small = self.backend.small
         e = small.engram_lookup(ngram_ids, self.multipliers, self.sizes, self.table)  # (T, C*Dh)
         kv = self.wkv(e.to(streams.dtype)).view(-1, self.hc_mult + 1, self.dim)
-        return small.engram_gate(streams, kv, self.gate_weight, self.eps)
+        gated = small.engram_gate(streams, kv, self.gate_weight, self.eps)
+        return gated if image_mask is None else torch.where(image_mask[:, None, None], streams, gated)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         shape = (self.hc_mult, self.dim)

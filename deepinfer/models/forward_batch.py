@@ -93,6 +93,12 @@ class ForwardBatch:
                     runs a step of that bucket: MoE layers exchange fixed-size buffers
                     (deepinfer.parallel.expert_parallel.fixed_exchange), capturable in a graph.
                     False: the host-sized all_to_all exchange.
+    image_embeds    (Ti, Dm) or None: a vision-language model's image rows (their spans' vision
+                    tower output, start / newline / end vectors included), in token order, for the
+                    positions image_mask marks
+    image_mask      (T,) bool or None: the step's tokens inside an image span (their input
+                    embeddings are image_embeds' rows; DeepSeek-V4.1 routes them with the image
+                    bias and masks them out of Engram). None: a step of text only
     """
 
     input_ids: torch.Tensor
@@ -103,6 +109,8 @@ class ForwardBatch:
     group_block_tables: tuple[torch.Tensor, ...] = ()
     fixed_exchange: bool = False
     token_history: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

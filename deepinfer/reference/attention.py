@@ -6,6 +6,8 @@ edge rules, on deepinfer.backend.types.AttentionModifiers.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from deepinfer.backend.types import NO_MODIFIERS, AttentionMetadata, AttentionModifiers, PagedKVCache
@@ -82,4 +84,21 @@ def paged_attention(
         mask = visible_mask(positions, kv_len, window, topk)
         out[rows] = attend(q[rows], k, mask, scale, v_dim, sinks).to(q.dtype)
         start += n
+    return out
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Bidirectional attention inside each segment [cu_seqlens[s], cu_seqlens[s+1]) (a vision
+    tower's images): q, k (T, H, D), v (T, H, Dv) -> (T, H, Dv) in q's dtype, float32 softmax,
+    one segment at a time; a row never sees another segment's keys."""
+    out = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for a, b in itertools.pairwise(bounds):
+        if b <= a:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k[a:b].float()) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[a:b] = torch.einsum("hqk,khd->qhd", probs, v[a:b].float()).to(q.dtype)
     return out

@@ -242,6 +242,15 @@ class IndexerPicksLowest(ReferenceAttention):
         return super().indexer_topk(q, -weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
 
 
+class VarlenAttentionAcrossImages(ReferenceAttention):
+    """The vision tower's attention over the whole batch: the segments' bounds dropped, so
+    each image attends to the other images' patches too."""
+
+    def varlen_attention(self, q, k, v, cu_seqlens, max_seqlen, *, scale):  # type: ignore[no-untyped-def]
+        whole = torch.stack([cu_seqlens[0], cu_seqlens[-1]])
+        return super().varlen_attention(q, k, v, whole, int(q.shape[0]), scale=scale)
+
+
 class HyperConnectionCombTransposed(SmallOps):
     """mHC's residual mix with comb[t, k, j] for comb[t, j, k] (Sinkhorn's matrix is not symmetric)."""
 
@@ -361,6 +370,11 @@ MUTANT_LIST = [
     Mutant(
         "v4-indexer-lowest", "attention", IndexerPicksLowest, "test_indexer_topk", ("test_indexer_topk",),
         "picked",
+    ),
+    Mutant(
+        "vision-across-images", "attention", VarlenAttentionAcrossImages, "test_varlen_attention",
+        ("test_varlen_attention", "test_varlen_attention_segments_are_independent"), "varlen_attention",
+        ("segments [5, 0, 17]",),
     ),
     Mutant(
         "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",

@@ -87,7 +87,8 @@ def estimate_weight_bytes(
     model `config` describes, as random_model builds it (no MTP layers), from the config
     alone: embedding and head, per layer the attention's projections (MLA: q_a/q_b or q, kv_a,
     kv_b, o; DeepSeek-V4: q_a/q_b, kv, the grouped output, compressors and indexer) and norms,
-    and a dense MLP or the routed + shared experts with their router. fp8: the linear layers at
+    and a dense MLP or the routed + shared experts with their router; DeepSeek-V4.1's vision
+    tower where its config has one. fp8: the linear layers at
     one byte a weight (block scales neglected), MXFP4 experts (has_fp4_experts) at half a byte
     plus a scale byte per 32; expert_share: the share of the routed experts held (expert
     parallelism)."""
@@ -114,6 +115,12 @@ def estimate_weight_bytes(
         float32 += c.num_hidden_layers * 2 * ((2 + n) * n * (n * d + 1) + 3)
         if not c.v41.hc_shifted:
             float32 += n * n * d + n + 1
+        v = c.v41.vision
+        if v is not None:  # the vision tower (models.vision): linears with biases, float32 norms
+            w, p2, dd = v.width, 3 * v.patch_size**2, v.downsample_ratio**2
+            params += w * p2 + w + v.depth * (4 * w * w + 4 * w + 3 * w * v.intermediate)
+            params += d * w * dd + d + d * d + d + 3 * d  # the aligner, the image vectors
+            float32 += (2 * v.depth + 1) * w
     # float32 cos/sin tables: V4's main and compressed branches' (max_position_embeddings rows);
     # V2/V3's one, with the rows past it that speculative padding drafts read
     if c.v4 is not None or c.v41 is not None:

@@ -24,8 +24,14 @@ from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import MXFP8_BLOCK, dequantize_weight, quantize_weight
 from deepinfer.models.deepseek_v41 import stored_in_fp8
 from deepinfer.testing.v41_oracle import V41Config, expected_tensor_shapes
+from deepinfer.testing.vision_oracle import vision_tensor_shapes
 
 E8M0 = torch.float8_e8m0fnu  # the scales' dtype in DeepSeek's safetensors
+# A tiny vision tower: DeepSeek's keys plus the ViT sizes its code fixes (config_vision)
+TINY_VISION: dict[str, Any] = {
+    "hidden_size": 16, "num_heads": 2, "depth": 2, "intermediate_size": 24, "downsample_ratio": 2,
+    "patch_size": 14, "max_image_tokens": 64, "min_pixels": 0, "max_wh_ratio": 8,
+}  # fmt: skip
 
 
 def tiny_v41_config(
@@ -52,10 +58,12 @@ def tiny_v41_config(
     hc_mult: int = 2,
     yarn: bool = True,
     vocab: int = 64,
+    vision: bool = False,
     **text_overrides: Any,
 ) -> dict[str, Any]:
     """A tiny V4.1 config. Default ratios [0, 2, 1, 1, ...]: window layer, C2, then the C1 YOCO half.
-    Sharing lists default to "every compressed layer is its own source"."""
+    Sharing lists default to "every compressed layer is its own source". vision: with a tiny
+    vision tower (TINY_VISION: 2 blocks of width 16, 2 heads, patch 14, d 2); else text only."""
     ratios = list(ratios) if ratios is not None else [0, 2] + [1] * (layers - 2)
     if len(ratios) != layers:
         raise ValueError(f"ratios has {len(ratios)} entries for {layers} layers")
@@ -145,7 +153,7 @@ def tiny_v41_config(
             "weight_block_size": [32, 32],
             "scale_fmt": "ue8m0",
         },
-        "vision_config": {"hidden_size": 16, "downsample_ratio": 2, "patch_size": 14, "max_image_tokens": 16},
+        **({"vision_config": dict(TINY_VISION)} if vision else {}),
         "text_config": text,
     }
 
@@ -160,8 +168,12 @@ def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     out: dict[str, torch.Tensor] = {}
-    for name, shape in expected_tensor_shapes(cfg).items():
-        if name.endswith(("norm.weight", "q_weight", "k_weight")):
+    shapes = expected_tensor_shapes(cfg)
+    if config.get("vision_config") is not None:  # the tower, and each layer's image routing bias
+        shapes |= vision_tensor_shapes(config)
+        shapes |= {f"layers.{i}.ffn.gate.bias_vl": (cfg.n_experts,) for i in range(cfg.n_layers)}
+    for name, shape in shapes.items():
+        if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "q_weight", "k_weight")):
             t = 1.0 + 0.1 * randn(*shape)
         elif name.endswith("_fn"):  # (k, n*H): mixes of order 1 after the RMS normalisation
             t = randn(*shape) * (2.0 / shape[1] ** 0.5)
@@ -171,6 +183,10 @@ def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
             t = 0.5 + torch.rand(*shape, generator=g, dtype=torch.float64)
         elif name.endswith(("attn_sink", "gate.bias")):
             t = 0.3 * randn(*shape)
+        elif name.endswith("gate.bias_vl"):  # large enough to route image tokens elsewhere
+            t = 2.0 * randn(*shape)
+        elif name.startswith("image_") or name.endswith(".bias"):  # image vectors, vision biases
+            t = 0.5 * randn(*shape)
         elif name.endswith("embed.weight"):
             t = randn(*shape)
         elif name == "head.weight":

@@ -40,7 +40,7 @@ Semantics fixed here (DeepSeek engine defaults, its YOCO prefill truncation mode
 Not from DeepSeek's source (kernels not in the sdist; taken from TileKernels' torch references or
 chosen): the Sinkhorn / split-mix formulas, the MoE weight normalisation without an epsilon, the
 tie order of every top-k. Not modelled: FP8/FP4 rounding of weights; YOCO prefill truncation
-(`compact` / `mask`); image tokens (`ffn.gate.bias_vl`, Engram image mask); DFlash layers.
+(`compact` / `mask`); DFlash layers.
 
 KV formats (1.13, `kv_cache_dtype`; "bf16", the default, keeps every cache exact): the window K,
 the main entries (after their RoPE) and the index keys are rounded to their cached formats before
@@ -49,6 +49,13 @@ anything reads them, prefill included (DS "cast_back"): FP8 rows (e4m3, one powe
 scale per 16 values, amax / 6 rounded to e4m3, values past +-6 clipped; "fp8": FP8 rows instead),
 FP4 index keys (e2m1, one power-of-two scale per 32, the smallest that maps amax within 6).
 Rounding is to the nearest representable value, ties to the even one.
+
+Images: `forward(tokens, images=[(start, rows), ...])` takes each image's span rows (L, H) (from
+`deepinfer.testing.vision_oracle`) at prompt positions start .. start + L - 1; those positions'
+token ids are the image ids past the vocabulary, never looked up. Image positions take the
+image routing bias `ffn.gate.bias_vl` (the text bias where the checkpoint has none), are not
+updated by Engram (masked) and read as the Engram pad id inside other tokens' n-grams (DeepSeek's
+sentinel value for image tokens is not in its Python source: pad is chosen here).
 """
 
 from __future__ import annotations
@@ -671,10 +678,15 @@ class V41Oracle:
 
     # -- MoE and Engram -----------------------------------------------------------------------------
 
-    def _moe(self, L: int, x: torch.Tensor) -> torch.Tensor:
+    def _moe(self, L: int, x: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         c, w = self.cfg, self.w
         p = f"layers.{L}.ffn."
         idx, weights = route(x, w[p + "gate.weight"], w[p + "gate.bias"], c)
+        if image is not None and bool(image.any()):  # image rows: their own bias
+            bias_vl = w.get(p + "gate.bias_vl", w[p + "gate.bias"])
+            idx_vl, weights_vl = route(x, w[p + "gate.weight"], bias_vl, c)
+            idx = torch.where(image[:, None], idx_vl, idx)
+            weights = torch.where(image[:, None], weights_vl, weights)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             rows, slot = torch.nonzero(idx == e, as_tuple=True)
@@ -688,7 +700,9 @@ class V41Oracle:
             )
         return out
 
-    def _engram(self, L: int, R: torch.Tensor, ngram_ids: torch.Tensor) -> torch.Tensor:
+    def _engram(
+        self, L: int, R: torch.Tensor, ngram_ids: torch.Tensor, image: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """R (T, n, H) += g ⊙ v with a gate per stream (no short convolution in V4.1)."""
         c, w = self.cfg, self.w
         p = f"layers.{L}.engram."
@@ -701,22 +715,38 @@ class V41Oracle:
         )
         a = a / math.sqrt(c.hidden)
         g = torch.sigmoid(torch.sign(a) * torch.sqrt(a.abs().clamp_min(1e-6)))  # (T, n)
+        if image is not None:  # image tokens are masked out
+            g = torch.where(image[:, None], torch.zeros_like(g), g)
         return R + g[:, :, None] * v[:, None, :]
 
     # -- whole model --------------------------------------------------------------------------
 
     def forward(
-        self, tokens: Sequence[int] | torch.Tensor, ngram_ids: torch.Tensor | None = None
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        ngram_ids: torch.Tensor | None = None,
+        images: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> V41Trace:
         c, w = self.cfg, self.w
         ids = torch.as_tensor(tokens, dtype=torch.int64)
         if ids.dim() != 1 or ids.numel() == 0:
             raise ValueError(f"tokens must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
-        if c.engram_layers and ngram_ids is None:
-            compressed = ids if self.engram_lookup is None else self.engram_lookup[ids]
-            ngram_ids = ngram_token_ids(compressed, c.engram_max_ngram, c.engram_pad)
         T, n = ids.numel(), c.hc_mult
-        R = w["embed.weight"][ids][:, None, :].expand(T, n, c.hidden).clone()  # streams (T, n, H)
+        image = torch.zeros(T, dtype=torch.bool)
+        for start, rows in images:
+            image[start : start + rows.shape[0]] = True
+        if bool((ids[~image] >= c.vocab).any()) or bool((ids[image] < c.vocab).any()):
+            raise ValueError("image spans must cover exactly the token ids past the vocabulary")
+        text_ids = torch.where(image, 0, ids)
+        if c.engram_layers and ngram_ids is None:
+            compressed = text_ids if self.engram_lookup is None else self.engram_lookup[text_ids]
+            compressed = torch.where(image, c.engram_pad, compressed)
+            ngram_ids = ngram_token_ids(compressed, c.engram_max_ngram, c.engram_pad)
+        emb = w["embed.weight"][text_ids].clone()
+        for start, rows in images:
+            emb[start : start + rows.shape[0]] = rows.to(F64)
+        R = emb[:, None, :].expand(T, n, c.hidden).clone()  # streams (T, n, H)
+        mask = image if images else None
         tr = V41Trace(logits=torch.empty(0), final_hidden=torch.empty(0))
         state: dict[str, Any] = {}
         pre_prev = F.one_hot(torch.zeros(T, dtype=torch.int64), n).to(F64)  # shifted HC: first read stream 0
@@ -726,7 +756,7 @@ class V41Oracle:
                 if pending is not None:
                     R = hc_post(R, *pending)
                 if sub == "attn" and L in c.engram_layers:
-                    R = self._engram(L, R, ngram_ids)  # type: ignore[arg-type]
+                    R = self._engram(L, R, ngram_ids, mask)  # type: ignore[arg-type]
                 pre, post, comb = hc_mixes(
                     R,
                     w[f"layers.{L}.hc_{sub}_fn"],
@@ -744,7 +774,7 @@ class V41Oracle:
                     out = tr.attn_out[L] = self._attention(L, x, state, tr)
                 else:
                     tr.ffn_in[L] = x
-                    out = tr.ffn_out[L] = self._moe(L, x)
+                    out = tr.ffn_out[L] = self._moe(L, x, mask)
                 pending, pre_prev = (out, post, comb), pre
         assert pending is not None
         R = hc_post(R, *pending)
@@ -761,16 +791,22 @@ class V41Oracle:
         return tr
 
     def logits(
-        self, tokens: Sequence[int] | torch.Tensor, ngram_ids: torch.Tensor | None = None
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        ngram_ids: torch.Tensor | None = None,
+        images: Sequence[tuple[int, torch.Tensor]] = (),
     ) -> torch.Tensor:
-        return self.forward(tokens, ngram_ids).logits
+        return self.forward(tokens, ngram_ids, images).logits
 
-    def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
-        """n greedy tokens after prompt; the whole sequence is recomputed each step (no cache)."""
+    def greedy(
+        self, prompt: Sequence[int], n: int, images: Sequence[tuple[int, torch.Tensor]] = ()
+    ) -> list[int]:
+        """n greedy tokens after prompt (images: as forward's); the whole sequence is recomputed
+        each step (no cache)."""
         seq = list(prompt)
         out: list[int] = []
         for _ in range(n):
-            nxt = int(self.logits(seq)[-1].argmax())
+            nxt = int(self.logits(seq, images=images)[-1].argmax())
             seq.append(nxt)
             out.append(nxt)
         return out

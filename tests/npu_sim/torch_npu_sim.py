@@ -9,6 +9,7 @@ it fails. Features the backend does not use raise SimError("... not modelled ...
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -1017,6 +1018,76 @@ def npu_lightning_indexer(
         ids = torch.where(torch.isfinite(top.values[:, :n]), top.indices[:, :n], -1)
         out[rows[0] : end, 0, :n] = ids.to(torch.int32)
     return out, query.new_empty(0)
+
+
+# =========================================================================== fusion attention (FA)
+
+
+def npu_fusion_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    pse: torch.Tensor | None = None,
+    padding_mask: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    scale: float = 1.0,
+    keep_prob: float = 1.0,
+    pre_tockens: int = INT_MAX,
+    next_tockens: int = INT_MAX,
+    inner_precise: int = 0,
+    prefix: Sequence[int] | None = None,
+    actual_seq_qlen: Sequence[int] | None = None,
+    actual_seq_kvlen: Sequence[int] | None = None,
+    sparse_mode: int = 0,
+    gen_mask_parallel: bool = True,
+    sync: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+    """torch_npu.npu_fusion_attention, the TND (varlen) layout without a mask only (what the
+    backend calls): per batch entry b, rows actual_seq_qlen[b-1]..actual_seq_qlen[b] (CUMULATIVE
+    lengths, "TND: actual_seq_qlen/actual_seq_kvlen需传值") attend to the same range of keys, no
+    mask (sparse_mode 0, atten_mask None: every key). Returns (attention_out, softmax_max,
+    softmax_sum, softmax_out, seed, offset, mask_length); only attention_out is modelled."""
+    op = "npu_fusion_attention"
+    with unrecorded():
+        check(input_layout == "TND", op, "only input_layout TND is modelled by the simulation", input_layout)
+        for name, t in (("pse", pse), ("padding_mask", padding_mask), ("atten_mask", atten_mask)):
+            check(t is None, op, f"{name} is not modelled by the simulation")
+        check(prefix is None and keep_prob == 1.0, op, "prefix / dropout are not modelled by the simulation")
+        check(sparse_mode == 0, op, "only sparse_mode 0 (no mask) is modelled by the simulation")
+        check(query.dtype in _FLOATS, op, "query: FLOAT16, BFLOAT16 or FLOAT32", str(query.dtype))
+        check(key.dtype == query.dtype and value.dtype == query.dtype, op, "query, key, value of one dtype")
+        check(query.dim() == 3 and key.dim() == 3, op, "TND tensors are (T, N, D)")
+        check(tuple(key.shape) == tuple(value.shape), op, "value's shape must equal key's")
+        check(query.shape[1] == head_num and key.shape[1] == head_num, op, "N == head_num (no GQA modelled)")
+        check(query.shape[2] == key.shape[2], op, "query and key share D")
+        check(query.shape[2] % 16 == 0 and query.shape[2] <= 512, op, "D a multiple of 16, at most 512")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            check(
+                t.is_contiguous(),
+                op,
+                f"{name}: non-contiguous tensors are not supported (不支持非连续的Tensor)",
+            )
+        for name, v in (("actual_seq_qlen", actual_seq_qlen), ("actual_seq_kvlen", actual_seq_kvlen)):
+            check(_is_host_int_list(v), op, f"{name} is a host int list (List[int]) in TND")
+        assert actual_seq_qlen is not None and actual_seq_kvlen is not None
+        check(
+            list(actual_seq_qlen) == list(actual_seq_kvlen), op, "self-attention here: q and kv lengths equal"
+        )
+        cum = [0, *actual_seq_qlen]
+        check(
+            all(b > a for a, b in itertools.pairwise(cum)),
+            op,
+            "cumulative lengths strictly increasing (no empty batch)",
+        )
+        check(cum[-1] == query.shape[0] == key.shape[0], op, "the last cumulative length is T")
+    out = torch.empty_like(query)
+    for a, b in itertools.pairwise(cum):
+        s = torch.einsum("qnd,knd->nqk", query[a:b].float(), key[a:b].float()) * scale
+        out[a:b] = torch.einsum("nqk,knd->qnd", torch.softmax(s, dim=-1), value[a:b].float()).to(query.dtype)
+    empty = torch.empty(0)
+    return out, empty, empty, empty, 0, 0, 0
 
 
 # =========================================================================== norms, rope

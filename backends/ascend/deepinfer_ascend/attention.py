@@ -36,6 +36,11 @@ indexer_topk          npu_lightning_indexer, TND query (T, Hi, 128) with one bat
                       its request's row, weights * scale, sparse_mode 3, sparse_count = top-k.
                       Shapes outside the op's limits (float32, D != 128, block size not a
                       multiple of 16, > 64 heads) run the contract's reference definition.
+varlen_attention      npu_fusion_attention (the vision tower: bidirectional within each image),
+                      TND layout, actual_seq_qlen = actual_seq_kvlen = the CUMULATIVE lengths of
+                      the non-empty segments (host list), no mask (sparse_mode 0), contiguous
+                      q / k / v; shapes outside its documented limits (Dv != D, D not a multiple
+                      of 16 or above 512, float64) run the contract's reference definition.
 compressed_attention  the contract's reference definition: torch_npu has no op taking two key
                       sets (window rows and compressed entries) in one softmax with sinks;
                       vllm-ascend's custom op npu_sparse_attn_sharedkv does (docs/ascend.md).
@@ -43,6 +48,7 @@ compressed_attention  the contract's reference definition: torch_npu has no op t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +96,32 @@ class AscendAttention(AttentionOps):
         self.issuer: Issuer | None = None  # set by the graph runner while capturing
 
     # ------------------------------------------------------------------ contract
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        d = q.shape[-1]
+        if v.shape[-1] != d or d % 16 or d > 512 or q.dtype not in (*DTYPES, torch.float32):
+            return super().varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+        if self.backend.device.is_capturing():
+            raise NotImplementedError("ascend: varlen_attention reads cu_seqlens on the host; not in a graph")
+        bounds = cu_seqlens.tolist()  # the op takes host lists
+        cum = [b for a, b in itertools.pairwise(bounds) if b > a]  # empty segments dropped
+        if not cum:
+            return q.new_zeros((*q.shape[:2], d))
+        out = self._tnpu.npu_fusion_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), q.shape[1], "TND",
+            scale=scale, actual_seq_qlen=cum, actual_seq_kvlen=cum, sparse_mode=0,
+        )[0]  # fmt: skip
+        result: torch.Tensor = out
+        return result
 
     def prefill(
         self,

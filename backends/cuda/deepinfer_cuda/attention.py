@@ -1,5 +1,6 @@
 """The attention part: paged MLA attention, MLA's query (with the cache write), DeepSeek-V4's
-compressed attention and lightning indexer, on the Triton kernels of deepinfer_cuda.kernels."""
+compressed attention and lightning indexer, the vision tower's varlen attention, on the Triton kernels
+of deepinfer_cuda.kernels."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from deepinfer_cuda.kernels import gemm as gemm_k
 from deepinfer_cuda.kernels import mla as mla_k
 from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
+from deepinfer_cuda.kernels import vision as vision_k
 from deepinfer_cuda.kv_cache import cache_tensor
 
 
@@ -273,3 +275,19 @@ class CudaAttention(AttentionOps):
             q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
             key_format=key_format,
         )  # fmt: skip
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        *,
+        scale: float,
+    ) -> torch.Tensor:
+        """kernels/vision.py (no split over keys: a row's bits depend on its own segment only,
+        batch-invariant as it is); unfused: the contract's default."""
+        if not self.fused:
+            return super().varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+        return vision_k.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)

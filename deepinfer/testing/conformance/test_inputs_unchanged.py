@@ -78,6 +78,14 @@ def test_attention_inputs(backend: Backend, gen: torch.Generator, head_dim: int,
     qd = q[:2].clone()
     check("decode", lambda: backend.attention.decode(qd, cache, dmeta, scale=0.1, v_dim=v), qd)
     assert_unchanged("attention (KV cache)", before_kv, backend.kv_cache.read_kv(cache, slots))
+    qkv = randn((29, 3, 2, 16), dt, dev, gen)  # the vision tower's strided q, k, v of one buffer
+    cu = torch.tensor([0, 9, 29], dtype=torch.int32, device=dev)
+    check(
+        "varlen_attention",
+        lambda: backend.attention.varlen_attention(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, 20, scale=0.25),
+        qkv,
+        cu,
+    )
 
 
 def test_small_inputs(backend: Backend, gen: torch.Generator) -> None:
