@@ -52,7 +52,7 @@ def _draft(model: Any, runner: PagedRunner, rid: int, token: int, k: int, logits
     lim = torch.tensor([start + d.block_size])
     return d.draft(
         torch.tensor([token]), torch.tensor([start]), table, lim, runner.kv_caches[n:], model.embed_tokens,
-        model.lm_head, model.cos_sin, k, start + d.block_size, logits,
+        model.lm_head, k, start + d.block_size, logits,
     )  # fmt: skip
 
 

@@ -201,7 +201,7 @@ class DeepseekForCausalLM(nn.Module):
         targets = dflash.config.target_layer_ids if dflash is not None else ()
         out, trunks = self.forward_trunks(batch, kv_caches[:n], targets)
         if dflash is not None:
-            dflash.inject(trunks, batch, list(kv_caches[n:]), cast(torch.Tensor, self.cos_sin))
+            dflash.inject(trunks, batch, list(kv_caches[n:]))
         return out
 
     def forward_trunks(

@@ -136,7 +136,10 @@ class DFlashConfig:
 class DFlashDrafter(nn.Module):
     """The drafter's L blocks and heads over the backend contract (module docstring)."""
 
-    def __init__(self, target: ModelConfig, config: DFlashConfig, backend: Backend) -> None:
+    def __init__(
+        self, target: ModelConfig, config: DFlashConfig, backend: Backend, cos_sin: torch.Tensor
+    ) -> None:
+        """cos_sin: the target's rope table (P, R) float32; the draft blocks use it too."""
         super().__init__()
         from deepinfer.models.deepseek import DecoderLayer  # the target's block kind
 
@@ -146,7 +149,7 @@ class DFlashDrafter(nn.Module):
                 f"dflash config: target_layer_ids {bad} are not layers of the target "
                 f"(0 .. {target.num_hidden_layers - 1})"
             )
-        self.config, self.backend = config, backend
+        self.config, self.backend, self.cos_sin = config, backend, cos_sin
         dm, eps = target.hidden_size, target.rms_norm_eps
         self.hidden_size, self.vocab_size = dm, target.vocab_size
         block = config.block_config(target)
@@ -185,7 +188,6 @@ class DFlashDrafter(nn.Module):
         trunks: torch.Tensor,
         batch: ForwardBatch,
         caches: list[PagedKVCache],
-        cos_sin: torch.Tensor,
     ) -> None:
         """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
         each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
@@ -195,7 +197,7 @@ class DFlashDrafter(nn.Module):
             attn = layer.self_attn
             kv = attn.kv_a_proj_with_mqa(u)  # (T, C + R')
             self.backend.kv_cache.write_mla_kv(
-                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, cos_sin,
+                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, self.cos_sin,
                 attn.interleaved, batch.slot_mapping,
             )  # fmt: skip
 
@@ -225,7 +227,8 @@ class DFlashDrafter(nn.Module):
         slots = torch.where(write, table.gather(1, col) * block_size + pos % block_size, -1)  # (R, B)
         noise = torch.full((r, b - 1), self.config.noise_token_id, dtype=tokens.dtype, device=dev)
         ids = torch.cat([tokens[:, None], noise], dim=1)  # (R, B)
-        kv_len = torch.minimum(start + b, limit).clamp(min=0).to(torch.int32)  # (R,)
+        # (R,); at least 1: a padding request of a graph step (limit 0) reads one row, discarded
+        kv_len = torch.minimum(start + b, limit).clamp(min=1).to(torch.int32)
         n = r * b
         attn = AttentionMetadata(
             block_tables=tables.repeat_interleave(b, dim=0), seq_lens=kv_len.repeat_interleave(b),
@@ -240,13 +243,13 @@ class DFlashDrafter(nn.Module):
         )  # fmt: skip
 
     def block_states(
-        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache], cos_sin: torch.Tensor
+        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
         x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, fb, cache, cos_sin)
+            x, residual = layer(x, residual, fb, cache, self.cos_sin)
         assert residual is not None
         normed, h = self.norm.add(x, residual)
         return h, normed
@@ -265,7 +268,6 @@ class DFlashDrafter(nn.Module):
         caches: list[PagedKVCache],
         embed: torch.Tensor,
         lm_head: torch.Tensor,
-        cos_sin: torch.Tensor,
         k: int,
         max_seq_len: int,
         logits_out: list[torch.Tensor] | None = None,
@@ -278,7 +280,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"the DFlash drafter proposes 1..{self.block_size} tokens per block, not {k}")
         r, b = tokens.shape[0], self.block_size
         fb = self.block_batch(tokens, start, tables, limit, caches[0].spec.block_size, max_seq_len)
-        h, normed = self.block_states(fb, embed, caches, cos_sin)
+        h, normed = self.block_states(fb, embed, caches)
         base = self.backend.gemm.linear(normed, lm_head).float().view(r, b, -1)  # (R, B, V)
         h = h.view(r, b, -1)
         prev, drafts, confs = tokens, [], []

@@ -38,7 +38,7 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -726,12 +726,19 @@ def load_model(
                 f"the DFlash drafter runs with DeepSeek-V2/V3 blocks; {root} is {config.model_type}, "
                 "whose drafter blocks are not implemented yet"
             )
-        model.dflash = load_dflash(root, backend, config, dtype, check_weights)
+        model.dflash = load_dflash(
+            root, backend, config, dtype, check_weights, cast(torch.Tensor, model.cos_sin)
+        )
     return model.eval()
 
 
 def load_dflash(
-    root: Path, backend: Backend, config: ModelConfig, dtype: torch.dtype, check_weights: bool
+    root: Path,
+    backend: Backend,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    check_weights: bool,
+    cos_sin: torch.Tensor,
 ) -> DFlashDrafter:
     """The DFlash drafter of DIR/dflash/ (config.json + model.safetensors), checked tensor by
     tensor: a missing or unexpected tensor is an error naming it."""
@@ -741,7 +748,7 @@ def load_dflash(
             "(train/train_dflash.py makes one)"
         )
     dconfig = read_dflash_config(root)
-    drafter = DFlashDrafter(config, dconfig, backend)
+    drafter = DFlashDrafter(config, dconfig, backend, cos_sin)
     with CheckpointReader(
         root / DFLASH_DIR, backend.device.device(), False, backend.name, check_weights
     ) as reader:
