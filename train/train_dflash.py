@@ -58,7 +58,8 @@ class Preset:
     markov_rank: int = 16
     n_routed_experts: int = 4
     num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
+    moe_intermediate_size: int = 128  # the model's: its experts can start the drafter's
+    init_from_target: bool = True  # start from the model's last layers (init_from_target)
     windows: int = 8  # windows the model runs over per refresh
     window: int = 160  # tokens per window
     anchors: int = 24  # blocks per window per step
@@ -74,7 +75,7 @@ FULL = Preset()
 TOY = Preset(
     num_layers=1, block_size=3, target_layer_ids=(1, 3), markov_rank=4, n_routed_experts=2,
     num_experts_per_tok=1, moe_intermediate_size=16, windows=2, window=48, anchors=8, reuse=2,
-    lr=1e-2, max_files=6, eval_windows=2, toy_steps=20,
+    lr=1e-2, max_files=6, eval_windows=2, toy_steps=20, init_from_target=False,
 )  # fmt: skip
 
 NOISE_TOKEN = 2  # <｜User｜>: never in the corpus (documents are BOS + code + EOS)
@@ -116,6 +117,50 @@ def init_weights(model: Any, config: DFlashConfig, seed: int) -> dict[str, torch
         if n.endswith("e_score_correction_bias"):
             p.requires_grad_(False)  # selection only: no gradient reaches it
     return params
+
+
+@torch.no_grad()
+def init_from_target(params: dict[str, torch.nn.Parameter], model: Any, config: DFlashConfig) -> None:
+    """Start the drafter as the model's last L layers: draft layer i takes layer n - L + i's
+    attention, norms and its first E experts (gate rows, biases; the shared expert), the head's
+    norm is the model's, and u starts as the model's normalised attention input of the last
+    target layer (projection = identity on that trunk, project_norm = that layer's input norm),
+    so the last draft layer's injected rows start as that layer's own cache rows."""
+    from deepinfer.testing.checkpoints import tensor_shapes
+
+    n, layers = model.config.num_hidden_layers, config.num_layers
+    state = load_target_tensors(model, tensor_shapes(model.config, mtp=False))
+    dm = model.config.hidden_size
+    last = config.target_layer_ids[-1]
+    proj = torch.zeros_like(params["mtp.0.projection.weight"])
+    j = len(config.target_layer_ids) - 1
+    proj[:, j * dm : (j + 1) * dm] = torch.eye(dm)
+    params["mtp.0.projection.weight"].copy_(proj)
+    params["mtp.0.project_norm.weight"].copy_(state[f"model.layers.{last}.input_layernorm.weight"])
+    params[f"mtp.{layers - 1}.norm.weight"].copy_(state["model.norm.weight"])
+    for i in range(layers):
+        src = f"model.layers.{n - layers + i}"
+        for name, p in params.items():
+            if not name.startswith(f"mtp.{i}."):
+                continue
+            theirs = src + name[len(f"mtp.{i}") :]
+            if name.endswith(("gate.weight", "gate.e_score_correction_bias")):
+                p.copy_(state[theirs][: p.shape[0]])
+            elif theirs in state and tuple(state[theirs].shape) == tuple(p.shape):
+                p.copy_(state[theirs])
+
+
+def load_target_tensors(model: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The model's own tensors, float32, read from its checkpoint (the loaded model keeps them fused)."""
+    from deepinfer.models.loader import CheckpointReader
+
+    root = Path(model.source_dir)
+    out = {}
+    with CheckpointReader(root, torch.device("cpu"), False, "reference", False) as reader:
+        for name, shape in shapes.items():
+            if reader.has(name):
+                out[name] = reader.get(name, shape, torch.float32)
+    return out
 
 
 def block_losses(
@@ -200,6 +245,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     dcfg = config.to_dict()
     params = init_weights(model, config, args.seed)
+    if p.init_from_target:
+        model.source_dir = args.model
+        init_from_target(params, model, config)
     trainable = [q for q in params.values() if q.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=p.lr, betas=(0.9, 0.95), weight_decay=0.0)
     n_params = sum(q.numel() for q in params.values())
