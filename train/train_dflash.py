@@ -73,7 +73,7 @@ class Preset:
 
 FULL = Preset()
 TOY = Preset(
-    num_layers=1, block_size=3, target_layer_ids=(1, 3), markov_rank=4, n_routed_experts=2,
+    num_layers=1, block_size=3, target_layer_ids=(0, 1), markov_rank=4, n_routed_experts=2,
     num_experts_per_tok=1, moe_intermediate_size=16, windows=2, window=48, anchors=8, reuse=2,
     lr=1e-2, max_files=6, eval_windows=2, toy_steps=20, init_from_target=False,
 )  # fmt: skip
