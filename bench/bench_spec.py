@@ -7,8 +7,9 @@ For each batch size B (1, 8, 32, 128; --small: 1, 4): B greedy requests (EOS ign
 --new-tokens output tokens each, from prompts of --prompt-len tokens cut from the corpus'
 held-out files (train/train_tiny.py's rule) with the model's tokenizer, or random token ids when
 the model has none. Plain decoding (graphs and async scheduling where the backend has them) and
-every speculative configuration run the same requests: the MTP head chained (k = 1, 2, 3) and the
-block drafter (k = 1 .. 5, at most its block size), each without and with confidence scheduling
+every speculative configuration run the same requests: the DFlash (DSpark) drafter of MODEL/dflash/
+(k = 3, 5: --dflash-k), the MTP head chained (k = 1, 2, 3) and the block drafter (k = 1 .. 5, at
+most its block size), each without and with confidence scheduling
 (--threshold; --schedule measured: expected tokens per ms on the step times the engine measures
 at start-up, or --schedule budget with --step-token-budget). A configuration whose drafter the
 model lacks is listed as skipped, with the reason, in the table. Speculative steps of up to 64 requests replay
@@ -54,6 +55,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.models.dflash import has_dflash  # noqa: E402
+from deepinfer.models.dflash import read_config as read_dflash_config  # noqa: E402
 
 
 def prompts_for(model_dir: Path, count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -79,14 +82,24 @@ def prompts_for(model_dir: Path, count: int, length: int, vocab: int, seed: int)
 
 
 def configurations(
-    args: argparse.Namespace, has_mtp: bool, block_size: int
+    args: argparse.Namespace, has_mtp: bool, block_size: int, dflash_block: int = 0
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """(speculative configurations to run, reasons for those skipped)."""
+    """(speculative configurations to run, reasons for those skipped). dflash_block: the DFlash
+    drafter's block size (0: none in MODEL/dflash/)."""
     runs, skipped = [], []
-    for drafter, ks in (("dspark", args.block_k), ("mtp", args.mtp_k)):  # the block drafter first
+    drafters = (("dflash", args.dflash_k), ("dspark", args.block_k), ("mtp", args.mtp_k))
+    for drafter, ks in drafters:  # DFlash, then the block drafter, then MTP
         for k in ks:
             if drafter == "mtp" and not has_mtp:
                 skipped.append(f"mtp k={k}: the model has no MTP layer")
+                continue
+            if drafter == "dflash" and k > dflash_block:
+                why = (
+                    "no dflash/ beside the model"
+                    if dflash_block == 0
+                    else f"its block size is {dflash_block}"
+                )
+                skipped.append(f"dflash k={k}: {why}")
                 continue
             if drafter == "dspark" and k > block_size:
                 why = (
@@ -414,6 +427,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--mtp-k", type=int, nargs="*", default=None, help="MTP chain lengths (default 1 2 3)")
     ap.add_argument("--block-k", type=int, nargs="*", default=None, help="block drafter k (default 1..5)")
+    ap.add_argument(
+        "--dflash-k",
+        type=int,
+        nargs="*",
+        default=None,
+        help="DFlash (DSpark) drafter k (default 3 5; --small: 2)",
+    )
     ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
     ap.add_argument(
         "--schedule",
@@ -460,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args.prompt_len = args.prompt_len or (16 if args.small else 64)
     args.mtp_k = args.mtp_k if args.mtp_k is not None else ([1, 2] if args.small else [1, 2, 3])
     args.block_k = args.block_k if args.block_k is not None else ([2, 5] if args.small else [1, 2, 3, 4, 5])
+    args.dflash_k = args.dflash_k if args.dflash_k is not None else ([2] if args.small else [3, 5])
 
     common: dict[str, Any] = {
         "backend": args.backend,
@@ -473,7 +494,10 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     model = engine.model
     device = args.device_name or ("H200" if engine.backend.device.device().type == "cuda" else "cpu")
     drafter = getattr(model, "drafter", None)
-    runs, skipped = configurations(args, model.num_mtp_layers > 0, drafter.block_size if drafter else 0)
+    dflash_block = read_dflash_config(args.model).block_size if has_dflash(args.model) else 0
+    runs, skipped = configurations(
+        args, model.num_mtp_layers > 0, drafter.block_size if drafter else 0, dflash_block
+    )
     print(f"backend {engine.backend.name}, device {device}; {len(runs)} configurations", flush=True)
 
     prompts = {

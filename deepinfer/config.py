@@ -40,7 +40,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 MAX_SPECULATIVE_TOKENS = 8
-SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "dspark")
+SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "dspark", "dflash")
 SPECULATIVE_KEYS = (
     "method", "num_speculative_tokens", "min_draft_confidence", "confidence_scheduling", "schedule",
     "step_token_budget",
@@ -352,7 +352,9 @@ class EngineConfig:
         'speculative decoding: {"method": "mtp", "num_speculative_tokens": k} drafts k tokens per step '
         'with the checkpoint\'s MTP head (run k times in a chain, as vLLM does; "deepseek_mtp" is accepted '
         'too), "method": "dspark" with the block drafter saved beside the model (drafter.safetensors, '
-        "k tokens in one pass); drafts are verified in the next step and outputs are those of plain "
+        'k tokens in one pass), "method": "dflash" with DeepSeek\'s DSpark drafter saved in DIR/dflash/ '
+        "(conditioned on the model by KV injection, a block of k <= B drafts in one pass); drafts are "
+        "verified in the next step and outputs are those of plain "
         'decoding. "min_draft_confidence": p verifies only the drafts whose confidence (the chance '
         'that they and the drafts before them are accepted) is >= p; "confidence_scheduling": true '
         "chooses per step the drafts that maximise expected tokens per ms on the step times measured at "
@@ -524,7 +526,9 @@ class EngineConfig:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known: {SPECULATIVE_KEYS}")
         method = spec.get("method", "mtp")
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method {method!r} is not supported; use 'mtp' or 'dspark'")
+            raise ValueError(
+                f"speculative_config: method {method!r} is not supported; use 'mtp', 'dspark' or 'dflash'"
+            )
         scheduling = spec.get("confidence_scheduling", False)
         if not isinstance(scheduling, bool):
             raise ValueError(
@@ -548,7 +552,8 @@ class EngineConfig:
 
     @property
     def speculative_method(self) -> str | None:
-        """The drafter: "mtp" (the checkpoint's MTP head), "dspark" (the block drafter), None."""
+        """The drafter: "mtp" (the checkpoint's MTP head), "dspark" (the block drafter), "dflash"
+        (DeepSeek's DSpark drafter, KV injection: deepinfer.models.dflash), None."""
         if self.speculative_config is None:
             return None
         method = self.speculative_config.get("method", "mtp")

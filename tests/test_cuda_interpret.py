@@ -7,7 +7,7 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
    ci/gpu_check.sh),
 2. tests/test_cuda_kernels.py, the direct kernel tests (split-KV combine, exact FP8 rounding, ...),
 3. the engine on cuda: speculative decoding against plain decoding (tests/test_speculative.py,
-   tests/test_drafter.py: verification graphs),
+   tests/test_drafter.py, tests/test_dflash_engine.py: verification graphs),
    expert parallelism over two processes against one (tests/test_expert_parallel.py, bf16
    expert weights: the FP8 experts' kernels are in the conformance suite), async
    scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py),
@@ -68,11 +68,13 @@ def test_kernel_tests_under_interpreter() -> None:
 
 
 def test_engine_speculative_decoding_under_interpreter() -> None:
-    tests = [str(REPO / "tests" / f) for f in ("test_speculative.py", "test_drafter.py")]
+    tests = [
+        str(REPO / "tests" / f) for f in ("test_speculative.py", "test_drafter.py", "test_dflash_engine.py")
+    ]
     res = _run([*tests, "-k", "cuda_backend"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"speculative decoding on cuda failed under TRITON_INTERPRET=1:\n{tail}"
-    assert "2 passed" in res.stdout, tail  # MTP and the block drafter (verification graphs)
+    assert "3 passed" in res.stdout, tail  # MTP, the block drafter, DFlash (verification graphs)
 
 
 def test_engine_expert_parallel_under_interpreter() -> None:

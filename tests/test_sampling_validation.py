@@ -242,8 +242,8 @@ def test_top_k_past_the_vocabulary_keeps_every_token(llm: LLM) -> None:
 def model_with_generation_config(tmp_path: Path, content: dict[str, Any]) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    for f in TINY.iterdir():
-        if f.name != "generation_config.json":  # copies: a symlink out of the directory is refused
+    for f in TINY.iterdir():  # copies: a symlink out of the directory is refused
+        if f.is_file() and f.name != "generation_config.json":
             shutil.copy(f, model / f.name)
     (model / "generation_config.json").write_text(json.dumps(content))
     return model

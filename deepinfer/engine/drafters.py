@@ -1,8 +1,9 @@
-"""Drafters as proposers: the MTP head (the checkpoint's, chained on its own output) and the
-block drafter (deepinfer.models.drafter, k tokens in one pass). The worker calls them after a
-verification forward: inside a verification graph (accept_and_draft with the proposer's
-graph_draft), or eagerly over host-built spans (propose). Each draft comes with its confidence:
-the chance that the drafts up to it are all accepted.
+"""Drafters as proposers: the MTP head (the checkpoint's, chained on its own output), the
+block drafter (deepinfer.models.drafter, k tokens in one pass) and the DFlash drafter
+(deepinfer.models.dflash: a block of B slots over caches the model's forward injects into).
+The worker calls them after a verification forward: inside a verification graph
+(accept_and_draft with the proposer's graph_draft), or eagerly over host-built spans (propose).
+Each draft comes with its confidence: the chance that the drafts up to it are all accepted.
 
 The MTP head in a graph step: it runs over every row of the step (1 + w per request), its cache
 written at the accepted rows only (the others' slots masked to -1), then k - 1 single-row passes
@@ -37,6 +38,7 @@ from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.engine.inputs import SamplingInputs, ring_table
 from deepinfer.engine.ring import RingScratch
 from deepinfer.engine.sequence import Sequence
+from deepinfer.models.dflash import DFlashDrafter
 from deepinfer.models.drafter import BlockDrafter
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import CausalLM
@@ -168,6 +170,29 @@ def block_drafts(
     rows = torch.arange(b, device=sampled.device) * q + accepted
     last = sampled.gather(1, accepted[:, None])[:, 0]  # (B,)
     return drafter.draft(hidden[rows], last, embed, lm_head, k)
+
+
+def dflash_drafts(
+    drafter: DFlashDrafter,
+    caches: list[PagedKVCache],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    fb: ForwardBatch,
+    sampled: torch.Tensor,
+    hidden: torch.Tensor,
+    accepted: torch.Tensor,
+    limit: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DraftFn of the DFlash drafter: the step's forward injected the context's rows into its
+    caches (the rows of rejected drafts are rewritten by the block and by later steps); its block
+    starts at row a + 1's position with the token drawn at row a, the last accepted one. Slot rows
+    at or past limit[b] are not written (hidden unused)."""
+    b, q = sampled.shape
+    last = sampled.gather(1, accepted[:, None])[:, 0]  # (B,) the emitted token
+    start = fb.positions.view(b, q)[:, 0] + accepted + 1  # (B,) its position
+    bound = fb.attn.max_seq_len + drafter.block_size  # a host upper bound of the block's lengths
+    return drafter.draft(last, start, fb.attn.block_tables, limit, caches, embed, lm_head, k, bound)
 
 
 def mtp_drafts(
@@ -367,6 +392,42 @@ class BlockProposer:
         drafts, conf = self.drafter.draft(
             hidden[_dev(rows, device)], _dev(last, device), model.embed_tokens, model.lm_head, k
         )
+        return _drafts(drafts, conf, num_drafts)
+
+
+class DFlashProposer:
+    """The DFlash drafter over its caches (the model's forward writes the context's rows): a
+    block of B slots from the last known token, its rows written at positions end .. end + B - 1
+    below the limits (head_rows: B past a step's verified rows)."""
+
+    def __init__(self, drafter: DFlashDrafter, model: CausalLM, caches: list[PagedKVCache]) -> None:
+        self.drafter, self.model, self.caches = drafter, model, caches
+        self.head_rows = drafter.block_size
+
+    def graph_draft(self) -> DraftFn:
+        m = self.model
+        return functools.partial(dflash_drafts, self.drafter, self.caches, m.embed_tokens, m.lm_head)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        seqs: list[Sequence],
+        spans: list[tuple[int, int]],
+        hidden_rows: list[int],
+        num_drafts: list[int],
+        limits: list[int],
+        hidden: torch.Tensor,
+    ) -> list[Drafts]:
+        """The block after the last known token (position end = spans[b][1]); the step's forward
+        injected positions up to end - 1 already."""
+        device, model = hidden.device, self.model
+        last = [seq.token_ids[e] for seq, (_, e) in zip(seqs, spans)]
+        tables = padded_tables([s.block_table for s in seqs], device)
+        starts = _dev([e for _, e in spans], device)
+        drafts, conf = self.drafter.draft(
+            _dev(last, device), starts, tables, _dev(limits, device), self.caches, model.embed_tokens,
+            model.lm_head, max(num_drafts), max(limits),
+        )  # fmt: skip
         return _drafts(drafts, conf, num_drafts)
 
 

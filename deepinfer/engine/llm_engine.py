@@ -113,7 +113,10 @@ class LLMEngine:
         if model is None:
             from deepinfer.models.loader import load_model
 
-            model = load_model(str(path), self.backend, config.torch_dtype, self.expert_parallel)
+            dflash = config.speculative_method == "dflash"  # its caches and injection only when asked
+            model = load_model(
+                str(path), self.backend, config.torch_dtype, self.expert_parallel, dflash=dflash
+            )
         self.tokenizer = load_tokenizer(config, path)
         self.model, mc = model, model.config
         self.vocab_size: int = mc.vocab_size

@@ -141,6 +141,7 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         assert worker.proposer is not None
         self.mtp = config.speculative_method == "mtp"  # its chain writes cache rows ahead
+        self.dflash = config.speculative_method == "dflash"  # its block writes rows ahead
         # the drafter's cache rows past a step's verified ones (the block drafter keeps no cache)
         self.head_rows = worker.proposer.head_rows
         self.step_token_budget = config.step_token_budget
@@ -389,7 +390,7 @@ class SpeculativeDecoder:
             seq.draft = []
             if not seq.is_finished:
                 k = min(self.k, self.max_model_len - seq.num_tokens)
-                if self.head_rows:  # the head's row of draft i > 0 sits at num_tokens - 2 + i
+                if self.mtp:  # the head's row of draft i > 0 sits at num_tokens - 2 + i
                     k = min(k, max(1, limit - seq.num_tokens + 2))
                 self._keep_confident(seq, zip(result.drafts[b][:k], result.confidences[b][:k]))
         return finished
@@ -456,6 +457,10 @@ class SpeculativeDecoder:
                     # the MTP chain writes the head's cache at num_tokens - 1 .. num_tokens + k - 2
                     if self.mtp and k > 1 and not self.scheduler.reserve(seq, k):
                         k = 1
+                    # the DFlash block writes rows at num_tokens - 1 .. + head_rows - 1 (where
+                    # blocks run short, fewer: a slot without its row still drafts)
+                    if self.dflash:
+                        self.scheduler.reserve(seq, self.head_rows)
                 if k > 0 or self.mtp:  # the MTP head also fills its cache
                     seqs.append(seq)
                     spans.append((start, end))
@@ -465,10 +470,11 @@ class SpeculativeDecoder:
         if not seqs:
             return
         wants = [max(k, 1) for k in ks]
-        limits = []  # the MTP chain's rows stay below the positions the blocks cover
+        limits = []  # the MTP chain's (DFlash block's) rows stay below the positions the blocks cover
         for seq, (_, e), n in zip(seqs, spans, wants):
             covered = self.scheduler.block_manager.positions_covered(seq)
-            limits.append(e + n - 1 if covered is None else min(e + n - 1, covered))
+            ahead = e + self.head_rows if self.dflash else e + n - 1
+            limits.append(ahead if covered is None else min(ahead, covered))
         drafts = self.worker.propose(seqs, spans, rows, wants, limits)
         for seq, k, chain in zip(seqs, ks, drafts):
             self._keep_confident(seq, chain[:k])

@@ -50,6 +50,7 @@ from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.config import EngineConfig
 from deepinfer.engine.drafters import (
     BlockProposer,
+    DFlashProposer,
     Drafts,
     MTPProposer,
     Proposer,
@@ -123,6 +124,16 @@ def check_model_features(config: EngineConfig, model: CausalLM) -> None:
         raise ValueError(
             f"speculative_config: num_speculative_tokens={k} exceeds the block drafter's block_size "
             f"{model.drafter.block_size}"
+        )
+    if method == "dflash" and model.dflash is None:
+        raise ValueError(
+            f"speculative_config asks for the DFlash drafter (method 'dflash') but {config.model} has "
+            "none loaded (DIR/dflash/config.json + model.safetensors; train/train_dflash.py makes them)"
+        )
+    if method == "dflash" and model.dflash is not None and k > model.dflash.block_size:
+        raise ValueError(
+            f"speculative_config: num_speculative_tokens={k} exceeds the DFlash drafter's block_size "
+            f"{model.dflash.block_size}"
         )
     if method is not None and model.token_history:
         raise ValueError(
@@ -452,6 +463,9 @@ class Worker:
         method, model = self.config.speculative_method, self.model
         if method == "dspark" and model.drafter is not None:
             return BlockProposer(model.drafter, model)
+        if method == "dflash" and model.dflash is not None:  # its caches follow the model's
+            n = model.num_kv_layers - model.dflash.num_layers
+            return DFlashProposer(model.dflash, model, self.kv_caches[n:])
         if method == "mtp":
             return MTPProposer(
                 model, self.backend, self.mtp_caches, self.block_size, self.k, self.kv_groups,

@@ -32,7 +32,13 @@ LORA_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    """DeepSeek MLA, with (V2, V3) or without (V2-Lite) the low-rank query projection."""
+    """DeepSeek MLA, with (V2, V3) or without (V2-Lite) the low-rank query projection.
+
+    decode_kernel: decode-only steps take attention.mla_decode_and_uv (its rows before each
+    query must predate the forward); False for a block whose queries read rows the same layer
+    writes in the step (the DFlash drafter's bidirectional block): attention.prefill, then W_UV."""
+
+    decode_kernel = True
 
     def __init__(self, config: ModelConfig, backend: Backend) -> None:
         super().__init__()
@@ -86,7 +92,7 @@ class MLAttention(nn.Module):
             batch.positions, cos_sin, self.interleaved, batch.slot_mapping,
         )  # fmt: skip
         attention = self.backend.attention
-        if batch.attn.is_decode_only:  # attention and W_UV in one op: (T, H, Vh)
+        if batch.attn.is_decode_only and self.decode_kernel:  # attention and W_UV in one op: (T, H, Vh)
             o = attention.mla_decode_and_uv(
                 q_full, cache, batch.attn, self.w_uv, scale=self.softmax_scale, v_dim=self.kv_lora_rank
             )

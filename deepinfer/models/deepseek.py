@@ -26,6 +26,7 @@ from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
+    from deepinfer.models.dflash import DFlashDrafter
     from deepinfer.models.drafter import BlockDrafter
     from deepinfer.models.weights import WeightSource
 
@@ -144,6 +145,9 @@ class DeepseekForCausalLM(nn.Module):
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         self.drafter: BlockDrafter | None = None  # set by the loader when one is saved beside
+        # the DFlash drafter (loaded when asked for): its caches follow the model's in forward's
+        # kv_caches, and forward injects the context's rows into them (deepinfer.models.dflash)
+        self.dflash: DFlashDrafter | None = None
         device = backend.device.device()
         # rows past max_position_embeddings serve only speculative steps' padding drafts (up to
         # k positions past max_model_len, outputs discarded), so verification graphs captured at
@@ -161,7 +165,8 @@ class DeepseekForCausalLM(nn.Module):
 
     @property
     def num_kv_layers(self) -> int:
-        return self.config.num_hidden_layers
+        """The model's layers, then the DFlash drafter's (their caches take injected rows)."""
+        return self.config.num_hidden_layers + (self.dflash.num_layers if self.dflash is not None else 0)
 
     @property
     def num_mtp_layers(self) -> int:
@@ -193,16 +198,34 @@ class DeepseekForCausalLM(nn.Module):
             )
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache]) -> torch.Tensor:
-        """(T, Dm) final hidden states of every token in the batch."""
+        """(T, Dm) final hidden states of every token in the batch. With the DFlash drafter its
+        caches follow the model's (num_kv_layers) and the step's rows are injected into them."""
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"expected {self.num_kv_layers} KV caches, got {len(kv_caches)}")
+        n, dflash = self.config.num_hidden_layers, self.dflash
+        targets = dflash.config.target_layer_ids if dflash is not None else ()
+        out, trunks = self.forward_trunks(batch, kv_caches[:n], targets)
+        if dflash is not None:
+            dflash.inject(trunks, batch, list(kv_caches[n:]))
+        return out
+
+    def forward_trunks(
+        self, batch: ForwardBatch, kv_caches: Sequence[PagedKVCache], layer_ids: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's layers over its own caches -> (final hidden states (T, Dm), the residual
+        stream entering each layer of layer_ids, before its norm: (T, len(layer_ids), Dm))."""
         self._check_positions(batch)
         x = nn.functional.embedding(batch.input_ids, self.embed_tokens)  # (T, Dm)
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, kv_caches):
+        trunks: dict[int, torch.Tensor] = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in layer_ids:
+                trunks[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, batch, cache, self.cos_sin)
         out: torch.Tensor = self.norm(x) if residual is None else self.norm.add(x, residual)[0]
-        return out
+        if not layer_ids:
+            return out, out.new_empty((out.shape[0], 0, out.shape[-1]))
+        return out, torch.stack([trunks[i] for i in layer_ids], dim=1)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (S, Dm) -> logits (S, V) float32; into `out` (S, V) float32 when given (the

@@ -108,6 +108,7 @@ from deepinfer.models.weights import WeightSource
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
+    from deepinfer.models.dflash import DFlashDrafter
     from deepinfer.models.drafter import BlockDrafter
 
 # --------------------------------------------------------------------------- weights
@@ -607,6 +608,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             )
         self.config, self.v41, self.backend, self.dtype = config, v41, backend, dtype
         self.drafter: BlockDrafter | None = None
+        self.dflash: DFlashDrafter | None = None  # V2/V3 blocks only (deepinfer.models.dflash)
         n = config.num_hidden_layers
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)

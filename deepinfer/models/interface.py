@@ -22,6 +22,7 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 if TYPE_CHECKING:
+    from deepinfer.models.dflash import DFlashDrafter
     from deepinfer.models.drafter import BlockDrafter
 
 
@@ -44,12 +45,15 @@ class CausalLM(Protocol):
       num_mtp_layers            multi-token-prediction layers loaded (0: none)
       hidden_shape              one token's hidden state (what verification graphs keep per row)
       drafter                   the block drafter saved beside the checkpoint, if any
+      dflash                    the DFlash drafter, when loaded: its caches are forward's last
+                                dflash.num_layers (in num_kv_layers), injected into by forward
     """
 
     config: ModelConfig
     embed_tokens: torch.Tensor  # (V, Dm)
     lm_head: torch.Tensor  # (V, Dm)
     drafter: BlockDrafter | None
+    dflash: DFlashDrafter | None
     supports_graphs: bool
     supports_prefill_graphs: bool
     supports_drafts_with_graphs: bool

@@ -38,7 +38,7 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -52,6 +52,9 @@ from deepinfer.models.config import ModelConfig, ModelConfigError
 from deepinfer.models.deepseek import DeepseekForCausalLM
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.dflash import DIRECTORY as DFLASH_DIR
+from deepinfer.models.dflash import DFlashDrafter, has_dflash
+from deepinfer.models.dflash import read_config as read_dflash_config
 from deepinfer.models.drafter import has_drafter, load_drafter
 from deepinfer.models.hub import checkpoint_file
 from deepinfer.parallel.expert_parallel import ExpertParallel
@@ -646,6 +649,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     expert_parallel: ExpertParallel | None = None,
     check_weights: bool | None = None,
+    dflash: bool = False,
 ) -> DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """Load a DeepSeek-V2 / V3 / R1 / V4 / V4.1 checkpoint directory onto `backend`.
 
@@ -657,6 +661,9 @@ def load_model(
     check_weights: refuse NaN / Inf weights (and FP8 NaN bytes, non-finite scales), one pass
     over each weight as it is loaded (see the module docstring for its cost); None: yes unless
     the environment sets DEEPINFER_SKIP_WEIGHT_CHECK=1.
+
+    dflash: also load the DFlash drafter saved in DIR/dflash/ (deepinfer.models.dflash); its
+    caches then follow the model's and every forward injects into them.
 
     Raises ModelConfigError / CheckpointError subclasses naming the problem.
     """
@@ -713,4 +720,41 @@ def load_model(
         raise UnexpectedTensorError(f"unexpected tensors in checkpoint {root}: {shown}{more}")
     if has_drafter(root):  # a block drafter saved beside the model (deepinfer.models.drafter)
         model.drafter = load_drafter(root, backend, config, dtype)
+    if dflash:
+        if not isinstance(model, DeepseekForCausalLM):
+            raise ValueError(
+                f"the DFlash drafter runs with DeepSeek-V2/V3 blocks; {root} is {config.model_type}, "
+                "whose drafter blocks are not implemented yet"
+            )
+        model.dflash = load_dflash(
+            root, backend, config, dtype, check_weights, cast(torch.Tensor, model.cos_sin)
+        )
     return model.eval()
+
+
+def load_dflash(
+    root: Path,
+    backend: Backend,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    check_weights: bool,
+    cos_sin: torch.Tensor,
+) -> DFlashDrafter:
+    """The DFlash drafter of DIR/dflash/ (config.json + model.safetensors), checked tensor by
+    tensor: a missing or unexpected tensor is an error naming it."""
+    if not has_dflash(root):
+        raise CheckpointError(
+            f"speculative_config asks for the DFlash drafter but {root} has no {DFLASH_DIR}/config.json "
+            "(train/train_dflash.py makes one)"
+        )
+    dconfig = read_dflash_config(root)
+    drafter = DFlashDrafter(config, dconfig, backend, cos_sin)
+    with CheckpointReader(
+        root / DFLASH_DIR, backend.device.device(), False, backend.name, check_weights
+    ) as reader:
+        drafter.load(reader, dtype)
+        unread = reader.unread()
+    if unread:
+        shown = "; ".join(f"{n!r} in {f}" for n, f in unread[:10])
+        raise UnexpectedTensorError(f"unexpected tensors in the DFlash drafter {root / DFLASH_DIR}: {shown}")
+    return drafter.eval()

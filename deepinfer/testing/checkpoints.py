@@ -15,6 +15,7 @@ from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import dequantize_weight, quantize_weight
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, stored_in_fp8
+from deepinfer.models.dflash import DFlashConfig
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.weights import CHECKPOINT_INIT, V4_INIT, RandomSource
 
@@ -357,3 +358,30 @@ def write_mirrored_v4_mtp_checkpoint(root: Path, seed: int = 0, **overrides: Any
         state[f"mtp.0.hc_head_{part}"] = state[f"model.hc_head.hc_{part}"].clone()
     save_file({k: v.contiguous() for k, v in state.items()}, str(root / "model.safetensors"))
     return root
+
+
+def dflash_tensor_shapes(config: ModelConfig, dflash: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a DFlash drafter file (deepinfer.models.dflash), name -> shape."""
+    dm, last = config.hidden_size, f"mtp.{dflash.num_layers - 1}"
+    block = dflash.block_config(config)
+    shapes: dict[str, tuple[int, ...]] = {
+        "mtp.0.projection.weight": (dm, len(dflash.target_layer_ids) * dm),
+        "mtp.0.project_norm.weight": (dm,),
+    }
+    for i in range(dflash.num_layers):
+        shapes.update(_layer_tensors(block, f"mtp.{i}", 0))
+    shapes[f"{last}.norm.weight"] = (dm,)
+    shapes[f"{last}.markov_w1.weight"] = (config.vocab_size, dflash.markov_rank)
+    shapes[f"{last}.markov_w2.weight"] = (config.vocab_size, dflash.markov_rank)
+    shapes[f"{last}.accept_rate.proj.weight"] = (1, dm + dflash.markov_rank)
+    return shapes
+
+
+def random_dflash_state_dict(
+    config: ModelConfig, dflash: DFlashConfig, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """float32 weights of every dflash_tensor_shapes() tensor (CHECKPOINT_INIT, as random_state_dict)."""
+    source = RandomSource(CHECKPOINT_INIT, seed, record=True)
+    for name, shape in dflash_tensor_shapes(config, dflash).items():
+        source.get(name, shape, torch.float32)
+    return source.tensors
