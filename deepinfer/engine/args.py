@@ -34,7 +34,6 @@ class UnknownArgumentError(TypeError, ValueError):
 # vLLM engine arguments deepinfer does not have, and what to do instead.
 VLLM_ONLY: dict[str, str] = {
     "pipeline_parallel_size": "spread a model over devices with enable_expert_parallel=True",
-    "kv_cache_dtype": "the KV cache is kept in the model dtype",
     "cpu_offload_gb": "weights stay on the device",
     "swap_space": "preempted requests are recomputed, never swapped",
     "load_format": "deepinfer reads safetensors only",

@@ -45,8 +45,9 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.backend.kv_formats_mla import fp8_row_bytes
 from deepinfer.backend.ops import Backend, GraphRunner
-from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
 from deepinfer.config import EngineConfig
 from deepinfer.engine.drafters import (
     BlockProposer,
@@ -135,6 +136,29 @@ def check_model_features(config: EngineConfig, model: CausalLM) -> None:
         )
 
 
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # latent caches of the FP8 rows (kv_formats_mla)
+
+
+def kv_cache_format(config: EngineConfig, model: CausalLM, backend: Backend) -> str:
+    """The KVCacheSpec.kv_format config.kv_cache_dtype asks for ("fp8_e4m3" is "fp8"); ValueError
+    where the model or the backend cannot keep it."""
+    value = config.kv_cache_dtype
+    if value == "auto":
+        return "auto"
+    if model.config.model_type not in MLA_MODEL_TYPES:
+        raise ValueError(
+            f"kv_cache_dtype={value!r} is for MLA models ({', '.join(MLA_MODEL_TYPES)}); {config.model} is "
+            f"{model.config.model_type}: use kv_cache_dtype='auto'"
+        )
+    fp8_row_bytes(model.config.kv_lora_rank, model.config.qk_rope_head_dim)  # widths the rows hold
+    if not backend.capabilities.supports_fp8_kv_cache:
+        raise ValueError(
+            f"kv_cache_dtype={value!r}: the {backend.name} backend cannot keep FP8 latent caches "
+            "(Capabilities.supports_fp8_kv_cache); use kv_cache_dtype='auto' or another backend"
+        )
+    return "fp8"
+
+
 class ForwardOutput(NamedTuple):
     """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
     sampling request in batch order, then padding rows), the final hidden states (T, Dm;
@@ -164,6 +188,7 @@ class Worker:
         what the model cannot do."""
         check_model_features(config, model)
         self.config, self.model, self.backend, self.sampler = config, model, backend, sampler
+        self.kv_format = kv_cache_format(config, model, backend)
         self.block_size = bs = config.block_size
         self.max_model_len = max_model_len
         self.device = backend.device.device()
@@ -298,7 +323,7 @@ class Worker:
         base = dev.peak_memory_bytes()
         if base is None:
             return None
-        spec = self.model.kv_cache_spec(1, self.block_size)
+        spec = self.kv_spec(1)
         caches = self.backend.kv_cache.allocate(spec, self.model.num_kv_layers)
         real, self.kv_caches = self.kv_caches, caches
         try:
@@ -315,12 +340,17 @@ class Worker:
         assert peak is not None
         return peak - base
 
+    def kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        """The model's cache spec of num_blocks blocks, in the format kv_cache_dtype asks for."""
+        spec = self.model.kv_cache_spec(num_blocks, self.block_size)
+        return dataclasses.replace(spec, kv_format=self.kv_format) if self.kv_format != "auto" else spec
+
     def kv_pool_bytes(self, num_blocks: int) -> int:
         """Device bytes of a KV cache of num_blocks blocks of tokens: each group's pool
         (group_pool_blocks) at its row width (KVCacheGroup.cache_spec), every cache of it (the
         MTP head's included), a ring group's step scratch too."""
         bs, groups = self.block_size, self.kv_groups
-        spec = self.model.kv_cache_spec(1, bs)
+        spec = self.kv_spec(1)
         pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
         pools[0] += self.ring_scratch_blocks + self.ring_prefix_blocks(num_blocks)
         # a block of one cache of group g: BS rows of its own width
@@ -385,7 +415,7 @@ class Worker:
         if self.config.prefix_ring_blocks is not None:
             return self.config.prefix_ring_blocks
         bs, groups = self.block_size, self.kv_groups
-        spec = self.model.kv_cache_spec(1, bs)
+        spec = self.kv_spec(1)
         block = [g.cache_spec(spec).bytes_per_token * bs * g.num_caches for g in groups]
         pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
         growing = sum(n * b for n, b in zip(pools[1:], block[1:]))
@@ -401,7 +431,7 @@ class Worker:
         self.ring_prefix_pool = (pools[0] + self.ring_scratch_blocks, self.ring_prefix_blocks(num_blocks))
         for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
             scratch = self.ring_scratch_blocks + self.ring_prefix_pool[1] if i == 0 else 0
-            spec = group.cache_spec(self.model.kv_cache_spec(n + scratch, bs))
+            spec = group.cache_spec(self.kv_spec(n + scratch))
             caches = self.backend.kv_cache.allocate(spec, group.num_caches)
             self.group_caches.append(caches)
             own = group.num_caches - group.num_mtp_caches

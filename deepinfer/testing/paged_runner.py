@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -103,11 +103,12 @@ class PagedRunner:
         num_blocks: int = 64,
         block_size: int = 4,
         seed: int = 0,
+        kv_format: str = "auto",
     ) -> None:
         self.model, self.backend = model, backend
         self.device = backend.device.device()
         self.alloc = BlockAllocator(num_blocks, block_size, seed)
-        spec = model.kv_cache_spec(num_blocks, block_size)
+        spec = replace(model.kv_cache_spec(num_blocks, block_size), kv_format=kv_format)
         self.kv_caches: list[PagedKVCache] = backend.kv_cache.allocate(spec, model.num_kv_layers)
         self.last_batch: ForwardBatch | None = None
         self.last_hidden: torch.Tensor | None = None
