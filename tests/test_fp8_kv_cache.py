@@ -178,3 +178,22 @@ def test_cli_generate_with_fp8_cache(tmp_path: Path) -> None:
         [*run, "--kv-cache-dtype", "int8"], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert bad.returncode != 0 and "--kv-cache-dtype" in bad.stderr and "fp8_e4m3" in bad.stderr
+
+
+def test_prefix_caching_and_graphs_keep_the_tokens(ckpt: tuple[Path, Any, Any]) -> None:
+    """Over an FP8 cache, prefix caching (blocks of quantised rows shared) and decode graphs give
+    the tokens of plain eager steps (float32: the same rows, the same arithmetic)."""
+    root, cfg, _ = ckpt
+    shared = [(3 * i + 2) % cfg["vocab_size"] for i in range(12)]
+    prompts = [[*shared, 5, 6], [*shared, 7], shared]
+    args: dict[str, Any] = {
+        "backend": "reference",
+        "dtype": "float32",
+        "kv_cache_dtype": "fp8",
+        "block_size": 4,
+    }
+    plain = greedy(LLM(str(root), enforce_eager=True, **args), prompts, 8)
+    llm = LLM(str(root), enable_prefix_caching=True, **args)
+    assert greedy(llm, prompts[:1], 8) == plain[:1]
+    assert greedy(llm, prompts[1:], 8) == plain[1:]  # their first blocks come from the cache
+    assert llm.llm_engine.block_manager.num_prefix_hits > 0
