@@ -293,8 +293,11 @@ def bench_decode_fp8(
 ) -> list[dict[str, Any]]:
     """attention.decode over FP8 latent rows (kv_cache_dtype="fp8": 656 bytes a token) against the
     same call over the bf16 cache they were quantised from (1152 bytes), both replayed from CUDA
-    graphs in this run: GB/s of the FP8 bytes read against the copy rate, speed against bf16, and
-    the FP8 output's relative difference from float32 attention over the dequantised rows."""
+    graphs in this run: GB/s of the FP8 bytes read against the copy rate, speed against bf16, the
+    time with a scale load per value (attention.FP8_SCALE_TILES off), and the FP8 output's relative
+    difference from float32 attention over the dequantised rows."""
+    from deepinfer_cuda.kernels import attention as attn_k
+
     from deepinfer.backend.kv_formats_mla import dequantize_mla_rows
     from deepinfer.backend.types import KVCacheSpec, PagedKVCache
 
@@ -312,7 +315,8 @@ def bench_decode_fp8(
         fp8 = be.kv_cache.allocate(KVCacheSpec(nb, 64, 512, 64, torch.bfloat16, "fp8"), 1)[0]
         be.kv_cache.write_kv(fp8, pool.view(-1, 576), torch.arange(nb * 64, device=dev))
         times = {}
-        for name, cache in (("bf16", bf16), ("fp8", fp8)):
+        for name, cache in (("bf16", bf16), ("fp8", fp8), ("fp8_per_value", fp8)):
+            attn_k.FP8_SCALE_TILES = name != "fp8_per_value"  # read at launch: the graph keeps it
             it = [0]
 
             def run(
@@ -325,10 +329,12 @@ def bench_decode_fp8(
                 be.attention.decode(q, cache, metas[it[0]], scale=192**-0.5, v_dim=512)
 
             times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
+        attn_k.FP8_SCALE_TILES = True
         read = batch * kv_len * 656 + batch * per_req * 4 + q.numel() * 2
         gbs = read / times["fp8"] / 1e6
         row = {
             "heads": heads, "batch": batch, "kv_len": kv_len, "ms": times["fp8"], "bf16_ms": times["bf16"],
+            "per_value_ms": times["fp8_per_value"],
             "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
             "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
         }  # fmt: skip
@@ -340,7 +346,7 @@ def bench_decode_fp8(
         log(
             f"decode fp8 H={heads:3d} B={batch:3d} L={kv_len:5d}: {times['fp8']:.3f} ms {gbs:6.0f} GB/s "
             f"({gbs / copy_gbs:.2f} of copy), bf16 cache {times['bf16']:.3f} ms: {row['speedup']:.2f}x, "
-            f"err {row.get('rel_err', float('nan')):.1e}"
+            f"scales per value {times['fp8_per_value']:.3f} ms, err {row.get('rel_err', float('nan')):.1e}"
         )
         del pool, metas, q, bf16, fp8
     return rows
@@ -977,17 +983,20 @@ def markdown(res: dict[str, Any]) -> str:
             "## MLA decode over the FP8 latent cache (kv_cache_dtype=fp8: 656 bytes a token, bf16: 1152)",
             "",
             "GB/s of the FP8 bytes read; `vs bf16`: the bf16 cache's time over the FP8 cache's, same inputs",
-            "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run.",
+            "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run;",
+            "`per-value ms`: the FP8 kernel loading a scale per value instead of one per tile",
+            "(FP8_SCALE_TILES off).",
             "",
-            "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err "
+            "| per-value ms |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in fp8_rows:
             err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
             out.append(
                 f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
                 f"{r['ratio_to_copy']:.2f} | {r['bf16_ms']:.3f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | "
-                f"{err} |"
+                f"{err} | {r['per_value_ms']:.3f} |"
             )
     sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
     if sweep:

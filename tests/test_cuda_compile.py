@@ -319,20 +319,20 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         att_k._mla_attention_kernel, attn_types,
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=0),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
     )  # fmt: skip
     ptx["mla_attention_early"] = compile_sm90(  # mla_decode_and_uv's: TMA tiles, the first before the wait
         att_k._mla_attention_kernel,
         attn_types | {"k_desc": "tensordesc<bf16[16, 512]>", "kr_desc": "tensordesc<bf16[16, 64]>"},
         dict(BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=16, BLOCK_N=16,
              HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=False, TMA=True,
-             EARLY=True, PDL=pdl, FP8_TILE=0),
+             EARLY=True, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
     )  # fmt: skip
     ptx["mla_attention_fp8"] = compile_sm90(  # FP8 latent rows (uint8), dequantised in registers
         att_k._mla_attention_kernel, attn_types | {"kv_ptr": "*u8"},
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=128),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=128, FP8_TILES=4),
     )  # fmt: skip
     ptx["combine"] = compile_sm90(
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
@@ -394,8 +394,9 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
     [(16, 16, 32, 4, False, True), (128, 64, 64, 8, False, True), (16, 16, 32, 4, True, False)],
     ids=["heads_16", "heads_128", "direct_v256"],
 )
+@pytest.mark.parametrize("tiles", [4, 0], ids=["scales_per_tile", "scales_per_value"])
 def test_fp8_cache_kernels(
-    heads: int, block_m: int, block_n: int, warps: int, direct: bool, v_is_lat: bool
+    heads: int, block_m: int, block_n: int, warps: int, direct: bool, v_is_lat: bool, tiles: int
 ) -> None:
     """FP8 latent caches (kernels/kv_fp8.py): the quantising store, and the attention kernel reading
     uint8 rows at the tiles mla_attention picks for 16 and 128 heads (V the latent, or a prefix)."""
@@ -414,7 +415,7 @@ def test_fp8_cache_kernels(
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512 if v_is_lat else 256,
              HAS_ROPE=True, V_IS_LAT=v_is_lat, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=False,
              HAS_SINKS=False, HAS_ALLOW=False, DIRECT=direct, IEEE=False, TMA=False, EARLY=False, PDL=True,
-             FP8_TILE=128),
+             FP8_TILE=128, FP8_TILES=tiles),
         num_warps=warps,
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"

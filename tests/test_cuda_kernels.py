@@ -2084,12 +2084,17 @@ def test_fp8_rows_store_is_the_format(gen: torch.Generator, lat: int, rope: int,
         kv_fp8.write_fp8_rows(cache, kv[:, :-2].to(DEV), slots.to(DEV), lat, rope - 2)
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_fp8_decode_with_many_splits(gen: torch.Generator, window: int | None) -> None:
-    """Decode over FP8 rows dequantised in registers, in several KV splits and the combine, with
-    V the latent and V a prefix of it: the float64 attention over the rows the format keeps."""
+@pytest.mark.parametrize(("window", "scale_tiles"), [(None, True), (40, True), (None, False)])
+def test_fp8_decode_with_many_splits(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, window: int | None, scale_tiles: bool
+) -> None:
+    """Decode over FP8 rows dequantised in registers (two tiles: scales broadcast per tile, or
+    loaded per value), in several KV splits and the combine, with V the latent and V a prefix of
+    it: the float64 attention over the rows the format keeps."""
+    monkeypatch.setattr(attn_k, "FP8_SCALE_TILES", scale_tiles)
+    assert attn_k._fp8_tiles(256, 128) == (2 if scale_tiles else 0)
     seq = [1, 33, 80, 150]
-    lat, rope, h = 128, 16, 4
+    lat, rope, h = 256, 16, 4
     pool, meta, rows = fp8_paged(seq, [1] * len(seq), lat, rope, 16, gen)
     q = torch.randn((len(seq), h, lat + rope), generator=gen)
     sk = torch.randn(h, generator=gen)

@@ -135,7 +135,7 @@ def _attend_tile(
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, k_desc, kr_desc, TMA: tl.constexpr,
-    FP8_TILE: tl.constexpr = 0,
+    FP8_TILE: tl.constexpr = 0, FP8_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc).
     TMA: the tile lies inside one page and below the KV length (every row written), so it is two
@@ -157,7 +157,7 @@ def _attend_tile(
         blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
         kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
         if FP8_TILE:
-            k = load_fp8_latent(kv_row, n_valid, offs_dl, D_LAT, D_LAT, FP8_TILE, q_lat.dtype)
+            k = load_fp8_latent(kv_row, n_valid, offs_dl, D_LAT, D_LAT, FP8_TILE, q_lat.dtype, FP8_TILES)
         else:
             k = tl.load(
                 kv_row[:, None] + offs_dl[None, :],
@@ -243,9 +243,10 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-    FP8_TILE: tl.constexpr,
+    FP8_TILE: tl.constexpr, FP8_TILES: tl.constexpr,
 ):  # fmt: skip
-    """FP8_TILE > 0: kv_ptr holds FP8 latent rows (uint8, kernels/kv_fp8.py; not TMA, not EARLY).
+    """FP8_TILE > 0: kv_ptr holds FP8 latent rows (uint8, kernels/kv_fp8.py; not TMA, not EARLY);
+    FP8_TILES > 0: the latent is that many whole tiles (kv_fp8.load_fp8_latent's broadcast scales).
     EARLY (TMA, V_IS_LAT): the lengths, the block tables and every cache row before each
     request's new tokens were written before the forward's first kernel (mla_attention_partials,
     early_cache): the program reads them, and loads its first tile when no new row lies in it,
@@ -345,7 +346,7 @@ def _mla_attention_kernel(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
             page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, FP8_TILE,
+            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, FP8_TILE, FP8_TILES,
         )  # fmt: skip
 
     dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
@@ -523,6 +524,19 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
     k_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, latent_dim])
     kr_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, rope_dim]) if rope_dim else k_desc
     return k_desc, kr_desc
+
+
+# FP8 latent rows whose width is a power of two: load each row's tile scales once and broadcast
+# them (True), or load a scale per value (False); bench/bench_cuda.py --only decode_fp8 times both.
+FP8_SCALE_TILES = True
+
+
+def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
+    """The kernel's FP8_TILES: tiles of the latent when they fill its power-of-two block, else 0."""
+    if not (fp8_tile and FP8_SCALE_TILES and latent_dim == next_pow2(latent_dim)):
+        return 0
+    tiles = latent_dim // fp8_tile
+    return tiles if tiles & (tiles - 1) == 0 else 0  # a power of two
 
 
 def _num_splits(
@@ -707,6 +721,7 @@ def mla_attention_partials(
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
         DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
         EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl, FP8_TILE=fp8_tile,
+        FP8_TILES=_fp8_tiles(latent_dim, fp8_tile),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out if direct else SplitPartials(part, lse, max_splits)

@@ -79,16 +79,25 @@ def write_fp8_rows(
 
 
 @triton.jit
-def load_fp8_latent(kv_row, n_valid, cols, width, D_LAT, TILE: tl.constexpr, dtype: tl.constexpr):
+def load_fp8_latent(
+    kv_row, n_valid, cols, width, D_LAT, TILE: tl.constexpr, dtype: tl.constexpr, TILES: tl.constexpr = 0
+):  # fmt: skip
     """(BLOCK_N, len(cols)) latent columns `cols` (those < width; 0 elsewhere and in rows not
     n_valid) of the FP8 rows at kv_row (BLOCK_N,) uint8 pointers, dequantised in registers:
     e4m3 * the tile's power-of-two scale, exact in float32, then in `dtype` (bfloat16 and float16
-    hold it exactly too: 4 significant bits)."""
+    hold it exactly too: 4 significant bits). TILES > 0: cols is arange(0, TILES * TILE), the
+    whole latent, and each row's TILES scales are loaded once and broadcast over their tiles
+    (else one scale load per value, from the same few addresses)."""
     m = n_valid[:, None] & (cols[None, :] < width)
     q8 = tl.load(kv_row[:, None] + cols[None, :], mask=m, other=0)
+    q = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (kv_row + D_LAT).to(tl.pointer_type(tl.float32))
+    if TILES:
+        s = tl.load(scales[:, None] + tl.arange(0, TILES)[None, :], mask=n_valid[:, None], other=0.0)
+        q3 = tl.reshape(q, (q.shape[0], TILES, TILE)) * s[:, :, None]
+        return tl.reshape(q3, (q.shape[0], TILES * TILE)).to(dtype)
     s = tl.load(scales[:, None] + (cols // TILE)[None, :], mask=m, other=0.0)
-    return (q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(dtype)
+    return (q * s).to(dtype)
 
 
 @triton.jit
