@@ -31,17 +31,17 @@ part() {  # part NAME LIMIT command...
 }
 
 if want tests; then
-  part kernels "${KERNEL_TIMEOUT:-90}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+  part kernels "${KERNEL_TIMEOUT:-75}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
     tests/test_cuda_kernels.py tests/test_cuda_compile.py -k "fp8_rows or fp8_decode or fp8_prefill or fp8_cache"
   grep -E "passed|failed|FAILED|Error" "$R/kernels.log" | tail -n 8 | tee -a "$R/summary.txt"
-  part conformance "${CONF_TIMEOUT:-120}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
+  part conformance "${CONF_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
     -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-heavy \
     deepinfer/testing/conformance/test_fp8_kv_cache.py
   grep -E "passed|failed|FAILED|Error|GREEN" "$R/conformance.log" | tail -n 12 | tee -a "$R/summary.txt"
 fi
 
 if want bench; then
-  part bench "${BENCH_TIMEOUT:-150}" python3 bench/bench_cuda.py --only decode_fp8 --out "$R/bench"
+  part bench "${BENCH_TIMEOUT:-120}" python3 bench/bench_cuda.py --only decode_fp8 --out "$R/bench"
   grep -E "^copy|decode fp8|FAILED" "$R/bench.log" | cut -c1-170 | tee -a "$R/summary.txt"
 fi
 
