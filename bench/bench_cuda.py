@@ -3,7 +3,8 @@ MLA's query preparation.
 
 Every ratio is measured side by side in this one run:
   * MLA decode: effective bandwidth (latent KV + block tables + q bytes read, over time) against
-    a device-to-device copy (bytes read + written) timed in the same process;
+    a device-to-device copy (bytes read + written) timed in the same process; over the FP8
+    latent cache (decode_fp8) also its speed against the bf16 cache in the same run;
   * FP8 GEMM: TFLOP/s against torch._scaled_mm with per-tensor scales (cuBLAS);
   * fused MoE (DeepSeek-V3 layer: hidden 7168, 256 experts, top-8, inter 2048): time and
     TFLOP/s against the reference backend running on the same GPU;
@@ -20,6 +21,7 @@ set would fit in it; random data everywhere.
     python bench/bench_cuda.py --out bench/results/DIR      # writes bench_cuda.json and .md
     python bench/bench_cuda.py --only v4 --out bench/results/DIR   # one section
     python bench/bench_cuda.py --only mla_query                     # the query kernel only
+    python bench/bench_cuda.py --only decode_fp8                    # FP8 latent cache vs bf16
     TRITON_INTERPRET=1 python bench/bench_cuda.py --smoke   # tiny shapes on the CPU: checks the code
 """
 
@@ -99,15 +101,27 @@ def bench_matmul(dev: torch.device, timer: Timer, smoke: bool) -> dict[str, floa
 
 
 def decode_inputs(
-    batch: int, kv_len: int, heads: int, dev: torch.device, gen: torch.Generator, block: int = 64
+    batch: int,
+    kv_len: int,
+    heads: int,
+    dev: torch.device,
+    gen: torch.Generator,
+    block: int = 64,
+    device_rng: bool = False,
 ) -> tuple[torch.Tensor, list[AttentionMetadata], torch.Tensor, int]:
     """A bf16 pool of (NB, 64, 576) latents and metadata sets over disjoint random blocks (enough
-    sets that together they exceed the L2), plus q (B, H, 576)."""
+    sets that together they exceed the L2), plus q (B, H, 576). device_rng: the pool drawn by the
+    device's generator (seconds less for the 128 x 32k pools; other values than the host's)."""
     per_req = math.ceil(kv_len / block)
     need = batch * per_req
     bytes_per_block = block * 576 * 2
     sets = max(1, min(8, math.ceil(ROTATE_BYTES / (need * bytes_per_block))))
-    pool = torch.randn((need * sets, block, 576), generator=gen, dtype=torch.float32).to(dev, torch.bfloat16)
+    if device_rng:
+        pool = torch.randn((need * sets, block, 576), device=dev, dtype=torch.bfloat16)
+    else:
+        pool = torch.randn((need * sets, block, 576), generator=gen, dtype=torch.float32).to(
+            dev, torch.bfloat16
+        )
     perm = torch.randperm(need * sets, generator=gen).to(torch.int32)
     metas = []
     for s in range(sets):
@@ -278,6 +292,75 @@ def bench_decode(
             )
             log(f"decode sweep H={heads} {name}: {ms:.3f} ms {gbs:.0f} GB/s ({gbs / copy_gbs:.2f} of copy)")
         del pool, metas, q
+    return rows
+
+
+# (heads, batch, keys) of the FP8-cache rows: issue 37's table (16 heads at 8 x 4096 and
+# 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys
+FP8_DECODE_SHAPES = [(16, 1, 32768), (16, 8, 4096), (16, 128, 32768), (128, 32, 4096), (128, 128, 32768)]
+
+
+def bench_decode_fp8(
+    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool
+) -> list[dict[str, Any]]:
+    """attention.decode over FP8 latent rows (kv_cache_dtype="fp8": 656 bytes a token) against the
+    same call over the bf16 cache they were quantised from (1152 bytes), both replayed from CUDA
+    graphs in this run: GB/s of the FP8 bytes read against the copy rate, speed against bf16, the
+    time with a scale load per value (attention.FP8_SCALE_TILES off), and the FP8 output's relative
+    difference from float32 attention over the dequantised rows."""
+    from deepinfer_cuda.kernels import attention as attn_k
+
+    from deepinfer.backend.kv_formats_mla import dequantize_mla_rows
+    from deepinfer.backend.types import KVCacheSpec, PagedKVCache
+
+    gen = torch.Generator().manual_seed(1)
+    rows: list[dict[str, Any]] = []
+    shapes = [(16, 2, 128)] if smoke else FP8_DECODE_SHAPES
+    free = be.device.memory_info()[0]
+    for heads, batch, kv_len in shapes:
+        if batch * kv_len * (1152 + 656) * 1.2 > free * 0.5:
+            rows.append({"heads": heads, "batch": batch, "kv_len": kv_len, "skipped": "memory"})
+            continue
+        pool, metas, q, per_req = decode_inputs(batch, kv_len, heads, dev, gen, device_rng=True)
+        nb = pool.shape[0]
+        bf16 = PagedKVCache(KVCacheSpec(nb, 64, 512, 64, torch.bfloat16), (pool,))
+        fp8 = be.kv_cache.allocate(KVCacheSpec(nb, 64, 512, 64, torch.bfloat16, "fp8"), 1)[0]
+        be.kv_cache.write_kv(fp8, pool.view(-1, 576), torch.arange(nb * 64, device=dev))
+        times = {}
+        for name, cache in (("bf16", bf16), ("fp8", fp8), ("fp8_per_value", fp8)):
+            attn_k.FP8_SCALE_TILES = name != "fp8_per_value"  # read at launch: the graph keeps it
+            it = [0]
+
+            def run(
+                cache: PagedKVCache = cache,
+                it: list[int] = it,
+                metas: list[AttentionMetadata] = metas,
+                q: torch.Tensor = q,
+            ) -> None:
+                it[0] = (it[0] + 1) % len(metas)
+                be.attention.decode(q, cache, metas[it[0]], scale=192**-0.5, v_dim=512)
+
+            times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
+        attn_k.FP8_SCALE_TILES = True
+        read = batch * kv_len * 656 + batch * per_req * 4 + q.numel() * 2
+        gbs = read / times["fp8"] / 1e6
+        row = {
+            "heads": heads, "batch": batch, "kv_len": kv_len, "ms": times["fp8"], "bf16_ms": times["bf16"],
+            "per_value_ms": times["fp8_per_value"],
+            "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
+            "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
+        }  # fmt: skip
+        if batch <= 8:  # against float32 attention over the rows the FP8 cache holds
+            out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
+            rows_f32 = dequantize_mla_rows(fp8.tensors[0], 512, 64)
+            row["rel_err"] = decode_error(out, q, rows_f32, metas[0])
+        rows.append(row)
+        log(
+            f"decode fp8 H={heads:3d} B={batch:3d} L={kv_len:5d}: {times['fp8']:.3f} ms {gbs:6.0f} GB/s "
+            f"({gbs / copy_gbs:.2f} of copy), bf16 cache {times['bf16']:.3f} ms: {row['speedup']:.2f}x, "
+            f"scales per value {times['fp8_per_value']:.3f} ms, err {row.get('rel_err', float('nan')):.1e}"
+        )
+        del pool, metas, q, bf16, fp8
     return rows
 
 
@@ -905,6 +988,28 @@ def markdown(res: dict[str, Any]) -> str:
             f"{r['ratio_to_copy']:.2f} | {r['tflops']:.0f} | {r['ratio_to_matmul']:.2f} | {err} | "
             f"{r['eager_ms']:.3f} |"
         )
+    fp8_rows = [r for r in res.get("decode_fp8", []) if "ms" in r]
+    if fp8_rows:
+        out += [
+            "",
+            "## MLA decode over the FP8 latent cache (kv_cache_dtype=fp8: 656 bytes a token, bf16: 1152)",
+            "",
+            "GB/s of the FP8 bytes read; `vs bf16`: the bf16 cache's time over the FP8 cache's, same inputs",
+            "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run;",
+            "`per-value ms`: the FP8 kernel loading a scale per value instead of one per tile",
+            "(FP8_SCALE_TILES off).",
+            "",
+            "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err "
+            "| per-value ms |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in fp8_rows:
+            err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+            out.append(
+                f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
+                f"{r['ratio_to_copy']:.2f} | {r['bf16_ms']:.3f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | "
+                f"{err} | {r['per_value_ms']:.3f} |"
+            )
     sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
     if sweep:
         out += ["", "Tile sweeps at batch 128, KV length 4096 (first row per head count: the default):", ""]
@@ -1022,7 +1127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--smoke", action="store_true", help="tiny shapes, host timer (TRITON_INTERPRET=1 on a CPU)"
     )
-    p.add_argument("--only", default="decode,fp8,moe,v4,mla_query", help="comma-separated sections")
+    p.add_argument(
+        "--only", default="decode,decode_fp8,fp8,moe,v4,mla_query", help="comma-separated sections"
+    )
     args = p.parse_args(argv)
     registry = BackendRegistry.discover()
     be = registry.create("cuda", BackendOptions())
@@ -1041,6 +1148,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "decode": [],
+        "decode_fp8": [],
         "decode_short": [],
         "skinny": [],
         "fp8": [],
@@ -1056,6 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode",
             lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
         ),
+        ("decode_fp8", lambda: bench_decode_fp8(be, dev, timer, res["copy"]["gbs"], args.smoke)),
         ("decode_short", lambda: bench_decode_short(be, dev, timer, args.smoke)),
         ("skinny", lambda: bench_skinny(dev, timer, res["copy"]["gbs"], args.smoke)),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),

@@ -54,6 +54,9 @@ DEFAULT_STEP_TOKEN_BUDGET = 64  # tokens a decode step may hold with confidence 
 # larger blocks only waste memory (a request holds at least one block).
 MAX_BLOCK_SIZE = 1024
 QUANTIZATIONS = ("fp8",)  # checkpoint formats `quantization` may name (None: the checkpoint's own)
+# kv_cache_dtype: auto = the model's default; fp8 / fp8_e4m3 (vLLM's names) = FP8 latent rows for
+# MLA models, FP8 main KV for DeepSeek-V4.1; bf16 / fp4: DeepSeek-V4.1 (each model checks its own)
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8", "fp8_e4m3", "fp4")
 GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a directory holding a generation_config.json
 
 Check = Callable[[str, Any], None]
@@ -126,6 +129,13 @@ def _quantization(name: str, value: Any) -> None:
             f"{name}={value!r} is not supported; choose None (the checkpoint's own format) or "
             f"{', '.join(repr(q) for q in QUANTIZATIONS)} (an FP8 checkpoint); deepinfer does not "
             "quantize weights when it loads them"
+        )
+
+
+def _kv_cache_dtype(name: str, value: Any) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{name}={value!r} is not supported; choose one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
         )
 
 
@@ -298,6 +308,16 @@ class EngineConfig:
         _quantization,
         choices=list(QUANTIZATIONS),
     )
+    kv_cache_dtype: str = engine_arg(
+        "auto",
+        "KV cache rows: auto = the model's default (its dtype; DeepSeek-V4.1: its published FP8 window "
+        "rings and FP4 main KV and index keys); fp8 (or fp8_e4m3) = DeepSeek-V2 / V3 latents in FlashMLA's "
+        "FP8 rows (e4m3 with a float32 scale per 128 values, bf16 rope: 656 bytes a token against 1152, "
+        "about 1.75x the tokens in the same memory), DeepSeek-V4.1's main KV in FP8; DeepSeek-V4.1 also "
+        "takes bf16 (unquantised, the model dtype) and fp4 (= auto)",
+        _kv_cache_dtype,
+        choices=list(KV_CACHE_DTYPES),
+    )
     max_model_len: int | None = engine_arg(
         None, "longest prompt + output in tokens; default: the model's max_position_embeddings", _positive_int
     )
@@ -321,13 +341,6 @@ class EngineConfig:
     )
     kv_cache_memory_bytes: int | None = engine_arg(
         None, "KV cache size in bytes (instead of gpu_memory_utilization)", _positive_int
-    )
-    kv_cache_dtype: str = engine_arg(
-        "auto",
-        "KV cache format: auto = the model's default (its dtype; DeepSeek-V4.1: its published FP8 window "
-        "rings and FP4 main KV and index keys); DeepSeek-V4.1 also takes bf16 (unquantised, the model "
-        "dtype), fp8 (FP8 main KV) and fp4 (= auto)",
-        _string,
     )
     block_size: int = engine_arg(64, f"tokens per KV block, 1..{MAX_BLOCK_SIZE}", _block_size)
     seed: int = engine_arg(0, "seeds the generators of requests that have no seed of their own", _integer)

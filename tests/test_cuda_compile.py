@@ -367,14 +367,20 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         att_k._mla_attention_kernel, attn_types,
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, EARLY=False, PDL=pdl),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
     )  # fmt: skip
     ptx["mla_attention_early"] = compile_sm90(  # mla_decode_and_uv's: TMA tiles, the first before the wait
         att_k._mla_attention_kernel,
         attn_types | {"k_desc": "tensordesc<bf16[16, 512]>", "kr_desc": "tensordesc<bf16[16, 64]>"},
         dict(BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=16, BLOCK_N=16,
              HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=False, TMA=True,
-             EARLY=True, PDL=pdl),
+             EARLY=True, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
+    )  # fmt: skip
+    ptx["mla_attention_fp8"] = compile_sm90(  # FP8 latent rows (uint8), dequantised in registers
+        att_k._mla_attention_kernel, attn_types | {"kv_ptr": "*u8"},
+        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
+             BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=128, FP8_TILES=4),
     )  # fmt: skip
     ptx["combine"] = compile_sm90(
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
@@ -429,6 +435,38 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
                              SHARED=0, K_IDS=6),
         )  # fmt: skip
     return ptx
+
+
+@pytest.mark.parametrize(
+    ("heads", "block_m", "block_n", "warps", "direct", "v_is_lat"),
+    [(16, 16, 32, 4, False, True), (128, 64, 64, 8, False, True), (16, 16, 32, 4, True, False)],
+    ids=["heads_16", "heads_128", "direct_v256"],
+)
+@pytest.mark.parametrize("tiles", [4, 0], ids=["scales_per_tile", "scales_per_value"])
+def test_fp8_cache_kernels(
+    heads: int, block_m: int, block_n: int, warps: int, direct: bool, v_is_lat: bool, tiles: int
+) -> None:
+    """FP8 latent caches (kernels/kv_fp8.py): the quantising store, and the attention kernel reading
+    uint8 rows at the tiles mla_attention picks for 16 and 128 heads (V the latent, or a prefix)."""
+    from deepinfer_cuda.kernels import attention as att_k
+    from deepinfer_cuda.kernels import kv_fp8
+
+    compile_sm90(
+        kv_fp8._write_fp8_rows_kernel, {"kv_ptr": PTR["bf16"], "cache_ptr": "*u8", "slot_ptr": PTR["i64"]},
+        dict(TILE=128, BLOCK_T=128, BLOCK_R=64), num_warps=1,
+    )  # fmt: skip
+    types = {a: PTR["bf16"] for a in ("q_ptr", "out_ptr", "sinks_ptr", "allow_ptr")} | {"kv_ptr": "*u8"}
+    types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+    types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
+    ptx = compile_sm90(
+        att_k._mla_attention_kernel, types,
+        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512 if v_is_lat else 256,
+             HAS_ROPE=True, V_IS_LAT=v_is_lat, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=False,
+             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=direct, IEEE=False, TMA=False, EARLY=False, PDL=True,
+             FP8_TILE=128, FP8_TILES=tiles),
+        num_warps=warps,
+    )  # fmt: skip
+    assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
 
 
 def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:

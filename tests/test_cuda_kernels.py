@@ -2170,3 +2170,146 @@ def test_vision_tower_on_the_cuda_backend(tmp_path: Any) -> None:
     oracle = VisionOracle(raw, tensors)
     for got, image in zip(model.encode([im.to(DEV) for im in images]), images):
         torch.testing.assert_close(got.cpu().double(), oracle.span(image), rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- FP8 latent caches
+
+
+def fp8_paged(
+    seq_lens: list[int], query_lens: list[int], lat: int, rope: int, bs: int, gen: torch.Generator
+) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
+    """paged()'s pool stored as FP8 latent rows by the kernel (kv_fp8.write_fp8_rows), and each
+    request's rows as the format keeps them in float64 (oracles.e4m3_rows64, not the kernel's)."""
+    from deepinfer_cuda.kernels import kv_fp8
+
+    from deepinfer.backend.kv_formats_mla import fp8_row_bytes, fp8_tile
+    from deepinfer.testing.oracles import e4m3_rows64
+
+    pool, meta, rows = paged(seq_lens, query_lens, lat + rope, bs, gen)
+    nb = pool.shape[0]
+    fp8 = torch.zeros((nb, bs, fp8_row_bytes(lat, rope)), dtype=torch.uint8, device=DEV)
+    kv_fp8.write_fp8_rows(
+        fp8, pool.view(-1, lat + rope).to(DEV), torch.arange(nb * bs, device=DEV), lat, rope
+    )
+    kept = e4m3_rows64(lat, fp8_tile(lat))
+    return fp8, meta, [kept(r.double()) for r in rows]
+
+
+@pytest.mark.parametrize(("lat", "rope", "dtype"), [(256, 16, torch.bfloat16), (24, 8, torch.float32)])
+def test_fp8_rows_store_is_the_format(gen: torch.Generator, lat: int, rope: int, dtype: torch.dtype) -> None:
+    """The quantising store against the format's definition (kv_formats_mla.quantize_mla_rows):
+    the same values bit for bit (a value rounding to zero may keep its sign in one and not the
+    other), tiles of very different magnitudes, an all-zero tile, padding slots untouched."""
+    from deepinfer_cuda.kernels import kv_fp8
+
+    from deepinfer.backend.kv_formats_mla import dequantize_mla_rows, fp8_row_bytes, quantize_mla_rows
+
+    t = 11
+    mag = torch.exp2(torch.randint(-14, 9, (t, lat + rope), generator=gen).float())
+    kv = (torch.randn((t, lat + rope), generator=gen) * mag).to(dtype)
+    kv[2, : min(lat, 128)] = 0
+    cache = torch.full((4, 4, fp8_row_bytes(lat, rope)), 7, dtype=torch.uint8, device=DEV)
+    slots = torch.tensor([3, -1, 0, 15, 7, 8, -1, 1, 2, 12, 4])
+    wide = torch.cat([kv, kv[:, :3]], dim=1)[:, : lat + rope]  # a strided view
+    kv_fp8.write_fp8_rows(cache, wide.to(DEV), slots.to(DEV), lat, rope)
+    flat = cache.view(-1, cache.shape[-1]).cpu()
+    keep = slots >= 0
+    got = dequantize_mla_rows(flat[slots[keep]], lat, rope)
+    want = dequantize_mla_rows(quantize_mla_rows(kv[keep], lat), lat, rope)
+    bad = got != want  # == : a zero's sign may differ, nothing else
+    assert not bad.any(), (
+        f"FP8 row store: {int(bad.sum())} values differ, the first at {bad.nonzero()[0].tolist()}"
+    )
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert (flat[untouched] == 7).all(), "padding rows were written"
+    with pytest.raises(ValueError, match="FP8 rows take"):
+        kv_fp8.write_fp8_rows(cache, kv[:, :-2].to(DEV), slots.to(DEV), lat, rope - 2)
+
+
+@pytest.mark.parametrize(("window", "scale_tiles"), [(None, True), (40, True), (None, False)])
+def test_fp8_decode_with_many_splits(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, window: int | None, scale_tiles: bool
+) -> None:
+    """Decode over FP8 rows dequantised in registers (two tiles: scales broadcast per tile, or
+    loaded per value), in several KV splits and the combine, with V the latent and V a prefix of
+    it: the float64 attention over the rows the format keeps."""
+    monkeypatch.setattr(attn_k, "FP8_SCALE_TILES", scale_tiles)
+    assert attn_k._fp8_tiles(256, 128) == (2 if scale_tiles else 0)
+    seq = [1, 33, 80, 150]
+    lat, rope, h = 256, 16, 4
+    pool, meta, rows = fp8_paged(seq, [1] * len(seq), lat, rope, 16, gen)
+    q = torch.randn((len(seq), h, lat + rope), generator=gen)
+    sk = torch.randn(h, generator=gen)
+    for dv in (lat, 64):
+        out = attn_k.mla_attention(
+            q.to(DEV), pool, meta, scale=0.1, v_dim=dv, latent_dim=lat, window=window, sinks=sk.to(DEV),
+            config=small_config(), split_size=32, fp8_tile=128,
+        )  # fmt: skip
+        expected = oracle_attention(q, rows, seq, [1] * len(seq), 0.1, dv, window, sk)
+        torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
+def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
+    """Chunked prefill rows over FP8 rows of a narrow latent (one tile of 24), adaptive splits,
+    bfloat16 queries; and a cache that is not FP8 rows of q's widths is refused."""
+    seq, ql = [70, 9], [20, 9]
+    lat, rope, h = 24, 8, 3
+    pool, meta, rows = fp8_paged(seq, ql, lat, rope, 16, gen)
+    q = torch.randn((sum(ql), h, lat + rope), generator=gen).to(torch.bfloat16)
+    out = attn_k.mla_attention(
+        q.to(DEV), pool, meta, scale=0.2, v_dim=lat, latent_dim=lat, config=small_config(), fp8_tile=24
+    )
+    expected = oracle_attention(q.double(), rows, seq, ql, 0.2, lat)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2.5e-2, atol=2.5e-2)
+    with pytest.raises(ValueError, match="FP8 rows take"):
+        attn_k.mla_attention(
+            q.to(DEV), pool[..., :-2], meta, scale=0.2, v_dim=lat, latent_dim=lat, fp8_tile=24
+        )
+
+
+def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
+    """The backend's FP8 path end to end: write_mla_kv (norm, rope, the quantising store), then
+    decode and mla_decode_and_uv reading the rows; the V4 ops refuse an FP8 cache by name."""
+    from deepinfer.testing.oracles import e4m3_rows64
+
+    be = cuda_backend.create_cuda_backend(BackendOptions())
+    assert be.capabilities.supports_fp8_kv_cache
+    lat, rope, h, bs = 128, 16, 4, 16
+    seq = [5, 40]
+    spec = KVCacheSpec(6, bs, lat, rope, torch.bfloat16, "fp8")
+    cache = be.kv_cache.allocate(spec, 1)[0]
+    assert cache.tensors[0].dtype == torch.uint8 and cache.tensors[0].shape == (6, bs, spec.bytes_per_token)
+    table = torch.tensor([[4, 0, 0], [1, 5, 2]], dtype=torch.int32)
+    slots = torch.cat(
+        [table[b].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(seq)]
+    )
+    kv = torch.randn((sum(seq), lat + rope), generator=gen).to(torch.bfloat16)
+    w = torch.ones(lat, dtype=torch.bfloat16)
+    cs = torch.cat([torch.ones(64, rope // 2), torch.zeros(64, rope // 2)], dim=1)  # rope at angle 0
+    be.kv_cache.write_mla_kv(
+        cache, kv.to(DEV), w.to(DEV), 1e-6, torch.zeros(sum(seq), dtype=torch.long, device=DEV), cs.to(DEV),
+        False, slots.to(DEV),
+    )  # fmt: skip
+    # the stored rows: the format's of the normalised rows, an e4m3 step apart at most where the
+    # backend's bf16 norm rounds a value across a rounding midpoint
+    normed = ref_small.rms_norm(kv[:, :lat].float(), w.float(), 1e-6)
+    rows64 = e4m3_rows64(lat, 128)(torch.cat([normed, kv[:, lat:].float()], dim=1).double())
+    stored = be.kv_cache.read_kv(cache, slots.to(DEV)).cpu().double()
+    assert ((stored - rows64).abs() <= 2.0**-3 * rows64.abs() + 1e-6).all()
+    rows = [stored[: seq[0]], stored[seq[0] :]]
+    meta = AttentionMetadata.build(table.to(DEV), seq, [1, 1])
+    q = torch.randn((2, h, lat + rope), generator=gen).to(torch.bfloat16)
+    out = be.attention.decode(q.to(DEV), cache, meta, scale=0.1, v_dim=lat)
+    torch.testing.assert_close(
+        out.cpu().double(),
+        oracle_attention(q.double(), rows, seq, [1, 1], 0.1, lat),
+        rtol=2.5e-2,
+        atol=2.5e-2,
+    )
+    w_uv = torch.randn((h, 8, lat), generator=gen).to(torch.bfloat16)
+    uv = be.attention.mla_decode_and_uv(q.to(DEV), cache, meta, w_uv.to(DEV), scale=0.1, v_dim=lat)
+    want = torch.einsum("bhv,hov->bho", out.cpu().double(), w_uv.double())
+    torch.testing.assert_close(uv.cpu().double(), want, rtol=2.5e-2, atol=2.5e-2 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="does not read FP8 latent caches"):
+        cache_tensor(cache)

@@ -189,8 +189,12 @@ def test_bad_kv_cache_dtypes_name_the_value_and_the_choices(tmp_path: Path) -> N
     raw["dtype"] = "float32"
     root = write_v41_checkpoint(tmp_path / "v41", raw, random_v41_tensors(raw))
     args = {"backend": "reference", "dtype": "float32", "block_size": 4, "max_model_len": 32}
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp3' is not supported for deepseek_v41; .*'bf16'"):
-        LLM(str(root), kv_cache_dtype="fp3", **args)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp3' is not supported; choose one of .*'bf16'"):
+        LLM(str(root), kv_cache_dtype="fp3", **args)  # a value no model takes: EngineConfig's check
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='fp8_e4m3' is not supported for deepseek_v41; .*'bf16'"
+    ):
+        LLM(str(root), kv_cache_dtype="fp8_e4m3", **args)  # an MLA model's name: V4.1's own check
     narrow = tiny_v41_config(layers=4)  # head_dim 24: no whole 32-value scale blocks
     narrow.pop("quantization_config")
     narrow["dtype"] = "float32"
@@ -199,12 +203,13 @@ def test_bad_kv_cache_dtypes_name_the_value_and_the_choices(tmp_path: Path) -> N
         ValueError, match=r"kv_cache_dtype='auto' cannot hold .*head_dim 24.*use kv_cache_dtype='bf16'"
     ):
         LLM(str(root), **args)
-    from tiny_model import TINY  # DeepSeek-V2 architecture: its caches in the model dtype only
+    from tiny_model import TINY  # DeepSeek-V2 architecture: the model dtype or FP8 latent rows
 
     with pytest.raises(
-        ValueError, match=r"kv_cache_dtype='fp8' is not supported for deepseek_v\d; choose one of \('auto',\)"
+        ValueError,
+        match=r"kv_cache_dtype='fp4' is not supported for deepseek_v\d; choose one of \('auto', 'fp8', 'fp8_e4m3'\)",
     ):
-        LLM(str(TINY), backend="reference", kv_cache_dtype="fp8")
+        LLM(str(TINY), backend="reference", kv_cache_dtype="fp4")
 
 
 def test_kv_cache_dtype_is_a_command_line_option() -> None:

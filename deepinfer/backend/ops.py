@@ -235,7 +235,8 @@ class KVCacheOps(_Part):
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K rows in the cache, in place.
 
-        kv: (T, D) in any float dtype (cast to the cache dtype), possibly a strided view;
+        kv: (T, D) in any float dtype (cast to the cache dtype; FP8 latent caches: quantised from
+        these values as deepinfer.backend.kv_formats_mla.quantize_mla_rows does), possibly a strided view;
         slot_mapping: (T,) int64 with slot = block_id * BS + offset; a slot of -1 skips that row
         (padding). Default: boolean-mask indexing (a host sync: override it before claiming graphs).
         """
@@ -243,9 +244,10 @@ class KVCacheOps(_Part):
 
     def read_kv(self, cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
         """(n, D) K rows stored at `slots` (n,) int64, in the cache dtype: write_kv of them stores
-        the same rows. The conformance suite checks a layout through it; DeepSeek-V4 reads its
-        state rows with it, and the engine copies ring rows to and from step scratch with it
-        (deepinfer.engine.ring)."""
+        the same rows (FP8 latent caches, spec.kv_format "fp8": the rows dequantised to float32,
+        exact; writing them back may pick another scale for a tile, never other values). The
+        conformance suite checks a layout through it; DeepSeek-V4 reads its state rows with it,
+        and the engine copies ring rows to and from step scratch with it (deepinfer.engine.ring)."""
         return ref_memory.read_kv(cache, slots)
 
     def write_mla_kv(

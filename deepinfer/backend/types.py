@@ -15,6 +15,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from deepinfer.backend import kv_formats_mla
+
 
 @dataclass(frozen=True)
 class BackendOptions:
@@ -50,6 +52,9 @@ class Capabilities:
     # small.engram_lookup reads a table in pinned host memory (device.pinned_empty) from the
     # device, with no host sync (DeepSeek-V4.1's Engram tables kept off the device)
     reads_host_tables: bool = False
+    # attention and KV-cache ops take caches of FP8 latent rows (KVCacheSpec.kv_format "fp8",
+    # deepinfer.backend.kv_formats_mla): what kv_cache_dtype="fp8" needs of a backend
+    supports_fp8_kv_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,10 @@ class KVCacheSpec:
     Each cached token holds a K row of `latent_dim + rope_dim` values; V is a prefix of it whose
     width the attention ops take as `v_dim` <= latent_dim (MLA absorbed: 512 + 64 with v_dim 512;
     K = V latents: rope_dim = 0).
+
+    kv_format "auto" stores the rows in `dtype`; "fp8" stores each as FlashMLA's FP8 latent row
+    (deepinfer.backend.kv_formats_mla: e4m3 latent with a float32 scale per 128 values, bf16
+    rope; 656 bytes for 512 + 64), `dtype` then being the model's.
     """
 
     num_blocks: int
@@ -74,6 +83,20 @@ class KVCacheSpec:
     latent_dim: int
     rope_dim: int
     dtype: torch.dtype
+    kv_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_format not in kv_formats_mla.KV_FORMATS:
+            formats = kv_formats_mla.KV_FORMATS
+            raise ValueError(f"KVCacheSpec.kv_format must be one of {formats}, got {self.kv_format!r}")
+        if self.is_fp8:
+            kv_formats_mla.fp8_row_bytes(
+                self.latent_dim, self.rope_dim
+            )  # ValueError for widths it cannot hold
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_format == kv_formats_mla.FP8_KV_FORMAT
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +104,8 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
+        if self.is_fp8:
+            return kv_formats_mla.fp8_row_bytes(self.latent_dim, self.rope_dim)
         return self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 

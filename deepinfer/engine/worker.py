@@ -45,8 +45,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from deepinfer.backend.kv_formats_mla import fp8_row_bytes
 from deepinfer.backend.ops import Backend, GraphRunner
-from deepinfer.backend.types import AttentionMetadata, PagedKVCache
+from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache
 from deepinfer.config import EngineConfig
 from deepinfer.engine.drafters import (
     BlockProposer,
@@ -148,6 +149,26 @@ def check_model_features(config: EngineConfig, model: CausalLM) -> None:
         )
 
 
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # latent caches of the FP8 rows (kv_formats_mla)
+
+
+def kv_cache_format(config: EngineConfig, model: CausalLM, backend: Backend) -> str:
+    """The KVCacheSpec.kv_format of an MLA model's latent caches for config.kv_cache_dtype
+    ("fp8_e4m3" is "fp8"; the model's use_kv_cache_dtype has checked the value); "auto" for
+    other models, whose caches' formats are their own (kv_cache_groups). ValueError where the
+    latent widths or the backend cannot keep FP8 rows."""
+    value = config.kv_cache_dtype
+    if value == "auto" or model.config.model_type not in MLA_MODEL_TYPES:
+        return "auto"
+    fp8_row_bytes(model.config.kv_lora_rank, model.config.qk_rope_head_dim)  # widths the rows hold
+    if not backend.capabilities.supports_fp8_kv_cache:
+        raise ValueError(
+            f"kv_cache_dtype={value!r}: the {backend.name} backend cannot keep FP8 latent caches "
+            "(Capabilities.supports_fp8_kv_cache); use kv_cache_dtype='auto' or another backend"
+        )
+    return "fp8"
+
+
 class ForwardOutput(NamedTuple):
     """A launched forward: its inputs, logits (rows, V) float32 on the device (1 + draft rows per
     sampling request in batch order, then padding rows), the final hidden states (T, Dm;
@@ -189,7 +210,8 @@ class Worker:
         # past a row a later step still reads); a request computing more tokens in a step (a
         # prefill chunk, a recompute) runs over step-scratch blocks (deepinfer.engine.ring), a
         # pool sized from the step's token budget. MTP caches are rows of the same groups.
-        model.use_kv_cache_dtype(config.kv_cache_dtype)
+        model.use_kv_cache_dtype(config.kv_cache_dtype)  # ValueError naming the model's choices
+        self.kv_format = kv_cache_format(config, model, backend)
         self.kv_groups = model.kv_cache_groups(bs, k, 1 if method == "mtp" else 0)
         ring = self.kv_groups[0]
         # prefix caching of several groups keeps ring rows of cached token blocks in a pool of its
@@ -314,7 +336,7 @@ class Worker:
         base = dev.peak_memory_bytes()
         if base is None:
             return None
-        spec = self.model.kv_cache_spec(1, self.block_size)
+        spec = self.kv_spec(1)
         caches = [  # each group's own (its rows' width and dtype), the MTP head's left out
             c
             for g in self.kv_groups
@@ -335,12 +357,17 @@ class Worker:
         assert peak is not None
         return peak - base
 
+    def kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        """The model's cache spec of num_blocks blocks, in the format kv_cache_dtype asks for."""
+        spec = self.model.kv_cache_spec(num_blocks, self.block_size)
+        return dataclasses.replace(spec, kv_format=self.kv_format) if self.kv_format != "auto" else spec
+
     def kv_pool_bytes(self, num_blocks: int) -> int:
         """Device bytes of a KV cache of num_blocks blocks of tokens: each group's pool
         (group_pool_blocks) at its row width (KVCacheGroup.cache_spec), every cache of it (the
         MTP head's included), a ring group's step scratch too."""
         bs, groups = self.block_size, self.kv_groups
-        spec = self.model.kv_cache_spec(1, bs)
+        spec = self.kv_spec(1)
         pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
         pools[0] += self.ring_scratch_blocks + self.ring_prefix_blocks(num_blocks)
         # a block of one cache of group g: BS rows of its own width
@@ -405,7 +432,7 @@ class Worker:
         if self.config.prefix_ring_blocks is not None:
             return self.config.prefix_ring_blocks
         bs, groups = self.block_size, self.kv_groups
-        spec = self.model.kv_cache_spec(1, bs)
+        spec = self.kv_spec(1)
         block = [g.cache_spec(spec).bytes_per_token * bs * g.num_caches for g in groups]
         pools = group_pool_blocks(groups, num_blocks, self.config.max_num_seqs)
         growing = sum(n * b for n, b in zip(pools[1:], block[1:]))
@@ -421,7 +448,7 @@ class Worker:
         self.ring_prefix_pool = (pools[0] + self.ring_scratch_blocks, self.ring_prefix_blocks(num_blocks))
         for i, (group, n) in enumerate(zip(self.kv_groups, pools)):
             scratch = self.ring_scratch_blocks + self.ring_prefix_pool[1] if i == 0 else 0
-            spec = group.cache_spec(self.model.kv_cache_spec(n + scratch, bs))
+            spec = group.cache_spec(self.kv_spec(n + scratch))
             caches = self.backend.kv_cache.allocate(spec, group.num_caches)
             self.group_caches.append(caches)
             own = group.num_caches - group.num_mtp_caches

@@ -174,8 +174,9 @@ class DeepseekForCausalLM(nn.Module):
         return len(self.mtp)
 
     def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
-        """Only "auto": the caches in the model dtype."""
-        check_kv_cache_dtype(kv_cache_dtype, ("auto",), self.config.model_type)
+        """ "auto" (the model dtype) or "fp8" / "fp8_e4m3": FlashMLA's FP8 latent rows, which the
+        worker gives the caches' spec (engine.worker.kv_cache_format)."""
+        check_kv_cache_dtype(kv_cache_dtype, ("auto", "fp8", "fp8_e4m3"), self.config.model_type)
 
     def kv_cache_groups(
         self, block_size: int, max_backtrack: int = 0, mtp_layers: int = 0

@@ -100,6 +100,7 @@ CAPABILITIES = Capabilities(
     supports_fp8=True,  # emulated: FP8 weights are dequantised to float32 inside each op
     supports_batch_invariant=True,
     supports_graphs=True,  # emulated (RerunGraph): a replay runs the captured function again
+    supports_fp8_kv_cache=True,  # FP8 latent rows dequantised to float32 before the attention
 )
 
 

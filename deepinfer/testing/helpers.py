@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.backend.kv_formats_mla import fp8_tile
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.registry import BackendRegistry
 from deepinfer.backend.types import AttentionMetadata, KVCacheSpec, PagedKVCache, RouterConfig
 from deepinfer.reference import gemm as ref_gemm
 from deepinfer.reference import memory as ref_memory
 from deepinfer.reference import moe as ref_moe
+from deepinfer.testing.oracles import e4m3_rows64
 from deepinfer.testing.tolerances import Locator
 
 
@@ -176,6 +178,7 @@ def make_paged_batch(
     shared_blocks: int = 0,
     poison_unwritten: bool = False,
     kv_rows: Sequence[torch.Tensor] | None = None,
+    kv_format: str = "auto",
 ) -> PagedBatch:
     """Fill a fresh cache (one layer) with random K rows for every cached position of every
     request, through the backend's own kv_cache.write_kv, and build the metadata of the step.
@@ -184,7 +187,9 @@ def make_paged_batch(
     common prefix: the same block ids in several tables, holding the same rows).
     poison_unwritten: every slot is first written with NaN, so the rows no request has reached
     (past each KV length, and unused blocks) hold NaN: an op must never let them reach its output.
-    kv_rows: per request, the (seq_len, D) K rows to write (cast to `dtype`) instead of random ones."""
+    kv_rows: per request, the (seq_len, D) K rows to write (cast to `dtype`) instead of random ones.
+    kv_format "fp8": the backend's cache keeps FP8 latent rows; the reference cache holds, in
+    float64, what the format keeps of each row (deepinfer.testing.oracles.e4m3_rows64)."""
     device = backend.device.device()
     table, num_blocks = random_block_tables(seq_lens, block_size, gen)
     if shared_blocks:
@@ -193,8 +198,9 @@ def make_paged_batch(
         for b in range(1, len(seq_lens)):
             n = min(shared_blocks, math.ceil(seq_lens[b] / block_size))
             table[b, :n] = table[0, :n]
-    spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, dtype)
+    spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, dtype, kv_format)
     cache = backend.kv_cache.allocate(spec, 1)[0]
+    kept = e4m3_rows64(spec.latent_dim, fp8_tile(spec.latent_dim)) if spec.is_fp8 else (lambda x: x)
     ref_spec = KVCacheSpec(num_blocks, block_size, head_dim - rope_dim, rope_dim, torch.float64)
     ref_cache = ref_memory.allocate_kv_cache(ref_spec, 1, torch.device("cpu"))[0]
     if poison_unwritten:
@@ -213,7 +219,7 @@ def make_paged_batch(
         slots = slots_of(table[b], torch.arange(n), block_size)
         if n:
             backend.kv_cache.write_kv(cache, rows.to(device), slots.to(device))
-            ref_memory.write_kv(ref_cache, oracle(rows), slots)
+            ref_memory.write_kv(ref_cache, kept(oracle(rows)), slots)
         kv.append(rows)
     meta = AttentionMetadata.build(table.to(device), seq_lens, query_lens)
     ref_meta = AttentionMetadata.build(table, seq_lens, query_lens)

@@ -5,11 +5,14 @@ deepinfer.models: naive MLA (the latent expanded into per-head keys and values, 
 rope with YaRN, full causal attention without a cache), routing token by token (softmax or
 sigmoid scores, greedy / group-limited / noaux_tc top-k, routed scaling), an expert loop, and the
 MTP head. It works on a state dict with DeepSeek's tensor names and the config.json dict.
+A quantised KV cache is modelled by a function of the cached rows (e4m3_rows64: the FP8 latent
+rows, written here in float64 from the format's definition).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,7 +65,12 @@ def _softmax_scale(cfg: dict[str, Any]) -> float:
     return scale
 
 
-def _mla64(sd: dict[str, torch.Tensor], p: str, x: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+KVRows = Callable[[torch.Tensor], torch.Tensor]  # (T, C + R) cached rows -> the rows attention reads
+
+
+def _mla64(
+    sd: dict[str, torch.Tensor], p: str, x: torch.Tensor, cfg: dict[str, Any], kv_rows: KVRows | None = None
+) -> torch.Tensor:
     t, h = x.shape[0], cfg["num_attention_heads"]
     nope, rope_d, v_d, c = (
         cfg["qk_nope_head_dim"],
@@ -83,6 +91,9 @@ def _mla64(sd: dict[str, torch.Tensor], p: str, x: torch.Tensor, cfg: dict[str, 
     kv = x @ sd[f"{p}.kv_a_proj_with_mqa.weight"].T
     latent = _rms(kv[:, :c], sd[f"{p}.kv_a_layernorm.weight"])
     k_pe = _rope64(kv[:, None, c:], pos, cfg)  # (T, 1, R)
+    if kv_rows is not None:  # what a quantised cache keeps of each token's [latent | k_pe]
+        rows = kv_rows(torch.cat([latent, k_pe[:, 0]], dim=-1))
+        latent, k_pe = rows[:, :c], rows[:, None, c:]
     kvb = (latent @ sd[f"{p}.kv_b_proj.weight"].T).view(t, h, nope + v_d)
     k = torch.cat([kvb[..., :nope], k_pe.expand(t, h, rope_d)], dim=-1)
     v = kvb[..., nope:]
@@ -137,24 +148,27 @@ def _moe64(sd: dict[str, torch.Tensor], p: str, x: torch.Tensor, cfg: dict[str, 
     return out
 
 
-def _layer64(sd: dict[str, torch.Tensor], i: int, x: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
+def _layer64(
+    sd: dict[str, torch.Tensor], i: int, x: torch.Tensor, cfg: dict[str, Any], kv_rows: KVRows | None = None
+) -> torch.Tensor:
     p = f"model.layers.{i}"
     eps = cfg.get("rms_norm_eps", 1e-6)
-    x = x + _mla64(sd, f"{p}.self_attn", _rms(x, sd[f"{p}.input_layernorm.weight"], eps), cfg)
+    x = x + _mla64(sd, f"{p}.self_attn", _rms(x, sd[f"{p}.input_layernorm.weight"], eps), cfg, kv_rows)
     h = _rms(x, sd[f"{p}.post_attention_layernorm.weight"], eps)
     moe = cfg.get("n_routed_experts") and i >= cfg.get("first_k_dense_replace", 0)
     return x + (_moe64(sd, f"{p}.mlp", h, cfg) if moe else _mlp64(sd, f"{p}.mlp", h))
 
 
 def reference_forward64(
-    sd: dict[str, torch.Tensor], cfg: dict[str, Any], tokens: list[int]
+    sd: dict[str, torch.Tensor], cfg: dict[str, Any], tokens: list[int], kv_rows: KVRows | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(final hidden (T, Dm), logits (T, V)) of one sequence, float64."""
+    """(final hidden (T, Dm), logits (T, V)) of one sequence, float64. kv_rows: what a quantised
+    KV cache keeps of each token's [normalised latent | roped key] row (None: all of it)."""
     sd = {k: v.double() for k, v in sd.items()}
     eps = cfg.get("rms_norm_eps", 1e-6)
     x = sd["model.embed_tokens.weight"][torch.tensor(tokens)]
     for i in range(cfg["num_hidden_layers"]):
-        x = _layer64(sd, i, x, cfg)
+        x = _layer64(sd, i, x, cfg, kv_rows)
     h = _rms(x, sd["model.norm.weight"], eps)
     return h, h @ sd["lm_head.weight"].T
 
@@ -173,3 +187,26 @@ def reference_mtp64(
     )
     x = _layer64(sd, idx, cat @ sd[f"{p}.eh_proj.weight"].T, cfg)
     return _rms(x, sd[f"{p}.shared_head.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+def e4m3_round64(y: torch.Tensor) -> torch.Tensor:
+    """Round float64 values (|y| <= 448) to the nearest e4m3 value, ties to even: 3 mantissa bits,
+    normal exponents from -6, subnormal step 2^-9."""
+    a = y.abs()
+    step = torch.exp2(torch.floor(torch.log2(a.clamp(min=2.0**-6))) - 3)
+    return torch.sign(y) * torch.round(a / step) * step  # torch.round: half to even
+
+
+def e4m3_rows64(latent_dim: int, tile: int) -> KVRows:
+    """kv_rows of the FP8 latent cache (deepinfer.backend.kv_formats_mla's definition): the latent
+    per tile of `tile` values at scale 2^ceil(log2(amax / 448)), the rope part in bfloat16."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        c = latent_dim
+        tiles = x[:, :c].reshape(x.shape[0], c // tile, tile)
+        amax = tiles.abs().amax(-1, keepdim=True).clamp(min=1e-10)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        latent = (e4m3_round64(tiles / scale) * scale).reshape(x.shape[0], c)
+        return torch.cat([latent, x[:, c:].to(torch.bfloat16).double()], dim=-1)
+
+    return rows

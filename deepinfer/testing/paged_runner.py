@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -103,11 +103,12 @@ class PagedRunner:
         num_blocks: int = 64,
         block_size: int = 4,
         seed: int = 0,
+        kv_format: str = "auto",
     ) -> None:
         self.model, self.backend = model, backend
         self.device = backend.device.device()
         self.alloc = BlockAllocator(num_blocks, block_size, seed)
-        spec = model.kv_cache_spec(num_blocks, block_size)
+        spec = replace(model.kv_cache_spec(num_blocks, block_size), kv_format=kv_format)
         self.kv_caches: list[PagedKVCache] = []  # each group's caches at its rows' width and dtype
         for g in model.kv_cache_groups(block_size):
             self.kv_caches += backend.kv_cache.allocate(g.cache_spec(spec), g.num_caches)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import envs
+from deepinfer.backend.kv_formats_mla import fp8_tile
 from deepinfer.backend.kv_formats_v41 import RowFormat
 from deepinfer.backend.ops import AttentionOps
 from deepinfer.backend.types import (
@@ -14,6 +15,7 @@ from deepinfer.backend.types import (
     AttentionMetadata,
     AttentionModifiers,
     BackendOptions,
+    KVCacheSpec,
     PagedKVCache,
 )
 from deepinfer_cuda import vendor
@@ -24,6 +26,11 @@ from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
 from deepinfer_cuda.kernels import vision as vision_k
 from deepinfer_cuda.kv_cache import cache_tensor
+
+
+def fp8_tile_of(spec: KVCacheSpec) -> int:
+    """The FP8 latent rows' tile of a cache spec (0: rows in spec.dtype)."""
+    return fp8_tile(spec.latent_dim) if spec.is_fp8 else 0
 
 
 class CudaAttention(AttentionOps):
@@ -52,8 +59,8 @@ class CudaAttention(AttentionOps):
     ) -> torch.Tensor:
         if not meta.is_decode_only:
             raise ValueError("decode attention needs exactly one query token per request")
-        kv = cache_tensor(cache)
-        if self.vendor and not self.batch_invariant and modifiers.is_plain:
+        kv = cache_tensor(cache, fp8=True)
+        if self.vendor and not self.batch_invariant and modifiers.is_plain and not cache.spec.is_fp8:
             out = vendor.flash_mla_decode(q, kv, meta, scale=scale, v_dim=v_dim)
             if out is not None:
                 return out
@@ -95,15 +102,16 @@ class CudaAttention(AttentionOps):
             and w_uv.dtype == q.dtype
             and v_dim <= cache.spec.head_dim
             and gemm_k.skinny_merge_ok(q.shape[0], w_uv)
-            and not (self.vendor and vendor.flash_mla_available())
+            and not (self.vendor and vendor.flash_mla_available() and not cache.spec.is_fp8)
         )
         if not fits:
             return super().mla_decode_and_uv(
                 q, cache, meta, w_uv, scale=scale, v_dim=v_dim, modifiers=modifiers
             )
         o = attn_k.mla_attention_partials(  # the model's decode step: its metadata and older rows
-            q, cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
-            early_cache=self.early_inputs, pdl=self.pdl,
+            q, cache_tensor(cache, fp8=True), meta, scale=scale, v_dim=v_dim,
+            latent_dim=cache.spec.latent_dim, early_cache=self.early_inputs, pdl=self.pdl,
+            fp8_tile=fp8_tile_of(cache.spec),
         )  # fmt: skip
         if isinstance(o, torch.Tensor):
             return gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
@@ -122,11 +130,12 @@ class CudaAttention(AttentionOps):
             raise ValueError(f"v_dim {v_dim} exceeds the cached row width {cache.spec.head_dim}")
         sinks = modifiers.sinks
         return attn_k.mla_attention(
-            q, cache_tensor(cache), meta, scale=scale, v_dim=v_dim, latent_dim=cache.spec.latent_dim,
-            window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
+            q, cache_tensor(cache, fp8=True), meta, scale=scale, v_dim=v_dim,
+            latent_dim=cache.spec.latent_dim, window=modifiers.window,
+            sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
             split_size=attn_k.invariant_split(self.options.max_model_len) if self.batch_invariant else None,
-            pdl=self.pdl,
+            pdl=self.pdl, fp8_tile=fp8_tile_of(cache.spec),
         )  # fmt: skip
 
     def mla_query(
@@ -165,6 +174,11 @@ class CudaAttention(AttentionOps):
         query_rows tokens (mla.DECODE_MAX_T), where the query takes 16-row tiles (a tail program
         writes at most 16 rows one after another); larger steps, dtypes the kernels do not take,
         or unfused: the two ops."""
+        if cache.spec.is_fp8:  # the quantising store, then the query (two launches)
+            return super().mla_query_and_cache(
+                q_nope, q_pe, w_uk, kv, cache, kv_norm_weight, eps, positions, cos_sin_cache, interleaved,
+                slot_mapping,
+            )  # fmt: skip
         t = cache_tensor(cache)
         fits = q_nope.shape[0] <= self.query_rows and mla_k.supported(q_nope, q_pe, w_uk)
         if not (self.fused and fits and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES):

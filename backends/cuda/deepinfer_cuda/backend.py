@@ -66,6 +66,7 @@ def capabilities_for(device: torch.device) -> Capabilities:
         supports_batch_invariant=True,
         supports_graphs=True,  # CUDA graphs; RerunGraph under the interpreter
         reads_host_tables=True,  # kernels/engram.py reads pinned rows through their mapped address
+        supports_fp8_kv_cache=True,  # kernels/kv_fp8.py: the quantised store, dequantised in attention
     )
 
 

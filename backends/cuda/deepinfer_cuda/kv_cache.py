@@ -1,5 +1,7 @@
 """The KV-cache part: the contract's (NB, BS, D) layout per layer, written by Triton kernels;
-cache_tensor checks that layout for the other parts."""
+cache_tensor checks that layout for the other parts. FP8 latent caches (spec.kv_format "fp8"):
+the reference layout of its rows, (NB, BS, bytes_per_token) uint8, quantised by
+kernels/kv_fp8.py at write time."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from deepinfer import envs
 from deepinfer.backend.ops import KVCacheOps
 from deepinfer.backend.types import BackendOptions, PagedKVCache
+from deepinfer_cuda.kernels import kv_fp8
 from deepinfer_cuda.kernels import small as small_k
 
 
@@ -20,8 +23,15 @@ class CudaKVCache(KVCacheOps):
         self.pdl = env.cuda_pdl
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Triton row store (no host sync, graph-safe); slot -1 skips the row."""
-        small_k.write_kv(cache_tensor(cache), kv, slot_mapping)
+        """Triton row store (no host sync, graph-safe); slot -1 skips the row. FP8 latent caches:
+        the quantising store (kernels/kv_fp8.py)."""
+        spec = cache.spec
+        if spec.is_fp8:
+            kv_fp8.write_fp8_rows(
+                cache_tensor(cache, fp8=True), kv, slot_mapping, spec.latent_dim, spec.rope_dim
+            )
+        else:
+            small_k.write_kv(cache_tensor(cache), kv, slot_mapping)
 
     def write_mla_kv(
         self,
@@ -36,7 +46,13 @@ class CudaKVCache(KVCacheOps):
     ) -> None:
         """One Triton kernel (norm + rope + cast + store; replaces two contiguous copies, the
         norm, the rope, a cat and the store). Unfused, or a cache dtype the kernel does not
-        round like torch: the contract's composition (this backend's rms_norm, rope, write_kv)."""
+        round like torch, or an FP8 latent cache: the contract's composition (this backend's
+        rms_norm, rope, write_kv)."""
+        if cache.spec.is_fp8:
+            super().write_mla_kv(
+                cache, kv, norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping
+            )
+            return
         t = cache_tensor(cache)
         args = (norm_weight, eps, positions, cos_sin_cache, interleaved, slot_mapping)
         if self.fused and kv.dtype in small_k.CAST_DTYPES and t.dtype in small_k.CAST_DTYPES:
@@ -45,11 +61,16 @@ class CudaKVCache(KVCacheOps):
             super().write_mla_kv(cache, kv, *args)
 
 
-def cache_tensor(cache: PagedKVCache) -> torch.Tensor:
-    """The (NB, BS, D) tensor of the reference layout, which this backend keeps."""
+def cache_tensor(cache: PagedKVCache, fp8: bool = False) -> torch.Tensor:
+    """The (NB, BS, D) tensor of the reference layout, which this backend keeps; with fp8, the
+    (NB, BS, bytes_per_token) uint8 tensor of an FP8 latent cache (an op that does not read FP8
+    rows passes fp8=False and refuses one)."""
     t = cache.tensors[0]
     spec = cache.spec
-    if len(cache.tensors) != 1 or tuple(t.shape) != (spec.num_blocks, spec.block_size, spec.head_dim):
+    if spec.is_fp8 and not fp8:
+        raise ValueError("this CUDA op does not read FP8 latent caches (kv_format 'fp8'): MLA attention only")
+    width = spec.bytes_per_token if spec.is_fp8 else spec.head_dim
+    if len(cache.tensors) != 1 or tuple(t.shape) != (spec.num_blocks, spec.block_size, width):
         raise ValueError("the CUDA backend expects the (num_blocks, block_size, head_dim) cache layout")
     if not t.is_contiguous():
         raise ValueError("the KV cache tensor must be contiguous")

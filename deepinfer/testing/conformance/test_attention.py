@@ -48,6 +48,7 @@ class Case:
     q_scale: float = 1.0  # large: logits of +-100 and more (softmax must subtract its running max)
     shared_blocks: int = 0  # requests share request 0's first blocks (prefix caching)
     poison: bool = False  # slots past each KV length (and unused blocks) hold NaN
+    kv_format: str = "auto"  # "fp8": FP8 latent rows (test_fp8_kv_cache.py)
 
     def describe(self, scale: float) -> str:
         """The case's parameters, for failure messages."""
@@ -76,6 +77,8 @@ class Case:
             parts.append("block table a view")
         if self.shared_blocks:
             parts.append(f"{self.shared_blocks} shared prefix blocks")
+        if self.kv_format != "auto":
+            parts.append(f"{self.kv_format} KV cache")
         return ", ".join(parts)
 
 
@@ -122,7 +125,7 @@ def run_case(backend: Backend, case: Case, dtype: torch.dtype, gen: torch.Genera
     batch = make_paged_batch(
         backend, seq_lens=seq, query_lens=qlen, block_size=case.block_size, head_dim=case.head_dim,
         dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim if case.rope_dim is None else case.rope_dim,
-        shared_blocks=case.shared_blocks, poison_unwritten=case.poison,
+        shared_blocks=case.shared_blocks, poison_unwritten=case.poison, kv_format=case.kv_format,
     )  # fmt: skip
     device = backend.device.device()
     meta = batch.meta
@@ -291,11 +294,16 @@ def test_mla_decode_and_uv(backend: Backend, dtype: torch.dtype, gen: torch.Gene
     """attention.mla_decode_and_uv: decode, then each head's product with W_UV (H, Vh, v_dim),
     against the float64 reference of both."""
     case, vh = UV_CASES[name]
+    run_uv_case(backend, case, vh, dtype, gen)
+
+
+def run_uv_case(backend: Backend, case: Case, vh: int, dtype: torch.dtype, gen: torch.Generator) -> None:
     seq = list(case.seq_lens)
     qlen = [1] * len(seq)
     batch = make_paged_batch(
         backend, seq_lens=seq, query_lens=qlen, block_size=case.block_size, head_dim=case.head_dim,
         dtype=dtype, gen=gen, rope_dim=case.head_dim - case.v_dim, poison_unwritten=case.poison,
+        kv_format=case.kv_format,
     )  # fmt: skip
     device = backend.device.device()
     q = make_q(case, batch.num_tokens, dtype, device, gen)

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.backend.kv_formats_mla import fp8_row_bytes
+from deepinfer.backend.kv_formats_mla import fp8_tile as fp8_tile_of
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer_cuda.kernels.common import (
     is_sm90,
@@ -47,6 +49,7 @@ from deepinfer_cuda.kernels.common import (
     tma_supported,
     wait_for_previous,
 )
+from deepinfer_cuda.kernels.kv_fp8 import load_fp8_latent, load_fp8_rope
 
 LOG2E = 1.4426950408889634
 
@@ -132,10 +135,13 @@ def _attend_tile(
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, k_desc, kr_desc, TMA: tl.constexpr,
+    FP8_TILE: tl.constexpr = 0, FP8_TILES: tl.constexpr = 0,
 ):  # fmt: skip
     """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc).
     TMA: the tile lies inside one page and below the KV length (every row written), so it is two
-    bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks."""
+    bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks.
+    FP8_TILE > 0: the cache holds FP8 latent rows (kernels/kv_fp8.py) of that tile, dequantised
+    here, in registers, to q's dtype (never TMA)."""
     offs_dl = tl.arange(0, BLOCK_DL)
     offs_dr = tl.arange(0, BLOCK_DR)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -150,18 +156,28 @@ def _attend_tile(
     else:
         blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
         kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
-        k = tl.load(
-            kv_row[:, None] + offs_dl[None, :], mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
-        )
-        kr = k  # unused without a rope part
-        if HAS_ROPE:
-            kr = tl.load(
-                kv_row[:, None] + D_LAT + offs_dr[None, :],
-                mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
+        if FP8_TILE:
+            k = load_fp8_latent(kv_row, n_valid, offs_dl, D_LAT, D_LAT, FP8_TILE, q_lat.dtype, FP8_TILES)
+        else:
+            k = tl.load(
+                kv_row[:, None] + offs_dl[None, :],
+                mask=n_valid[:, None] & (offs_dl[None, :] < D_LAT),
                 other=0.0,
             )
+        kr = k  # unused without a rope part
+        if HAS_ROPE:
+            if FP8_TILE:
+                kr = load_fp8_rope(kv_row, n_valid, offs_dr, D_LAT, D_ROPE, FP8_TILE, q_lat.dtype)
+            else:
+                kr = tl.load(
+                    kv_row[:, None] + D_LAT + offs_dr[None, :],
+                    mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
+                    other=0.0,
+                )
     if V_IS_LAT:
         v = k
+    elif FP8_TILE:
+        v = load_fp8_latent(kv_row, n_valid, offs_dv, DV, D_LAT, FP8_TILE, q_lat.dtype)
     else:
         v = tl.load(
             kv_row[:, None] + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0
@@ -227,8 +243,11 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    FP8_TILE: tl.constexpr, FP8_TILES: tl.constexpr,
 ):  # fmt: skip
-    """EARLY (TMA, V_IS_LAT): the lengths, the block tables and every cache row before each
+    """FP8_TILE > 0: kv_ptr holds FP8 latent rows (uint8, kernels/kv_fp8.py; not TMA, not EARLY);
+    FP8_TILES > 0: the latent is that many whole tiles (kv_fp8.load_fp8_latent's broadcast scales).
+    EARLY (TMA, V_IS_LAT): the lengths, the block tables and every cache row before each
     request's new tokens were written before the forward's first kernel (mla_attention_partials,
     early_cache): the program reads them, and loads its first tile when no new row lies in it,
     before it waits for the previous kernel (the query kernel, which writes q and the new rows)."""
@@ -327,7 +346,7 @@ def _mla_attention_kernel(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
             page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False,
+            HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, FP8_TILE, FP8_TILES,
         )  # fmt: skip
 
     dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
@@ -507,6 +526,19 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
     return k_desc, kr_desc
 
 
+# FP8 latent rows whose width is a power of two: load each row's tile scales once and broadcast
+# them (True), or load a scale per value (False); bench/bench_cuda.py --only decode_fp8 times both.
+FP8_SCALE_TILES = True
+
+
+def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
+    """The kernel's FP8_TILES: tiles of the latent when they fill its power-of-two block, else 0."""
+    if not (fp8_tile and FP8_SCALE_TILES and latent_dim == next_pow2(latent_dim)):
+        return 0
+    tiles = latent_dim // fp8_tile
+    return tiles if tiles & (tiles - 1) == 0 else 0  # a power of two
+
+
 def _num_splits(
     tiles: int,
     max_len: int,
@@ -554,8 +586,11 @@ def mla_attention(
     config: AttentionConfig | None = None,
     split_size: int | None = None,
     pdl: bool = True,
+    fp8_tile: int = 0,
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
+    fp8_tile > 0: kv (NB, BS, row bytes) uint8 holds FP8 latent rows with that tile
+    (deepinfer.backend.kv_formats_mla), dequantised in the kernel's registers.
 
     split_size: tokens per KV split at absolute positions (a multiple of the config's block_n);
     None: batch-invariant mode uses the fixed INVARIANT_SPLIT, otherwise the number of splits is
@@ -566,7 +601,7 @@ def mla_attention(
     out = mla_attention_partials(
         q, kv, meta, scale=scale, v_dim=v_dim, latent_dim=latent_dim, window=window, sinks=sinks,
         topk_indices=topk_indices, batch_invariant=batch_invariant, config=config, split_size=split_size,
-        pdl=pdl,
+        pdl=pdl, fp8_tile=fp8_tile,
     )  # fmt: skip
     if isinstance(out, torch.Tensor):
         return out
@@ -592,6 +627,7 @@ def mla_attention_partials(
     split_size: int | None = None,
     early_cache: bool = False,
     pdl: bool = True,
+    fp8_tile: int = 0,
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
@@ -604,7 +640,14 @@ def mla_attention_partials(
     dependent launch each program then loads them, and its first KV tile, while the previous
     kernel (the one writing q and the new rows) still runs (TMA tiles with V the latent)."""
     t, h, d = q.shape
-    if kv.shape[-1] != d:
+    if fp8_tile:
+        row = fp8_row_bytes(latent_dim, d - latent_dim)
+        if kv.dtype != torch.uint8 or kv.shape[-1] != row or fp8_tile != fp8_tile_of(latent_dim):
+            raise ValueError(
+                f"q has width {d} ({latent_dim} latent): its FP8 rows take {row} bytes in tiles of "
+                f"{fp8_tile_of(latent_dim)}; the cache holds {kv.dtype} rows of {kv.shape[-1]}"
+            )
+    elif kv.shape[-1] != d:
         raise ValueError(f"q has width {d} but the cache holds rows of width {kv.shape[-1]}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -653,7 +696,7 @@ def mla_attention_partials(
         split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)
 
     allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
-    k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma else (None, None)
+    k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma and not fp8_tile else (None, None)
     block_dv = next_pow2(v_dim)
     if direct:
         out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
@@ -677,7 +720,8 @@ def mla_attention_partials(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
         DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
-        EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl,
+        EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl, FP8_TILE=fp8_tile,
+        FP8_TILES=_fp8_tiles(latent_dim, fp8_tile),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out if direct else SplitPartials(part, lse, max_splits)

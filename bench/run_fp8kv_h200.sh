@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One device call (under 6 minutes) for the FP8 latent cache (kv_cache_dtype="fp8") on one H200,
+# each part under `timeout`:
+#   1. tests: the FP8-cache kernel tests (tests/test_cuda_kernels.py -k fp8: the quantising store,
+#      decode / prefill over FP8 rows in several splits, the backend path), the SM90 lowering of the
+#      kernels (tests/test_cuda_compile.py -k fp8), and the conformance suite's FP8-cache cases on
+#      cuda, heavy ones included (deepinfer/testing/conformance/test_fp8_kv_cache.py), every dtype;
+#   2. bench: bench/bench_cuda.py --only decode_fp8: decode over the FP8 cache against the bf16
+#      cache it was quantised from, 16 and 128 heads (batch x keys: 1 x 32768, 8 x 4096,
+#      128 x 32768; 32 x 4096, 128 x 32768), GB/s against the copy rate measured in the same run.
+#   usage: OUT=dir bash bench/run_fp8kv_h200.sh    (PARTS="tests bench", the default, picks)
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT}
+R=/tmp/fp8kv
+PARTS=" ${PARTS:-tests bench} "
+want() { [[ $PARTS == *" $1 "* ]]; }
+mkdir -p "$OUT" "$R/bench"
+: > "$R/summary.txt"
+say() { echo "$*" | tee -a "$R/summary.txt"; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+say "install rc=$?"
+part() {  # part NAME LIMIT command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  local rc=$?
+  say "$name rc=$rc in $((SECONDS - t0)) s"
+  return $rc
+}
+
+if want tests; then
+  part kernels "${KERNEL_TIMEOUT:-75}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    tests/test_cuda_kernels.py tests/test_cuda_compile.py -k "fp8_rows or fp8_decode or fp8_prefill or fp8_cache"
+  grep -E "passed|failed|FAILED|Error" "$R/kernels.log" | tail -n 8 | tee -a "$R/summary.txt"
+  part conformance "${CONF_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
+    -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-heavy \
+    deepinfer/testing/conformance/test_fp8_kv_cache.py
+  grep -E "passed|failed|FAILED|Error|GREEN" "$R/conformance.log" | tail -n 12 | tee -a "$R/summary.txt"
+fi
+
+if want bench; then
+  part bench "${BENCH_TIMEOUT:-120}" python3 bench/bench_cuda.py --only decode_fp8 --out "$R/bench"
+  grep -E "^copy|decode fp8|FAILED" "$R/bench.log" | cut -c1-170 | tee -a "$R/summary.txt"
+fi
+
+say "total $SECONDS s"
+cp "$R/summary.txt" "$OUT/summary.txt"
+cp "$R/bench/bench_cuda.md" "$R/bench/bench_cuda.json" "$OUT/" 2>/dev/null
+tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+cat "$R/summary.txt"
