@@ -207,7 +207,8 @@ def test_bad_kv_cache_dtypes_name_the_value_and_the_choices(tmp_path: Path) -> N
 
     with pytest.raises(
         ValueError,
-        match=r"kv_cache_dtype='fp4' is not supported for deepseek_v\d; choose one of \('auto', 'fp8', 'fp8_e4m3'\)",
+        match=r"kv_cache_dtype='fp4' is not supported for deepseek_v\d; choose one of "
+        r"\('auto', 'fp8', 'fp8_e4m3'\)",
     ):
         LLM(str(TINY), backend="reference", kv_cache_dtype="fp4")
 
