@@ -173,3 +173,16 @@ class RandomSource:
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return self.get(f"{prefix}.weight", shape, dtype)
+
+    def fp8_rows(self, prefix: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8 checkpoints (fp8): DeepSeek-V4.1's Engram tables as e4m3 N(0, 1) rows with unit
+        scales (UE8M0 byte 127), rows of a multiple of 32 values (else ValueError); else None
+        (the table comes through get)."""
+        r, dh = shape
+        if not self.fp8:
+            return None
+        if dh % 32:
+            raise ValueError(f"{prefix}.weight: FP8 rows take one scale per 32 values; rows of {dh} do not")
+        rows = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
+        scales = torch.full((r, dh // 32), E8M0_BIAS, dtype=torch.uint8, device=self.device)
+        return rows.to(self.fp8_dtype), scales
