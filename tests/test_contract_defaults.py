@@ -215,8 +215,9 @@ def test_host_stand_ins_on_the_cpu_only() -> None:
 
 def test_v4_host_loop_defaults_refuse_graph_capture() -> None:
     """DeepSeek-V4's compressed_attention and indexer_topk defaults (and DeepSeek-V4.1's two
-    candidate-block stages) read request lengths on the host: while a real graph captures (DeviceOps.is_capturing) they raise NotImplementedError,
-    which the model runner takes as "run decode eagerly"; otherwise they run."""
+    candidate-block stages) read request lengths on the host: while a real graph captures
+    (DeviceOps.is_capturing) they raise NotImplementedError, which the model runner takes as
+    "run decode eagerly"; otherwise they run."""
 
     class Capturing(ReferenceDevice):
         capturing = False

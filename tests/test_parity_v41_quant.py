@@ -362,3 +362,36 @@ def test_wrong_engram_rows_are_named(tmp_path: Path) -> None:
     assert repr(table) in str(err) and "must be FP8 rows (F8_E4M3), but it is BF16" in str(err)
     err = load_error(case, tmp_path / "d", {scale: None})
     assert repr(table) in str(err) and "is FP8 but has no layers.1.engram.embed" in str(err)
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("embed.weight", torch.int32),
+        ("layers.0.attn_norm.weight", torch.uint8),
+        ("layers.1.attn.attn_sink", torch.float8_e4m3fn),
+        ("layers.1.hc_attn_fn", torch.int16),
+        ("layers.1.attn.compressor.wgate.weight", torch.int8),
+        ("layers.2.attn.indexer.weights_proj.weight", torch.float8_e4m3fn),
+        ("layers.3.ffn.gate.weight", torch.int64),
+        ("layers.0.engram.q_weight", torch.uint8),
+        ("layers.0.engram.embed.weight", torch.int8),
+        ("head.weight", torch.float8_e5m2),
+    ],
+)
+def test_every_stored_dtype_outside_the_format_is_named(
+    tmp_path: Path, name: str, dtype: torch.dtype
+) -> None:
+    """Tensors the published format stores as floats (bf16 / float32), given an integer or FP8
+    dtype with no scale: refused with the tensor named."""
+    case = Case("engram", tmp_path / "case")
+    t = case.quantised[name]
+    bad = t.to(dtype) if dtype.is_floating_point else t.float().round().clamp(-100, 100).to(dtype)
+    err = load_error(case, tmp_path / "bad", {name: bad})
+    assert f"tensor {name!r}" in str(err), str(err)
+    if dtype == torch.float8_e4m3fn:
+        assert "is FP8" in str(err)
+    elif name.endswith("engram.embed.weight"):
+        assert "must be FP8 rows (F8_E4M3)" in str(err)
+    else:
+        assert "a weight must be floating point" in str(err), str(err)

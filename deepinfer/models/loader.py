@@ -320,7 +320,11 @@ class CheckpointReader:
         t = self._read_raw(name)
         where = f"tensor {name!r} in {self.location[name]}"
         if t.dtype == FP8_DTYPE and dtype is not None and dtype != FP8_DTYPE:
-            prefix = name.rsplit(".", 1)[0]
+            if not name.endswith(".weight"):  # a norm, sink, bias or mixing weight: floats only
+                raise CheckpointError(
+                    f"{where} is FP8; only weights with a scale may be, this one is floating point"
+                )
+            prefix = name.removesuffix(".weight")
             raise CheckpointError(f"{where} is FP8 but has no {prefix}.weight_scale_inv or {prefix}.scale")
         if t.dtype not in (*FLOAT_DTYPES, FP8_DTYPE):
             raise CheckpointError(

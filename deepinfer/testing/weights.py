@@ -183,6 +183,11 @@ class RandomSource:
             return None
         if dh % 32:
             raise ValueError(f"{prefix}.weight: FP8 rows take one scale per 32 values; rows of {dh} do not")
-        rows = torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
+        rows = torch.empty(shape, dtype=self.fp8_dtype, device=self.device)
+        step = max(1, (1 << 28) // dh)  # drawn in bfloat16 a chunk at a time: V4.1-Flash's are ~1e11 values
+        for i in range(0, r, step):
+            n = min(step, r - i)
+            chunk = torch.randn((n, dh), generator=self.generator, device=self.device, dtype=torch.bfloat16)
+            rows[i : i + n] = chunk.to(self.fp8_dtype)
         scales = torch.full((r, dh // 32), E8M0_BIAS, dtype=torch.uint8, device=self.device)
-        return rows.to(self.fp8_dtype), scales
+        return rows, scales
