@@ -36,7 +36,7 @@ part() {  # part NAME LIMIT command...: run, log to $OUT/NAME.log, report rc and
 }
 
 # 1. tests on the GPU
-part tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=line -p no:cacheprovider \
+part tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=line -p no:cacheprovider -n 8 \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16,float32 \
   --pyargs deepinfer.testing.conformance tests/test_cuda_kernels.py tests/test_parity_v41.py \
   tests/test_parity_v41_quant.py -k "indexer or in_blocks or engram or candidate"
