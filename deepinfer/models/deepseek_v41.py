@@ -256,11 +256,9 @@ class SparseIndexer(nn.Module):
         super().__init__()
         assert config.q_lora_rank is not None
         self.backend, self.ratio = backend, v41.compress_ratios[layer]
-        topo = v41.sharing
-        # candidate blocks: "source" finds them, "restricted" scores inside them, else None
-        self.stage = None if topo.candidate is None or layer < topo.candidate else "restricted"
-        if layer == topo.candidate:
-            self.stage = "source"
+        topo, c = v41.sharing, v41.sharing.candidate
+        # candidate blocks: the "source" layer finds them, the later ones are "restricted" to them
+        self.stage = None if c is None or layer < c else "source" if layer == c else "restricted"
         self.block_size, self.topk_blocks = topo.candidate_block_size, topo.candidate_topk_blocks
         self.heads, self.dim, self.topk = v41.index_n_heads, v41.index_head_dim, v41.index_topk
         self.wq_b = Linear(backend, config.q_lora_rank, self.heads * self.dim)
