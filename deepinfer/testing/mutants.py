@@ -242,6 +242,14 @@ class IndexerPicksLowest(ReferenceAttention):
         return super().indexer_topk(q, -weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
 
 
+class CandidateBlocksIgnored(ReferenceAttention):
+    """DeepSeek-V4.1's second stage picking among every visible entry, its candidate blocks
+    dropped."""
+
+    def indexer_topk_in_blocks(self, q, weights, keys, meta, blocks, *, ratio, topk, scale, block_size):  # type: ignore[no-untyped-def]
+        return self.indexer_topk(q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
+
+
 class HyperConnectionCombTransposed(SmallOps):
     """mHC's residual mix with comb[t, k, j] for comb[t, j, k] (Sinkhorn's matrix is not symmetric)."""
 
@@ -361,6 +369,10 @@ MUTANT_LIST = [
     Mutant(
         "v4-indexer-lowest", "attention", IndexerPicksLowest, "test_indexer_topk", ("test_indexer_topk",),
         "picked",
+    ),
+    Mutant(
+        "v41-candidate-blocks-ignored", "attention", CandidateBlocksIgnored, "test_indexer_topk_in_blocks",
+        ("test_indexer_topk_in_blocks",), "outside", ("row ",),
     ),
     Mutant(
         "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",

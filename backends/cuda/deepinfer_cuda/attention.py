@@ -273,3 +273,48 @@ class CudaAttention(AttentionOps):
             q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
             key_format=key_format,
         )  # fmt: skip
+
+    def indexer_candidate_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+        topk_blocks: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.fused:
+            return super().indexer_candidate_blocks(
+                q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
+                topk_blocks=topk_blocks,
+            )  # fmt: skip
+        return v4_k.indexer_candidate_blocks(
+            q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
+            block_size=block_size, topk_blocks=topk_blocks,
+        )  # fmt: skip
+
+    def indexer_topk_in_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        blocks: torch.Tensor,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+    ) -> torch.Tensor:
+        if not self.fused:
+            return super().indexer_topk_in_blocks(
+                q, weights, keys, meta, blocks, ratio=ratio, topk=topk, scale=scale, block_size=block_size
+            )
+        return v4_k.indexer_topk_in_blocks(
+            q, weights.float(), cache_tensor(keys), meta, blocks, ratio=ratio, topk=topk, scale=scale,
+            block_size=block_size,
+        )  # fmt: skip
