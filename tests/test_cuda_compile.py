@@ -141,23 +141,26 @@ def test_indexer_kernels() -> None:
 
 def test_candidate_block_kernels() -> None:
     """DeepSeek-V4.1's candidate blocks: the block maxima, the scores over the candidate slots
-    (V4.1-Flash's 32 x 128 indexer, blocks of 16) and the select of both stages."""
+    (V4.1-Flash's 32 x 128 indexer, blocks of 16; bf16 keys and the published MXFP4 key rows,
+    dequantised in registers) and the select of both stages."""
     from deepinfer_cuda.kernels import v4 as v4_k
 
     lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     types = {"score_ptr": PTR["f32"], "out_ptr": PTR["f32"]}
     compile_sm90(v4_k._block_max_kernel, types | lengths, dict(BLOCK_B=64, BS=16))
-    types = {
-        "q_ptr": PTR["bf16"],
-        "k_ptr": PTR["bf16"],
-        "w_ptr": PTR["f32"],
-        "blocks_ptr": PTR["i32"],
-        "score_ptr": PTR["f32"],
-        "scale": "fp32",
-    }
-    compile_sm90(
-        v4_k._listed_scores_kernel, types | lengths, dict(BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False)
-    )
+    for key_format in (None, "mxfp4"):
+        types = {
+            "q_ptr": PTR["bf16"],
+            "k_ptr": PTR["bf16"] if key_format is None else "*u8",
+            "w_ptr": PTR["f32"],
+            "blocks_ptr": PTR["i32"],
+            "score_ptr": PTR["f32"],
+            "scale": "fp32",
+        }
+        constexprs = dict(
+            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format)
+        )
+        compile_sm90(v4_k._listed_scores_kernel, types | lengths, constexprs)
     types = {"score_ptr": PTR["f32"], "blocks_ptr": PTR["i32"], "out_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     for listed in (True, False):
         compile_sm90(v4_k._listed_select_kernel, types, dict(LISTED=listed, BLOCK=v4_k.SELECT_BLOCK))

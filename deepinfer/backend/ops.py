@@ -556,6 +556,7 @@ class AttentionOps(_Part):
         scale: float,
         block_size: int,
         topk_blocks: int,
+        key_format: kvf.RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek-V4.1's candidate-block selection, first stage (the candidate source layer):
         indexer_topk's picks, and the blocks every later layer scores inside. Arguments and
@@ -563,11 +564,13 @@ class AttentionOps(_Part):
         block score is the best score of its visible entries in the block, except the block of
         the row's newest visible entry, which scores +inf (always kept). -> (ids (T, topk),
         blocks (T, topk_blocks)) int32: blocks = the min(topk_blocks, visible blocks) best
-        blocks in any order, ties to the lower block id, -1 in the other columns. Default: the
-        reference (NotImplementedError while a real graph captures)."""
+        blocks in any order, ties to the lower block id, -1 in the other columns. key_format:
+        the keys' row format as quantized_indexer_topk's (None: keys in a float dtype). Default:
+        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
+        while a real graph captures)."""
         _refuse_capture(self.backend, "indexer_candidate_blocks")
         return ref_v4.indexer_candidate_blocks(
-            q, weights, keys, meta, ratio, topk, scale, block_size, topk_blocks, self.backend.kv_cache.read_kv
+            q, weights, keys, meta, ratio, topk, scale, block_size, topk_blocks, self._key_reader(key_format)
         )
 
     def indexer_topk_in_blocks(
@@ -582,18 +585,31 @@ class AttentionOps(_Part):
         topk: int,
         scale: float,
         block_size: int,
+        key_format: kvf.RowFormat | None = None,
     ) -> torch.Tensor:
         """DeepSeek-V4.1's candidate-block selection, second stage: indexer_topk restricted to
         the visible entries of each row's candidate blocks. blocks (T, Kb) int32: distinct block
         ids per row (blocks of block_size entries, as indexer_candidate_blocks lists them), -1
         unused, ids past the row's visible blocks ignored. -> (T, topk) int32: the
         min(topk, candidate entries) best candidate entries in any order, ties to the lower
-        entry id, -1 in the other columns. Default: the reference (NotImplementedError while a
-        real graph captures)."""
+        entry id, -1 in the other columns. key_format: as indexer_candidate_blocks'. Default:
+        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
+        while a real graph captures)."""
         _refuse_capture(self.backend, "indexer_topk_in_blocks")
         return ref_v4.indexer_topk_in_blocks(
-            q, weights, keys, meta, blocks, ratio, topk, scale, block_size, self.backend.kv_cache.read_kv
+            q, weights, keys, meta, blocks, ratio, topk, scale, block_size, self._key_reader(key_format)
         )
+
+    def _key_reader(self, key_format: kvf.RowFormat | None) -> ref_v4.RowReader:
+        """The index keys' rows: read_kv's values, or read_kv_rows' dequantised ones."""
+        kv = self.backend.kv_cache
+        if key_format is None:
+            return kv.read_kv
+
+        def read(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
+            return kv.read_kv_rows(cache, slots, key_format)
+
+        return read
 
 
 def _refuse_capture(backend: Backend, op: str) -> None:

@@ -44,8 +44,9 @@ The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one pos
 Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "auto" stores the
 window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
 (68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
-sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk), prefill
-included, so every step attends the rounded values; the C2 state keeps the model dtype bit for
+sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk; the
+candidate stages take the index keys' format too), prefill included, so every step attends and
+scores the rounded values; the C2 state keeps the model dtype bit for
 bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
 Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
@@ -381,8 +382,8 @@ class SparseIndexer(nn.Module):
         """-> (T, index_topk) int32 entry ids per query, -1 unused (lower id first among ties).
         The scores' positive scale factors do not change the picks; the contract's scale is
         Di^-0.5 on q . k. Candidate blocks: the source layer also leaves its blocks in `step`;
-        a later layer picks only inside them. key_format: the keys' row format (their quantised
-        scoring op)."""
+        a later layer picks only inside them. key_format: the keys' row format (None: values), in
+        every stage."""
         attn = self.backend.attention
         q = rope_tail(
             self.backend, self.wq_b(q_residual).view(-1, self.heads, self.dim), batch.positions, table
@@ -390,21 +391,17 @@ class SparseIndexer(nn.Module):
         weights = self.weights_proj(x).float()  # (T, Hi)
         meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
         cache, ratio, topk, scale = keys.caches[0], self.ratio, self.topk, self.dim**-0.5
-        if self.stage is not None and key_format is not None:
-            raise NotImplementedError(
-                f"DeepSeek-V4.1's candidate blocks over {key_format} index keys; use kv_cache_dtype='bf16'"
-            )
         if self.stage == "source":
             ids, step.candidates = attn.indexer_candidate_blocks(
                 q, weights, cache, meta, ratio=ratio, topk=topk, scale=scale, block_size=self.block_size,
-                topk_blocks=self.topk_blocks,
+                topk_blocks=self.topk_blocks, key_format=key_format,
             )  # fmt: skip
             return ids
         if self.stage == "restricted":
             assert step.candidates is not None  # the source layer ran before this one
             return attn.indexer_topk_in_blocks(
                 q, weights, cache, meta, step.candidates, ratio=ratio, topk=topk, scale=scale,
-                block_size=self.block_size,
+                block_size=self.block_size, key_format=key_format,
             )  # fmt: skip
         if key_format is None:
             return attn.indexer_topk(q, weights, cache, meta, ratio=ratio, topk=topk, scale=scale)

@@ -246,8 +246,12 @@ class CandidateBlocksIgnored(ReferenceAttention):
     """DeepSeek-V4.1's second stage picking among every visible entry, its candidate blocks
     dropped."""
 
-    def indexer_topk_in_blocks(self, q, weights, keys, meta, blocks, *, ratio, topk, scale, block_size):  # type: ignore[no-untyped-def]
-        return self.indexer_topk(q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale)
+    def indexer_topk_in_blocks(  # type: ignore[no-untyped-def]
+        self, q, weights, keys, meta, blocks, *, ratio, topk, scale, block_size, key_format=None
+    ):
+        return self.quantized_indexer_topk(
+            q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, key_format=key_format
+        )
 
 
 class HyperConnectionCombTransposed(SmallOps):

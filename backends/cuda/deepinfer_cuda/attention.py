@@ -286,15 +286,18 @@ class CudaAttention(AttentionOps):
         scale: float,
         block_size: int,
         topk_blocks: int,
+        key_format: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's indexer scores (quantised keys dequantised per tile in registers), then their
+        block maxima and the blocks' top."""
         if not self.fused:
             return super().indexer_candidate_blocks(
                 q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
-                topk_blocks=topk_blocks,
+                topk_blocks=topk_blocks, key_format=key_format,
             )  # fmt: skip
         return v4_k.indexer_candidate_blocks(
             q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
-            block_size=block_size, topk_blocks=topk_blocks,
+            block_size=block_size, topk_blocks=topk_blocks, key_format=key_format,
         )  # fmt: skip
 
     def indexer_topk_in_blocks(
@@ -309,12 +312,16 @@ class CudaAttention(AttentionOps):
         topk: int,
         scale: float,
         block_size: int,
+        key_format: RowFormat | None = None,
     ) -> torch.Tensor:
+        """The scores of the listed blocks' entries alone (quantised keys dequantised per tile in
+        registers), then their top."""
         if not self.fused:
             return super().indexer_topk_in_blocks(
-                q, weights, keys, meta, blocks, ratio=ratio, topk=topk, scale=scale, block_size=block_size
-            )
+                q, weights, keys, meta, blocks, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
+                key_format=key_format,
+            )  # fmt: skip
         return v4_k.indexer_topk_in_blocks(
             q, weights.float(), cache_tensor(keys), meta, blocks, ratio=ratio, topk=topk, scale=scale,
-            block_size=block_size,
+            block_size=block_size, key_format=key_format,
         )  # fmt: skip

@@ -304,7 +304,7 @@ def _row_scores(
     return (torch.relu(oracle(q)[row] @ keys.T) * 0.3 * oracle(weights)[row][:, None]).sum(0)
 
 
-def _check_best(
+def check_best(
     ids: list[int], scores: torch.Tensor, allowed: list[int], k: int, tied: bool, what: str
 ) -> None:
     """ids (-1 unused) are min(k, |allowed|) distinct members of `allowed` scoring at least as high
@@ -338,13 +338,13 @@ def test_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: 
     for row, b, pos in step.queries():
         scores = _row_scores(step, q, weights, row, b, pos)
         n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
-        _check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
+        check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
         nb = -(-n_vis // block)
         best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
         if nb:
             best[-1] = float("inf")
             assert nb - 1 in blocks[row].tolist(), f"row {row}: the newest block {nb - 1} is missing"
-        _check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
+        check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
 
 
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))
@@ -368,7 +368,7 @@ def test_indexer_topk_in_blocks(backend: Backend, gen: torch.Generator, name: st
         mine = set(listed[row].tolist())
         allowed = [i for i in range(scores.shape[0]) if i // block in mine]
         tied = name.endswith("ties") and row % 2 == 0
-        _check_best(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")
+        check_best(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -32,12 +32,17 @@ float32 (exp2), K = V. Splits as in kernels/attention.py (adaptive: each program
 tile range; batch-invariant: a fixed number of tiles per split); the combine kernel there adds
 the sinks. Decode and prefill share the kernel (a prefill token is a program of its own).
 
-DeepSeek-V4.1's quantised rows (kv_formats_v41): the same two kernels read uint8 caches of FP8 /
-FP4 / MXFP4 rows (FMT constexprs, one per cache) and dequantise each tile in registers
-(_load_rows: e4m3 and e2m1 codes decoded arithmetically, their scales applied) before the
-products; SM90 has no FP4 tensor cores, so the products run in q's dtype, in which every
-dequantised value is exact (a code of at most 4 significant bits times an e4m3 or power-of-two
-scale: at most 7 significant bits, bfloat16's 8).
+DeepSeek-V4.1's candidate blocks (indexer_candidate_blocks, indexer_topk_in_blocks): the
+indexer's scores, their per-block maxima (_block_max_kernel) and those maxima's top
+(_listed_select_kernel); the second stage scores only the listed blocks' entries
+(_listed_scores_kernel), then takes their top.
+
+DeepSeek-V4.1's quantised rows (kv_formats_v41): the attention kernel and both indexer score
+kernels read uint8 caches of FP8 / FP4 / MXFP4 rows (FMT constexprs, one per cache) and
+dequantise each tile in registers (_load_rows: e4m3 and e2m1 codes decoded arithmetically, their
+scales applied) before the products; SM90 has no FP4 tensor cores, so the products run in q's
+dtype, in which every dequantised value is exact (a code of at most 4 significant bits times an
+e4m3 or power-of-two scale: at most 7 significant bits, bfloat16's 8).
 """
 
 from __future__ import annotations
@@ -720,10 +725,11 @@ def _listed_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_lt, stride_st,
     HI, DI, page, ratio, scale, bs, width, kb, row0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    K_FMT: tl.constexpr = 0,
 ):  # fmt: skip
     """Row t's scores over its width = kb * bs candidate slots: slot s is entry
     blocks[t, s // bs] * bs + s % bs (the listed blocks in ascending order), -inf where that
-    block is unused or the entry is not visible."""
+    block is unused or the entry is not visible. K_FMT: the keys' row format (_load_rows)."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
@@ -748,7 +754,7 @@ def _listed_scores_kernel(
     valid = ok & (e < n_vis)
     pg = tl.load(bt_ptr + b * stride_bt + e // page, mask=valid, other=0)
     krow = k_ptr + pg.to(tl.int64) * stride_kb + (e % page) * stride_kt
-    k = tl.load(krow[:, None] + d[None, :], mask=valid[:, None] & (d[None, :] < DI), other=0.0)
+    k = _load_rows(krow, d, valid, DI, K_FMT).to(q.dtype)
     acc = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)  # (BLOCK_H, BLOCK_N)
     score = tl.where(valid, tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0), float("-inf"))
     tl.store(score_ptr + (t - row0) * stride_st + s, score, mask=s < width)
@@ -832,10 +838,12 @@ def indexer_candidate_blocks(
     block_n: int = INDEXER_BLOCK_N,
     select_block: int = SELECT_BLOCK,
     scores_budget: int = SCORES_BUDGET_BYTES,
+    key_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """indexer_topk's ids (T, topk) and the candidate blocks (T, topk_blocks) int32 from the
-    same scores: per-block maxima (the newest visible entry's block +inf), then their top."""
-    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_candidate_blocks")
+    same scores: per-block maxima (the newest visible entry's block +inf), then their top.
+    key_format: as indexer_topk's."""
+    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_candidate_blocks", key_format)
     if not 0 < block_size <= 16 or topk_blocks < 1:
         raise ValueError(
             f"indexer_candidate_blocks: block_size {block_size} (1..16), topk_blocks {topk_blocks}"
@@ -850,7 +858,7 @@ def indexer_candidate_blocks(
             ids[g.row0 : g.row0 + g.rows].fill_(-1)
             blocks[g.row0 : g.row0 + g.rows].fill_(-1)
             continue
-        scores = _scores(q, weights, keys, g, ratio, scale, block_n, None)
+        scores = _scores(q, weights, keys, g, ratio, scale, block_n, key_format)
         if topk:
             _indexer_select_kernel[g.grid](
                 scores, g.seq_lens, g.qsl, ids, scores.stride(0), ids.stride(0), ratio, topk, g.row0,
@@ -883,11 +891,12 @@ def indexer_topk_in_blocks(
     block_n: int = INDEXER_BLOCK_N,
     select_block: int = SELECT_BLOCK,
     scores_budget: int = SCORES_BUDGET_BYTES,
+    key_format: str | None = None,
 ) -> torch.Tensor:
     """The top-k among the entries of each row's candidate blocks (T, Kb) int32 (distinct ids,
     -1 unused): scores over the Kb * block_size candidate slots only, the blocks sorted first
-    so that ties go to the lower entry id."""
-    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_topk_in_blocks")
+    so that ties go to the lower entry id. key_format: as indexer_topk's."""
+    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_topk_in_blocks", key_format)
     t, hi, di = q.shape
     if blocks.dim() != 2 or blocks.shape[0] != t or not 0 < block_size <= 16:
         raise ValueError(
@@ -911,7 +920,7 @@ def indexer_topk_in_blocks(
             listed.stride(0), scores.stride(0), hi, di, keys.shape[1], ratio, scale, block_size, width,
             listed.shape[1], g.row0,
             BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            num_warps=4,
+            K_FMT=row_format_code(key_format), num_warps=4,
         )  # fmt: skip
         _listed_select_kernel[g.grid](
             scores, listed, g.qsl, out, scores.stride(0), listed.stride(0), out.stride(0), width,
