@@ -214,9 +214,10 @@ def test_host_stand_ins_on_the_cpu_only() -> None:
 
 
 def test_v4_host_loop_defaults_refuse_graph_capture() -> None:
-    """DeepSeek-V4's compressed_attention and indexer_topk defaults read request lengths on the
-    host: while a real graph captures (DeviceOps.is_capturing) they raise NotImplementedError,
-    which the model runner takes as "run decode eagerly"; otherwise they run."""
+    """DeepSeek-V4's compressed_attention and indexer_topk defaults (and DeepSeek-V4.1's two
+    candidate-block stages) read request lengths on the host: while a real graph captures
+    (DeviceOps.is_capturing) they raise NotImplementedError, which the model runner takes as
+    "run decode eagerly"; otherwise they run."""
 
     class Capturing(ReferenceDevice):
         capturing = False
@@ -240,6 +241,15 @@ def test_v4_host_loop_defaults_refuse_graph_capture() -> None:
         both()
     with pytest.raises(NotImplementedError, match="indexer_topk"):
         backend.attention.indexer_topk(q, torch.ones(1, 2), cache, meta, ratio=4, topk=2, scale=1.0)
+    blocks = torch.zeros((1, 8), dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="indexer_candidate_blocks reads request lengths"):
+        backend.attention.indexer_candidate_blocks(
+            q, torch.ones(1, 2), cache, meta, ratio=1, topk=2, scale=1.0, block_size=2, topk_blocks=8
+        )
+    with pytest.raises(NotImplementedError, match="indexer_topk_in_blocks reads request lengths"):
+        backend.attention.indexer_topk_in_blocks(
+            q, torch.ones(1, 2), cache, meta, blocks, ratio=1, topk=2, scale=1.0, block_size=2
+        )
 
 
 def test_attention_modifiers_describe_and_plain() -> None:

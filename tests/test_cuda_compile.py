@@ -157,6 +157,33 @@ def test_indexer_kernels() -> None:
     compile_sm90(v4_k._indexer_select_kernel, types | lengths, dict(BLOCK=v4_k.SELECT_BLOCK))
 
 
+def test_candidate_block_kernels() -> None:
+    """DeepSeek-V4.1's candidate blocks: the block maxima, the scores over the candidate slots
+    (V4.1-Flash's 32 x 128 indexer, blocks of 16; bf16 keys and the published MXFP4 key rows,
+    dequantised in registers) and the select of both stages."""
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
+    types = {"score_ptr": PTR["f32"], "out_ptr": PTR["f32"]}
+    compile_sm90(v4_k._block_max_kernel, types | lengths, dict(BLOCK_B=64, BS=16))
+    for key_format in (None, "mxfp4"):
+        types = {
+            "q_ptr": PTR["bf16"],
+            "k_ptr": PTR["bf16"] if key_format is None else "*u8",
+            "w_ptr": PTR["f32"],
+            "blocks_ptr": PTR["i32"],
+            "score_ptr": PTR["f32"],
+            "scale": "fp32",
+        }
+        constexprs = dict(
+            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format)
+        )
+        compile_sm90(v4_k._listed_scores_kernel, types | lengths, constexprs)
+    types = {"score_ptr": PTR["f32"], "blocks_ptr": PTR["i32"], "out_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
+    for listed in (True, False):
+        compile_sm90(v4_k._listed_select_kernel, types, dict(LISTED=listed, BLOCK=v4_k.SELECT_BLOCK))
+
+
 @pytest.mark.parametrize("topk", [True, False], ids=["csa", "hca"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "splits"])
 def test_compressed_attention_kernel(topk: bool, direct: bool) -> None:
@@ -506,3 +533,24 @@ def test_split_reductions_load_their_parts_together() -> None:
         tail = lines[start:]
         loads = sum(load in line for line in tail)
         assert loads >= parts, f"{name}: {loads} {load} after the ticket, expected one per part"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float-rows", "fp8-rows"])
+def test_engram_kernels(fp8: bool) -> None:
+    """DeepSeek-V4.1's Engram lookup (float rows, or e4m3 rows with UE8M0 scales dequantised into
+    bf16) at V4.1-Flash-like rows of 512, and the gate at a 4096-wide hidden."""
+    from deepinfer_cuda.kernels import engram as engram_k
+
+    types = {
+        "ids_ptr": PTR["i64"],
+        "mult_ptr": PTR["i64"],
+        "size_ptr": PTR["i64"],
+        "offset_ptr": PTR["i64"],
+        "table_ptr": "*fp8e4nv" if fp8 else PTR["bf16"],
+        "scale_ptr": "*u8" if fp8 else PTR["bf16"],
+        "out_ptr": PTR["bf16"],
+    }
+    compile_sm90(engram_k._lookup_kernel, types, dict(HEADS=8, G=3, BLOCK=512, FP8=fp8), num_warps=1)
+    types = {"x_ptr": PTR["bf16"], "kv_ptr": PTR["bf16"], "w_ptr": PTR["f32"], "out_ptr": PTR["bf16"]}
+    types |= {"eps": "fp32", "clamp": "fp32"}
+    compile_sm90(engram_k._gate_kernel, types, dict(BLOCK=4096))

@@ -1483,6 +1483,90 @@ def test_indexer_topk_select_blocks_and_upper_bounds(gen: torch.Generator, selec
             assert sorted(got[row].tolist()) == sorted(want[row].tolist()), row
 
 
+def _f64_best(scores: list[float], allowed: list[int], k: int) -> list[int]:
+    """The k best of `allowed` by float64 score, ties to the lower id (sorted)."""
+    return sorted(sorted(allowed, key=lambda i: (-scores[i], i))[:k])
+
+
+@pytest.mark.parametrize("key_format", [None, "mxfp4"], ids=["float-keys", "mxfp4-keys"])
+@pytest.mark.parametrize("select_block", [16, 1024])
+def test_indexer_candidate_blocks_against_float64(
+    gen: torch.Generator, select_block: int, key_format: str | None
+) -> None:
+    """DeepSeek-V4.1's two stages (candidate blocks from one layer's scores, then the top-k inside
+    them) against float64 brute force: block maxima over partial blocks, the newest block forced in,
+    selects over several blocks of columns, fewer candidates than top-k, rows whose scores all tie
+    (zero queries: the lowest ids), graph-replay host lengths (upper bounds) and a scores budget
+    that runs each request alone. MXFP4 keys (V4.1's published index-key rows, every pool row
+    quantised): the kernels dequantise them in registers; float64 scores the keys rounded by the
+    oracle's own kv_round."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+    from deepinfer.testing.v41_oracle import kv_round
+
+    di = 8 if key_format is None else 32  # whole 32-value scale blocks
+    seq, ql, ratio, hi, bs, kb = [203, 150, 9, 1], [1, 3, 1, 1], 2, 3, 3, 8
+    keys, table, rows = _entry_pool(seq, ratio, di, 8, gen)
+    if key_format is not None:
+        rows = [kv_round(r.double(), key_format) for r in rows]
+    meta = AttentionMetadata.build(table.to(DEV), seq, ql)
+    q = torch.randn((sum(ql), hi, di), generator=gen)
+    q[1] = 0  # every score 0
+    w = torch.randn((sum(ql), hi), generator=gen)
+    queries = [
+        (r, b, seq[b] - ql[b] + i)
+        for b in range(len(seq))
+        for i, r in enumerate(range(sum(ql[:b]), sum(ql[: b + 1])))
+    ]
+    scores64 = {}
+    for r, b, pos in queries:
+        n_vis = (pos + 1) // ratio
+        k64 = rows[b][:n_vis].double()
+        s64 = (torch.relu(q[r].double() @ k64.T) * 0.3 * w[r].double()[:, None]).sum(0)
+        scores64[r] = s64.tolist()
+    bound = dataclasses.replace(meta, seq_lens_host=(400,) * 4, max_seq_len=400)
+    pool = keys.tensors[0]
+    if key_format is not None:
+        pool = kvf.quantize_rows(pool, key_format)  # type: ignore[arg-type]
+    pool = pool.to(DEV)
+    for m, budget in ((meta, v4_k.SCORES_BUDGET_BYTES), (bound, v4_k.SCORES_BUDGET_BYTES), (meta, 1)):
+        for topk in (5, 30):  # 30 > kb * bs = 24 candidate entries
+            ids, blocks = v4_k.indexer_candidate_blocks(
+                q.to(DEV), w.to(DEV), pool, m, ratio=ratio, topk=topk, scale=0.3, block_size=bs,
+                topk_blocks=kb, block_n=16, select_block=select_block, scores_budget=budget,
+                key_format=key_format,
+            )  # fmt: skip
+            inside = v4_k.indexer_topk_in_blocks(
+                q.to(DEV), w.to(DEV), pool, m, blocks, ratio=ratio, topk=topk, scale=0.3, block_size=bs,
+                block_n=16, select_block=select_block, scores_budget=budget, key_format=key_format,
+            )  # fmt: skip
+            ids, blocks, inside = ids.cpu(), blocks.cpu(), inside.cpu()
+            for r, _, _ in queries:
+                sc = scores64[r]
+                n_vis, nb = len(sc), -(-len(sc) // bs)
+                best = [max(sc[j * bs : (j + 1) * bs]) for j in range(nb)]
+                if nb:
+                    best[-1] = float("inf")
+                want_blocks = _f64_best(best, list(range(nb)), kb)
+                assert sorted(i for i in blocks[r].tolist() if i >= 0) == want_blocks, (r, blocks[r])
+                assert sorted(i for i in ids[r].tolist() if i >= 0) == _f64_best(sc, list(range(n_vis)), topk)
+                cand = [e for e in range(n_vis) if e // bs in want_blocks]
+                assert sorted(i for i in inside[r].tolist() if i >= 0) == _f64_best(sc, cand, topk), r
+                assert (inside[r] >= 0).sum() == min(topk, len(cand)) and (inside[r][len(cand) :] == -1).all()
+    with pytest.raises(ValueError, match="indexer_topk_in_blocks"):
+        v4_k.indexer_topk_in_blocks(
+            q.to(DEV),
+            w.to(DEV),
+            pool,
+            meta,
+            blocks[:2].to(DEV),
+            ratio=ratio,
+            topk=5,
+            scale=0.3,
+            block_size=bs,
+            key_format=key_format,
+        )
+
+
 def _compressed_case(
     gen: torch.Generator, topk_width: int
 ) -> tuple[torch.Tensor, PagedKVCache, PagedKVCache, torch.Tensor, AttentionMetadata, torch.Tensor, Any]:

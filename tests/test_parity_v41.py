@@ -2,9 +2,10 @@
 whole-sequence math written from the published description, sharing no code with the model):
 greedy tokens through LLM.generate on the reference backend in float32 equal the oracle's, on
 tiny random checkpoints covering every layer type (window only, C1, C2), the sharing topology
-(KV, index-key and top-k consumers), YOCO's shared hidden state in the decoder half, shifted and
-unshifted hyper-connections, YaRN and plain rope, Engram layers (identity and tokenizer-compressed
-vocabularies, n-grams of up to 4 tokens); prompts past the window and across many C2 pairs and
+(KV, index-key and top-k consumers), candidate blocks (two-stage top-k on C1 and C2 layers),
+YOCO's shared hidden state in the decoder half, shifted and unshifted hyper-connections, YaRN
+and plain rope, Engram layers (identity and tokenizer-compressed vocabularies, n-grams of up to
+4 tokens); prompts past the window and across many C2 pairs and
 prompts shorter than the n-grams; whole prefill, chunked prefill that cuts pairs anywhere, and
 preemption with recompute; decode graphs and async scheduling (the engine's defaults).
 """
@@ -61,6 +62,27 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
     # one top-k entry, a wide window
     "topk1": dict(layers=3, ratios=[1, 2, 1], index_topk=1, window=9, kv_source_layer_ids=[0, 1, 2]),
+    # candidate blocks (two-stage selection) from layer 1: 8 blocks of 2 entries; layer 2 (KV and
+    # index keys of layer 1, its own indexer) and layer 3 pick inside them, layer 4 takes 3's top-k
+    "candidates": dict(
+        layers=5,
+        ratios=[0, 1, 1, 1, 1],
+        kv_source_layer_ids=[1, 3],
+        index_k_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 2, 3],
+        candidate_source_layer_id=1,
+    ),
+    # candidate blocks on C2 layers (after a C1 layer: the whole model is the decoder half), blocks
+    # of one entry, 4 top-k entries, unshifted HC
+    "candidates_c2": dict(
+        layers=4,
+        ratios=[1, 0, 2, 2],
+        index_topk=4,
+        hc_shifted=False,
+        kv_source_layer_ids=[0, 1, 2, 3],
+        candidate_source_layer_id=2,
+        candidate_block_size=1,
+    ),
     # Engram on both encoder layers (the window layer and C2), 2- and 3-grams, the identity vocabulary
     "engram": dict(layers=4, engram=True, engram_layer_ids=[0, 1], engram_compressed_vocab_size=None),
     # Engram through the compressed vocabulary of a tokenizer.json (three raw ids per compressed
@@ -149,6 +171,16 @@ def test_preemption_recomputes_exactly(case: Case) -> None:
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_candidate_blocks_change_the_tokens(tmp_path: Path) -> None:
+    """The parity above could not miss the second stage: without the candidate source (every
+    layer picks among all its entries) the oracle's tokens differ."""
+    for name in ("candidates", "candidates_c2"):
+        c = Case(name, tmp_path / name)
+        raw = dict(c.raw, text_config=dict(c.raw["text_config"], candidate_source_layer_id=None))
+        free = V41Oracle(raw, c.tensors)
+        assert [free.greedy(p, NEW_TOKENS) for p in c.prompts] != c.expected, name
+
+
 ENGRAM_CASES = ["engram", "engram_tokenizer"]
 
 
@@ -223,6 +255,19 @@ def test_engram_on_the_cuda_backend(engram_case: Case) -> None:
     assert greedy(llm, c.prompts[:4]) == c.expected[:4]
 
 
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_candidate_blocks_on_the_cuda_backend(tmp_path: Path) -> None:
+    """The cuda backend's Triton candidate-block kernels (both stages) inside the whole model,
+    float32, chunked prefill: the oracle's greedy tokens."""
+    c = Case("candidates", tmp_path)
+    llm = c.llm(backend="cuda", max_num_batched_tokens=16, enable_chunked_prefill=True)
+    assert llm.llm_engine.backend.name == "cuda"
+    assert greedy(llm, c.prompts[3:5]) == c.expected[3:5]
+
+
 def test_engram_without_its_tokenizer_is_refused(tmp_path: Path) -> None:
     raw = tiny_v41_config(layers=4, engram=True)  # engram_compressed_vocab_size set, no tokenizer.json
     raw.pop("quantization_config")
@@ -276,6 +321,20 @@ def _text(**overrides: Any) -> dict[str, Any]:
             ),
             r"index_source_layer_ids: layer 3 takes layer 2's top-k but scores layer 3's index keys",
         ),
+        (
+            _text(
+                kv_source_layer_ids=[1, 2],
+                index_source_layer_ids=[1, 2],
+                candidate_source_layer_id=3,
+                candidate_topk_blocks=8,
+                candidate_block_size=2,
+            ),
+            r"candidate_source_layer_id 3 takes layer 2's top-k; the candidate source must run its own",
+        ),
+        (
+            _text(candidate_source_layer_id=1, candidate_topk_blocks=8, candidate_block_size=2),
+            r"candidate_source_layer_id 1: every layer from it on must share its ratio, found \[1, 2\]",
+        ),
         (_text(scoring_func="softmax"), r"scoring_func 'softmax' is not supported"),
         (
             _text(
@@ -305,26 +364,6 @@ def _text(**overrides: Any) -> dict[str, Any]:
 def test_bad_configs_name_the_field(raw: dict[str, Any], match: str) -> None:
     with pytest.raises(ModelConfigError, match=match):
         ModelConfig.from_dict(raw)
-
-
-@pytest.mark.parametrize(
-    "overrides,match",
-    [
-        (
-            dict(candidate_source_layer_id=2, candidate_topk_blocks=8, candidate_block_size=2),
-            "candidate-block",
-        ),
-    ],
-)
-def test_parts_not_built_yet_are_refused_by_name(
-    tmp_path: Path, overrides: dict[str, Any], match: str
-) -> None:
-    raw = _text(**overrides)
-    raw.pop("quantization_config")
-    raw["dtype"] = "float32"
-    write_v41_checkpoint(tmp_path, raw, random_v41_tensors(raw))
-    with pytest.raises(NotImplementedError, match=match):
-        LLM(str(tmp_path), backend="reference", dtype="float32")
 
 
 def test_the_shipped_v41_flash_config_parses() -> None:

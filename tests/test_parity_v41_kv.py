@@ -45,10 +45,33 @@ CONFIGS: dict[str, dict[str, Any]] = {
         kv_source_layer_ids=[0, 1, 2, 3, 4],
         index_source_layer_ids=[0, 1, 2, 3, 4],
     ),
+    # candidate blocks (two-stage selection) over the MXFP4 index keys, from C1 layer 1: 8 blocks
+    # of 2 entries; layer 2 (layer 1's KV and index keys, its own indexer) and layer 3 pick inside
+    # them, layer 4 takes 3's top-k
+    "candidates": dict(
+        layers=5,
+        ratios=[0, 1, 1, 1, 1],
+        kv_source_layer_ids=[1, 3],
+        index_k_source_layer_ids=[1, 3],
+        index_source_layer_ids=[1, 2, 3],
+        candidate_source_layer_id=1,
+    ),
+    # candidate blocks on C2 layers (the whole model the decoder half), blocks of one entry
+    "candidates_c2": dict(
+        layers=4,
+        ratios=[1, 0, 2, 2],
+        index_topk=4,
+        kv_source_layer_ids=[0, 1, 2, 3],
+        candidate_source_layer_id=2,
+        candidate_block_size=1,
+    ),
 }
 FORMATS = ("auto", "fp8")
 # (config, kv_cache_dtype): the published default on every config, FP8 main entries on two
-CASES = [("plain", "auto"), ("shared", "auto"), ("decoder_c2", "auto"), ("plain", "fp8"), ("shared", "fp8")]
+CASES = [
+    ("plain", "auto"), ("shared", "auto"), ("decoder_c2", "auto"), ("candidates", "auto"),
+    ("candidates_c2", "auto"), ("plain", "fp8"), ("shared", "fp8"),
+]  # fmt: skip
 
 
 class Case:
@@ -58,6 +81,7 @@ class Case:
         raw["dtype"] = "float32"
         tensors = random_v41_tensors(raw, seed=3 + len(name))
         self.root = write_v41_checkpoint(root, raw, tensors)
+        self.raw, self.tensors = raw, tensors
         self.kv_cache_dtype = kv_cache_dtype
         gen = torch.Generator().manual_seed(11)
         vocab = raw["text_config"]["vocab_size"]
@@ -114,6 +138,17 @@ def test_preemption_recomputes_exactly(case: Case) -> None:
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
+def test_candidate_blocks_change_the_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The parity above could not miss the second stage over quantised keys: without the
+    candidate source (every indexer over all visible entries) the rounding oracle's tokens differ
+    in some prompt of each candidate config."""
+    for name in ("candidates", "candidates_c2"):
+        c = built(name, "auto", tmp_path_factory)
+        raw = dict(c.raw, text_config=dict(c.raw["text_config"], candidate_source_layer_id=None))
+        oracle = V41Oracle(raw, c.tensors, kv_cache_dtype="auto")
+        assert any(oracle.greedy(p, NEW_TOKENS) != e for p, e in zip(c.prompts, c.expected)), name
+
+
 def test_the_rounding_is_visible(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The parity above could not pass with exact caches: on these cases the rounding oracle's
     tokens differ from the exact oracle's in some prompt, for each format."""
@@ -127,13 +162,15 @@ def test_the_rounding_is_visible(tmp_path_factory: pytest.TempPathFactory) -> No
     reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
 )
 def test_published_formats_on_the_cuda_backend(tmp_path: Path) -> None:
-    """The cuda backend's Triton kernels over the quantised rows (attention and indexer scoring
-    dequantising in registers) inside the whole model, float32, decode graphs: the rounding
-    oracle's greedy tokens, sharing included."""
-    c = Case("shared", "auto", tmp_path)
+    """The cuda backend's Triton kernels over the quantised rows (attention, indexer scoring and
+    both candidate-block stages dequantising in registers) inside the whole model, float32,
+    decode graphs: the rounding oracle's greedy tokens, sharing and candidate blocks included."""
+    c = Case("shared", "auto", tmp_path / "shared")
     llm = c.llm(backend="cuda")
     assert llm.llm_engine.backend.name == "cuda"
     assert greedy(llm, c.prompts) == c.expected
+    c = Case("candidates", "auto", tmp_path / "candidates")
+    assert greedy(c.llm(backend="cuda"), c.prompts[1:]) == c.expected[1:]
 
 
 # --------------------------------------------------------------------------- the KV budget

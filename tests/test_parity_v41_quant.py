@@ -33,6 +33,14 @@ instead is off by 1.2 .. 2.3), 0.11 .. 0.35 against the twin.
 Also: bfloat16 (test_bfloat16_within_both_errors); the weights stay FP8 (block 32) / MXFP4 in
 memory; a corrupt checkpoint (scales of the wrong shape or dtype, a weight of the wrong dtype) is
 refused with the tensor named.
+Engram tables as DeepSeek stores them (FP8 rows: e4m3 with a UE8M0 scale per 32 values of a row)
+are dequantised by the lookup exactly (an e4m3 value times a power of two is a float32 and a
+bfloat16 value), so they add no error of their own; the Engram layers' FP8 wkv adds one
+quantised input per Engram layer (26 instead of 24 tensors for "engram": sqrt(26/24) = 1.04 of
+the bound above, inside its 2.5x). A checkpoint whose only FP8 tensors are the Engram rows
+therefore runs bit for bit as its dequantised twin: the greedy tokens are equal whatever the
+margins, in float32 and bfloat16, with the tables on the device or in host memory
+(test_fp8_engram_rows_equal_their_twin).
 """
 
 from __future__ import annotations
@@ -74,6 +82,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
         kv_source_layer_ids=[0, 2, 3],
         index_k_source_layer_ids=[0, 2, 3],
         index_source_layer_ids=[0, 2, 3],
+    ),
+    # Engram on both encoder layers, its tables FP8 rows (rows of 32: one scale each)
+    "engram": dict(
+        layers=4, engram=True, engram_layer_ids=[0, 1], engram_compressed_vocab_size=None, engram_head_dim=32
     ),
 }
 
@@ -194,6 +206,59 @@ def test_weights_stay_fp8_and_mxfp4(case: Case) -> None:
             assert attn.indexer.wq_b.is_fp8 and not attn.indexer.weights_proj.is_fp8
 
 
+def test_engram_tables_stay_fp8_rows(case: Case) -> None:
+    model: Any = load_model(case.quant, create_reference_backend(), dtype=torch.float32)
+    engrams = [layer.engram for layer in model.layers if layer.engram is not None]
+    assert bool(engrams) == (case.raw["text_config"].get("engram_layer_ids") is not None)
+    for e in engrams:
+        assert e.table.dtype == torch.float8_e4m3fn and e.table.shape == (e.rows, e.head_dim)
+        assert e.scales is not None and e.scales.dtype == torch.uint8
+        assert e.scales.shape == (e.rows, e.head_dim // MX)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("host", [False, True], ids=["device-tables", "host-tables"])
+def test_fp8_engram_rows_equal_their_twin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, host: bool
+) -> None:
+    """A float checkpoint whose Engram tables are FP8 rows against the same checkpoint with the
+    rows dequantised: the same greedy tokens (the lookup's dequantisation is exact: the bound
+    is 0), and in float32 the float64 oracle on the twin's weights gives them too."""
+    if host:
+        monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    raw = tiny_v41_config(**CONFIGS["engram"])
+    raw.pop("quantization_config")
+    raw["dtype"] = "float32"
+    tensors = random_v41_tensors(raw, seed=5)
+    quantised, dequantised = quantize_v41_tensors(tensors)
+    rows = [n for n in tensors if n.endswith("engram.embed.weight")]
+    assert len(rows) == 2 and all(not torch.equal(dequantised[n], tensors[n]) for n in rows)
+    fp8 = (
+        tensors
+        | {n: quantised[n] for n in rows}
+        | {n.replace("weight", "scale"): quantised[n.replace("weight", "scale")] for n in rows}
+    )
+    twin = tensors | {n: dequantised[n] for n in rows}
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 64, (n,), generator=gen).tolist() for n in (3, 11, 29)]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for name, weights in (("fp8", fp8), ("twin", twin)):
+        root = write_v41_checkpoint(tmp_path / name, raw, weights)
+        llm = LLM(
+            str(root), backend="reference", dtype=dtype, block_size=4, max_model_len=64, kv_cache_dtype="bf16"
+        )  # the oracle's exact KV
+        engrams = [b.engram for b in llm.llm_engine.model.layers if b.engram is not None]
+        assert all((e.table.dtype == torch.float8_e4m3fn) == (name == "fp8") for e in engrams)
+        assert all(e.host_table == host for e in engrams)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([list(o.outputs[0].token_ids) for o in outs])
+    assert runs[0] == runs[1]
+    if dtype == "float32":
+        oracle = V41Oracle(raw, twin)
+        assert runs[0] == [oracle.greedy(p, NEW_TOKENS) for p in prompts]
+
+
 def test_equals_the_oracle_with_the_same_activation_quantisation(
     case: Case, quant_runs: list[tuple[list[int], torch.Tensor]]
 ) -> None:
@@ -283,3 +348,53 @@ def test_wrong_dtypes_are_named(case: Case, tmp_path: Path) -> None:
     assert "layers.0.ffn.experts.1.w1.scale" in str(err) and "UE8M0" in str(err)
     err = load_error(case, tmp_path / "d", {"layers.0.attn.wq_a.scale": None})  # FP8 without its scale
     assert "layers.0.attn.wq_a" in str(err) and "scale" in str(err)
+
+
+def test_wrong_engram_rows_are_named(tmp_path: Path) -> None:
+    """FP8 Engram rows: a scale of the wrong dtype or shape, float rows beside a scale, and FP8
+    rows without their scale are refused with the tensor named."""
+    case = Case("engram", tmp_path / "case")
+    table, scale = "layers.1.engram.embed.weight", "layers.1.engram.embed.scale"
+    rows, groups = case.quantised[scale].shape
+    err = load_error(case, tmp_path / "a", {scale: case.quantised[scale].view(torch.uint8).to(torch.int32)})
+    assert repr(scale) in str(err) and "I32" in str(err) and "UE8M0" in str(err)
+    err = load_error(case, tmp_path / "b", {scale: case.quantised[scale][:, :0].contiguous()})
+    assert isinstance(err, ShapeMismatchError) and repr(scale) in str(err)
+    assert f"expected shape ({rows}, {groups}) (one per 32 values of each row" in str(err)
+    err = load_error(case, tmp_path / "c", {table: case.twin[table].to(torch.bfloat16)})
+    assert repr(table) in str(err) and "must be FP8 rows (F8_E4M3), but it is BF16" in str(err)
+    err = load_error(case, tmp_path / "d", {scale: None})
+    assert repr(table) in str(err) and "is FP8 but has no layers.1.engram.embed" in str(err)
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("embed.weight", torch.int32),
+        ("layers.0.attn_norm.weight", torch.uint8),
+        ("layers.1.attn.attn_sink", torch.float8_e4m3fn),
+        ("layers.1.hc_attn_fn", torch.int16),
+        ("layers.1.attn.compressor.wgate.weight", torch.int8),
+        ("layers.2.attn.indexer.weights_proj.weight", torch.float8_e4m3fn),
+        ("layers.3.ffn.gate.weight", torch.int64),
+        ("layers.0.engram.q_weight", torch.uint8),
+        ("layers.0.engram.embed.weight", torch.int8),
+        ("head.weight", torch.float8_e5m2),
+    ],
+)
+def test_every_stored_dtype_outside_the_format_is_named(
+    tmp_path: Path, name: str, dtype: torch.dtype
+) -> None:
+    """Tensors the published format stores as floats (bf16 / float32), given an integer or FP8
+    dtype with no scale: refused with the tensor named."""
+    case = Case("engram", tmp_path / "case")
+    t = case.quantised[name]
+    bad = t.to(dtype) if dtype.is_floating_point else t.float().round().clamp(-100, 100).to(dtype)
+    err = load_error(case, tmp_path / "bad", {name: bad})
+    assert f"tensor {name!r}" in str(err), str(err)
+    if dtype == torch.float8_e4m3fn:
+        assert "is FP8" in str(err)
+    elif name.endswith("engram.embed.weight"):
+        assert "must be FP8 rows (F8_E4M3)" in str(err)
+    else:
+        assert "a weight must be floating point" in str(err), str(err)

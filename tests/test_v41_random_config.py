@@ -117,9 +117,15 @@ def test_random_model_in_the_published_format(tmp_path: Path) -> None:
             assert not layer.attn.compressor.wkv.is_fp8
 
 
-@pytest.mark.parametrize("shifted,vision", [(True, False), (False, False), (True, True)])
-def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool, vision: bool) -> None:
-    raw = tiny(hc_shifted=shifted, vision=vision)
+@pytest.mark.parametrize(
+    "shifted,engram,vision",
+    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+)
+def test_weight_estimate_matches_the_built_model(
+    tmp_path: Path, shifted: bool, engram: bool, vision: bool
+) -> None:
+    knobs: dict[str, Any] = dict(engram=True, engram_layer_ids=[0, 2], engram_compressed_vocab_size=None)
+    raw = tiny(hc_shifted=shifted, vision=vision, **(knobs if engram else {}))
     raw.pop("quantization_config")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     model = random_model(tmp_path / "config.json", get_backend("reference"), torch.float32)
@@ -128,10 +134,37 @@ def test_weight_estimate_matches_the_built_model(tmp_path: Path, shifted: bool, 
     assert estimate_weight_bytes(ModelConfig.from_dict(raw), torch.float32) == sum(storages.values())
 
 
-def test_bench_reduced_depth_runs(run_deepinfer: Any, tmp_path: Path) -> None:
+def test_engram_tables_in_the_estimate(tmp_path: Path) -> None:
+    """The published format: Engram tables as FP8 rows (a byte a value, a scale byte per 32) are
+    in the built model as estimated; in host memory (envs.ENGRAM_HOST_TABLES) they leave the
+    device's share. The shipped V4.1-Flash at 4 layers keeps Engram layer 1: its table (about
+    95 GiB of FP8 rows) is most of the device estimate, and none of it with host tables."""
+    raw = tiny(engram=True, engram_layer_ids=[0], engram_compressed_vocab_size=None, engram_head_dim=32)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model: Any = random_model(tmp_path / "config.json", get_backend("reference"), fp8=True)
+    e = model.layers[0].engram
+    assert e.table.dtype == torch.float8_e4m3fn and e.scales.shape == (e.rows, e.head_dim // 32)
+    cfg = ModelConfig.from_dict(raw)
+    table = e.table.numel() + e.scales.numel()
+    fp8 = estimate_weight_bytes(cfg, torch.bfloat16, fp8=True)
+    assert fp8 - estimate_weight_bytes(cfg, torch.bfloat16, fp8=True, host_tables=True) == table
+    shipped = ModelConfig.from_dict(reduce_depth(json.loads(SHIPPED.read_text()), 4))
+    assert shipped.v41 is not None and shipped.v41.engram is not None
+    assert shipped.v41.engram.layer_ids == (1,)
+    device = estimate_weight_bytes(shipped, torch.bfloat16, fp8=True)
+    host = estimate_weight_bytes(shipped, torch.bfloat16, fp8=True, host_tables=True)
+    rows = 16 * 49999991 * 128  # 2 n-gram sizes x 8 heads of primes just above engram_vocab_size
+    assert 0 < (device - host) - rows * (1 + 1 / 32) < 16 * 200 * 128 * 2  # prime gaps of < 200
+    assert host < 0.5 * device
+
+
+@pytest.mark.parametrize("engram", [False, True], ids=["plain", "engram-fp8-rows"])
+def test_bench_reduced_depth_runs(run_deepinfer: Any, tmp_path: Path, engram: bool) -> None:
     """The published formats: FP8 weights, MXFP4 experts, the default KV formats (rows of whole
-    32-value scale blocks)."""
-    (tmp_path / "config.json").write_text(json.dumps(tiny(head_dim=32, index_head_dim=32)))
+    32-value scale blocks), with and without FP8 Engram rows."""
+    knobs: dict[str, Any] = dict(engram=True, engram_compressed_vocab_size=None, engram_head_dim=32)
+    raw = tiny(head_dim=32, index_head_dim=32, **(knobs if engram else {}))
+    (tmp_path / "config.json").write_text(json.dumps(raw))
     r = run_deepinfer(
         "bench", "--random-config", str(tmp_path / "config.json"), "--num-hidden-layers", "3",
         "--quantization", "fp8", "--backend", "reference", "--num-prompts", "2",

@@ -568,6 +568,73 @@ class AttentionOps(_Part):
         _refuse_capture(self.backend, "varlen_attention")
         return ref_attention.varlen_attention(q, k, v, cu_seqlens, scale)
 
+    def indexer_candidate_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+        topk_blocks: int,
+        key_format: kvf.RowFormat | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V4.1's candidate-block selection, first stage (the candidate source layer):
+        indexer_topk's picks, and the blocks every later layer scores inside. Arguments and
+        scores as indexer_topk; block j holds entries [j*block_size, (j+1)*block_size). A row's
+        block score is the best score of its visible entries in the block, except the block of
+        the row's newest visible entry, which scores +inf (always kept). -> (ids (T, topk),
+        blocks (T, topk_blocks)) int32: blocks = the min(topk_blocks, visible blocks) best
+        blocks in any order, ties to the lower block id, -1 in the other columns. key_format:
+        the keys' row format as quantized_indexer_topk's (None: keys in a float dtype). Default:
+        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
+        while a real graph captures)."""
+        _refuse_capture(self.backend, "indexer_candidate_blocks")
+        return ref_v4.indexer_candidate_blocks(
+            q, weights, keys, meta, ratio, topk, scale, block_size, topk_blocks, self._key_reader(key_format)
+        )
+
+    def indexer_topk_in_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        blocks: torch.Tensor,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+        key_format: kvf.RowFormat | None = None,
+    ) -> torch.Tensor:
+        """DeepSeek-V4.1's candidate-block selection, second stage: indexer_topk restricted to
+        the visible entries of each row's candidate blocks. blocks (T, Kb) int32: distinct block
+        ids per row (blocks of block_size entries, as indexer_candidate_blocks lists them), -1
+        unused, ids past the row's visible blocks ignored. -> (T, topk) int32: the
+        min(topk, candidate entries) best candidate entries in any order, ties to the lower
+        entry id, -1 in the other columns. key_format: as indexer_candidate_blocks'. Default:
+        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
+        while a real graph captures)."""
+        _refuse_capture(self.backend, "indexer_topk_in_blocks")
+        return ref_v4.indexer_topk_in_blocks(
+            q, weights, keys, meta, blocks, ratio, topk, scale, block_size, self._key_reader(key_format)
+        )
+
+    def _key_reader(self, key_format: kvf.RowFormat | None) -> ref_v4.RowReader:
+        """The index keys' rows: read_kv's values, or read_kv_rows' dequantised ones."""
+        kv = self.backend.kv_cache
+        if key_format is None:
+            return kv.read_kv
+
+        def read(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
+            return kv.read_kv_rows(cache, slots, key_format)
+
+        return read
+
 
 def _refuse_capture(backend: Backend, op: str) -> None:
     if backend.device.is_capturing():
@@ -1043,7 +1110,14 @@ class SmallOps(_Part):
         return ref_v4.hc_head(streams, fn, base, scale, norm_eps, hc_eps, self.batch_invariant)
 
     def engram_lookup(
-        self, ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+        self,
+        ngram_ids: torch.Tensor,
+        multipliers: torch.Tensor,
+        sizes: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        scales: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """DeepSeek-V4.1's Engram embedding: hashed n-gram rows of a stacked table, side by side.
         ngram_ids (T, G) int64 (row t: the compressed ids of tokens p, p-1, ..., p-G+1, all >= 0),
@@ -1051,11 +1125,15 @@ class SmallOps(_Part):
         c // Hg + 2), table (R, Dh) with R >= sum(sizes) -> (T, C * Dh) in table's dtype, where
         head c reads row (XOR_{r < n} ids[t, r] * multipliers[r]) mod sizes[c] + (sizes[0] + ...
         + sizes[c - 1]); products wrap in int64, the remainder is non-negative. A gather: exact.
-        The table is on the device, or, where Capabilities.reads_host_tables, in pinned host
+        FP8 rows (DeepSeek's published tables): table float8_e4m3fn (R, Dh), Dh a multiple of
+        32, with scales (R, Dh / 32) uint8 UE8M0 (value j of a row times 2^(scales[row, j // 32]
+        - 127)) -> the rows dequantised, in `dtype` (float32 / bfloat16 / float16; default
+        float32): still exact, an e4m3 value times a power of two fits each. The table (and its
+        scales) are on the device, or, where Capabilities.reads_host_tables, in pinned host
         memory (device.pinned_empty): the output is on the ids' device either way. Device only,
         graph-safe. Default: the reference (deepinfer.reference.engram; host tables only where
         host memory is the device's, the CPU)."""
-        return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table)
+        return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table, scales, dtype)
 
     def engram_gate(
         self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float

@@ -202,11 +202,16 @@ def _check_sharing(f: _Fields, topo: SharingTopology, ratios: tuple[int, ...], n
         c = topo.candidate
         if not 0 <= c < len(ratios) or ratios[c] == 0:
             raise f.error(f"candidate_source_layer_id {c} is not a compressed layer")
-        later = {ratios[i] for i in range(c, len(ratios)) if ratios[i]}
-        if len(later) != 1:
+        if topo.index[c] != c:
             raise f.error(
-                f"candidate_source_layer_id {c}: every compressed layer from it on must share one "
-                f"ratio, found {sorted(later)}"
+                f"candidate_source_layer_id {c} takes layer {topo.index[c]}'s top-k; the candidate "
+                "source must run its own indexer (list it in index_source_layer_ids)"
+            )
+        later = {ratios[i] for i in range(c, len(ratios))}
+        if len(later) != 1:  # DeepSeek's check covers sliding-window layers too
+            raise f.error(
+                f"candidate_source_layer_id {c}: every layer from it on must share its ratio, found "
+                f"{sorted(later)}"
             )
         blocks, size = topo.candidate_topk_blocks, topo.candidate_block_size
         if blocks % 8 or not 0 < blocks <= 4096:

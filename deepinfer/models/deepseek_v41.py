@@ -16,6 +16,13 @@ over t in {2j, 2j+1}, [z | v] = [W_gate x | W_A x] per channel; entry j is visib
 sum_h w_h relu(q_h . k_s), index keys k_s = rope(k_norm(W_k c_s^pre)) from the entry before its
 rope. Attention is one softmax over the window's rows and the kept entries.
 
+Candidate blocks (text_config.candidate_source_layer_id, two-stage selection): the source layer
+keeps its own top-k over every visible entry and also ranks blocks of candidate_block_size
+entries by their best score (the newest visible entry's block always first), keeping
+candidate_topk_blocks of them per query (attention.indexer_candidate_blocks); every later layer
+that runs an indexer scores only the entries of those blocks and picks its top-k among them
+(attention.indexer_topk_in_blocks). The blocks are per step (StepState.candidates): no cache.
+
 Sharing (config_v41.SharingTopology): a layer whose KV source is another layer attends that
 layer's entries and computes none; an index-key consumer scores its source's keys with its own
 queries; a top-k consumer uses its source's picks. YOCO: from the first C1 layer on (the decoder
@@ -32,19 +39,22 @@ Caches (paged by the engine, D-wide rows but the index keys' Di):
               later step pools (the ring);
   entries/m   KV sources of ratio m: row j holds entry j;
   index/m     index-key sources of ratio m: row j holds entry j's key (Di wide).
+Candidate blocks need none: each step's are recomputed from the source layer's scores.
 The ring holds window - 1 + 1 + max_backtrack positions (a C2 pair reads one position back).
 Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "auto" stores the
 window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
 (68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
-sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk), prefill
-included, so every step attends the rounded values; the C2 state keeps the model dtype bit for
+sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk; the
+candidate stages take the index keys' format too), prefill included, so every step attends and
+scores the rounded values; the C2 state keeps the model dtype bit for
 bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
 Engram (deepinfer.models.engram): in its layers, hashed n-gram embeddings gated into the
 streams before the attention's pre mix; the n-gram ids come from each token's input id and the
 engine's token history (ForwardBatch.token_history: the previous G - 1 tokens), built once per
 forward on the device. Its tables are weights on the device, or in pinned host memory
-(envs.ENGRAM_HOST_TABLES, deepinfer.models.engram).
+(envs.ENGRAM_HOST_TABLES, deepinfer.models.engram), as stored: float rows, or DeepSeek's FP8
+rows (e4m3 with a UE8M0 scale per 32 values of a row) that each lookup dequantises.
 
 Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
 a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights) and the published
@@ -52,10 +62,11 @@ format as stored (stored_in_fp8): FP8 e4m3 linears with UE8M0 scales per 32 x 32
 (`.scale`, float8_e8m0fnu), run through the contract's FP8 GEMMs with block 32 (activations
 quantised per token per 32 channels), wo_a dequantised at load where o_lora_rank is not a
 multiple of 32 (keep_grouped_fp8); MXFP4 routed experts (packed e2m1 + UE8M0 per 32 along K);
-the rest (embedding, head, router, compressors, the indexer's wk / weights_proj) bf16, norms,
-sinks and mixing weights float32. Not yet: FP8 Engram table rows, the DSpark draft layers;
-their configs are refused with an error naming the part (DeepseekV41ForCausalLM.__init__,
-load_weights).
+Engram tables as FP8 rows (`engram.embed.weight` e4m3 with `engram.embed.scale` (R, Dh / 32)
+UE8M0, kept so in memory); the rest (embedding, head, router, compressors, the indexer's wk /
+weights_proj) bf16, norms, sinks and mixing weights float32. Not yet: the DSpark draft layers
+(their tensors, mtp.*, are left unread; num_mtp_layers is 0 and forward_mtp raises, naming
+them).
 
 Images (config.json's vision_config): the vision tower (models.vision) turns each image into
 its prompt span's rows, which replace those positions' input embeddings (ForwardBatch
@@ -279,6 +290,7 @@ class StepState:
     shared_hidden: torch.Tensor | None = None
     pre_rope: dict[int, torch.Tensor | None] = field(default_factory=dict)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None  # (T, candidate_topk_blocks) int32, from the candidate source
     ngram_ids: torch.Tensor | None = None  # (T, G) compressed ids, models with Engram layers
 
 
@@ -337,11 +349,15 @@ class SparseIndexer(nn.Module):
     input; keys (index-key sources) from the main entries before their rope."""
 
     def __init__(
-        self, backend: Backend, config: ModelConfig, v41: V41Config, ratio: int, has_keys: bool
+        self, backend: Backend, config: ModelConfig, v41: V41Config, layer: int, has_keys: bool
     ) -> None:
         super().__init__()
         assert config.q_lora_rank is not None
-        self.backend, self.ratio = backend, ratio
+        self.backend, self.ratio = backend, v41.compress_ratios[layer]
+        topo, c = v41.sharing, v41.sharing.candidate
+        # candidate blocks: the "source" layer finds them, the later ones are "restricted" to them
+        self.stage = None if c is None or layer < c else "source" if layer == c else "restricted"
+        self.block_size, self.topk_blocks = topo.candidate_block_size, topo.candidate_topk_blocks
         self.heads, self.dim, self.topk = v41.index_n_heads, v41.index_head_dim, v41.index_topk
         self.wq_b = Linear(backend, config.q_lora_rank, self.heads * self.dim)
         self.weights_proj = Linear(backend, config.hidden_size, self.heads)
@@ -368,30 +384,37 @@ class SparseIndexer(nn.Module):
         keys: WideCache,
         key_tables: torch.Tensor | None,
         table: torch.Tensor,
+        step: StepState,
         key_format: RowFormat | None = None,
     ) -> torch.Tensor:
         """-> (T, index_topk) int32 entry ids per query, -1 unused (lower id first among ties).
         The scores' positive scale factors do not change the picks; the contract's scale is
-        Di^-0.5 on q . k. key_format: the keys' row format (their quantised scoring op)."""
+        Di^-0.5 on q . k. Candidate blocks: the source layer also leaves its blocks in `step`;
+        a later layer picks only inside them. key_format: the keys' row format (None: values), in
+        every stage."""
+        attn = self.backend.attention
         q = rope_tail(
             self.backend, self.wq_b(q_residual).view(-1, self.heads, self.dim), batch.positions, table
         )
         weights = self.weights_proj(x).float()  # (T, Hi)
         meta = batch.attn if key_tables is None else dataclasses.replace(batch.attn, block_tables=key_tables)
-        attention, scale = self.backend.attention, self.dim**-0.5
+        cache, ratio, topk, scale = keys.caches[0], self.ratio, self.topk, self.dim**-0.5
+        if self.stage == "source":
+            ids, step.candidates = attn.indexer_candidate_blocks(
+                q, weights, cache, meta, ratio=ratio, topk=topk, scale=scale, block_size=self.block_size,
+                topk_blocks=self.topk_blocks, key_format=key_format,
+            )  # fmt: skip
+            return ids
+        if self.stage == "restricted":
+            assert step.candidates is not None  # the source layer ran before this one
+            return attn.indexer_topk_in_blocks(
+                q, weights, cache, meta, step.candidates, ratio=ratio, topk=topk, scale=scale,
+                block_size=self.block_size, key_format=key_format,
+            )  # fmt: skip
         if key_format is None:
-            return attention.indexer_topk(
-                q, weights, keys.caches[0], meta, ratio=self.ratio, topk=self.topk, scale=scale
-            )
-        return attention.quantized_indexer_topk(
-            q,
-            weights,
-            keys.caches[0],
-            meta,
-            ratio=self.ratio,
-            topk=self.topk,
-            scale=scale,
-            key_format=key_format,
+            return attn.indexer_topk(q, weights, cache, meta, ratio=ratio, topk=topk, scale=scale)
+        return attn.quantized_indexer_topk(
+            q, weights, cache, meta, ratio=ratio, topk=topk, scale=scale, key_format=key_format
         )
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
@@ -423,7 +446,7 @@ class V41Attention(SharedKVAttention):
         self.compressor = MainEntries(backend, config, self.ratio, d) if own_kv else None
         own_index = self.ratio and self.index_source == layer
         has_keys = bool(self.ratio) and topo.index_k[layer] == layer
-        self.indexer = SparseIndexer(backend, config, v41, self.ratio, has_keys) if own_index else None
+        self.indexer = SparseIndexer(backend, config, v41, layer, has_keys) if own_index else None
         self.has_keys = has_keys
 
     def forward(
@@ -459,7 +482,7 @@ class V41Attention(SharedKVAttention):
         if self.indexer is not None:
             assert caches.index_keys is not None
             step.topk[self.layer] = self.indexer.select(
-                x, q_residual, batch, caches.index_keys, caches.key_tables, table, formats["index"]
+                x, q_residual, batch, caches.index_keys, caches.key_tables, table, step, formats["index"]
             )
         topk = step.topk[self.index_source]
         if formats["window"] is None and formats["main"] is None:
@@ -601,11 +624,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         v41 = config.v41
         if v41 is None:
             raise ValueError(f"DeepseekV41ForCausalLM needs a deepseek_v41 config, got {config.model_type!r}")
-        if v41.sharing.candidate is not None:
-            raise NotImplementedError(
-                "DeepSeek-V4.1's candidate-block selection (text_config.candidate_source_layer_id "
-                f"{v41.sharing.candidate}) is not implemented yet"
-            )
         self.config, self.v41, self.backend, self.dtype = config, v41, backend, dtype
         self.drafter: BlockDrafter | None = None
         self.dflash: DFlashDrafter | None = None  # V2/V3 blocks only (deepinfer.models.dflash)

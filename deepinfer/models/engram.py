@@ -15,7 +15,10 @@ block runs them:
   R_n += g_n v, g_n = gate(R_n, k_n)              (T, N, Dm)     small.engram_gate
 on the streams after the previous sublayer's post mix, before the attention's pre mix.
 
-The tables are weights on the device (counted in its memory like any weight), or, with
+The tables are kept as stored: float rows in the model's dtype, or DeepSeek's FP8 rows (e4m3
+with one UE8M0 scale per 32 values of a row, `embed.scale`) that the lookup dequantises into
+the streams' dtype, exactly (a quarter of the checkpoint stays one byte a value in memory).
+They are weights on the device (counted in its memory like any weight), or, with
 the ENGRAM_HOST_TABLES switch (deepinfer.envs) on a backend whose lookup reads host memory
 (Capabilities.reads_host_tables), in pinned host memory: each step's lookup gathers the rows it
 needs from there on the device (cuda: the kernel reads them through their mapped address), with
@@ -172,7 +175,8 @@ class Engram(nn.Module):
 
     sizes: torch.Tensor  # (C,) int64 head sizes
     multipliers: torch.Tensor  # (G,) int64
-    table: torch.Tensor  # (R, Dh)
+    table: torch.Tensor  # (R, Dh): floats, or FP8 rows (e4m3)
+    scales: torch.Tensor | None  # (R, Dh / 32) UE8M0 bytes of FP8 rows
     gate_weight: torch.Tensor  # (N, Dm) float32
 
     def __init__(
@@ -189,6 +193,7 @@ class Engram(nn.Module):
         multipliers = hash_multipliers(layer, engram.max_ngram_size, hash_vocab).to(device)
         self.register_buffer("multipliers", multipliers)
         self.register_buffer("table", torch.empty(0, device="meta"))  # (R, Dh)
+        self.register_buffer("scales", None)  # (R, Dh / 32) uint8, FP8 rows only
         self.register_buffer("gate_weight", torch.empty(0, device="meta"))  # (N, Dm) float32
         self.wkv = Linear(backend, len(sizes) * engram.head_dim, (hc_mult + 1) * self.dim)
 
@@ -197,7 +202,9 @@ class Engram(nn.Module):
     ) -> torch.Tensor:
         """image_mask (T,) bool: image tokens are masked out (their streams pass unchanged)."""
         small = self.backend.small
-        e = small.engram_lookup(ngram_ids, self.multipliers, self.sizes, self.table)  # (T, C*Dh)
+        e = small.engram_lookup(
+            ngram_ids, self.multipliers, self.sizes, self.table, scales=self.scales, dtype=streams.dtype
+        )  # (T, C*Dh), FP8 rows dequantised
         kv = self.wkv(e.to(streams.dtype)).view(-1, self.hc_mult + 1, self.dim)
         gated = small.engram_gate(streams, kv, self.gate_weight, self.eps)
         return gated if image_mask is None else torch.where(image_mask[:, None, None], streams, gated)
@@ -207,12 +214,18 @@ class Engram(nn.Module):
         q = reader.get(f"{prefix}.q_weight", shape, torch.float32)
         k = reader.get(f"{prefix}.k_weight", shape, torch.float32)
         self.gate_weight = q * k
-        table = reader.get(f"{prefix}.embed.weight", (self.rows, self.head_dim), dtype)
+        shape = (self.rows, self.head_dim)
+        stored = reader.fp8_rows(f"{prefix}.embed", shape)  # FP8 rows kept as stored
+        table, scales = (
+            (reader.get(f"{prefix}.embed.weight", shape, dtype), None) if stored is None else stored
+        )
         if self.host_table:
-            host = self.backend.device.pinned_empty(tuple(table.shape), dtype)
-            host.copy_(table)
-            del table
-            self.table = host
+            self.table = self._pinned(table)
+            self.scales = None if scales is None else self._pinned(scales)
         else:
-            self.table = table
+            self.table, self.scales = table, scales
         self.wkv.load(reader, f"{prefix}.wkv", dtype)
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        host = self.backend.device.pinned_empty(tuple(t.shape), t.dtype)
+        return host.copy_(t)

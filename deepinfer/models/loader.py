@@ -323,7 +323,11 @@ class CheckpointReader:
         t = self._read_raw(name)
         where = f"tensor {name!r} in {self.location[name]}"
         if t.dtype == FP8_DTYPE and dtype is not None and dtype != FP8_DTYPE:
-            prefix = name.rsplit(".", 1)[0]
+            if not name.endswith(".weight"):  # a norm, sink, bias or mixing weight: floats only
+                raise CheckpointError(
+                    f"{where} is FP8; only weights with a scale may be, this one is floating point"
+                )
+            prefix = name.removesuffix(".weight")
             raise CheckpointError(f"{where} is FP8 but has no {prefix}.weight_scale_inv or {prefix}.scale")
         if t.dtype not in (*FLOAT_DTYPES, FP8_DTYPE):
             raise CheckpointError(
@@ -470,6 +474,32 @@ class CheckpointReader:
         if s is None:
             return w
         return dequantize_weight(w, s, self.fp8_block).to(dtype)
+
+    def fp8_rows(self, prefix: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`{prefix}.weight` (R, Dh) as FP8 rows: e4m3 with `{prefix}.scale` (R, Dh / 32) UE8M0
+        bytes (float8_e8m0fnu or uint8) -> (e4m3, uint8), as stored; None without a scale."""
+        weight_name, scale_name = f"{prefix}.weight", f"{prefix}.scale"
+        if not self.has(scale_name):
+            return None
+        r, dh = shape
+        where = f"tensor {weight_name!r} in {self.location.get(weight_name, self.root)}"
+        if not self.has(weight_name) or self.dtype_of(weight_name) != "F8_E4M3":
+            found = self.dtype_of(weight_name) if self.has(weight_name) else "missing"
+            raise CheckpointError(
+                f"{where} has a scale ({scale_name}), so it must be FP8 rows (F8_E4M3), but it is {found}"
+            )
+        if dh % 32:
+            raise CheckpointError(
+                f"{where}: FP8 rows take one scale per 32 values; rows of {dh} values do not divide into 32"
+            )
+        if self.dtype_of(scale_name) not in E8M0_BYTES:
+            raise CheckpointError(
+                f"tensor {scale_name!r} in {self.location[scale_name]} has dtype "
+                f"{self.dtype_of(scale_name)}; FP8 rows take UE8M0 scale bytes (float8_e8m0fnu or uint8)"
+            )
+        table = self.get(weight_name, shape, None)
+        what = f" (one per 32 values of each row of the ({r}, {dh}) FP8 table {weight_name!r})"
+        return table, self._e8m0(scale_name, (r, dh // 32), what)
 
     def unread(self) -> list[tuple[str, str]]:
         """(name, file) of every tensor no module read."""

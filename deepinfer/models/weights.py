@@ -74,6 +74,12 @@ class WeightSource(Protocol):
         """Linear layer `prefix`'s weight (N, K) in `dtype` (FP8 dequantised)."""
         ...
 
+    def fp8_rows(self, prefix: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Table `prefix`.weight (R, Dh) stored as FP8 rows (DeepSeek-V4.1's Engram tables): e4m3
+        values with a `prefix`.scale (R, Dh / 32) of UE8M0 bytes, one per 32 values of a row ->
+        (e4m3 (R, Dh), uint8 (R, Dh / 32)); None when the table is stored as floats (no scale)."""
+        ...
+
     def skip(self, name: str) -> None:
         """Mark tensor `name` as known but unused (e.g. an MTP layer's copy of the embedding)."""
         ...

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.backend.fp4 import e8m0_to_float
+
 
 def engram_offsets(sizes: torch.Tensor) -> torch.Tensor:
     """(C,) head sizes -> (C,) int64 first row of each head in the stacked table."""
@@ -38,12 +40,42 @@ def engram_hash(ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch
 
 
 def engram_lookup(
-    ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+    ngram_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    table: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The heads' rows of each token, side by side: (T, G) ids -> (T, C * Dh) in table's dtype;
-    table (R, Dh), R >= sum(sizes)."""
-    rows = engram_hash(ngram_ids, multipliers, sizes)
-    return table[rows.reshape(-1)].view(rows.shape[0], rows.shape[1] * table.shape[1])
+    table (R, Dh), R >= sum(sizes). FP8 rows: table e4m3 with scales (R, Dh / 32) UE8M0 bytes,
+    the gathered rows dequantised into `dtype` (default float32)."""
+    rows = engram_hash(ngram_ids, multipliers, sizes).reshape(-1)
+    t, c, dh = ngram_ids.shape[0], sizes.numel(), table.shape[1]
+    if scales is None:
+        return table[rows.to(table.device)].to(ngram_ids.device).view(t, c * dh)
+    check_fp8_rows(table, scales, "engram_lookup")
+    picked = table[rows.to(table.device)].to(ngram_ids.device).float()  # (T * C, Dh)
+    scale = e8m0_to_float(scales[rows.to(scales.device)].to(ngram_ids.device))  # (T * C, Dh / 32)
+    out = picked * scale.repeat_interleave(FP8_ROW_GROUP, dim=1)
+    return out.to(dtype or torch.float32).view(t, c * dh)
+
+
+FP8_ROW_GROUP = 32  # values of an FP8 Engram row under one UE8M0 scale
+
+
+def check_fp8_rows(table: torch.Tensor, scales: torch.Tensor, op: str) -> None:
+    """FP8 rows' layout: an e4m3 (R, Dh) table with (R, Dh / 32) uint8 scales, else ValueError."""
+    r, dh = table.shape
+    if table.dtype != torch.float8_e4m3fn or dh % FP8_ROW_GROUP:
+        raise ValueError(
+            f"{op}: FP8 rows are float8_e4m3fn (R, Dh), Dh % 32 == 0; got {table.dtype} {tuple(table.shape)}"
+        )
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (r, dh // FP8_ROW_GROUP):
+        raise ValueError(
+            f"{op}: scales of FP8 rows (R, Dh) = {(r, dh)} are uint8 ({r}, {dh // FP8_ROW_GROUP}); got "
+            f"{scales.dtype} {tuple(scales.shape)}"
+        )
 
 
 def engram_gate(

@@ -2,6 +2,7 @@
 clamped SwiGLU, the compressor's gated pooling, the lightning indexer's top-k and attention over a
 sliding window plus compressed entries. Semantics on deepinfer.backend.ops (SmallOps.hc_pre,
 hc_post, hc_head, clamped_silu_and_mul, gated_pool; AttentionOps.indexer_topk,
+indexer_candidate_blocks, indexer_topk_in_blocks (DeepSeek-V4.1's two-stage selection),
 compressed_attention). Plain float32 PyTorch, one request at a time where lengths differ.
 
 Symbols: T tokens, N hc_mult streams, Dm hidden, H heads, D head width, S slots of a window,
@@ -10,7 +11,7 @@ Hi / Di indexer heads / head width, C compressed entries of a request, Kt top-k.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -129,6 +130,45 @@ def _compressed_visible(positions: torch.Tensor, num_entries: int, ratio: int) -
     return w[None, :] < ((positions + 1) // ratio)[:, None]
 
 
+def _indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: PagedKVCache,
+    meta: AttentionMetadata,
+    ratio: int,
+    scale: float,
+    read_rows: RowReader,
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Per request with query rows and entries: (its rows of q, scores (n, C) float32 with -inf
+    where an entry is not visible, visible entries per row (n,))."""
+    start = 0
+    for b, (kv_len, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
+        rows = slice(start, start + n)
+        start += n
+        num_entries = kv_len // ratio
+        if n == 0 or num_entries == 0:
+            continue
+        k = _request_rows(keys, meta.block_tables[b], num_entries, read_rows)[
+            :, : q.shape[-1]
+        ].float()  # (C, Di)
+        logits = torch.einsum("nhd,cd->nhc", q[rows].float(), k)
+        scores = (torch.relu(logits) * scale * weights[rows].float()[..., None]).sum(dim=1)  # (n, C)
+        positions = torch.arange(kv_len - n, kv_len, device=q.device)
+        visible = _compressed_visible(positions, num_entries, ratio)
+        yield rows, scores.masked_fill(~visible, float("-inf")), (positions + 1) // ratio
+
+
+def _best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(n, C) scores, -inf for none -> (n, k) int32 ids of the k best (-1 past the finite ones);
+    ties (entries no head scores above zero, often) go to the lower id: a row's picks then
+    depend on its own scores alone, not on how many entries the step holds."""
+    top = scores.sort(dim=-1, descending=True, stable=True)
+    k_eff = min(k, scores.shape[1])
+    values, indices = top.values[:, :k_eff], top.indices[:, :k_eff]
+    ids = torch.where(values > float("-inf"), indices, -1).to(torch.int32)
+    return torch.nn.functional.pad(ids, (0, k - k_eff), value=-1)
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -141,30 +181,64 @@ def indexer_topk(
 ) -> torch.Tensor:
     """q (T, Hi, Di), weights (T, Hi) -> (T, topk) int32 compressed-entry ids, -1 where unused."""
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
-    start = 0
-    for b, (kv_len, n) in enumerate(zip(meta.seq_lens.tolist(), meta.query_start_loc.diff().tolist())):
-        if n == 0:
-            continue
-        num_entries = kv_len // ratio
-        rows = slice(start, start + n)
-        start += n
-        if num_entries == 0:
-            continue
-        k = _request_rows(keys, meta.block_tables[b], num_entries, read_rows)[
-            :, : q.shape[-1]
-        ].float()  # (C, Di)
-        logits = torch.einsum("nhd,cd->nhc", q[rows].float(), k)
-        scores = (torch.relu(logits) * scale * weights[rows].float()[..., None]).sum(dim=1)  # (n, C)
-        positions = torch.arange(kv_len - n, kv_len, device=q.device)
-        visible = _compressed_visible(positions, num_entries, ratio)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k_eff = min(topk, num_entries)
-        # ties (entries no head scores above zero, often) go to the lower entry id: a row's picks
-        # then depend on its own scores alone, not on how many entries the step holds
-        top = scores.sort(dim=-1, descending=True, stable=True)
-        values, indices = top.values[:, :k_eff], top.indices[:, :k_eff]
-        ids = torch.where(torch.isfinite(values), indices, -1)
-        out[rows, :k_eff] = ids.to(torch.int32)
+    for rows, scores, _ in _indexer_scores(q, weights, keys, meta, ratio, scale, read_rows):
+        out[rows] = _best(scores, topk)
+    return out
+
+
+def indexer_candidate_blocks(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: PagedKVCache,
+    meta: AttentionMetadata,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_size: int,
+    topk_blocks: int,
+    read_rows: RowReader = read_kv,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """indexer_topk's ids (T, topk) and the candidate blocks (T, topk_blocks) int32: blocks of
+    block_size entries ranked by their best visible entry's score, the block of the newest
+    visible entry first (scored +inf), ties to the lower block id, -1 unused."""
+    t = q.shape[0]
+    ids = torch.full((t, topk), -1, dtype=torch.int32, device=q.device)
+    blocks = torch.full((t, topk_blocks), -1, dtype=torch.int32, device=q.device)
+    for rows, scores, visible in _indexer_scores(q, weights, keys, meta, ratio, scale, read_rows):
+        ids[rows] = _best(scores, topk)
+        n, c = scores.shape
+        nb = -(-c // block_size)
+        padded = torch.nn.functional.pad(scores, (0, nb * block_size - c), value=float("-inf"))
+        best = padded.view(n, nb, block_size).amax(dim=-1)  # (n, NB)
+        last = (visible - 1).div(block_size, rounding_mode="floor")  # the newest entry's block
+        at = torch.nonzero(visible > 0).squeeze(-1)
+        best[at, last[at]] = float("inf")
+        blocks[rows] = _best(best, topk_blocks)
+    return ids, blocks
+
+
+def indexer_topk_in_blocks(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: PagedKVCache,
+    meta: AttentionMetadata,
+    blocks: torch.Tensor,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_size: int,
+    read_rows: RowReader = read_kv,
+) -> torch.Tensor:
+    """indexer_topk over the visible entries of each row's listed blocks (T, Kb) only."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    for rows, scores, _ in _indexer_scores(q, weights, keys, meta, ratio, scale, read_rows):
+        n, c = scores.shape
+        nb = -(-c // block_size)
+        listed = blocks[rows].long()
+        listed = torch.where((listed >= 0) & (listed < nb), listed, nb)  # the rest to a spare column
+        inside = torch.zeros((n, nb + 1), dtype=torch.bool, device=q.device).scatter_(1, listed, True)
+        inside = inside[:, :nb].repeat_interleave(block_size, dim=1)[:, :c]
+        out[rows] = _best(scores.masked_fill(~inside, float("-inf")), topk)
     return out
 
 

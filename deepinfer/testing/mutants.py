@@ -251,6 +251,18 @@ class VarlenAttentionAcrossImages(ReferenceAttention):
         return super().varlen_attention(q, k, v, whole, int(q.shape[0]), scale=scale)
 
 
+class CandidateBlocksIgnored(ReferenceAttention):
+    """DeepSeek-V4.1's second stage picking among every visible entry, its candidate blocks
+    dropped."""
+
+    def indexer_topk_in_blocks(  # type: ignore[no-untyped-def]
+        self, q, weights, keys, meta, blocks, *, ratio, topk, scale, block_size, key_format=None
+    ):
+        return self.quantized_indexer_topk(
+            q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, key_format=key_format
+        )
+
+
 class HyperConnectionCombTransposed(SmallOps):
     """mHC's residual mix with comb[t, k, j] for comb[t, j, k] (Sinkhorn's matrix is not symmetric)."""
 
@@ -375,6 +387,10 @@ MUTANT_LIST = [
         "vision-across-images", "attention", VarlenAttentionAcrossImages, "test_varlen_attention",
         ("test_varlen_attention", "test_varlen_attention_segments_are_independent"), "varlen_attention",
         ("segments [5, 0, 17]",),
+    ),
+    Mutant(
+        "v41-candidate-blocks-ignored", "attention", CandidateBlocksIgnored, "test_indexer_topk_in_blocks",
+        ("test_indexer_topk_in_blocks",), "outside", ("row ",),
     ),
     Mutant(
         "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",

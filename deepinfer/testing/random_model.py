@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import envs
 from deepinfer.backend.fp8 import FP8_BLOCK
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig
@@ -33,6 +34,7 @@ from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS, DeepseekFor
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, stored_in_fp8
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41 import stored_in_fp8 as v41_stored_in_fp8
+from deepinfer.models.engram import table_sizes
 from deepinfer.models.hub import REPO_MODEL_DIR
 from deepinfer.parallel.expert_parallel import ExpertParallel
 from deepinfer.testing.weights import BENCH_INIT, RandomSource
@@ -81,7 +83,11 @@ def reduced_config(config_file: Path, layers: int) -> ModelConfig:
 
 
 def estimate_weight_bytes(
-    config: ModelConfig, dtype: torch.dtype, fp8: bool = False, expert_share: float = 1.0
+    config: ModelConfig,
+    dtype: torch.dtype,
+    fp8: bool = False,
+    expert_share: float = 1.0,
+    host_tables: bool = False,
 ) -> int:
     """Bytes of the weights (in `dtype`; the router's in float32) and the rotary table of the
     model `config` describes, as random_model builds it (no MTP layers), from the config
@@ -91,13 +97,15 @@ def estimate_weight_bytes(
     tower where its config has one. fp8: the linear layers at
     one byte a weight (block scales neglected), MXFP4 experts (has_fp4_experts) at half a byte
     plus a scale byte per 32; expert_share: the share of the routed experts held (expert
-    parallelism)."""
+    parallelism). DeepSeek-V4.1's Engram layers: the FP8 wkv, the fused gate weight, the small
+    hash tables and the n-gram table (FP8 rows with fp8: a byte a value and a scale byte per 32),
+    which host_tables (envs.ENGRAM_HOST_TABLES) leaves out: it lives in host memory."""
     c = config
     act = torch.empty((), dtype=dtype).element_size()
     linear = 1 if fp8 else act
     expert = 0.5 + 1 / 32 if has_fp4_experts(c, fp8) else linear
     d = c.hidden_size
-    params, linears, experts, float32 = 0, 0, 0, 0
+    params, linears, experts, float32, tables = 0, 0, 0, 0, 0
     for layer in range(c.num_hidden_layers):
         params += 2 * d  # the two norms
         attention, attention_float = _attention_params(c, layer)
@@ -110,6 +118,18 @@ def estimate_weight_bytes(
         else:
             linears += 3 * d * c.intermediate_size
     params += c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d  # embedding, head, final norm
+    if c.v41 is not None and c.v41.engram is not None:
+        e, n = c.v41.engram, c.v41.hc_mult
+        heads = (e.max_ngram_size - 1) * e.n_heads
+        ints = c.vocab_size  # the raw -> compressed vocabulary, int64
+        for sizes in table_sizes(e).values():
+            linears += heads * e.head_dim * (n + 1) * d  # wkv
+            float32 += n * d  # q_weight * k_weight
+            ints += heads + e.max_ngram_size  # head sizes, hash multipliers
+            if not host_tables:
+                values = sum(sizes) * e.head_dim
+                tables += values + values // 32 if fp8 else values * act
+        float32 += 2 * ints  # int64: two float32s each
     if c.v41 is not None:  # hyper-connections: per sublayer fn, base, scale; the head's if unshifted
         n = c.v41.hc_mult
         float32 += c.num_hidden_layers * 2 * ((2 + n) * n * (n * d + 1) + 3)
@@ -127,7 +147,7 @@ def estimate_weight_bytes(
         rotary = 2 * c.max_position_embeddings * c.qk_rope_head_dim * 4
     else:
         rotary = (c.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS) * c.qk_rope_head_dim * 4
-    return int(params * act + linears * linear + experts * expert + float32 * 4 + rotary)
+    return int(params * act + linears * linear + experts * expert + float32 * 4 + rotary + tables)
 
 
 def _attention_params(c: ModelConfig, layer: int) -> tuple[int, int]:
@@ -189,7 +209,8 @@ def check_fits(
 ) -> int:
     """The estimated weight bytes; ModelTooLargeError if they exceed the device's free memory,
     a warning if they leave less than a tenth of `memory_share` of it for the rest."""
-    need = estimate_weight_bytes(config, dtype, fp8, expert_share)
+    host = envs.read().engram_host_tables
+    need = estimate_weight_bytes(config, dtype, fp8, expert_share, host)
     free, total = backend.device.memory_info()
     what = (
         f"random weights for {name or 'this config'}: about {need / 2**30:.2f} GiB "
@@ -200,8 +221,15 @@ def check_fits(
         f"(backend {backend.name})"
     )
     if need > free:
+        tables = need - estimate_weight_bytes(config, dtype, fp8, expert_share, True)
+        hint = (
+            f" ({tables / 2**30:.2f} GiB of them Engram tables: {envs.ENGRAM_HOST_TABLES.name}=1 keeps "
+            "those in host memory)"
+            if tables
+            else ""
+        )
         raise ModelTooLargeError(
-            f"{what} do not fit in the {where}; building them would run the device out of memory. "
+            f"{what} do not fit in the {where}{hint}; building them would run the device out of memory. "
             "Use a smaller config or dtype, or a device with more free memory"
         )
     if need > 0.9 * memory_share * free:

@@ -8,7 +8,8 @@ config.json + model.safetensors; `write_merging_tokenizer(directory, vocab)` a w
 tokenizer.json whose tokens fall into groups that Engram's normalisation merges (case, accents,
 surrounding spaces), for the compressed vocabulary. `quantize_v41_tensors(tensors)` gives the
 published format of float tensors and their dequantised float32 twin: FP8 e4m3 linears with UE8M0
-scales per 32 x 32 block, MXFP4 routed experts (deepseek_v41.stored_in_fp8 says which are FP8).
+scales per 32 x 32 block, MXFP4 routed experts (deepseek_v41.stored_in_fp8 says which are FP8),
+Engram tables as FP8 rows (e4m3, a UE8M0 scale per 32 values of a row: quantize_rows).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ TINY_VISION: dict[str, Any] = {
     "hidden_size": 16, "num_heads": 2, "depth": 2, "intermediate_size": 24, "downsample_ratio": 2,
     "patch_size": 14, "max_image_tokens": 64, "min_pixels": 0, "max_wh_ratio": 8,
 }  # fmt: skip
+ROW_GROUP = 32  # values of an FP8 Engram row under one UE8M0 scale
 
 
 def tiny_v41_config(
@@ -232,13 +234,35 @@ def write_merging_tokenizer(directory: str | Path, vocab: int) -> list[str]:
     return tokens
 
 
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's FP8 rows (Engram tables): (R, Dh) floats, Dh a multiple of 32 -> (e4m3
+    (R, Dh), UE8M0 bytes (R, Dh / 32)): each group of 32 values of a row divided by the smallest
+    power of two that brings its largest magnitude within e4m3's 448 (1 for a group of zeros)."""
+    r, dh = t.shape
+    if dh % ROW_GROUP:
+        raise ValueError(f"FP8 rows take one scale per {ROW_GROUP} values; rows of {dh} do not divide")
+    groups = t.float().view(r, dh // ROW_GROUP, ROW_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, fp4.pow2_ceil(amax.clamp(min=2.0**-100) / 448.0), torch.ones_like(amax))
+    q = (groups / scale[..., None]).to(torch.float8_e4m3fn).view(r, dh)
+    return q, fp4.float_to_e8m0(scale)
+
+
+def dequantize_rows(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 rows (e4m3 (R, Dh), UE8M0 bytes (R, Dh / 32)) -> float32, exactly."""
+    s = fp4.e8m0_to_float(scale).repeat_interleave(ROW_GROUP, dim=1)
+    return rows.float() * s
+
+
 def quantize_v41_tensors(
     tensors: dict[str, torch.Tensor],
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(DeepSeek-V4.1's published format, the same weights dequantised to float32) of float
     tensors under DeepSeek's names. Routed experts' w1 / w3 / w2: MXFP4, packed e2m1 in int8 with
     float8_e8m0fnu `.scale` (N, K/32); the linears stored_in_fp8 names: e4m3 with power-of-two
-    scales per 32 x 32 block as float8_e8m0fnu `.scale` (ceil(N/32), ceil(K/32)); the rest as is."""
+    scales per 32 x 32 block as float8_e8m0fnu `.scale` (ceil(N/32), ceil(K/32)); Engram tables
+    (`engram.embed.weight`): FP8 rows, e4m3 with a float8_e8m0fnu `.scale` (R, Dh/32) per 32
+    values of each row (quantize_rows); the rest as is."""
     quantized: dict[str, torch.Tensor] = {}
     dequant: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -248,6 +272,10 @@ def quantize_v41_tensors(
             packed, scale = fp4.quantize_weight(t)
             quantized[name], quantized[f"{prefix}.scale"] = packed.view(torch.int8), scale.view(E8M0)
             dequant[name] = fp4.dequantize_weight(packed, scale)
+        elif name.endswith("engram.embed.weight"):
+            rows, scale = quantize_rows(t)
+            quantized[name], quantized[f"{prefix}.scale"] = rows, scale.view(E8M0)
+            dequant[name] = dequantize_rows(rows, scale)
         elif linear and stored_in_fp8(prefix):
             q, scale = quantize_weight(t, MXFP8_BLOCK, ue8m0=True)
             quantized[name], quantized[f"{prefix}.scale"] = q, fp4.float_to_e8m0(scale).view(E8M0)

@@ -186,3 +186,21 @@ class RandomSource:
 
     def dense(self, prefix: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         return self.get(f"{prefix}.weight", shape, dtype)
+
+    def fp8_rows(self, prefix: str, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """FP8 checkpoints (fp8): DeepSeek-V4.1's Engram tables as e4m3 N(0, 1) rows with unit
+        scales (UE8M0 byte 127), rows of a multiple of 32 values (else ValueError); else None
+        (the table comes through get)."""
+        r, dh = shape
+        if not self.fp8:
+            return None
+        if dh % 32:
+            raise ValueError(f"{prefix}.weight: FP8 rows take one scale per 32 values; rows of {dh} do not")
+        rows = torch.empty(shape, dtype=self.fp8_dtype, device=self.device)
+        step = max(1, (1 << 28) // dh)  # drawn in bfloat16 a chunk at a time: V4.1-Flash's are ~1e11 values
+        for i in range(0, r, step):
+            n = min(step, r - i)
+            chunk = torch.randn((n, dh), generator=self.generator, device=self.device, dtype=torch.bfloat16)
+            rows[i : i + n] = chunk.to(self.fp8_dtype)
+        scales = torch.full((r, dh // 32), E8M0_BIAS, dtype=torch.uint8, device=self.device)
+        return rows, scales

@@ -5,6 +5,9 @@ DeepSeek-V4's ops (docs/ascend.md, "DeepSeek-V4 ops"):
   small.clamped_silu_and_mul    npu_clipped_swiglu (alpha 1, bias 0, halves)
   attention.indexer_topk        npu_lightning_indexer for bf16/fp16, D 128, block size % 16 == 0,
                                 <= 64 heads; the reference definition for other shapes
+  attention.indexer_candidate_blocks / indexer_topk_in_blocks  reference definition (DeepSeek-V4.1's
+                                candidate blocks; npu_lightning_indexer has no block maxima and no
+                                scoring inside listed blocks)
   attention.compressed_attention  reference definition (no torch_npu op: two key sets + sinks in
                                 one softmax; vllm-ascend's custom npu_sparse_attn_sharedkv is not
                                 torch_npu)

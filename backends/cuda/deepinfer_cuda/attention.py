@@ -305,3 +305,55 @@ class CudaAttention(AttentionOps):
         if not self.fused:
             return super().varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
         return vision_k.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    def indexer_candidate_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+        topk_blocks: int,
+        key_format: RowFormat | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's indexer scores (quantised keys dequantised per tile in registers), then their
+        block maxima and the blocks' top."""
+        if not self.fused:
+            return super().indexer_candidate_blocks(
+                q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
+                topk_blocks=topk_blocks, key_format=key_format,
+            )  # fmt: skip
+        return v4_k.indexer_candidate_blocks(
+            q, weights.float(), cache_tensor(keys), meta, ratio=ratio, topk=topk, scale=scale,
+            block_size=block_size, topk_blocks=topk_blocks, key_format=key_format,
+        )  # fmt: skip
+
+    def indexer_topk_in_blocks(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: PagedKVCache,
+        meta: AttentionMetadata,
+        blocks: torch.Tensor,
+        *,
+        ratio: int,
+        topk: int,
+        scale: float,
+        block_size: int,
+        key_format: RowFormat | None = None,
+    ) -> torch.Tensor:
+        """The scores of the listed blocks' entries alone (quantised keys dequantised per tile in
+        registers), then their top."""
+        if not self.fused:
+            return super().indexer_topk_in_blocks(
+                q, weights, keys, meta, blocks, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
+                key_format=key_format,
+            )  # fmt: skip
+        return v4_k.indexer_topk_in_blocks(
+            q, weights.float(), cache_tensor(keys), meta, blocks, ratio=ratio, topk=topk, scale=scale,
+            block_size=block_size, key_format=key_format,
+        )  # fmt: skip

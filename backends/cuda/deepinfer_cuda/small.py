@@ -119,13 +119,21 @@ class CudaSmall(SmallOps):
         return v4_k.hc_head(streams, fn, base, scale, norm_eps, hc_eps, batch_invariant=self.batch_invariant)
 
     def engram_lookup(
-        self, ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+        self,
+        ngram_ids: torch.Tensor,
+        multipliers: torch.Tensor,
+        sizes: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        scales: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """One launch (kernels/engram.py: the hash and the row copy per (token, head)); a table in
-        pinned host memory is read through its mapped address, so it always takes the kernel."""
+        """One launch (kernels/engram.py: the hash and the row copy per (token, head), FP8 rows
+        dequantised in it); a table in pinned host memory is read through its mapped address, so
+        it always takes the kernel."""
         if not self.fused and table.device == ngram_ids.device:
-            return super().engram_lookup(ngram_ids, multipliers, sizes, table)
-        return engram_k.engram_lookup(ngram_ids, multipliers, sizes, table)
+            return super().engram_lookup(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
+        return engram_k.engram_lookup(ngram_ids, multipliers, sizes, table, scales, dtype)
 
     def engram_gate(
         self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float

@@ -86,6 +86,55 @@ def test_engram_lookup(
     assert_bitwise_equal(got, want, what=f"engram_lookup (table on the {where})")
 
 
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("tokens,grams,heads,head_dim", [(0, 3, 2, 32), (7, 3, 3, 32), (33, 4, 2, 64)])
+def test_engram_lookup_fp8_rows(
+    backend: Backend,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    tokens: int,
+    grams: int,
+    heads: int,
+    head_dim: int,
+    where: str,
+) -> None:
+    """DeepSeek's published tables: e4m3 rows with a UE8M0 scale per 32 values (bytes 0, the
+    subnormal 2^-127, 127 and 200 among them), dequantised by the lookup into `dtype`: equal,
+    bit for bit, to the float64 product e4m3 * 2^(byte - 127) cast to it (the product is exact)."""
+    if where == "host" and not backend.capabilities.reads_host_tables:
+        pytest.skip(f"backend {backend.name!r} does not claim reads_host_tables")
+    dev, hash_vocab = backend.device.device(), 1000
+    sizes = _primes_above(97, (grams - 1) * heads)
+    bound = (INT64_MAX // hash_vocab) // 2
+    mult = (torch.randint(0, bound, (grams,), generator=gen, dtype=torch.int64) * 2 + 1).tolist()
+    ids = torch.randint(0, hash_vocab, (tokens, grams), generator=gen, dtype=torch.int64)
+    r = sum(sizes) + 5
+    codes = (torch.randn((r, head_dim), generator=gen) * 40).to(torch.float8_e4m3fn)
+    top = 128 if dtype == torch.float16 else 138  # float16 holds 448 * 2^0 at most
+    scales = torch.randint(117, top, (r, head_dim // 32), generator=gen, dtype=torch.uint8)
+    if dtype == torch.float32:  # float16's and bfloat16's ranges would flush or overflow these
+        scales[0::7, 0], scales[1::7, 0], scales[2::7, 0] = 0, 200, 127
+    table, scale_bytes = codes.to(dev), scales.to(dev)
+    if where == "host":
+        table = backend.device.pinned_empty((r, head_dim), torch.float8_e4m3fn).copy_(codes)
+        scale_bytes = backend.device.pinned_empty((r, head_dim // 32), torch.uint8).copy_(scales)
+    got = backend.small.engram_lookup(
+        ids.to(dev),
+        torch.tensor(mult, dtype=torch.int64, device=dev),
+        torch.tensor(sizes, dtype=torch.int64, device=dev),
+        table,
+        scales=scale_bytes,
+        dtype=dtype,
+    )
+    rows = torch.tensor(_rows_oracle(ids.tolist(), mult, sizes, heads), dtype=torch.int64).view(-1)
+    exponent = scales.to(torch.float64).sub(127).clamp(min=-127)  # byte 0 is 2^-127
+    values = codes.to(torch.float64) * torch.exp2(exponent).repeat_interleave(32, dim=1)
+    want = values[rows].reshape(tokens, len(sizes) * head_dim).to(dtype)
+    assert torch.isfinite(want).all() and torch.equal(want.double(), values[rows].reshape(want.shape))
+    assert got.dtype == dtype and got.device.type == torch.device(dev).type
+    assert_bitwise_equal(got, want, what=f"engram_lookup of FP8 rows (table on the {where})")
+
+
 @pytest.mark.parametrize("tokens,n,dm", [(0, 2, 16), (1, 4, 64), (9, 3, 40), (37, 2, 300)])
 def test_engram_gate(
     backend: Backend, dtype: torch.dtype, gen: torch.Generator, tokens: int, n: int, dm: int

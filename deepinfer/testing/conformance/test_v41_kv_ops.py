@@ -1,8 +1,9 @@
 """DeepSeek-V4.1's quantised KV ops (KVCacheOps.write_kv_rows / read_kv_rows,
-AttentionOps.quantized_attention / quantized_indexer_topk) against float64: the rounding of each
-row format within the bounds its step sizes give, then attention and indexer scoring over the
-cached rows against float64 math over the same rows rounded independently
-(testing.v41_oracle.kv_round, written from the formats' definitions, not from
+AttentionOps.quantized_attention / quantized_indexer_topk, and the candidate-block ops
+indexer_candidate_blocks / indexer_topk_in_blocks with key_format) against float64: the rounding
+of each row format within the bounds its step sizes give, then attention, indexer scoring and
+candidate blocks over the cached rows against float64 math over the same rows rounded
+independently (testing.v41_oracle.kv_round, written from the formats' definitions, not from
 backend.kv_formats_v41).
 
 Rows no request reaches hold 0xFF bytes (NaN e4m3 codes, an infinite UE8M0 scale): they must
@@ -17,6 +18,7 @@ import torch
 from deepinfer.backend.kv_formats_v41 import RowFormat, row_bytes
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, KVCacheSpec, PagedKVCache
+from deepinfer.testing.conformance.test_v4_ops import check_best
 from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
 from deepinfer.testing.tolerances import assert_close
 from deepinfer.testing.v41_oracle import kv_round
@@ -218,3 +220,87 @@ def test_quantized_indexer_topk(backend: Backend, gen: torch.Generator, name: st
         picked[ids] = True
         if ids and not picked.all():
             assert float(scores[picked].min()) >= float(scores[~picked].max()) - 1e-4, f"row {row}: {ids}"
+
+
+# DeepSeek-V4.1's candidate blocks over MXFP4 index keys. name -> (seq_lens, query_lens, topk,
+# block_size, topk_blocks): partial last blocks (3 entries a block), fewer candidate entries than
+# top-k ("long-short": 8 blocks of 3 < 30), all scores tied ("-ties": zero queries on rows 0, 2, ...)
+CANDIDATE_CASES = {
+    "mixed": ([37, 9, 3, 64], [5, 9, 1, 1], 3, 3, 8),
+    "long": ([530, 37], [2, 3], 20, 3, 8),
+    "long-short": ([530, 37], [2, 3], 30, 3, 8),
+    "long-ties": ([530, 37], [2, 3], 20, 3, 8),
+}
+
+
+def _candidate_step(
+    backend: Backend, gen: torch.Generator, name: str
+) -> tuple[QuantStep, AttentionMetadata, torch.Tensor, torch.Tensor, int, int, int, int]:
+    """MXFP4 keys written through write_kv_rows, their tables as the metadata's block tables."""
+    seq_lens, query_lens, topk, block, n_blocks = CANDIDATE_CASES[name]
+    ratio, heads, di = 2, 5, 32
+    step = QuantStep(backend, seq_lens, query_lens, ratio, di, ("mxfp4", "mxfp4"), torch.float32, gen)
+    dev, t = backend.device.device(), sum(query_lens)
+    q = randn((t, heads, di), torch.float32, dev, gen)
+    if name.endswith("ties"):
+        q[::2] = 0
+    weights = randn((t, heads), torch.float32, dev, gen)
+    meta = AttentionMetadata.build(step.entry_tables, seq_lens, query_lens)  # the keys' tables
+    return step, meta, q, weights, ratio, topk, block, n_blocks
+
+
+def _row_scores(
+    step: QuantStep, q: torch.Tensor, weights: torch.Tensor, row: int, b: int, pos: int
+) -> torch.Tensor:
+    """float64 (visible entries,) scores sum_h w_h relu(q_h . k) * 0.3 over the rounded keys."""
+    keys = step.entry_rows[b][: (pos + 1) // step.ratio]
+    return (torch.relu(oracle(q)[row] @ keys.T) * 0.3 * oracle(weights)[row][:, None]).sum(0)
+
+
+@pytest.mark.parametrize("name", list(CANDIDATE_CASES))
+def test_quantized_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
+    """The first stage over MXFP4 keys (key_format): indexer_topk's ids, and blocks ranked by
+    their best visible entry in float64 over the rounded keys, the newest entry's block always
+    first (+inf), ties to the lower block id."""
+    step, meta, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
+    ids, blocks = backend.attention.indexer_candidate_blocks(
+        q, weights, step.entries, meta, ratio=ratio, topk=topk, scale=0.3, block_size=block,
+        topk_blocks=n_blocks, key_format="mxfp4",
+    )  # fmt: skip
+    t = q.shape[0]
+    assert ids.shape == (t, topk) and blocks.shape == (t, n_blocks)
+    assert ids.dtype == blocks.dtype == torch.int32
+    for row, b, pos in step.queries():
+        scores = _row_scores(step, q, weights, row, b, pos)
+        n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
+        check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
+        nb = -(-n_vis // block)
+        best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
+        if nb:
+            best[-1] = float("inf")
+            assert nb - 1 in blocks[row].tolist(), f"row {row}: the newest block {nb - 1} is missing"
+        check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
+
+
+@pytest.mark.parametrize("name", list(CANDIDATE_CASES))
+def test_quantized_indexer_topk_in_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
+    """The second stage over MXFP4 keys (key_format): the top-k among the visible entries of each
+    row's listed blocks (random distinct ids, some past the visible blocks, -1 padded) in float64
+    over the rounded keys, ties to the lower entry id."""
+    step, meta, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
+    t, most = q.shape[0], max(step.seq_lens) // ratio // block + 2
+    listed = torch.full((t, n_blocks), -1, dtype=torch.int32)
+    for row in range(t):
+        n = int(torch.randint(0, n_blocks + 1, (1,), generator=gen)) if row % 3 else n_blocks
+        listed[row, : min(n, most)] = torch.randperm(most, generator=gen)[: min(n, most)].to(torch.int32)
+    got = backend.attention.indexer_topk_in_blocks(
+        q, weights, step.entries, meta, listed.to(q.device), ratio=ratio, topk=topk, scale=0.3,
+        block_size=block, key_format="mxfp4",
+    )  # fmt: skip
+    assert got.shape == (t, topk) and got.dtype == torch.int32
+    for row, b, pos in step.queries():
+        scores = _row_scores(step, q, weights, row, b, pos)
+        mine = set(listed[row].tolist())
+        allowed = [i for i in range(scores.shape[0]) if i // block in mine]
+        tied = name.endswith("ties") and row % 2 == 0
+        check_best(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")

@@ -1,7 +1,8 @@
 """DeepSeek-V4's ops against float64 oracles written here from their definitions (not the
 reference code): clamped SwiGLU, the compressor's gated pooling, the mHC weights and mixes, the
-lightning indexer's top-k and attention over a sliding window plus compressed entries; then a
-tiny V4 model on the backend against the reference in float64."""
+lightning indexer's top-k (and DeepSeek-V4.1's candidate blocks) and attention over a sliding
+window plus compressed entries; then a tiny V4 model on the backend against the reference in
+float64."""
 
 from __future__ import annotations
 
@@ -269,6 +270,105 @@ def test_indexer_topk_ties_go_to_lower_ids(backend: Backend, gen: torch.Generato
         assert sorted(i for i in got[row] if i >= 0) == list(range(n)), (
             f"row {row} (position {pos}): {got[row]}"
         )
+
+
+# DeepSeek-V4.1's candidate blocks. name -> (seq_lens, query_lens, topk, block_size, topk_blocks):
+# partial last blocks (3 entries a block), fewer candidate entries than top-k ("long-short": 8
+# blocks of 3 < 30), all scores tied ("-ties": zero queries on rows 0, 2, ...)
+CANDIDATE_CASES = {
+    **{name: (*case, 3, 3, 8) for name, case in CASES.items()},
+    "long": ([1210, 37, 530], [2, 3, 1], 20, 3, 8),
+    "long-short": ([1210, 530], [2, 1], 30, 3, 8),
+    "long-ties": ([1210, 530], [2, 1], 20, 3, 8),
+}
+
+
+def _candidate_step(
+    backend: Backend, gen: torch.Generator, name: str
+) -> tuple[Step, torch.Tensor, torch.Tensor, int, int, int, int]:
+    seq_lens, query_lens, topk, block, n_blocks = CANDIDATE_CASES[name]
+    ratio, heads, di = 4, 5, 12
+    step = Step(backend, seq_lens, query_lens, ratio, di, torch.float32, gen)
+    dev, t = backend.device.device(), sum(query_lens)
+    q = randn((t, heads, di), torch.float32, dev, gen)
+    if name.endswith("ties"):
+        q[::2] = 0
+    return step, q, randn((t, heads), torch.float32, dev, gen), ratio, topk, block, n_blocks
+
+
+def _row_scores(
+    step: Step, q: torch.Tensor, weights: torch.Tensor, row: int, b: int, pos: int
+) -> torch.Tensor:
+    """float64 (visible entries,) scores sum_h w_h relu(q_h . k) * 0.3 of one query row."""
+    keys = step.entry_rows[b][: step.visible_entries(pos)]
+    return (torch.relu(oracle(q)[row] @ keys.T) * 0.3 * oracle(weights)[row][:, None]).sum(0)
+
+
+def check_best(
+    ids: list[int], scores: torch.Tensor, allowed: list[int], k: int, tied: bool, what: str
+) -> None:
+    """ids (-1 unused) are min(k, |allowed|) distinct members of `allowed` scoring at least as high
+    as every member left out; with tied scores (exact float64 zeros, +inf), the best and among
+    equals the lowest."""
+    got = [i for i in ids if i >= 0]
+    assert len(got) == len(set(got)) == min(k, len(allowed)), f"{what}: {ids} of {allowed}"
+    assert set(got) <= set(allowed), f"{what}: {ids} outside {allowed}"
+    left = [i for i in allowed if i not in got]
+    if tied:
+        want = sorted(allowed, key=lambda i: (-float(scores[i]), i))[: len(got)]
+        assert sorted(got) == sorted(want), f"{what}: ties must go to the lowest ids, got {ids}"
+    elif got and left:
+        assert float(scores[got].min()) >= float(scores[left].max()) - 1e-4, (
+            f"{what}: {ids}, {scores.tolist()}"
+        )
+
+
+@pytest.mark.parametrize("name", list(CANDIDATE_CASES))
+def test_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
+    """The first stage: indexer_topk's ids, and blocks ranked by their best visible entry, the
+    newest entry's block always first (+inf), ties to the lower block id."""
+    step, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
+    ids, blocks = backend.attention.indexer_candidate_blocks(
+        q, weights, step.entries, step.meta, ratio=ratio, topk=topk, scale=0.3, block_size=block,
+        topk_blocks=n_blocks,
+    )  # fmt: skip
+    t = q.shape[0]
+    assert ids.shape == (t, topk) and blocks.shape == (t, n_blocks)
+    assert ids.dtype == blocks.dtype == torch.int32
+    for row, b, pos in step.queries():
+        scores = _row_scores(step, q, weights, row, b, pos)
+        n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
+        check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
+        nb = -(-n_vis // block)
+        best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
+        if nb:
+            best[-1] = float("inf")
+            assert nb - 1 in blocks[row].tolist(), f"row {row}: the newest block {nb - 1} is missing"
+        check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
+
+
+@pytest.mark.parametrize("name", list(CANDIDATE_CASES))
+def test_indexer_topk_in_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
+    """The second stage: the top-k among the visible entries of each row's listed blocks (random
+    distinct ids, some past the visible blocks, -1 padded), ties to the lower entry id."""
+    step, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
+    t, most = q.shape[0], max(step.seq_lens) // ratio // block + 2
+    listed = torch.full((t, n_blocks), -1, dtype=torch.int32)
+    for row in range(t):
+        n = int(torch.randint(0, n_blocks + 1, (1,), generator=gen)) if row % 3 else n_blocks
+        n = min(n, most)
+        listed[row, :n] = torch.randperm(most, generator=gen)[:n].to(torch.int32)
+    got = backend.attention.indexer_topk_in_blocks(
+        q, weights, step.entries, step.meta, listed.to(q.device), ratio=ratio, topk=topk, scale=0.3,
+        block_size=block,
+    )  # fmt: skip
+    assert got.shape == (t, topk) and got.dtype == torch.int32
+    for row, b, pos in step.queries():
+        scores = _row_scores(step, q, weights, row, b, pos)
+        mine = set(listed[row].tolist())
+        allowed = [i for i in range(scores.shape[0]) if i // block in mine]
+        tied = name.endswith("ties") and row % 2 == 0
+        check_best(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")
 
 
 @pytest.mark.parametrize("name", list(CASES))

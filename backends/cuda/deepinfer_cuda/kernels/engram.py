@@ -15,14 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.reference.engram import check_fp8_rows
 from deepinfer_cuda.kernels.common import INTERPRET, next_pow2, to_dtype
 
 
 @triton.jit
 def _lookup_kernel(
-    ids_ptr, mult_ptr, size_ptr, offset_ptr, table_ptr, out_ptr, DH, stride_ids, stride_table, stride_out,
-    HEADS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr,
+    ids_ptr, mult_ptr, size_ptr, offset_ptr, table_ptr, scale_ptr, out_ptr, DH, stride_ids, stride_table,
+    stride_scale, stride_out, HEADS: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
+    """FP8: e4m3 rows times 2^(byte - 127) per 32 values, written in the output's dtype."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     n = c // HEADS + 2  # the head's n-gram size: tokens p .. p - n + 1
@@ -36,15 +38,27 @@ def _lookup_kernel(
     row = rem + tl.load(offset_ptr + c)
     cols = tl.arange(0, BLOCK)
     vals = tl.load(table_ptr + row * stride_table + cols, mask=cols < DH)
+    if FP8:
+        byte = tl.load(scale_ptr + row * stride_scale + cols // 32, mask=cols < DH, other=127)
+        # 2^(byte - 127) written as float32 bits (byte 0: 2^-127, a subnormal)
+        scale = tl.where(byte == 0, 2.0**-127, (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True))
+        vals = to_dtype(vals.to(tl.float32) * scale, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * stride_out + c * DH + cols, vals, mask=cols < DH)
 
 
 def engram_lookup(
-    ngram_ids: torch.Tensor, multipliers: torch.Tensor, sizes: torch.Tensor, table: torch.Tensor
+    ngram_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    table: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """(T, G) int64 ids -> (T, C * Dh) rows in table's dtype on the ids' device; one program per
     (token, head). The table may be in pinned host memory: the kernel reads the rows it needs
-    through their mapped address (a zero-copy gather over the bus, no host sync: graph-safe)."""
+    through their mapped address (a zero-copy gather over the bus, no host sync: graph-safe).
+    FP8 rows (e4m3 table, (R, Dh / 32) UE8M0 scales, both where the table is): dequantised in
+    the kernel into `dtype` (default float32), one byte a value over the bus."""
     t, g = ngram_ids.shape
     c = sizes.numel()
     if g < 2 or c % (g - 1) or multipliers.shape != (g,):
@@ -58,15 +72,23 @@ def engram_lookup(
     offsets = torch.cumsum(sizes64, 0) - sizes64
     if table.stride(-1) != 1:
         raise ValueError("engram_lookup needs a table with contiguous rows (it may be host memory: no copy)")
-    if table.device != ids.device and not (INTERPRET or table.is_pinned()):
-        raise ValueError(
-            f"engram_lookup: a table on {table.device} must be pinned host memory or on {ids.device}"
-        )
-    out = torch.empty((t, c * dh), dtype=table.dtype, device=ids.device)
+    for what, x in (("table", table), ("scales", scales)):
+        if x is not None and x.device != ids.device and not (INTERPRET or x.is_pinned()):
+            raise ValueError(
+                f"engram_lookup: a {what} on {x.device} must be pinned host memory or on {ids.device}"
+            )
+    if scales is not None:
+        check_fp8_rows(table, scales, "engram_lookup")
+        if scales.stride(-1) != 1:
+            raise ValueError("engram_lookup needs scales with contiguous rows (they may be host memory)")
+    out_dtype = table.dtype if scales is None else dtype or torch.float32
+    out = torch.empty((t, c * dh), dtype=out_dtype, device=ids.device)
     if t and c and dh:
         _lookup_kernel[(t, c)](
-            ids, multipliers.to(torch.int64).contiguous(), sizes64, offsets, table, out, dh, ids.stride(0),
-            table.stride(0), out.stride(0), HEADS=c // (g - 1), G=g, BLOCK=next_pow2(dh), num_warps=1,
+            ids, multipliers.to(torch.int64).contiguous(), sizes64, offsets, table,
+            table if scales is None else scales, out, dh, ids.stride(0), table.stride(0),
+            0 if scales is None else scales.stride(0), out.stride(0), HEADS=c // (g - 1), G=g,
+            BLOCK=next_pow2(dh), FP8=scales is not None, num_warps=1,
         )  # fmt: skip
     return out
 

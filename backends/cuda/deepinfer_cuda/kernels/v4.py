@@ -32,16 +32,22 @@ float32 (exp2), K = V. Splits as in kernels/attention.py (adaptive: each program
 tile range; batch-invariant: a fixed number of tiles per split); the combine kernel there adds
 the sinks. Decode and prefill share the kernel (a prefill token is a program of its own).
 
-DeepSeek-V4.1's quantised rows (kv_formats_v41): the same two kernels read uint8 caches of FP8 /
-FP4 / MXFP4 rows (FMT constexprs, one per cache) and dequantise each tile in registers
-(_load_rows: e4m3 and e2m1 codes decoded arithmetically, their scales applied) before the
-products; SM90 has no FP4 tensor cores, so the products run in q's dtype, in which every
-dequantised value is exact (a code of at most 4 significant bits times an e4m3 or power-of-two
-scale: at most 7 significant bits, bfloat16's 8).
+DeepSeek-V4.1's candidate blocks (indexer_candidate_blocks, indexer_topk_in_blocks): the
+indexer's scores, their per-block maxima (_block_max_kernel) and those maxima's top
+(_listed_select_kernel); the second stage scores only the listed blocks' entries
+(_listed_scores_kernel), then takes their top.
+
+DeepSeek-V4.1's quantised rows (kv_formats_v41): the attention kernel and both indexer score
+kernels read uint8 caches of FP8 / FP4 / MXFP4 rows (FMT constexprs, one per cache) and
+dequantise each tile in registers (_load_rows: e4m3 and e2m1 codes decoded arithmetically, their
+scales applied) before the products; SM90 has no FP4 tensor cores, so the products run in q's
+dtype, in which every dequantised value is exact (a code of at most 4 significant bits times an
+e4m3 or power-of-two scale: at most 7 significant bits, bfloat16's 8).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -569,6 +575,87 @@ def _indexer_select_kernel(
         ties += tl.sum(eq.to(tl.int32), axis=0)
 
 
+def _check_indexer(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    meta: AttentionMetadata,
+    ratio: int,
+    topk: int,
+    op: str,
+    key_format: str | None = None,
+) -> None:
+    t, hi, di = q.shape
+    if weights.shape != (t, hi):
+        raise ValueError(f"{op}: weights {tuple(weights.shape)} must be ({t}, {hi})")
+    _check_rows(f"{op} keys", keys, di, key_format)
+    if ratio < 1 or topk < 0:
+        raise ValueError(f"{op}: ratio {ratio} must be >= 1 and topk {topk} >= 0")
+    if sum(meta.query_lens_host) != t:
+        raise ValueError(
+            f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
+        )
+
+
+@dataclass
+class _Group:
+    """Requests [b0, b1) of a step, their query rows from row0 on, the launch grid (max_q, batch)
+    and their device lengths; cmax: the most entries (columns) a row of theirs scores."""
+
+    row0: int
+    rows: int
+    cmax: int
+    grid: tuple[int, int]
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    qsl: torch.Tensor
+
+
+def _groups(meta: AttentionMetadata, ratio: int, budget: int, width: int | None = None) -> list[_Group]:
+    """The step's requests in groups whose (rows, entries) float32 scores fit `budget` bytes
+    (width: a fixed number of columns, else each group's most visible entries)."""
+    seq = meta.seq_lens_host if width is None else (width * ratio,) * meta.num_requests
+    out = []
+    for b0, b1 in _score_groups(seq, meta.query_lens_host, ratio, budget):
+        rows, row0 = sum(meta.query_lens_host[b0:b1]), sum(meta.query_lens_host[:b0])
+        if rows:
+            grid = (max(meta.query_lens_host[b0:b1]), b1 - b0)
+            out.append(
+                _Group(
+                    row0, rows, max(seq[b0:b1]) // ratio, grid, meta.block_tables[b0:b1],
+                    meta.seq_lens[b0:b1], meta.query_start_loc[b0 : b1 + 1],
+                )
+            )  # fmt: skip
+    return out
+
+
+def _scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    g: _Group,
+    ratio: int,
+    scale: float,
+    block_n: int,
+    key_format: str | None,
+) -> torch.Tensor:
+    """Group g's (rows, cmax) scores of its rows' visible entries (the rest unwritten); keys in
+    key_format (a V4.1 row format, None: values)."""
+    _, hi, di = q.shape
+    scores = torch.empty((g.rows, g.cmax), dtype=torch.float32, device=q.device)
+    tiles = triton.cdiv(g.cmax, block_n)
+    want = max(1, 2 * num_sms(q.device) // (g.grid[0] * g.grid[1]))
+    splits = max(1, min(want, tiles // INDEXER_MIN_SPLIT_TILES))
+    _indexer_scores_kernel[(*g.grid, splits)](
+        q, weights, keys, g.tables, g.seq_lens, g.qsl, scores,
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), g.tables.stride(0),
+        scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, g.row0,
+        BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        K_FMT=row_format_code(key_format), num_warps=4,
+    )  # fmt: skip
+    return scores
+
+
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -587,49 +674,257 @@ def indexer_topk(
     -> (T, topk) int32 entry ids, -1 unused. The scores buffer and the grid come from the host
     lengths (upper bounds in a replayed graph); each program reads its own from the device.
     key_format: the keys' V4.1 row format (uint8 rows of row_bytes(key_format, Di) bytes)."""
-    t, hi, di = q.shape
-    if weights.shape != (t, hi):
-        raise ValueError(f"indexer_topk: weights {tuple(weights.shape)} must be ({t}, {hi})")
-    _check_rows("indexer_topk keys", keys, di, key_format)
-    if ratio < 1 or topk < 0:
-        raise ValueError(f"indexer_topk: ratio {ratio} must be >= 1 and topk {topk} >= 0")
-    if sum(meta.query_lens_host) != t:
+    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_topk", key_format)
+    out = torch.empty((q.shape[0], topk), dtype=torch.int32, device=q.device)
+    if q.shape[0] == 0 or topk == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    for g in _groups(meta, ratio, scores_budget):
+        if g.cmax == 0:
+            out[g.row0 : g.row0 + g.rows].fill_(-1)
+            continue
+        scores = _scores(q, weights, keys, g, ratio, scale, block_n, key_format)
+        _indexer_select_kernel[g.grid](
+            scores, g.seq_lens, g.qsl, out, scores.stride(0), out.stride(0), ratio, topk, g.row0,
+            BLOCK=select_block, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["ratio", "bs", "nb_max", "row0"])
+def _block_max_kernel(
+    score_ptr, seq_lens_ptr, qsl_ptr, out_ptr, stride_st, stride_ot, ratio, bs, nb_max, row0,
+    BLOCK_B: tl.constexpr, BS: tl.constexpr,
+):  # fmt: skip
+    """Row t's block scores (nb_max,): the best visible entry of each block of bs entries, +inf
+    for the block of the newest visible entry, -inf past the visible blocks."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    n_vis = (tl.load(seq_lens_ptr + b) - q_len + i + 1) // ratio
+    nb = tl.cdiv(n_vis, bs)
+    t = (q_start + i).to(tl.int64)
+    row = score_ptr + (t - row0) * stride_st
+    c = tl.arange(0, BS)
+    for j0 in range(0, nb_max, BLOCK_B):
+        j = j0 + tl.arange(0, BLOCK_B)
+        e = j[:, None] * bs + c[None, :]
+        x = tl.load(row + e, mask=(c[None, :] < bs) & (e < n_vis), other=float("-inf"))
+        best = tl.max(x, axis=1)
+        best = tl.where(j == nb - 1, float("inf"), best)
+        tl.store(out_ptr + (t - row0) * stride_ot + j, best, mask=j < nb_max)
+
+
+@triton.jit(do_not_specialize=["page", "ratio", "bs", "width", "kb", "row0"])
+def _listed_scores_kernel(
+    q_ptr, w_ptr, k_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, blocks_ptr, score_ptr,
+    stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_lt, stride_st,
+    HI, DI, page, ratio, scale, bs, width, kb, row0,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    K_FMT: tl.constexpr = 0,
+):  # fmt: skip
+    """Row t's scores over its width = kb * bs candidate slots: slot s is entry
+    blocks[t, s // bs] * bs + s % bs (the listed blocks in ascending order), -inf where that
+    block is unused or the entry is not visible. K_FMT: the keys' row format (_load_rows)."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    n_vis = (tl.load(seq_lens_ptr + b) - q_len + i + 1) // ratio
+    t = (q_start + i).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )  # (BLOCK_H, BLOCK_D)
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32) * scale
+    s = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = tl.load(blocks_ptr + t * stride_lt + s // bs, mask=s < width, other=-1)
+    ok = (blk >= 0) & (blk <= (n_vis - 1) // bs) & (s < width)
+    e = tl.where(ok, blk, 0) * bs + s % bs
+    valid = ok & (e < n_vis)
+    pg = tl.load(bt_ptr + b * stride_bt + e // page, mask=valid, other=0)
+    krow = k_ptr + pg.to(tl.int64) * stride_kb + (e % page) * stride_kt
+    k = _load_rows(krow, d, valid, DI, K_FMT).to(q.dtype)
+    acc = mma(q, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)  # (BLOCK_H, BLOCK_N)
+    score = tl.where(valid, tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0), float("-inf"))
+    tl.store(score_ptr + (t - row0) * stride_st + s, score, mask=s < width)
+
+
+@triton.jit(do_not_specialize=["width", "bs", "topk", "row0"])
+def _listed_select_kernel(
+    score_ptr, blocks_ptr, qsl_ptr, out_ptr, stride_st, stride_lt, stride_ot, width, bs, topk, row0,
+    LISTED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row t's topk best of its `width` scores, -inf meaning no candidate (+inf allowed), ties to
+    the lower column; writes ids (LISTED: the column's entry blocks[t, s // bs] * bs + s % bs,
+    else the column itself) and -1 in the unused columns."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if i >= q_len:
+        return
+    t = (q_start + i).to(tl.int64)
+    row = score_ptr + (t - row0) * stride_st
+    out_row = out_ptr + t * stride_ot
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros([], tl.int32)
+    for c0 in range(0, width, BLOCK):
+        x = tl.load(row + c0 + offs, mask=c0 + offs < width, other=float("-inf"))
+        count += tl.sum((x > float("-inf")).to(tl.int32), axis=0)
+    # every candidate when they are at most topk: threshold 0 is below every key, no ties taken
+    prefix = tl.zeros([], tl.uint32)
+    rem = tl.where(count > topk, topk, 0)  # how many of the keys matching `prefix` are still to take
+    if count > topk:  # radix select as _indexer_select_kernel, over the candidates
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, width, BLOCK):
+                e = c0 + offs
+                x = tl.load(row + e, mask=e < width, other=float("-inf"))
+                m = (e < width) & (x > float("-inf"))
+                key = _order_key(x)
+                if p > 0:
+                    m = m & ((key >> (shift + 8)) == prefix)
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            at_least = tl.cumsum(hist, 0, reverse=True)
+            digit = tl.max(tl.where(at_least >= rem, bins, -1), axis=0)
+            rem -= tl.sum(tl.where(bins == digit, at_least - hist, 0), axis=0)
+            prefix = (prefix << 8) | digit.to(tl.uint32)
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for c0 in range(0, width, BLOCK):
+        e = c0 + offs
+        x = tl.load(row + e, mask=e < width, other=float("-inf"))
+        m = (e < width) & (x > float("-inf"))
+        key = _order_key(x)
+        eq = m & (key == prefix)
+        take = (m & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
+        at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
+        ident = e
+        if LISTED:
+            blk = tl.load(blocks_ptr + t * stride_lt + e // bs, mask=take, other=0)
+            ident = blk * bs + e % bs
+        tl.store(out_row + at, ident, mask=take)
+        taken += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(eq.to(tl.int32), axis=0)
+    for j0 in range(0, topk, BLOCK):
+        j = j0 + offs
+        tl.store(out_row + j, -1, mask=(j >= taken) & (j < topk))
+
+
+def indexer_candidate_blocks(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    meta: AttentionMetadata,
+    *,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_size: int,
+    topk_blocks: int,
+    block_n: int = INDEXER_BLOCK_N,
+    select_block: int = SELECT_BLOCK,
+    scores_budget: int = SCORES_BUDGET_BYTES,
+    key_format: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """indexer_topk's ids (T, topk) and the candidate blocks (T, topk_blocks) int32 from the
+    same scores: per-block maxima (the newest visible entry's block +inf), then their top.
+    key_format: as indexer_topk's."""
+    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_candidate_blocks", key_format)
+    if not 0 < block_size <= 16 or topk_blocks < 1:
         raise ValueError(
-            f"q has {t} rows but the metadata describes {sum(meta.query_lens_host)} query tokens"
+            f"indexer_candidate_blocks: block_size {block_size} (1..16), topk_blocks {topk_blocks}"
+        )
+    t = q.shape[0]
+    ids = torch.empty((t, topk), dtype=torch.int32, device=q.device)
+    blocks = torch.empty((t, topk_blocks), dtype=torch.int32, device=q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    for g in _groups(meta, ratio, scores_budget):
+        if g.cmax == 0:
+            ids[g.row0 : g.row0 + g.rows].fill_(-1)
+            blocks[g.row0 : g.row0 + g.rows].fill_(-1)
+            continue
+        scores = _scores(q, weights, keys, g, ratio, scale, block_n, key_format)
+        if topk:
+            _indexer_select_kernel[g.grid](
+                scores, g.seq_lens, g.qsl, ids, scores.stride(0), ids.stride(0), ratio, topk, g.row0,
+                BLOCK=select_block, num_warps=4,
+            )  # fmt: skip
+        nb_max = triton.cdiv(g.cmax, block_size)
+        best = torch.empty((g.rows, nb_max), dtype=torch.float32, device=q.device)
+        _block_max_kernel[g.grid](
+            scores, g.seq_lens, g.qsl, best, scores.stride(0), best.stride(0), ratio, block_size, nb_max,
+            g.row0, BLOCK_B=64, BS=next_pow2(block_size, 2), num_warps=4,
+        )  # fmt: skip
+        _listed_select_kernel[g.grid](
+            best, blocks, g.qsl, blocks, best.stride(0), 0, blocks.stride(0), nb_max, 1, topk_blocks,
+            g.row0, LISTED=False, BLOCK=select_block, num_warps=4,
+        )  # fmt: skip
+    return ids, blocks
+
+
+def indexer_topk_in_blocks(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    meta: AttentionMetadata,
+    blocks: torch.Tensor,
+    *,
+    ratio: int,
+    topk: int,
+    scale: float,
+    block_size: int,
+    block_n: int = INDEXER_BLOCK_N,
+    select_block: int = SELECT_BLOCK,
+    scores_budget: int = SCORES_BUDGET_BYTES,
+    key_format: str | None = None,
+) -> torch.Tensor:
+    """The top-k among the entries of each row's candidate blocks (T, Kb) int32 (distinct ids,
+    -1 unused): scores over the Kb * block_size candidate slots only, the blocks sorted first
+    so that ties go to the lower entry id. key_format: as indexer_topk's."""
+    _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_topk_in_blocks", key_format)
+    t, hi, di = q.shape
+    if blocks.dim() != 2 or blocks.shape[0] != t or not 0 < block_size <= 16:
+        raise ValueError(
+            f"indexer_topk_in_blocks: blocks {tuple(blocks.shape)} must be ({t}, Kb), block_size "
+            f"{block_size} in 1..16"
         )
     out = torch.empty((t, topk), dtype=torch.int32, device=q.device)
     if t == 0 or topk == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    for b0, b1 in _score_groups(meta.seq_lens_host, meta.query_lens_host, ratio, scores_budget):
-        rows, row0 = sum(meta.query_lens_host[b0:b1]), sum(meta.query_lens_host[:b0])
-        cmax = max(meta.seq_lens_host[b0:b1]) // ratio
-        if rows == 0:
-            continue
-        if cmax == 0:
-            out[row0 : row0 + rows].fill_(-1)
-            continue
-        batch, max_q = b1 - b0, max(meta.query_lens_host[b0:b1])
-        tables, seq_lens, qsl = (
-            meta.block_tables[b0:b1],
-            meta.seq_lens[b0:b1],
-            meta.query_start_loc[b0 : b1 + 1],
-        )
-        scores = torch.empty((rows, cmax), dtype=torch.float32, device=q.device)
-        tiles = triton.cdiv(cmax, block_n)
-        want = max(1, 2 * num_sms(q.device) // (batch * max_q))
-        splits = max(1, min(want, tiles // INDEXER_MIN_SPLIT_TILES))
-        _indexer_scores_kernel[(max_q, batch, splits)](
-            q, weights, keys, tables, seq_lens, qsl, scores,
+    unused = torch.iinfo(torch.int32).max  # sorts last; past every visible block
+    listed = torch.where(blocks < 0, unused, blocks.to(torch.int32)).sort(dim=1).values
+    width = listed.shape[1] * block_size
+    for g in _groups(meta, 1, scores_budget, width):
+        scores = torch.empty((g.rows, width), dtype=torch.float32, device=q.device)
+        tables = g.tables
+        _listed_scores_kernel[(*g.grid, triton.cdiv(width, block_n))](
+            q, weights, keys, tables, g.seq_lens, g.qsl, listed, scores,
             q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), tables.stride(0),
-            scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, row0,
+            listed.stride(0), scores.stride(0), hi, di, keys.shape[1], ratio, scale, block_size, width,
+            listed.shape[1], g.row0,
             BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
             K_FMT=row_format_code(key_format), num_warps=4,
         )  # fmt: skip
-        _indexer_select_kernel[(max_q, batch)](
-            scores, seq_lens, qsl, out, scores.stride(0), out.stride(0), ratio, topk, row0,
-            BLOCK=select_block, num_warps=4,
+        _listed_select_kernel[g.grid](
+            scores, listed, g.qsl, out, scores.stride(0), listed.stride(0), out.stride(0), width,
+            block_size, topk, g.row0, LISTED=True, BLOCK=select_block, num_warps=4,
         )  # fmt: skip
     return out
 
