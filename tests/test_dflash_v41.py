@@ -158,3 +158,26 @@ def test_published_kv_formats_in_graphs_equal_plain_decoding(tmp_path: Path) -> 
     assert (run(llm, GREEDY), run(llm, SEEDED)) == want
     decoder = llm.llm_engine.speculative
     assert decoder is not None and decoder.num_graph_steps > 0 and llm.llm_engine.num_draft_tokens > 0
+
+
+def test_bench_spec_step_dflash_small_run(tmp_path: Path) -> None:
+    """bench/bench_spec_step.py --method dflash at a CPU size on a tiny V4.1 config with its draft
+    layers (random weights, the FP8 / MXFP4 format): rows whose verified steps replayed graphs,
+    the ratio from the two step costs, the JSON written."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import bench_spec_step
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_v41_config(dspark=2, head_dim=32, index_head_dim=32)))
+    args = f"--random-config {config} --backend reference --small --num-hidden-layers 4 --fp8"
+    args += " --method dflash --block-size 8 --k 3 --repeats 1 --batches 2"
+    rows = bench_spec_step.main(["--out", str(tmp_path / "out"), *args.split()])
+    assert [(r["method"], r["k"], r["batch"]) for r in rows] == [("dflash", 3, 2)]
+    r = rows[0]
+    assert r["plain_step_ms"] > 0 and r["spec_step_ms"] > 0 and 0 < r["graph_steps"] <= 1
+    assert r["ratio"] == pytest.approx(r["spec_step_ms"] / r["plain_step_ms"], rel=1e-2)
+    assert "2 DFlash layers" in r["model"]
+    assert json.loads((tmp_path / "out" / "spec_step.json").read_text()) == rows

@@ -643,9 +643,9 @@ class V41DFlashDrafter(DFlashHeads):
         """The L blocks over the block step -> (h (R B, Dm) the collapsed streams, norm(h))."""
         x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
         streams = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()  # (R B, N, Dm)
-        pre: torch.Tensor | None = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
-        assert pre is not None
-        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        first = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
+        first[:, 0] = 1.0  # the first sublayer reads stream 0
+        pre: torch.Tensor | None = first
         formats = row_formats_v41("bf16") | {"window": self.window_format}
         for layer, cache in zip(self.blocks, caches):
             streams, pre = layer(streams, pre, fb, V41LayerCaches(cache, formats=formats), None, self.rope,

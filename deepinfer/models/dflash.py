@@ -1,6 +1,9 @@
 """DSpark (DeepSeek's DFlash module): the block drafter conditioned on the target by KV injection
 (reference/deepseek-v4.1.md, sections 1.10 and 1.11), here with blocks of the target's kind
-(DeepSeek-V2 / V3: MLA attention, DeepSeek MoE).
+(DeepSeek-V2 / V3: MLA attention, DeepSeek MoE). DFlashHeads holds what does not depend on the
+blocks' kind (the injection's projection, the block step, the heads, the draft loop); DeepSeek-V4.1's
+drafter (V4.1 blocks, loaded from the checkpoint's own mtp.{i}.*) is
+deepinfer.models.deepseek_v41.V41DFlashDrafter.
 
 Symbols: T target tokens of a step, R requests drafting, B block slots, L draft layers, n target
 layers read, Dm hidden, V vocab, r Markov rank, C + R' an MLA cache row (latent + rope key).
@@ -175,6 +178,8 @@ class DFlashHeads(nn.Module):
         return u
 
     def inject(self, trunks: torch.Tensor, batch: ForwardBatch, caches: list[PagedKVCache]) -> None:
+        """trunks (T, n, Dm) of the step's tokens -> each draft layer's cache row at
+        batch.slot_mapping (slot -1: padding, no row); caches: one per draft layer."""
         raise NotImplementedError
 
     def block_states(
@@ -282,8 +287,6 @@ class DFlashHeads(nn.Module):
             if logits_out is not None:
                 logits_out.append(logits)
         return torch.stack(drafts, dim=1), torch.stack(confs, dim=1)
-
-        raise NotImplementedError
 
 
 class DFlashDrafter(DFlashHeads):
