@@ -1,7 +1,16 @@
-"""What a speculative (MTP) verified step costs against a plain decode step, both in graphs.
+"""What a speculative (MTP or DFlash) verified step costs against a plain decode step, both in graphs.
 
     python bench/bench_spec_step.py --out DIR                        # H200: reduced-depth V4-Flash, bf16
     python bench/bench_spec_step.py --out DIR --random-config PATH --backend reference --small  # CPU
+    python bench/bench_spec_step.py --out DIR --method dflash --random-config deepseek-v4.1-flash --k 3 5
+                                     # H200: reduced-depth V4.1-Flash with its random DSpark drafter
+
+--method dflash (DeepSeek-V4.1 configs): the model's DSpark draft layers as its DFlash drafter
+(random weights, num_nextn_predict_layers of them, conditioned on layer 0 and the first decoder
+layer: the depth reduction keeps those), every draft verified; a verified step is the forward
+over B (1 + k) rows with the injection into the draft layers' rings, the draw and acceptance,
+the drafter's block of B slots and the next step's inputs. Acceptance means nothing with random
+weights: the figure is the step cost against a plain step at the same batch.
 
 The goal it measures (issue 34): with a head that always agrees (the acceptance ceiling), a
 k-draft verified step costs at most 1.3x a plain step at batch 1 to 64.
@@ -25,7 +34,7 @@ step / plain step (the goal: ratio <= 1.3); ceiling_speedup = (1 + k) / ratio, t
 second the ceiling reaches over plain decoding. graph_steps: the share of the MTP engine's
 speculative steps that replayed verification graphs (batches up to MAX_VERIFY_GRAPH_BATCH).
 
-Writes OUT/spec_step.json (rows {"device", "model", "batch", "k", "plain_step_ms",
+Writes OUT/spec_step.json (rows {"device", "model", "method", "batch", "k", "plain_step_ms",
 "spec_step_ms", "ratio", "ceiling_speedup", "meets_goal", "graph_steps", "mean_accepted"}) and
 OUT/spec_step.md (the table), after every configuration (a run cut short keeps what it has).
 """
@@ -101,11 +110,11 @@ def step_cost(
     return per_step, mean_accepted, graphs / ran if ran else 0.0
 
 
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
+def markdown(rows: list[dict[str, Any]], header: str, label: str = "MTP") -> str:
     lines = [
         header,
         "",
-        "| batch | k | plain step ms | MTP step ms | ratio | ceiling speed-up | goal (<= 1.3x) "
+        f"| batch | k | plain step ms | {label} step ms | ratio | ceiling speed-up | goal (<= 1.3x) "
         "| graph steps |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -127,6 +136,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3], help="drafts per verified step")
+    ap.add_argument("--method", choices=("mtp", "dflash"), default="mtp", help="the drafter")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="random weights in the published format (FP8 linears, MXFP4 experts)",
+    )
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--short-tokens", type=int, default=None)
@@ -154,14 +169,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     }  # fmt: skip
     base = resolve_engine_config(engine_config(config_file.parent, common, "bench_spec_step"), config_file)
     backend = get_backend(base.backend, BackendOptions(max_model_len=max_len))
+    dflash = args.method == "dflash"
+    overrides = None
+    if dflash:  # targets the depth reduction keeps: layer 0 and the first decoder (C1) layer
+        text = json.loads(config_file.read_text()).get("text_config", {})
+        overrides = {"dspark_target_layer_ids": [0, list(text.get("compress_ratios", [1])).index(1)]}
     model = random_model(
         config_file, backend, base.torch_dtype, 0, base.gpu_memory_utilization,
-        num_hidden_layers=args.num_hidden_layers, mtp=True,
+        num_hidden_layers=args.num_hidden_layers, mtp=not dflash, dflash=dflash, text_overrides=overrides,
+        fp8=args.fp8,
     )  # fmt: skip
-    if model.num_mtp_layers < 1:
+    if not dflash and model.num_mtp_layers < 1:
         raise ValueError(f"{config_file} has no MTP layer (num_nextn_predict_layers)")
+    label = "DFlash" if dflash else "MTP"
     device = "H200" if backend.device.device().type == "cuda" else backend.device.device().type
-    name = f"{config_file.parent.name}, {args.num_hidden_layers} layers + MTP, {args.dtype}"
+    drafter = f"{model.dflash.num_layers} DFlash layers" if model.dflash is not None else "MTP"
+    weights = "FP8 / MXFP4 weights" if args.fp8 else args.dtype
+    name = f"{config_file.parent.name}, {args.num_hidden_layers} layers + {drafter}, {weights}"
     print(f"{name} on {backend.name} ({device}), built in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = model.config.vocab_size
     prompts = {
@@ -193,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     header = (
-        f"MTP verified step against a plain step on {device} ({name}, backend {backend.name}): "
+        f"{label} verified step against a plain step on {device} ({name}, backend {backend.name}): "
         f"{args.prompt_len}-token prompts, steps of the decode phase ({args.short_tokens} to "
         f"{args.new_tokens} tokens), graphs; ceiling speed-up = (1 + k) / ratio."
     )
     args.out.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
-        text = markdown(rows, header) + (f"\nSkipped: {'; '.join(skipped)}.\n" if skipped else "")
+        text = markdown(rows, header, label) + (f"\nSkipped: {'; '.join(skipped)}.\n" if skipped else "")
         (args.out / "spec_step.json").write_text(json.dumps(rows, indent=1) + "\n")
         (args.out / "spec_step.md").write_text(text)
 
@@ -208,14 +232,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if args.time_budget is not None and time.perf_counter() - t0 > args.time_budget:
             skipped.append(f"k={k}: over the time budget")
             continue
-        llm = engine({"method": "mtp", "num_speculative_tokens": k, "min_draft_confidence": 0.0})
+        llm = engine({"method": args.method, "num_speculative_tokens": k, "min_draft_confidence": 0.0})
         for b in args.batches:
             cost, accepted, graphs = step_cost(
                 llm, prompts[b], args.new_tokens, args.short_tokens, args.repeats
             )
             ratio = cost / plain[b]
             row = {
-                "device": device, "model": name, "batch": b, "k": k,
+                "device": device, "model": name, "method": args.method, "batch": b, "k": k,
                 "plain_step_ms": round(plain[b] * 1e3, 4), "spec_step_ms": round(cost * 1e3, 4),
                 "ratio": round(ratio, 3), "ceiling_speedup": round((1 + k) / ratio, 3),
                 "meets_goal": ratio <= GOAL, "graph_steps": round(graphs, 3),
@@ -223,11 +247,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             }  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write()  # a run cut short keeps its rows
         del llm
         release()
         write()
     write()
-    print(markdown(rows, header), flush=True)
+    print(markdown(rows, header, label), flush=True)
     return rows
 
 

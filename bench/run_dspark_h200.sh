@@ -2,20 +2,24 @@
 # The DFlash (DSpark) drafter on one H200: model/tiny with its shipped drafter (model/tiny/dflash/)
 # against plain decoding, MTP and the old block drafter, batch 1, 8, 32, 128, 256, each without and
 # with confidence scheduling (measured step times), plain decoding timed beside every row
-# (bench/bench_spec.py). Each part under its own time limit, all of it under 6 minutes:
+# (bench/bench_spec.py). Each part under its own time limit, all of it under 7 minutes:
 #   dflash  DFlash k = 5 (DFLASH_K: other k)                           (DFLASH_TIMEOUT, 170 s)
 #   others  the block drafter k = 5 and MTP k = 1, same batches         (OTHERS_TIMEOUT, 150 s)
-# Results: $OUT/dflash/spec.{json,md,svg}, $OUT/others/spec.{json,md,svg}, logs beside; the tables
-# are printed at the end. A part cut short by its limit keeps the rows it finished (bench_spec
+#   v41     a reduced-depth DeepSeek-V4.1-Flash (4 layers, random FP8 / MXFP4 weights) with its
+#           3 random DSpark draft layers as the DFlash drafter: a verified step (k = 5, every
+#           draft verified) against a plain step at batch 1, 8, 32, both in graphs
+#           (bench/bench_spec_step.py --method dflash)                  (V41_TIMEOUT, 90 s)
+# Results: $OUT/dflash/spec.{json,md,svg}, $OUT/others/spec.{json,md,svg},
+# $OUT/v41/spec_step.{json,md}, logs beside; the tables are printed at the end. A part cut short by its limit keeps the rows it finished (bench_spec
 # writes after every configuration; --time-budget skips, and lists, what would not fit).
 #   usage: OUT=dir bash bench/run_dspark_h200.sh        (PARTS="dflash" for one part)
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
-PARTS=" ${PARTS:-dflash others} "
+PARTS=" ${PARTS:-dflash others v41} "
 BATCHES=${BATCHES:-1 8 32 128 256}
-mkdir -p "$OUT/dflash" "$OUT/others"
+mkdir -p "$OUT/dflash" "$OUT/others" "$OUT/v41"
 t_all=$SECONDS
 timeout 60 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
 echo "install rc=$?"
@@ -39,8 +43,19 @@ if [[ $PARTS == *" others "* ]]; then
   echo "others rc=$? in $((SECONDS - t0)) s"
 fi
 
+if [[ $PARTS == *" v41 "* ]]; then
+  t0=$SECONDS
+  limit=${V41_TIMEOUT:-90}
+  timeout "$limit" python3 bench/bench_spec_step.py --out "$OUT/v41" --method dflash \
+    --random-config deepseek-v4.1-flash --num-hidden-layers 4 --fp8 --k 5 --batches 1 8 32 \
+    --prompt-len 64 --new-tokens 32 --short-tokens 8 --repeats 2 > "$OUT/v41.log" 2>&1
+  echo "v41 rc=$? in $((SECONDS - t0)) s"
+fi
+
 for part in dflash others; do
   echo "== $part"
   cat "$OUT/$part/spec.md" 2>/dev/null || grep -E 'Error|error' "$OUT/$part.log" | tail -n 5
 done
+echo "== v41"
+cat "$OUT/v41/spec_step.md" 2>/dev/null || grep -E 'Error|error' "$OUT/v41.log" | tail -n 5
 echo "total $((SECONDS - t_all)) s"

@@ -38,7 +38,7 @@ from deepinfer.backend.types import AttentionMetadata, PagedKVCache
 from deepinfer.engine.inputs import SamplingInputs, ring_table
 from deepinfer.engine.ring import RingScratch
 from deepinfer.engine.sequence import Sequence
-from deepinfer.models.dflash import DFlashDrafter
+from deepinfer.models.dflash import DFlashHeads
 from deepinfer.models.drafter import BlockDrafter
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import CausalLM
@@ -173,7 +173,7 @@ def block_drafts(
 
 
 def dflash_drafts(
-    drafter: DFlashDrafter,
+    drafter: DFlashHeads,
     caches: list[PagedKVCache],
     embed: torch.Tensor,
     lm_head: torch.Tensor,
@@ -400,8 +400,17 @@ class DFlashProposer:
     block of B slots from the last known token, its rows written at positions end .. end + B - 1
     below the limits (head_rows: B past a step's verified rows)."""
 
-    def __init__(self, drafter: DFlashDrafter, model: CausalLM, caches: list[PagedKVCache]) -> None:
+    def __init__(
+        self,
+        drafter: DFlashHeads,
+        model: CausalLM,
+        caches: list[PagedKVCache],
+        block_size: int = 0,
+        groups: Seq[KVCacheGroup] = (),
+    ) -> None:
+        """block_size, groups: the engine's (a ring group's tables unroll over the positions)."""
         self.drafter, self.model, self.caches = drafter, model, caches
+        self.block_size, self.groups = block_size, list(groups)
         self.head_rows = drafter.block_size
 
     def graph_draft(self) -> DraftFn:
@@ -422,7 +431,10 @@ class DFlashProposer:
         injected positions up to end - 1 already."""
         device, model = hidden.device, self.model
         last = [seq.token_ids[e] for seq, (_, e) in zip(seqs, spans)]
-        tables = padded_tables([s.block_table for s in seqs], device)
+        rows = [s.block_table for s in seqs]
+        if self.groups:
+            rows = ring_tables(seqs, spans, self.block_size, limits, self.groups)
+        tables = padded_tables(rows, device)
         starts = _dev([e for _, e in spans], device)
         drafts, conf = self.drafter.draft(
             _dev(last, device), starts, tables, _dev(limits, device), self.caches, model.embed_tokens,

@@ -491,8 +491,8 @@ class Worker:
         if method == "dspark" and model.drafter is not None:
             return BlockProposer(model.drafter, model)
         if method == "dflash" and model.dflash is not None:  # its caches follow the model's
-            n = model.num_kv_layers - model.dflash.num_layers
-            return DFlashProposer(model.dflash, model, self.kv_caches[n:])
+            caches = model.dflash_caches(self.kv_caches)
+            return DFlashProposer(model.dflash, model, caches, self.block_size, self.kv_groups)
         if method == "mtp":
             return MTPProposer(
                 model, self.backend, self.mtp_caches, self.block_size, self.k, self.kv_groups,

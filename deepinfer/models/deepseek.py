@@ -168,6 +168,10 @@ class DeepseekForCausalLM(nn.Module):
         """The model's layers, then the DFlash drafter's (their caches take injected rows)."""
         return self.config.num_hidden_layers + (self.dflash.num_layers if self.dflash is not None else 0)
 
+    def dflash_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[PagedKVCache]:
+        """The DFlash drafter's caches among kv_caches: the last ones."""
+        return list(kv_caches[self.config.num_hidden_layers :])
+
     @property
     def num_mtp_layers(self) -> int:
         """MTP layers loaded (0 when the checkpoint has none, e.g. transformers' saves)."""

@@ -1070,6 +1070,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ engine interface
 
+    def dflash_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[PagedKVCache]:
+        """None: V4 has no DFlash drafter (dflash stays None)."""
+        return []
+
     @property
     def num_kv_layers(self) -> int:
         return sum(end - first for slices in self._slices for first, end, _ in slices.values())

@@ -64,9 +64,8 @@ quantised per token per 32 channels), wo_a dequantised at load where o_lora_rank
 multiple of 32 (keep_grouped_fp8); MXFP4 routed experts (packed e2m1 + UE8M0 per 32 along K);
 Engram tables as FP8 rows (`engram.embed.weight` e4m3 with `engram.embed.scale` (R, Dh / 32)
 UE8M0, kept so in memory); the rest (embedding, head, router, compressors, the indexer's wk /
-weights_proj) bf16, norms, sinks and mixing weights float32. Not yet: the DSpark draft layers
-(their tensors, mtp.*, are left unread; num_mtp_layers is 0 and forward_mtp raises, naming
-them).
+weights_proj) bf16, norms, sinks and mixing weights float32. The DSpark draft layers (mtp.*)
+load as the DFlash drafter (V41DFlashDrafter) when speculative decoding asks for it.
 
 Images (config.json's vision_config): the vision tower (models.vision) turns each image into
 its prompt span's rows, which replace those positions' input embeddings (ForwardBatch
@@ -109,6 +108,7 @@ from deepinfer.models.deepseek_v4 import (
     load_f32,
     rope_tail,
 )
+from deepinfer.models.dflash import DFlashConfig, DFlashHeads
 from deepinfer.models.engram import Engram, ngram_ids, table_sizes, vocabulary_table
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import check_kv_cache_dtype
@@ -119,7 +119,6 @@ from deepinfer.models.weights import WeightSource
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
-    from deepinfer.models.dflash import DFlashDrafter
     from deepinfer.models.drafter import BlockDrafter
 
 # --------------------------------------------------------------------------- weights
@@ -231,21 +230,25 @@ def cache_layout(
     v41: V41Config,
     formats: dict[CacheKind, RowFormat | None] | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    draft_layers: int = 0,
 ) -> tuple[list[dict[str, tuple[int, int, int]]], dict[tuple[int, int], int]]:
     """Per layer, kind -> (first, end, width) in the flat cache list laid out group by group
     (ring, entries by ratio, index keys by ratio), layer by layer within a group; and the number
     of caches of each group. formats: the row formats (row_formats_v41; default none quantised),
-    dtype: the model's (the state's values)."""
+    dtype: the model's (the state's values). draft_layers: the DFlash drafter's layers, after
+    the model's: a window ring each (the last caches of the ring group)."""
     formats = formats or row_formats_v41("bf16")
     kinds = [layer_cache_kinds(v41, i) for i in range(len(v41.compress_ratios))]
+    kinds += [[("window", v41.head_dim)] for _ in range(draft_layers)]
+    ratios = v41.compress_ratios + (0,) * draft_layers
     out: list[dict[str, tuple[int, int, int]]] = [{} for _ in kinds]
     counts: dict[tuple[int, int], int] = {}
     at = 0
-    keys = sorted({_group_key(k, v41.compress_ratios[i]) for i, ks in enumerate(kinds) for k, _ in ks})
+    keys = sorted({_group_key(k, ratios[i]) for i, ks in enumerate(kinds) for k, _ in ks})
     for key in keys:
         for i, layer_kinds in enumerate(kinds):
             for kind, width in layer_kinds:
-                if _group_key(kind, v41.compress_ratios[i]) == key:
+                if _group_key(kind, ratios[i]) == key:
                     row, fmt = group_row(v41, key, formats)
                     n = cache_count(kind, width, row, fmt, dtype)
                     out[i][kind] = (at, at + n, width)
@@ -597,6 +600,94 @@ class V41Block(nn.Module):
             self.engram.load(reader, f"{prefix}.engram", dtype)
 
 
+class V41DFlashDrafter(DFlashHeads):
+    """DeepSeek-V4.1's DSpark drafter (reference/deepseek-v4.1.md 1.10-1.11): the shared heads
+    (models.dflash.DFlashHeads) over num_nextn_predict_layers V4.1 blocks, sliding-window only
+    with the base rope, the drafter's own MoE (dspark_n_routed_experts / dspark_num_experts_per_tok
+    of the target's expert shape) and hyper-connections (shifted only).
+
+    Injection: trunk_j = the mean over the N streams entering target layer j (the attention's
+    input streams), u = project_norm(projection([trunk_0 | ...])), and each draft layer's window
+    row k = rope(kv_norm(wkv u)) at the token's position, in the target's forward. Block step
+    (DFlashHeads.block_batch): slot s at t+1+s is a one-row query of KV length t+1+B over a
+    window of W + B rows: keys t-W+1 .. t+B, the W injected rows and all B slots. The ring holds
+    them (kv_cache_groups keeps B rows of backtrack at least). Tensors: {root}mtp.{i}.* (the
+    layers' names under mtp.{i}, then the heads' of DFlashHeads.load_heads)."""
+
+    def __init__(self, config: ModelConfig, v41: V41Config, backend: Backend, rope: torch.Tensor) -> None:
+        """rope: the base rope table (P, R) float32 (the model's main_rope)."""
+        d = v41.dspark
+        if d is None or not v41.mtp_compress_ratios:
+            raise ValueError(
+                "speculative_config asks for the DFlash drafter but this DeepSeek-V4.1 checkpoint has "
+                "none (text_config.num_nextn_predict_layers is 0)"
+            )
+        if not v41.hc_shifted:
+            raise ValueError(
+                "DeepSeek-V4.1's DFlash draft layers need shifted hyper-connections (hc_shifted)"
+            )
+        dconfig = DFlashConfig(
+            num_layers=len(v41.mtp_compress_ratios), block_size=d.block_size,
+            target_layer_ids=d.target_layer_ids, markov_rank=d.markov_rank, noise_token_id=d.noise_token_id,
+            n_routed_experts=d.n_routed_experts, num_experts_per_tok=d.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size, n_shared_experts=config.n_shared_experts,
+        )  # fmt: skip
+        super().__init__(config, dconfig, backend)
+        self.rope = rope
+        self.window_format: RowFormat | None = None  # the window rows' format (the model's)
+        self.hc_mult = v41.hc_mult
+        block = dataclasses.replace(
+            config, n_routed_experts=d.n_routed_experts, num_experts_per_tok=d.num_experts_per_tok
+        )
+        # every draft layer is sliding-window only, without Engram: built as layer 0 of ratio 0
+        plain = dataclasses.replace(v41, compress_ratios=(0,) * len(v41.compress_ratios), engram=None)
+        self.layers = nn.ModuleList(V41Block(backend, block, plain, 0) for _ in range(dconfig.num_layers))
+        for layer in self.blocks:
+            layer.attn.window = v41.sliding_window + d.block_size  # the injected W and the block's B
+
+    @property
+    def blocks(self) -> list[V41Block]:
+        return [cast(V41Block, layer) for layer in self.layers]
+
+    def inject(self, trunks: torch.Tensor, batch: ForwardBatch, caches: list[PagedKVCache]) -> None:
+        """trunks (T, n, Dm) the mean streams -> each draft layer's window row at
+        batch.slot_mapping (slot -1: padding, no row)."""
+        u = self.project(trunks)  # (T, Dm)
+        for layer, cache in zip(self.blocks, caches):
+            attn = layer.attn
+            k = rope_tail(self.backend, attn.kv_norm(attn.wkv(u))[:, None], batch.positions, self.rope)[:, 0]
+            self.backend.kv_cache.write_kv_rows(cache, k, batch.slot_mapping, self.window_format)
+
+    def block_states(
+        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L blocks over the block step -> (h (R B, Dm) the collapsed streams, norm(h))."""
+        x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
+        streams = x[:, None, :].expand(-1, self.hc_mult, -1).contiguous()  # (R B, N, Dm)
+        first = torch.zeros(x.shape[0], self.hc_mult, dtype=torch.float32, device=x.device)
+        first[:, 0] = 1.0  # the first sublayer reads stream 0
+        pre: torch.Tensor | None = first
+        formats = row_formats_v41("bf16") | {"window": self.window_format}
+        for layer, cache in zip(self.blocks, caches):
+            streams, pre = layer(streams, pre, fb, V41LayerCaches(cache, formats=formats), None, self.rope,
+                                 StepState())  # fmt: skip
+        assert pre is not None
+        h = self.backend.small.hc_collapse(streams, pre)
+        return h, self.norm(h)
+
+    def load_norm(self, norm: RMSNorm, reader: WeightSource, name: str, dtype: torch.dtype) -> None:
+        norm.weight = load_f32(reader, name, (norm.dim,))
+
+    def load(self, reader: WeightSource, root: str, dtype: torch.dtype, vocab_size: int) -> None:
+        """{root}mtp.{i}.*: each block's tensors (V41Block's names), then the heads'."""
+        for i, layer in enumerate(self.blocks):
+            layer.load(reader, f"{root}mtp.{i}", dtype, vocab_size)
+        self.load_heads(reader, root, dtype)
+        emb = f"{root}mtp.0.emb.weight"  # DeepSeek's tied copy of the embedding, where stored
+        if reader.has(emb):
+            reader.skip(emb)
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     """The DeepSeek-V4.1 text decoder over its paged caches (cache_layout: the ring, the entry
     groups, the index-key groups). forward(batch, kv_caches) -> the final hidden states (T, Dm),
@@ -617,8 +708,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         dtype: torch.dtype,
         root: Path | None = None,
         expert_parallel: ExpertParallel | None = None,
+        dflash: bool = False,
     ) -> None:
         """root: the checkpoint directory (Engram's compressed vocabulary reads its tokenizer.json).
+        dflash: build the DSpark draft layers (V41DFlashDrafter; loaded from mtp.*, else skipped).
         expert_parallel: this rank's share of the routed experts (V4MoE)."""
         super().__init__()
         v41 = config.v41
@@ -626,7 +719,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError(f"DeepseekV41ForCausalLM needs a deepseek_v41 config, got {config.model_type!r}")
         self.config, self.v41, self.backend, self.dtype = config, v41, backend, dtype
         self.drafter: BlockDrafter | None = None
-        self.dflash: DFlashDrafter | None = None  # V2/V3 blocks only (deepinfer.models.dflash)
+        self.dflash: V41DFlashDrafter | None = None  # built below when asked for
         n = config.num_hidden_layers
         self.register_buffer("embed_tokens", torch.empty(0, device="meta"))  # (V, Dm)
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
@@ -663,6 +756,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name, rope in (("main_rope", config.rope), ("compress_rope", v41.compress_rope)):
             table = cos_sin_cache(rope, v41.rope_dim, config.max_position_embeddings, device)
             self.register_buffer(name, table, persistent=False)
+        if dflash:
+            self.dflash = V41DFlashDrafter(config, v41, backend, cast(torch.Tensor, self.main_rope))
+            # its block steps and the injection run in the verification and decode graphs
+            self.supports_drafts_with_graphs = True
         self.use_kv_cache_dtype("bf16")  # until the engine sets EngineConfig.kv_cache_dtype (Worker)
 
     @property
@@ -676,7 +773,7 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @property
     def num_mtp_layers(self) -> int:
-        """0: the DSpark draft layers are not loaded yet."""
+        """0: the DSpark draft layers run as the DFlash drafter (speculative method "dflash")."""
         return 0
 
     @property
@@ -694,7 +791,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.kv_cache_dtype = kv_cache_dtype
         self.formats = row_formats_v41(kv_cache_dtype)
         try:
-            self._slices, self._counts = cache_layout(self.v41, self.formats, self.dtype)
+            drafts = self.dflash.num_layers if self.dflash is not None else 0
+            self._slices, self._counts = cache_layout(self.v41, self.formats, self.dtype, drafts)
         except ValueError as exc:  # widths the formats' scale blocks do not divide
             raise ValueError(
                 f"kv_cache_dtype={kv_cache_dtype!r} cannot hold this model's rows (head_dim "
@@ -702,6 +800,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 "kv_cache_dtype='bf16'"
             ) from exc
         self._group_keys = sorted(set(self._counts) - {(0, 0)})
+        if self.dflash is not None:
+            self.dflash.window_format = self.formats["window"]
+
+    def dflash_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[PagedKVCache]:
+        """The DFlash draft layers' window rings among kv_caches (the ring group's last ones)."""
+        n = self.config.num_hidden_layers
+        return [kv_caches[layer["window"][0]] for layer in self._slices[n:]]
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:
         return KVCacheSpec(num_blocks, block_size, self.v41.head_dim, 0, self.dtype)
@@ -723,7 +828,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         """The ring (ring_lookback + 1 + max_backtrack positions, whole blocks), then the entry
         groups by ratio, then the index-key groups by ratio (rows Di wide)."""
         if mtp_layers:
-            raise ValueError("DeepSeek-V4.1's draft layers are not loaded; no MTP caches to hold")
+            raise ValueError("DeepSeek-V4.1's draft layers run as the DFlash drafter, not as MTP layers")
+        if self.dflash is not None:  # the block reads W injected rows and writes B past them
+            max_backtrack = max(max_backtrack, self.dflash.block_size)
         lookback = ring_lookback(self.v41)
         ring = -(-(lookback + 1 + max_backtrack) // block_size)
         groups = [self._group("ring", (0, 0), ring_blocks=ring, ring_lookback=lookback)]
@@ -737,7 +844,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Each layer's window, and its KV source's entries (and state) and index-key source's
         keys, wherever they sit."""
         own = [{kind: self._rows(kind, kv_caches[a:b], width) for kind, (a, b, width) in layer.items()}
-               for layer in self._slices]  # fmt: skip
+               for layer in self._slices[: self.config.num_hidden_layers]]  # fmt: skip
         topo, out = self.v41.sharing, []
         for i, ratio in enumerate(self.v41.compress_ratios):
             window = own[i]["window"].caches[0]
@@ -794,10 +901,17 @@ class DeepseekV41ForCausalLM(nn.Module):
             pre = torch.zeros(x.shape[0], v41.hc_mult, dtype=torch.float32, device=x.device)
             pre[:, 0] = 1.0
         step = StepState(ngram_ids=self._ngram_ids(batch))
-        for block, layer_caches in zip(self.layers, caches):
+        targets = self.dflash.config.target_layer_ids if self.dflash is not None else ()
+        trunks: dict[int, torch.Tensor] = {}
+        for i, (block, layer_caches) in enumerate(zip(self.layers, caches)):
+            if i in targets:  # the drafter's trunk: the mean of the attention's input streams
+                trunks[i] = streams.float().mean(dim=1).to(streams.dtype)
             ratio = cast(V41Block, block).ratio
             table = self.compress_rope if ratio else self.main_rope
             streams, pre = block(streams, pre, batch, layer_caches, entries.get(ratio), table, step)
+        if self.dflash is not None:
+            stacked = torch.stack([trunks[i] for i in targets], dim=1)  # (T, n, Dm)
+            self.dflash.inject(stacked, batch, self.dflash_caches(kv_caches))
         if pre is not None:
             return small.hc_collapse(streams, pre)
         c = self.config
@@ -852,15 +966,16 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward_mtp(
         self, batch: ForwardBatch, hidden: torch.Tensor, kv_caches: Sequence[PagedKVCache], depth: int = 0
     ) -> torch.Tensor:
-        raise ValueError("DeepSeek-V4.1's DSpark draft layers are not loaded yet")
+        raise ValueError("DeepSeek-V4.1's DSpark draft layers run as the DFlash drafter (method 'dflash')")
 
     def compute_mtp_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
-        raise ValueError("DeepSeek-V4.1's DSpark draft layers are not loaded yet")
+        raise ValueError("DeepSeek-V4.1's DSpark draft layers run as the DFlash drafter (method 'dflash')")
 
     def load_weights(self, reader: WeightSource) -> None:
-        """DeepSeek's names, with or without a `model.` prefix; the draft layers' (mtp.*) are left
-        unread (marked skipped) until they load, and so are a vision tower's (vision.*, aligner.*,
-        image_*) where config.json has no vision_config."""
+        """DeepSeek's names, with or without a `model.` prefix; the draft layers' (mtp.*) load
+        into the DFlash drafter when it is built, else are left unread (marked skipped), and so
+        are a vision tower's (vision.*, aligner.*, image_*) where config.json has no
+        vision_config."""
         c, v41, dtype = self.config, self.v41, self.dtype
         root = "model." if reader.has("model.embed.weight") else ""
         shape = (c.vocab_size, c.hidden_size)
@@ -879,9 +994,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = (
             self.embed_tokens if c.tie_word_embeddings else reader.get(f"{root}head.weight", shape, dtype)
         )
+        if self.dflash is not None:
+            self.dflash.load(reader, root, dtype, c.vocab_size)
         for name in list(reader.location):
             plain = name.removeprefix("model.")
-            if plain.startswith("mtp.") or (
+            if (self.dflash is None and plain.startswith("mtp.")) or (
                 self.vision is None and plain.startswith(("vision.", "aligner.", "image_"))
             ):
                 reader.skip(name)

@@ -1,6 +1,9 @@
 """DSpark (DeepSeek's DFlash module): the block drafter conditioned on the target by KV injection
 (reference/deepseek-v4.1.md, sections 1.10 and 1.11), here with blocks of the target's kind
-(DeepSeek-V2 / V3: MLA attention, DeepSeek MoE).
+(DeepSeek-V2 / V3: MLA attention, DeepSeek MoE). DFlashHeads holds what does not depend on the
+blocks' kind (the injection's projection, the block step, the heads, the draft loop); DeepSeek-V4.1's
+drafter (V4.1 blocks, loaded from the checkpoint's own mtp.{i}.*) is
+deepinfer.models.deepseek_v41.V41DFlashDrafter.
 
 Symbols: T target tokens of a step, R requests drafting, B block slots, L draft layers, n target
 layers read, Dm hidden, V vocab, r Markov rank, C + R' an MLA cache row (latent + rope key).
@@ -133,33 +136,25 @@ class DFlashConfig:
         )
 
 
-class DFlashDrafter(nn.Module):
-    """The drafter's L blocks and heads over the backend contract (module docstring)."""
+class DFlashHeads(nn.Module):
+    """What every DFlash drafter shares whatever its blocks' kind: the injection's projection and
+    norm, the block step's inputs, the post-norm, the Markov correction, the confidence head and
+    the draft loop over them. A subclass builds the blocks (self.layers) and gives inject,
+    block_states and load (DFlashDrafter here: V2 / V3 blocks; deepseek_v41.V41DFlashDrafter)."""
 
-    def __init__(
-        self, target: ModelConfig, config: DFlashConfig, backend: Backend, cos_sin: torch.Tensor
-    ) -> None:
-        """cos_sin: the target's rope table (P, R) float32; the draft blocks use it too."""
+    def __init__(self, target: ModelConfig, config: DFlashConfig, backend: Backend) -> None:
         super().__init__()
-        from deepinfer.models.deepseek import DecoderLayer  # the target's block kind
-
         bad = [i for i in config.target_layer_ids if not 0 <= i < target.num_hidden_layers]
         if bad:
             raise ValueError(
                 f"dflash config: target_layer_ids {bad} are not layers of the target "
                 f"(0 .. {target.num_hidden_layers - 1})"
             )
-        self.config, self.backend, self.cos_sin = config, backend, cos_sin
+        self.config, self.backend = config, backend
         dm, eps = target.hidden_size, target.rms_norm_eps
         self.hidden_size, self.vocab_size = dm, target.vocab_size
-        block = config.block_config(target)
         self.projection = Linear(backend, len(config.target_layer_ids) * dm, dm)
         self.project_norm = RMSNorm(backend, dm, eps)
-        self.layers = nn.ModuleList(DecoderLayer(block, backend, 0) for _ in range(config.num_layers))
-        for layer in self.blocks:
-            # the block's queries read rows this layer writes in the same forward (the other
-            # slots): the prefill op, not mla_decode_and_uv, whose rows must predate the forward
-            layer.self_attn.decode_kernel = False
         self.norm = RMSNorm(backend, dm, eps)
         r = config.markov_rank
         self.register_buffer("markov_w1", torch.empty(0, device="meta"))  # (V, r) an embedding
@@ -174,32 +169,39 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     @property
-    def blocks(self) -> list[DecoderLayer]:
-        return [cast("DecoderLayer", layer) for layer in self.layers]
-
-    @property
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    # ------------------------------------------------------------------ KV injection
+    def project(self, trunks: torch.Tensor) -> torch.Tensor:
+        """trunks (T, n, Dm) -> u = project_norm(projection(concat)) (T, Dm): the injection's input."""
+        u: torch.Tensor = self.project_norm(self.projection(trunks.reshape(trunks.shape[0], -1)))
+        return u
 
-    def inject(
-        self,
-        trunks: torch.Tensor,
-        batch: ForwardBatch,
-        caches: list[PagedKVCache],
-    ) -> None:
-        """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
-        each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
-        t = trunks.shape[0]
-        u = self.project_norm(self.projection(trunks.reshape(t, -1)))  # (T, n Dm) -> (T, Dm)
-        for layer, cache in zip(self.blocks, caches):
-            attn = layer.self_attn
-            kv = attn.kv_a_proj_with_mqa(u)  # (T, C + R')
-            self.backend.kv_cache.write_mla_kv(
-                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, self.cos_sin,
-                attn.interleaved, batch.slot_mapping,
-            )  # fmt: skip
+    def inject(self, trunks: torch.Tensor, batch: ForwardBatch, caches: list[PagedKVCache]) -> None:
+        """trunks (T, n, Dm) of the step's tokens -> each draft layer's cache row at
+        batch.slot_mapping (slot -1: padding, no row); caches: one per draft layer."""
+        raise NotImplementedError
+
+    def block_states(
+        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
+        raise NotImplementedError
+
+    def load_norm(self, norm: RMSNorm, reader: WeightSource, name: str, dtype: torch.dtype) -> None:
+        norm.load(reader, name, dtype)
+
+    def load_heads(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
+        """The heads' tensors under DeepSeek's names: {prefix}mtp.0.projection / project_norm,
+        {prefix}mtp.{L-1}.norm / markov_w1 / markov_w2 / accept_rate.proj."""
+        first, last = f"{prefix}mtp.0", f"{prefix}mtp.{self.num_layers - 1}"
+        self.projection.load(reader, f"{first}.projection", dtype)
+        self.load_norm(self.project_norm, reader, f"{first}.project_norm.weight", dtype)
+        self.load_norm(self.norm, reader, f"{last}.norm.weight", dtype)
+        shape = (self.vocab_size, self.config.markov_rank)
+        self.markov_w1 = reader.get(f"{last}.markov_w1.weight", shape, dtype)
+        self.markov_w2.load(reader, f"{last}.markov_w2", dtype)
+        self.accept_rate.load(reader, f"{last}.accept_rate.proj", dtype)
 
     # ------------------------------------------------------------------ the draft step
 
@@ -241,18 +243,6 @@ class DFlashDrafter(nn.Module):
             input_ids=ids.reshape(-1), positions=pos.reshape(-1), slot_mapping=slots.reshape(-1), attn=attn,
             logits_indices=rows,
         )  # fmt: skip
-
-    def block_states(
-        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
-        x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
-        residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, fb, cache, self.cos_sin)
-        assert residual is not None
-        normed, h = self.norm.add(x, residual)
-        return h, normed
 
     def markov(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prev (R,) token ids -> (markov_w1[prev] (R, r), markov_w2 of it (R, V) float32)."""
@@ -298,20 +288,68 @@ class DFlashDrafter(nn.Module):
                 logits_out.append(logits)
         return torch.stack(drafts, dim=1), torch.stack(confs, dim=1)
 
+
+class DFlashDrafter(DFlashHeads):
+    """The drafter with DeepSeek-V2 / V3 blocks (MLA attention, DeepSeek MoE) over the backend
+    contract (module docstring)."""
+
+    def __init__(
+        self, target: ModelConfig, config: DFlashConfig, backend: Backend, cos_sin: torch.Tensor
+    ) -> None:
+        """cos_sin: the target's rope table (P, R) float32; the draft blocks use it too."""
+        super().__init__(target, config, backend)
+        from deepinfer.models.deepseek import DecoderLayer  # the target's block kind
+
+        self.cos_sin = cos_sin
+        block = config.block_config(target)
+        self.layers = nn.ModuleList(DecoderLayer(block, backend, 0) for _ in range(config.num_layers))
+        for layer in self.blocks:
+            # the block's queries read rows this layer writes in the same forward (the other
+            # slots): the prefill op, not mla_decode_and_uv, whose rows must predate the forward
+            layer.self_attn.decode_kernel = False
+
+    @property
+    def blocks(self) -> list[DecoderLayer]:
+        return [cast("DecoderLayer", layer) for layer in self.layers]
+
+    # ------------------------------------------------------------------ KV injection
+
+    def inject(
+        self,
+        trunks: torch.Tensor,
+        batch: ForwardBatch,
+        caches: list[PagedKVCache],
+    ) -> None:
+        """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
+        each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
+        u = self.project(trunks)  # (T, n Dm) -> (T, Dm)
+        for layer, cache in zip(self.blocks, caches):
+            attn = layer.self_attn
+            kv = attn.kv_a_proj_with_mqa(u)  # (T, C + R')
+            self.backend.kv_cache.write_mla_kv(
+                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, self.cos_sin,
+                attn.interleaved, batch.slot_mapping,
+            )  # fmt: skip
+
+    def block_states(
+        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
+        x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
+        residual: torch.Tensor | None = None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(x, residual, fb, cache, self.cos_sin)
+        assert residual is not None
+        normed, h = self.norm.add(x, residual)
+        return h, normed
+
     # ------------------------------------------------------------------ loading
 
     def load(self, reader: WeightSource, dtype: torch.dtype) -> None:
         """DeepSeek's names (module docstring): mtp.0.projection, ..., mtp.{L-1}.accept_rate."""
-        last = f"mtp.{self.num_layers - 1}"
-        self.projection.load(reader, "mtp.0.projection", dtype)
-        self.project_norm.load(reader, "mtp.0.project_norm.weight", dtype)
+        self.load_heads(reader, "", dtype)
         for i, layer in enumerate(self.blocks):
             layer.load(reader, f"mtp.{i}", dtype)
-        self.norm.load(reader, f"{last}.norm.weight", dtype)
-        shape = (self.vocab_size, self.config.markov_rank)
-        self.markov_w1 = reader.get(f"{last}.markov_w1.weight", shape, dtype)
-        self.markov_w2.load(reader, f"{last}.markov_w2", dtype)
-        self.accept_rate.load(reader, f"{last}.accept_rate.proj", dtype)
 
 
 def has_dflash(root: str | Path) -> bool:
@@ -343,9 +381,10 @@ def save_dflash(root: str | Path, config: DFlashConfig, tensors: dict[str, torch
 
 
 def check_block_kind(target: ModelConfig) -> None:
-    """The drafter's blocks are the target's kind: DeepSeek-V2 / V3 here."""
+    """The drafter in DIR/dflash/ is built of DeepSeek-V2 / V3 blocks (a V4.1 checkpoint holds
+    its own draft layers, deepseek_v41.V41DFlashDrafter; V4's are not implemented)."""
     if target.v4 is not None or target.v41 is not None:
         raise ValueError(
             f"the DFlash drafter in {DIRECTORY}/ is built of DeepSeek-V2/V3 blocks; {target.model_type} "
-            "checkpoints are not supported by it yet"
+            "checkpoints are not supported by it"
         )

@@ -22,7 +22,7 @@ from deepinfer.models.config import ModelConfig
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 
 if TYPE_CHECKING:
-    from deepinfer.models.dflash import DFlashDrafter
+    from deepinfer.models.dflash import DFlashHeads
     from deepinfer.models.drafter import BlockDrafter
 
 
@@ -45,20 +45,22 @@ class CausalLM(Protocol):
       num_mtp_layers            multi-token-prediction layers loaded (0: none)
       hidden_shape              one token's hidden state (what verification graphs keep per row)
       drafter                   the block drafter saved beside the checkpoint, if any
-      dflash                    the DFlash drafter, when loaded: its caches are forward's last
-                                dflash.num_layers (in num_kv_layers), injected into by forward
+      dflash                    the DFlash drafter, when loaded: its caches (dflash_caches of
+                                forward's, in num_kv_layers) are injected into by forward
     """
 
     config: ModelConfig
     embed_tokens: torch.Tensor  # (V, Dm)
     lm_head: torch.Tensor  # (V, Dm)
     drafter: BlockDrafter | None
-    dflash: DFlashDrafter | None
     supports_graphs: bool
     supports_prefill_graphs: bool
     supports_drafts_with_graphs: bool
     supports_prefix_caching: bool
     token_history: int
+
+    @property
+    def dflash(self) -> DFlashHeads | None: ...
 
     @property
     def rope_positions(self) -> int: ...
@@ -74,6 +76,10 @@ class CausalLM(Protocol):
     @property
     def num_kv_layers(self) -> int:
         """The caches forward() takes: every cache of kv_cache_groups but the MTP layers'."""
+        ...
+
+    def dflash_caches(self, kv_caches: Sequence[PagedKVCache]) -> list[PagedKVCache]:
+        """The DFlash drafter's caches among forward's kv_caches (its layers')."""
         ...
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> KVCacheSpec:

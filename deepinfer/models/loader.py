@@ -729,7 +729,7 @@ def load_model(
         _preflight(config, reader, backend, expert_parallel)
         model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
         if config.v41 is not None:
-            model = DeepseekV41ForCausalLM(config, backend, dtype, root, expert_parallel)
+            model = DeepseekV41ForCausalLM(config, backend, dtype, root, expert_parallel, dflash=dflash)
         elif config.v4 is not None:
             model = DeepseekV4ForCausalLM(config, backend, dtype, expert_parallel)
         else:
@@ -750,10 +750,10 @@ def load_model(
         raise UnexpectedTensorError(f"unexpected tensors in checkpoint {root}: {shown}{more}")
     if has_drafter(root):  # a block drafter saved beside the model (deepinfer.models.drafter)
         model.drafter = load_drafter(root, backend, config, dtype)
-    if dflash:
+    if dflash and not isinstance(model, DeepseekV41ForCausalLM):  # V4.1's loads with the model
         if not isinstance(model, DeepseekForCausalLM):
             raise ValueError(
-                f"the DFlash drafter runs with DeepSeek-V2/V3 blocks; {root} is {config.model_type}, "
+                f"the DFlash drafter runs with DeepSeek-V2/V3 or V4.1 blocks; {root} is {config.model_type}, "
                 "whose drafter blocks are not implemented yet"
             )
         model.dflash = load_dflash(

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,12 +73,16 @@ def has_fp4_experts(config: ModelConfig, fp8: bool) -> bool:
     return fp8 and new and q is not None and q.expert_dtype == "fp4"
 
 
-def reduced_config(config_file: Path, layers: int) -> ModelConfig:
+def reduced_config(
+    config_file: Path, layers: int, text_overrides: dict[str, Any] | None = None
+) -> ModelConfig:
     """The config of config_file with `layers` main layers: DeepSeek-V4.1's nested text_config
-    through config_v41.reduce_depth (every per-layer list and the sharing topology with it), the
-    others' flat num_hidden_layers (their first layers)."""
+    through config_v41.reduce_depth (every per-layer list and the sharing topology with it;
+    text_overrides: text_config keys replaced before, e.g. dspark_target_layer_ids that the
+    reduction keeps), the others' flat num_hidden_layers (their first layers)."""
     raw = json.loads(config_file.read_text())
     if raw.get("model_type") == "deepseek_v41":
+        raw["text_config"] = {**raw["text_config"], **(text_overrides or {})}
         return ModelConfig.from_dict(reduce_depth(raw, layers))
     return ModelConfig.from_dict(raw | {"num_hidden_layers": layers})
 
@@ -252,6 +257,8 @@ def random_model(
     num_hidden_layers: int | None = None,
     mtp: bool = False,
     by_name: bool = False,
+    dflash: bool = False,
+    text_overrides: dict[str, Any] | None = None,
 ) -> DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The model of config_file with random weights, on backend's device. Refused before
     anything is allocated when the weights cannot fit (check_fits; memory_share is the engine's
@@ -260,10 +267,12 @@ def random_model(
     for DeepSeek-V4 configs with expert_dtype fp4 (V4-Flash) MXFP4 routed experts, as published;
     num_hidden_layers: overrides the config's depth (the first layers of its schedule; DeepSeek-V4.1:
     reduced_config); mtp: DeepSeek-V4's MTP layers too (num_nextn_predict_layers of them, DeepSeek's
-    mtp.{k}.*; not counted by the fit check)."""
+    mtp.{k}.*; not counted by the fit check); dflash: DeepSeek-V4.1's DSpark draft layers as its
+    DFlash drafter (mtp.{i}.*; not counted by the fit check either); text_overrides: V4.1
+    text_config keys replaced before a depth reduction (reduced_config)."""
     config = ModelConfig.from_file(config_file)
     if num_hidden_layers is not None:  # a reduced-depth model of the same shapes
-        config = reduced_config(config_file, num_hidden_layers)
+        config = reduced_config(config_file, num_hidden_layers, text_overrides)
     if config.quantization is not None and dtype is None:
         dtype = torch.bfloat16  # activations of an FP8 model
     dtype = dtype or config.torch_dtype
@@ -275,7 +284,7 @@ def random_model(
     model: DeepseekForCausalLM | DeepseekV4ForCausalLM | DeepseekV41ForCausalLM
     fp8_linears, fp8_block = stored_in_fp8, FP8_BLOCK
     if config.v41 is not None:
-        model = DeepseekV41ForCausalLM(config, backend, dtype, expert_parallel=expert_parallel)
+        model = DeepseekV41ForCausalLM(config, backend, dtype, expert_parallel=expert_parallel, dflash=dflash)
         fp8_linears = v41_stored_in_fp8
         if config.quantization is not None:
             fp8_block = config.quantization.weight_block_size[0]
@@ -284,6 +293,8 @@ def random_model(
     else:
         model = DeepseekForCausalLM(config, backend, dtype, expert_parallel)
     device, fp4_experts = backend.device.device(), has_fp4_experts(config, fp8)
+    if dflash and config.v41 is None:
+        raise ValueError("random DFlash draft layers are built for DeepSeek-V4.1 configs only")
     if mtp and config.v4 is None:
         raise ValueError("random MTP layers are built for DeepSeek-V4 configs only")
     present = [f"mtp.{k}.enorm.weight" for k in range(config.num_nextn_predict_layers)] if mtp else []

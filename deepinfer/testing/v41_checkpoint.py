@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from deepinfer.backend import fp4
 from deepinfer.backend.fp8 import MXFP8_BLOCK, dequantize_weight, quantize_weight
 from deepinfer.models.deepseek_v41 import stored_in_fp8
-from deepinfer.testing.v41_oracle import V41Config, expected_tensor_shapes
+from deepinfer.testing.v41_oracle import V41Config, dspark_tensor_shapes, expected_tensor_shapes
 from deepinfer.testing.vision_oracle import vision_tensor_shapes
 
 E8M0 = torch.float8_e8m0fnu  # the scales' dtype in DeepSeek's safetensors
@@ -61,11 +61,14 @@ def tiny_v41_config(
     yarn: bool = True,
     vocab: int = 64,
     vision: bool = False,
+    dspark: int = 0,
     **text_overrides: Any,
 ) -> dict[str, Any]:
     """A tiny V4.1 config. Default ratios [0, 2, 1, 1, ...]: window layer, C2, then the C1 YOCO half.
     Sharing lists default to "every compressed layer is its own source". vision: with a tiny
-    vision tower (TINY_VISION: 2 blocks of width 16, 2 heads, patch 14, d 2); else text only."""
+    vision tower (TINY_VISION: 2 blocks of width 16, 2 heads, patch 14, d 2); else text only.
+    dspark: that many DSpark (DFlash) draft layers (num_nextn_predict_layers; blocks of 4 slots
+    conditioned on the first and the last layer, Markov rank 8, their own 3-expert top-2 MoE)."""
     ratios = list(ratios) if ratios is not None else [0, 2] + [1] * (layers - 2)
     if len(ratios) != layers:
         raise ValueError(f"ratios has {len(ratios)} entries for {layers} layers")
@@ -129,6 +132,18 @@ def tiny_v41_config(
     }
     if index_k_source_layer_ids is not None:
         text["index_k_source_layer_ids"] = index_k_source_layer_ids
+    if dspark:
+        text |= {
+            "num_nextn_predict_layers": dspark,
+            "compress_ratios": ratios + [0] * dspark,
+            "dspark_block_size": 4,
+            "dspark_target_layer_ids": sorted({0, layers - 1}),
+            "dspark_target_attn_input": True,
+            "dspark_markov_rank": 8,
+            "dspark_noise_token_id": 5,
+            "dspark_n_routed_experts": 3,
+            "dspark_num_experts_per_tok": 2,
+        }
     if engram:
         text |= {
             "engram_layer_ids": engram_layer_ids if engram_layer_ids is not None else [0],
@@ -170,7 +185,7 @@ def random_v41_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     out: dict[str, torch.Tensor] = {}
-    shapes = expected_tensor_shapes(cfg)
+    shapes = expected_tensor_shapes(cfg) | dspark_tensor_shapes(config)  # the draft layers' (mtp.*) too
     if config.get("vision_config") is not None:  # the tower, and each layer's image routing bias
         shapes |= vision_tensor_shapes(config)
         shapes |= {f"layers.{i}.ffn.gate.bias_vl": (cfg.n_experts,) for i in range(cfg.n_layers)}

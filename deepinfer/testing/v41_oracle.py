@@ -40,7 +40,7 @@ Semantics fixed here (DeepSeek engine defaults, its YOCO prefill truncation mode
 Not from DeepSeek's source (kernels not in the sdist; taken from TileKernels' torch references or
 chosen): the Sinkhorn / split-mix formulas, the MoE weight normalisation without an epsilon, the
 tie order of every top-k. Not modelled: FP8/FP4 rounding of weights; YOCO prefill truncation
-(`compact` / `mask`); DFlash layers.
+(`compact` / `mask`). The DFlash (DSpark) draft layers: `V41DSparkOracle` (1.10-1.11).
 
 KV formats (1.13, `kv_cache_dtype`; "bf16", the default, keeps every cache exact): the window K,
 the main entries (after their RoPE) and the index keys are rounded to their cached formats before
@@ -584,6 +584,8 @@ class V41Trace:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # (T, index_topk), every compressed layer
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)  # (T, blocks), candidate source
     h_star: torch.Tensor | None = None  # YOCO shared hidden
+    # the streams entering each layer (after the previous post, before Engram) (T, n, H)
+    streams_in: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class V41Oracle:
@@ -755,6 +757,8 @@ class V41Oracle:
             for sub in ("attn", "ffn"):
                 if pending is not None:
                     R = hc_post(R, *pending)
+                if sub == "attn":
+                    tr.streams_in[L] = R
                 if sub == "attn" and L in c.engram_layers:
                     R = self._engram(L, R, ngram_ids, mask)  # type: ignore[arg-type]
                 pre, post, comb = hc_mixes(
@@ -883,3 +887,152 @@ def expected_tensor_shapes(cfg: V41Config) -> dict[str, tuple[int, ...]]:
                 p + "engram.wkv.weight": ((n + 1) * H, width),
             }
     return s
+
+
+# --------------------------------------------------------------------------------------------
+# the DFlash (DSpark) drafter (1.10, 1.11)
+# --------------------------------------------------------------------------------------------
+
+
+def dspark_tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The drafter's tensors (DeepSeek's names, mtp.{i}.*): per draft layer a sliding-window V4.1
+    block (the layers' names, the drafter's dspark_n_routed_experts); mtp.0 also projection and
+    project_norm, the last norm, markov_w1 (V, r), markov_w2 (V, r) and accept_rate.proj (1, H + r)."""
+    t = config["text_config"]
+    nextn = int(t.get("num_nextn_predict_layers", 0))
+    if not nextn:
+        return {}
+    sub = {**config, "text_config": {**t, "num_hidden_layers": 1, "num_nextn_predict_layers": 0,
+                                     "compress_ratios": [1], "n_routed_experts": t["dspark_n_routed_experts"],
+                                     "kv_source_layer_ids": [0], "index_source_layer_ids": [0],
+                                     "index_k_source_layer_ids": [0], "engram_layer_ids": []}}  # fmt: skip
+    c = V41Config.from_dict(sub)
+    one = {k: v for k, v in expected_tensor_shapes(c).items() if k.startswith("layers.0.")}
+    one = {k: v for k, v in one.items() if ".compressor." not in k and ".indexer." not in k}
+    H, V, r = c.hidden, c.vocab, int(t["dspark_markov_rank"])
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(nextn):
+        out |= {k.replace("layers.0.", f"mtp.{i}.", 1): v for k, v in one.items()}
+    n = len(t["dspark_target_layer_ids"])
+    last = f"mtp.{nextn - 1}."
+    out |= {"mtp.0.projection.weight": (H, n * H), "mtp.0.project_norm.weight": (H,),
+            last + "norm.weight": (H,), last + "markov_w1.weight": (V, r), last + "markov_w2.weight": (V, r),
+            last + "accept_rate.proj.weight": (1, H + r)}  # fmt: skip
+    return out
+
+
+class V41DSparkOracle:
+    """The DSpark drafter of a V4.1 checkpoint in float64, whole-sequence, written from 1.11:
+    trunks = the mean over the hc_mult streams entering each dspark_target_layer_ids layer (the
+    target oracle's), u = RMSNorm(projection(concat)), each draft layer's context keys
+    RoPE_base(RMSNorm(wkv u)) at positions 0..t. The block [x, noise x (B-1)] at t+1..t+B goes
+    through the draft layers (V4.1 blocks: SWA-only, base RoPE, their own top-k MoE, shifted HC),
+    every slot attending keys t-W+1..t+B (the context's and all B slots', a sink per head); after
+    the collapse, logits_s = norm(h_s) @ head + markov_w2(markov_w1[prev_s]) and
+    c_s = sigmoid([h_s ; markov_w1[prev_s]] . w / T). kv_cache_dtype: as V41Oracle's; the draft
+    layers' keys (injected and the block's) are rounded to the window rows' format too."""
+
+    def __init__(
+        self, config: dict[str, Any], tensors: dict[str, torch.Tensor], kv_cache_dtype: str = "bf16"
+    ) -> None:
+        self.target = V41Oracle(config, tensors, kv_cache_dtype=kv_cache_dtype)
+        self.window_format = self.target.kv_formats[0]
+        self.cfg, t = self.target.cfg, config["text_config"]
+        self.w = self.target.w
+        self.layers = int(t["num_nextn_predict_layers"])
+        self.block = int(t["dspark_block_size"])
+        self.targets = [int(i) for i in t["dspark_target_layer_ids"]]
+        self.noise = int(t["dspark_noise_token_id"])
+        self.n_experts, self.top_k = int(t["dspark_n_routed_experts"]), int(t["dspark_num_experts_per_tok"])
+        for name, shape in dspark_tensor_shapes(config).items():
+            if name not in self.w or tuple(self.w[name].shape) != shape:
+                raise ValueError(f"{name}: missing or not of shape {shape}")
+
+    def _attention(self, i: int, x: torch.Tensor, ctx: torch.Tensor, t: int) -> torch.Tensor:
+        """Draft layer i: x (B, H) the block's normed inputs at t+1..t+B; ctx (t+1, D) the
+        injected keys -> (B, H)."""
+        c, w, p = self.cfg, self.w, f"mtp.{i}.attn."
+        B = x.shape[0]
+        pos = torch.arange(t + 1, t + 1 + B)
+        inv = self.target.inv_freq_base
+        qn = rms_norm(x @ w[p + "wq_a.weight"].T, w[p + "q_norm.weight"], c.eps)
+        q = apply_rope((qn @ w[p + "wq_b.weight"].T).view(B, c.n_heads, c.head_dim), pos, inv)
+        k = apply_rope(rms_norm(x @ w[p + "wkv.weight"].T, w[p + "kv_norm.weight"], c.eps), pos, inv)
+        k = _maybe_round(k, self.window_format)
+        kv = torch.cat([ctx[max(0, t - c.window + 1) : t + 1], k])  # (S, D) the same for every slot
+        logits = torch.einsum("bhd,sd->bhs", q, kv) * c.head_dim**-0.5
+        sink = w[p + "attn_sink"][None, :, None].expand(B, -1, 1)
+        o = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1] @ kv  # (B, h, D)
+        o = apply_rope(o, pos, inv, inverse=True)
+        g = c.o_groups
+        wo_a = w[p + "wo_a.weight"].view(g, c.o_lora_rank, -1)
+        mid = torch.einsum("tgr,gdr->tgd", o.reshape(B, g, -1), wo_a).reshape(B, -1)
+        return mid @ w[p + "wo_b.weight"].T
+
+    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.cfg, self.w, f"mtp.{i}.ffn."
+        s = torch.sqrt(F.softplus(x @ w[p + "gate.weight"].T))  # (B, E)
+        idx = select_topk(s + w[p + "gate.bias"], self.top_k)
+        wts = s.gather(1, idx)
+        wts = wts / wts.sum(-1, keepdim=True) * c.routed_scaling
+        out = torch.zeros_like(x)
+        for b in range(x.shape[0]):
+            for j in range(self.top_k):
+                ep = f"{p}experts.{int(idx[b, j])}."
+                y = swiglu(x[b : b + 1], w[ep + "w1.weight"], w[ep + "w2.weight"], w[ep + "w3.weight"],
+                           c.swiglu_limit)  # fmt: skip
+                out[b] += wts[b, j] * y[0]
+        if c.n_shared:
+            sp = p + "shared_experts."
+            out = out + swiglu(
+                x, w[sp + "w1.weight"], w[sp + "w2.weight"], w[sp + "w3.weight"], c.swiglu_limit
+            )
+        return out
+
+    def drafts(
+        self, tokens: Sequence[int], k: int, temperature: float = 1.0
+    ) -> tuple[list[int], list[float], list[torch.Tensor]]:
+        """The context tokens[:-1] (positions 0..t), the emitted token tokens[-1] at t+1 -> (k
+        greedy drafts, their confidences (prefix products), each slot's final logits (V,))."""
+        c, w = self.cfg, self.w
+        t = len(tokens) - 2
+        tr = self.target.forward(list(tokens[:-1]))
+        trunks = torch.cat([tr.streams_in[L].mean(1) for L in self.targets], dim=-1)  # (t+1, n H)
+        u = rms_norm(trunks @ w["mtp.0.projection.weight"].T, w["mtp.0.project_norm.weight"], c.eps)
+        ctx_pos = torch.arange(t + 1)
+        ids = torch.tensor([tokens[-1]] + [self.noise] * (self.block - 1))
+        R = w["embed.weight"][ids][:, None, :].expand(-1, c.hc_mult, -1).clone()  # (B, n, H)
+        pre_prev = F.one_hot(torch.zeros(self.block, dtype=torch.int64), c.hc_mult).to(F64)
+        pending = None
+        for i in range(self.layers):
+            p = f"mtp.{i}."
+            a = p + "attn."
+            ctx = apply_rope(rms_norm(u @ w[a + "wkv.weight"].T, w[a + "kv_norm.weight"], c.eps), ctx_pos,
+                             self.target.inv_freq_base)  # fmt: skip
+            ctx = _maybe_round(ctx, self.window_format)
+            for sub in ("attn", "ffn"):
+                if pending is not None:
+                    R = hc_post(R, *pending)
+                pre, post, comb = hc_mixes(
+                    R, w[f"{p}hc_{sub}_fn"], w[f"{p}hc_{sub}_base"], w[f"{p}hc_{sub}_scale"], c
+                )
+                x = rms_norm((pre_prev[:, :, None] * R).sum(1), w[f"{p}{sub}_norm.weight"], c.eps)
+                out = self._attention(i, x, ctx, t) if sub == "attn" else self._moe(i, x)
+                pending, pre_prev = (out, post, comb), pre
+        assert pending is not None
+        R = hc_post(R, *pending)
+        h = (pre_prev[:, :, None] * R).sum(1)  # (B, H) collapsed, pre-norm
+        last = f"mtp.{self.layers - 1}."
+        head = w["embed.weight"] if c.tie_word_embeddings and "head.weight" not in w else w["head.weight"]
+        base = rms_norm(h, w[last + "norm.weight"], c.eps) @ head.T  # (B, V)
+        prev, drafts, confs, logits_out, conf = int(tokens[-1]), [], [], [], 1.0
+        for s_ in range(k):
+            low = w[last + "markov_w1.weight"][prev]  # (r,)
+            logits = base[s_] + w[last + "markov_w2.weight"] @ low
+            feats = torch.cat([h[s_], low])
+            conf *= float(torch.sigmoid((w[last + "accept_rate.proj.weight"][0] @ feats) / temperature))
+            prev = int(logits.argmax())
+            drafts.append(prev)
+            confs.append(conf)
+            logits_out.append(logits)
+        return drafts, confs, logits_out
