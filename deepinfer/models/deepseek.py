@@ -18,6 +18,7 @@ from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import KVCacheSpec, PagedKVCache
 from deepinfer.models.attention import MLAttention
 from deepinfer.models.config import ModelConfig
+from deepinfer.models.dflash import DFlashConfig, DFlashHeads
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import check_kv_cache_dtype
 from deepinfer.models.layers import MLP, Linear, RMSNorm
@@ -26,7 +27,6 @@ from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel
 
 if TYPE_CHECKING:
-    from deepinfer.models.dflash import DFlashDrafter
     from deepinfer.models.drafter import BlockDrafter
     from deepinfer.models.weights import WeightSource
 
@@ -289,3 +289,64 @@ class DeepseekForCausalLM(nn.Module):
             mtp = MTPLayer(c, self.backend, idx, self.expert_parallel)
             mtp.load(reader, f"model.layers.{idx}", dtype)
             self.mtp.append(mtp)
+
+
+class DFlashDrafter(DFlashHeads):
+    """The DFlash drafter (deepinfer.models.dflash) with DeepSeek-V2 / V3 blocks: MLA attention,
+    DeepSeek MoE, over the backend contract."""
+
+    def __init__(
+        self, target: ModelConfig, config: DFlashConfig, backend: Backend, cos_sin: torch.Tensor
+    ) -> None:
+        """cos_sin: the target's rope table (P, R) float32; the draft blocks use it too."""
+        super().__init__(target, config, backend)
+        self.cos_sin = cos_sin
+        block = config.block_config(target)
+        self.layers = nn.ModuleList(DecoderLayer(block, backend, 0) for _ in range(config.num_layers))
+        for layer in self.blocks:
+            # the block's queries read rows this layer writes in the same forward (the other
+            # slots): the prefill op, not mla_decode_and_uv, whose rows must predate the forward
+            layer.self_attn.decode_kernel = False
+
+    @property
+    def blocks(self) -> list[DecoderLayer]:
+        return [cast("DecoderLayer", layer) for layer in self.layers]
+
+    # ------------------------------------------------------------------ KV injection
+
+    def inject(
+        self,
+        trunks: torch.Tensor,
+        batch: ForwardBatch,
+        caches: list[PagedKVCache],
+    ) -> None:
+        """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
+        each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
+        u = self.project(trunks)  # (T, n Dm) -> (T, Dm)
+        for layer, cache in zip(self.blocks, caches):
+            attn = layer.self_attn
+            kv = attn.kv_a_proj_with_mqa(u)  # (T, C + R')
+            self.backend.kv_cache.write_mla_kv(
+                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, self.cos_sin,
+                attn.interleaved, batch.slot_mapping,
+            )  # fmt: skip
+
+    def block_states(
+        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
+        x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
+        residual: torch.Tensor | None = None
+        for layer, cache in zip(self.layers, caches):
+            x, residual = layer(x, residual, fb, cache, self.cos_sin)
+        assert residual is not None
+        normed, h = self.norm.add(x, residual)
+        return h, normed
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, reader: WeightSource, dtype: torch.dtype) -> None:
+        """DeepSeek's names (module docstring): mtp.0.projection, ..., mtp.{L-1}.accept_rate."""
+        self.load_heads(reader, "", dtype)
+        for i, layer in enumerate(self.blocks):
+            layer.load(reader, f"mtp.{i}", dtype)

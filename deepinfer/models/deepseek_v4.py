@@ -114,7 +114,7 @@ from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel, routed_experts
 
 if TYPE_CHECKING:
-    from deepinfer.models.dflash import DFlashDrafter
+    from deepinfer.models.dflash import DFlashHeads
     from deepinfer.models.drafter import BlockDrafter
     from deepinfer.models.weights import WeightSource
 
@@ -1048,7 +1048,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("lm_head", torch.empty(0, device="meta"))  # (V, Dm)
         self.mtp = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         self.drafter: BlockDrafter | None = None  # set by the loader when one is saved beside
-        self.dflash: DFlashDrafter | None = None  # V2/V3 blocks only (deepinfer.models.dflash)
+        self.dflash: DFlashHeads | None = None  # not for V4 (deepinfer.models.dflash)
         # rows past max_position_embeddings serve only verification steps' padding drafts (up to
         # k positions past max_model_len, outputs discarded), as DeepSeek-V2's
         self.rope_positions = config.max_position_embeddings + SPECULATIVE_PADDING_POSITIONS

@@ -41,7 +41,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -53,7 +53,6 @@ from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.layers import Linear, RMSNorm
 
 if TYPE_CHECKING:
-    from deepinfer.models.deepseek import DecoderLayer
     from deepinfer.models.weights import WeightSource
 
 DIRECTORY = "dflash"  # beside the model's files
@@ -73,7 +72,7 @@ class DFlashConfig:
     num_experts_per_tok: int  # dspark_num_experts_per_tok
     moe_intermediate_size: int
     n_shared_experts: int = 1
-    # T_s: one value for every slot, or B values (DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE)
+    # T_s: one value for every slot, or B values (DeepSeek's engine: an environment variable)
     confidence_temperature: tuple[float, ...] = (1.0,)
 
     def __post_init__(self) -> None:
@@ -140,7 +139,7 @@ class DFlashHeads(nn.Module):
     """What every DFlash drafter shares whatever its blocks' kind: the injection's projection and
     norm, the block step's inputs, the post-norm, the Markov correction, the confidence head and
     the draft loop over them. A subclass builds the blocks (self.layers) and gives inject,
-    block_states and load (DFlashDrafter here: V2 / V3 blocks; deepseek_v41.V41DFlashDrafter)."""
+    block_states and load (deepseek.DFlashDrafter: V2 / V3 blocks; deepseek_v41.V41DFlashDrafter)."""
 
     def __init__(self, target: ModelConfig, config: DFlashConfig, backend: Backend) -> None:
         super().__init__()
@@ -287,69 +286,6 @@ class DFlashHeads(nn.Module):
             if logits_out is not None:
                 logits_out.append(logits)
         return torch.stack(drafts, dim=1), torch.stack(confs, dim=1)
-
-
-class DFlashDrafter(DFlashHeads):
-    """The drafter with DeepSeek-V2 / V3 blocks (MLA attention, DeepSeek MoE) over the backend
-    contract (module docstring)."""
-
-    def __init__(
-        self, target: ModelConfig, config: DFlashConfig, backend: Backend, cos_sin: torch.Tensor
-    ) -> None:
-        """cos_sin: the target's rope table (P, R) float32; the draft blocks use it too."""
-        super().__init__(target, config, backend)
-        from deepinfer.models.deepseek import DecoderLayer  # the target's block kind
-
-        self.cos_sin = cos_sin
-        block = config.block_config(target)
-        self.layers = nn.ModuleList(DecoderLayer(block, backend, 0) for _ in range(config.num_layers))
-        for layer in self.blocks:
-            # the block's queries read rows this layer writes in the same forward (the other
-            # slots): the prefill op, not mla_decode_and_uv, whose rows must predate the forward
-            layer.self_attn.decode_kernel = False
-
-    @property
-    def blocks(self) -> list[DecoderLayer]:
-        return [cast("DecoderLayer", layer) for layer in self.layers]
-
-    # ------------------------------------------------------------------ KV injection
-
-    def inject(
-        self,
-        trunks: torch.Tensor,
-        batch: ForwardBatch,
-        caches: list[PagedKVCache],
-    ) -> None:
-        """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
-        each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
-        u = self.project(trunks)  # (T, n Dm) -> (T, Dm)
-        for layer, cache in zip(self.blocks, caches):
-            attn = layer.self_attn
-            kv = attn.kv_a_proj_with_mqa(u)  # (T, C + R')
-            self.backend.kv_cache.write_mla_kv(
-                cache, kv, attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps, batch.positions, self.cos_sin,
-                attn.interleaved, batch.slot_mapping,
-            )  # fmt: skip
-
-    def block_states(
-        self, fb: ForwardBatch, embed: torch.Tensor, caches: list[PagedKVCache]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The L blocks over the block step fb -> (h pre-norm (R B, Dm), norm(h) (R B, Dm))."""
-        x = nn.functional.embedding(fb.input_ids, embed)  # (R B, Dm)
-        residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer(x, residual, fb, cache, self.cos_sin)
-        assert residual is not None
-        normed, h = self.norm.add(x, residual)
-        return h, normed
-
-    # ------------------------------------------------------------------ loading
-
-    def load(self, reader: WeightSource, dtype: torch.dtype) -> None:
-        """DeepSeek's names (module docstring): mtp.0.projection, ..., mtp.{L-1}.accept_rate."""
-        self.load_heads(reader, "", dtype)
-        for i, layer in enumerate(self.blocks):
-            layer.load(reader, f"mtp.{i}", dtype)
 
 
 def has_dflash(root: str | Path) -> bool:

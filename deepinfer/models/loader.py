@@ -49,11 +49,11 @@ from deepinfer.backend.fp4 import scale_shape as fp4_scale_shape
 from deepinfer.backend.fp8 import FP8_BLOCK, FP8_DTYPE, dequantize_weight, weight_scale_shape
 from deepinfer.backend.ops import Backend
 from deepinfer.models.config import ModelConfig, ModelConfigError
-from deepinfer.models.deepseek import DeepseekForCausalLM
+from deepinfer.models.deepseek import DeepseekForCausalLM, DFlashDrafter
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.models.dflash import DIRECTORY as DFLASH_DIR
-from deepinfer.models.dflash import DFlashDrafter, has_dflash
+from deepinfer.models.dflash import has_dflash
 from deepinfer.models.dflash import read_config as read_dflash_config
 from deepinfer.models.drafter import has_drafter, load_drafter
 from deepinfer.models.hub import checkpoint_file
