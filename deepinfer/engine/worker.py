@@ -86,7 +86,7 @@ from deepinfer.models.config_vision import NUM_IMAGE_IDS as IMAGE_IDS
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.exchanges import current_log
-from deepinfer.parallel.rank_sync import EAGER
+from deepinfer.parallel.rank_sync import DRAFTS, EAGER
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +239,9 @@ class Worker:
         )  # fmt: skip
         self.pool_blocks = self._allocate(self.num_blocks)  # per group: the blocks handed out
         self.proposer = self._proposer()
+        self.num_proposals = 0  # propose() calls: a step that made none runs idle_draft (expert parallelism)
+        if expert_parallel and isinstance(self.proposer, MTPProposer):
+            self.proposer.fixed_calls = k  # every rank's drafting step: k head forwards (idle_draft)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
         if buckets:
             self._capture(buckets, verify_buckets, prefill_shapes, reserve)
@@ -264,15 +267,21 @@ class Worker:
         shapes: list[tuple[int, int]] = []
         if buckets and model.supports_prefill_graphs and not expert_parallel:
             shapes = prefill_graph_shapes(max(buckets), c.max_prefill_graph_tokens, self.max_model_len)
-        return buckets, self._verify_buckets(buckets), shapes
+        return buckets, self._verify_buckets(buckets, expert_parallel), shapes
 
-    def _verify_buckets(self, buckets: list[int]) -> list[int]:
+    def _verify_buckets(self, buckets: list[int], expert_parallel: bool = False) -> list[int]:
         """The graph buckets whose speculative steps replay verification graphs: those up to
         MAX_VERIFY_GRAPH_BATCH requests, unless a step's padding drafts (up to k positions past
         max_model_len) would leave the rope table, or the MTP head's chained drafts need graphs
         that compute attention lengths and the backend's cannot."""
         method = self.config.speculative_method
         if method is None or not buckets:
+            return []
+        if expert_parallel:  # the ranks agree on eager steps with drafts (rows_asked: DRAFTS)
+            logger.info(
+                "speculative steps run eagerly with expert parallelism: the ranks do not replay "
+                "verification graphs together yet (plain decoding steps replay decode graphs)"
+            )
             return []
         positions = self.model.rope_positions
         if self.max_model_len + self.k > positions:
@@ -794,14 +803,18 @@ class Worker:
         """The drafter's proposals after an eager forward that kept its hidden states
         (Proposer.propose)."""
         assert self.proposer is not None and self.hidden is not None
+        self.num_proposals += 1
         return self.proposer.propose(seqs, spans, hidden_rows, num_drafts, limits, self.hidden)
 
     # ------------------------------------------------------------------ expert parallelism
 
-    def rows_asked(self, batch: ScheduledBatch | None) -> int:
+    def rows_asked(self, batch: ScheduledBatch | None, drafts: bool = False) -> int:
         """Before the status exchange, a rank's planned step (None: idle) -> the rows it asks for:
         its decode batch size where a graph serves it, 0 for no forward of its own, EAGER for a
-        step that needs eager forwards (or on a rank without graphs)."""
+        step that needs eager forwards (or on a rank without graphs), DRAFTS for a step with
+        drafts (eager: verification graphs are off with expert parallelism)."""
+        if drafts and batch is not None and len(batch):
+            return DRAFTS
         if not self.decode_graphs:
             return EAGER
         if batch is None or len(batch) == 0:  # idle, or only tokens in flight
@@ -812,7 +825,7 @@ class Worker:
         """The graph bucket every expert-parallel rank replays this step, from every rank's rows
         (each rank decides the same); None: eager forwards (some rank's step needs them, or no
         rank has a forward of its own)."""
-        if EAGER in rows or max(rows) == 0:
+        if min(rows) < 0 or max(rows) == 0:  # EAGER or DRAFTS
             return None
         return self.decode_graphs.smallest(max(rows))
 
@@ -832,6 +845,26 @@ class Worker:
             attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
         )  # fmt: skip
         self.model.forward(fb, self.kv_caches)
+
+    @property
+    def draft_exchanges(self) -> bool:
+        """Whether the drafter's forwards make MoE exchanges: the MTP head's layers (their experts
+        are split over the ranks too); the block and DFlash drafters hold all of theirs."""
+        return isinstance(self.proposer, MTPProposer) and self.proposer.fixed_calls is not None
+
+    @torch.inference_mode()
+    def idle_draft(self, calls: int | None = None) -> None:
+        """The MTP head's forwards over no tokens, as many as a drafting step makes (`calls`,
+        default k): the exchanges of a rank whose step drafts nothing while another's does."""
+        empty = torch.zeros((0,), dtype=torch.int64, device=self.device)
+        tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        fb = ForwardBatch(
+            input_ids=empty, positions=empty, slot_mapping=empty,
+            attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
+        )  # fmt: skip
+        hidden = self.model.embed_tokens.new_zeros((0, *self.model.hidden_shape))
+        for _ in range(self.k if calls is None else calls):
+            self.model.forward_mtp(fb, hidden, self.mtp_caches)
 
 
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:

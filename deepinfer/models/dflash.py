@@ -192,6 +192,8 @@ class DFlashDrafter(nn.Module):
         """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
         each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
         t = trunks.shape[0]
+        if t == 0:  # an idle forward (expert parallelism: a rank without requests): no rows
+            return
         u = self.project_norm(self.projection(trunks.reshape(t, -1)))  # (T, n Dm) -> (T, Dm)
         for layer, cache in zip(self.blocks, caches):
             attn = layer.self_attn
