@@ -4,7 +4,8 @@ process holding every expert with the same speculation, greedy and seeded. Rank 
 and shorter requests, so it runs idle forwards (the target's and the MTP head's) while rank 0
 still verifies drafts; with a step token budget of 3, rank 0's three requests leave no room for
 drafts (plain steps) while rank 1 drafts, and rank 0 joins the head's exchanges idle. The DFlash
-drafter holds all of its own experts on every rank: its forwards make no exchange."""
+drafter holds all of its own experts on every rank and the block drafter has none: their
+forwards make no exchange."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from torch.multiprocessing.spawn import spawn
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.dflash import DFlashConfig, save_dflash
+from deepinfer.models.drafter import BlockDrafter, DrafterConfig
+from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import (
     random_dflash_state_dict,
     tiny_config,
@@ -38,6 +41,7 @@ MAX_TOKENS = {0: 24, 1: 6}
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 SCHEDULED = {**SPEC, "confidence_scheduling": True, "step_token_budget": 3}
 DFLASH_SPEC = {"method": "dflash", "num_speculative_tokens": 3}
+BLOCK_SPEC = {"method": "dspark", "num_speculative_tokens": 3}
 DFLASH = DFlashConfig(
     num_layers=1, block_size=4, target_layer_ids=(0, 1), markov_rank=8, noise_token_id=5,
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -102,7 +106,9 @@ def _worker(rank: int, ckpt: str, store: str, out_dir: str, spec: dict[str, Any]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-@pytest.mark.parametrize("spec", [SPEC, SCHEDULED, DFLASH_SPEC], ids=["mtp", "mtp-scheduled", "dflash"])
+@pytest.mark.parametrize(
+    "spec", [SPEC, SCHEDULED, DFLASH_SPEC, BLOCK_SPEC], ids=["mtp", "mtp-scheduled", "dflash", "block"]
+)
 def test_speculation_under_expert_parallelism_equals_one_process(
     tmp_path: Path, spec: dict[str, Any]
 ) -> None:
@@ -110,7 +116,18 @@ def test_speculation_under_expert_parallelism_equals_one_process(
         ckpt = write_mirrored_mtp_checkpoint(tmp_path / "ckpt", seed=3)
     else:
         ckpt = write_random_checkpoint(tmp_path / "ckpt", tiny_config(), seed=3)
+    if spec is DFLASH_SPEC:
         save_dflash(ckpt, DFLASH, random_dflash_state_dict(ModelConfig.from_dict(tiny_config()), DFLASH, 1))
+    if spec is BLOCK_SPEC:
+        config = DrafterConfig(
+            hidden_size=64,
+            vocab_size=128,
+            draft_hidden_size=32,
+            intermediate_size=48,
+            block_size=5,
+            markov_rank=8,
+        )
+        BlockDrafter(config, create_reference_backend(), seed=1).save(ckpt)
     args = (str(ckpt), str(tmp_path / "store"), str(tmp_path), spec)
     workers = spawn(_worker, args=args, nprocs=WORLD, join=False)  # type: ignore[no-untyped-call]
     deadline = time.monotonic() + RANKS_DEADLINE_S
@@ -133,7 +150,7 @@ def test_speculation_under_expert_parallelism_equals_one_process(
     assert single.llm_engine.speculative is not None and single.llm_engine.speculative.num_graph_steps > 0
     assert results[0]["local_experts"] == [0, 4] and results[1]["local_experts"] == [4, 4]
     assert results[0]["verify_graphs"] == 0 and results[1]["verify_graphs"] == 0
-    if spec is DFLASH_SPEC:  # its own experts on every rank: no exchange, no idle forwards of it
+    if spec in (DFLASH_SPEC, BLOCK_SPEC):  # no experts split over the ranks: no idle forwards of it
         assert results[0]["drafted"] > 0 and results[1]["drafted"] > 0
         assert results[0]["idle_drafts"] == 0 and results[1]["idle_drafts"] == 0
         return

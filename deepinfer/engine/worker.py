@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -58,7 +59,6 @@ from deepinfer.engine.drafters import (
     chain_next_inputs,
 )
 from deepinfer.engine.graphs import (
-    MAX_VERIFY_GRAPH_BATCH,
     DecodeGraphs,
     PendingVerify,
     PrefillGraphs,
@@ -207,7 +207,7 @@ class Worker:
                 config.max_num_batched_tokens, config.max_num_seqs, bs, ring.ring_step_tokens(bs)
             )
         # a verification graph step of the largest verify bucket: B x (1 + K) tokens
-        verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + k)
+        verify_rows = self.max_rows * (1 + k)
         most = max(config.max_num_batched_tokens, verify_rows, config.max_prefill_graph_tokens)
         self.inputs = StepInputs(
             backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups, model.token_history
@@ -270,10 +270,11 @@ class Worker:
         return buckets, self._verify_buckets(buckets, expert_parallel), shapes
 
     def _verify_buckets(self, buckets: list[int], expert_parallel: bool = False) -> list[int]:
-        """The graph buckets whose speculative steps replay verification graphs: those up to
-        MAX_VERIFY_GRAPH_BATCH requests, unless a step's padding drafts (up to k positions past
-        max_model_len) would leave the rope table, or the MTP head's chained drafts need graphs
-        that compute attention lengths and the backend's cannot."""
+        """The graph buckets whose speculative steps replay verification graphs: every decode
+        bucket (up to max_num_seqs; _graph_reserve sets their memory aside), unless a step's
+        padding drafts (up to k positions past max_model_len) would leave the rope table, the MTP
+        head's chained drafts need graphs that compute attention lengths and the backend's
+        cannot, or the ranks are expert-parallel."""
         method = self.config.speculative_method
         if method is None or not buckets:
             return []
@@ -298,20 +299,28 @@ class Worker:
                 self.backend.name,
             )
             return []
-        return [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH]
+        return buckets
 
     def _graph_reserve(
         self, buckets: list[int], verify_buckets: list[int], prefill_shapes: list[tuple[int, int]]
     ) -> int:
         """Graphs hold one forward's activations of the largest bucket (or verify or prefill
-        step) in their pool: the bytes set aside for it."""
+        step) in their pool: the bytes set aside for it, plus the verification graphs' logits,
+        hidden-state and sampled-token copies of their largest step, outside the pool
+        (VerifyGraphs.capture; where the device counts its memory)."""
         reserves = [self._step_memory_bytes(max(buckets)) or 0] if buckets else []
+        buffers = 0
         if verify_buckets:
-            reserves.append(self._step_memory_bytes(max(verify_buckets), self.k) or 0)
+            rows = max(verify_buckets) * (1 + self.k)
+            step = self._step_memory_bytes(max(verify_buckets), self.k)
+            reserves.append(step or 0)
+            if step is not None:
+                hidden = math.prod(self.model.hidden_shape) * self.model.embed_tokens.element_size()
+                buffers = rows * (4 * self.vocab_size + hidden + 8)
         if prefill_shapes:
             b, q = max(prefill_shapes, key=lambda s: (s[0] * s[1], s[1]))
             reserves.append(self._step_memory_bytes(b, q - 1, prefill=True) or 0)
-        return max(reserves, default=0)
+        return max(reserves, default=0) + buffers
 
     def _step_memory_bytes(self, bucket: int, width: int | None = None, prefill: bool = False) -> int | None:
         """Device memory one decode forward + draw of `bucket` requests (of 1 + width tokens
