@@ -195,3 +195,33 @@ def test_combinations_still_refused(tmp_path: Path) -> None:
             )
     with pytest.raises(ValueError, match="data_parallel_size > 1 needs enable_expert_parallel"):
         LLM(str(ckpt), data_parallel_size=2, speculative_config=SPEC, **engine_args())
+
+
+def test_engine_started_ranks_with_mtp(tmp_path: Path) -> None:
+    """LLM(data_parallel_size=2, enable_expert_parallel=True) with the MTP head: the engine's
+    own worker processes give one process's tokens, greedy and seeded (unseeded requests draw
+    the engine's seeds in prompt order)."""
+    ckpt = write_mirrored_mtp_checkpoint(tmp_path / "ckpt", seed=3)
+    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS[0], *PROMPTS[1]]]
+    sampled = [
+        SamplingParams(temperature=0.8, seed=i if i % 2 else None, max_tokens=10 + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[list[int]]]:
+        return [
+            [list(r.outputs[0].token_ids) for r in llm.generate(prompts, p, use_tqdm=False)]
+            for p in (greedy, sampled)
+        ]
+
+    want = tokens(LLM(str(ckpt), speculative_config=SPEC, seed=7, **engine_args()))
+    llm = LLM(
+        str(ckpt), data_parallel_size=2, enable_expert_parallel=True, speculative_config=SPEC, seed=7,
+        **engine_args(),
+    )  # fmt: skip
+    assert llm.data_parallel is not None
+    try:
+        assert tokens(llm) == want
+    finally:
+        llm.data_parallel.close()
