@@ -32,7 +32,7 @@ Their shapes are fixed, so a step does the same work whatever the head drafts: a
 steps cost what the ceiling's do, each of which emits 1 + k tokens per request. ratio = MTP
 step / plain step (the goal: ratio <= 1.3); ceiling_speedup = (1 + k) / ratio, the tokens per
 second the ceiling reaches over plain decoding. graph_steps: the share of the MTP engine's
-speculative steps that replayed verification graphs (batches up to MAX_VERIFY_GRAPH_BATCH).
+speculative steps that replayed verification graphs (batches up to max_num_seqs).
 
 Writes OUT/spec_step.json (rows {"device", "model", "method", "batch", "k", "plain_step_ms",
 "spec_step_ms", "ratio", "ceiling_speedup", "meets_goal", "graph_steps", "mean_accepted"}) and

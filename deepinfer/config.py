@@ -267,8 +267,9 @@ class EngineConfig:
     """What the user asked of the engine, with vLLM's argument names. Each field's help is in
     its metadata (`deepinfer generate --help` prints them; docs/vllm.md compares with vLLM).
 
-    Cross-field rules: speculative_config cannot be combined with enable_expert_parallel or
-    data_parallel_size > 1; external_launcher needs enable_expert_parallel.
+    Cross-field rules: speculative_config with data_parallel_size > 1 needs
+    enable_expert_parallel, and with it neither enable_two_batch_overlap nor enable_eplb;
+    external_launcher needs enable_expert_parallel.
     """
 
     model: str = field(
@@ -494,10 +495,18 @@ class EngineConfig:
         for f in fields(self):
             f.metadata["check"](f.name, getattr(self, f.name))
         _ = self.num_speculative_tokens, self.min_draft_confidence  # validate speculative_config
-        if self.enable_expert_parallel and self.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with enable_expert_parallel yet")
-        if self.data_parallel_size > 1 and self.speculative_config is not None:
-            raise ValueError("speculative_config cannot be combined with data_parallel_size > 1 yet")
+        if self.speculative_config is not None:
+            if self.data_parallel_size > 1 and not self.enable_expert_parallel:
+                raise ValueError(
+                    "speculative_config with data_parallel_size > 1 needs enable_expert_parallel=True: "
+                    "replicas without expert parallelism do not serve speculative decoding yet"
+                )
+            for name in ("enable_two_batch_overlap", "enable_eplb"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"speculative_config cannot be combined with {name} yet (expert parallelism "
+                        f"with speculative decoding runs without {name})"
+                    )
         if self.enable_two_batch_overlap and not self.enable_expert_parallel:
             raise ValueError(
                 "enable_two_batch_overlap needs enable_expert_parallel=True (it splits the MoE exchanges)"

@@ -291,5 +291,3 @@ def test_expert_parallel_needs_torch_distributed(tmp_path: Path) -> None:
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match=r"enable_expert_parallel needs torch\.distributed initialised"):
         LLM(str(ckpt), enable_expert_parallel=True, **engine_args())
-    with pytest.raises(ValueError, match="cannot be combined with enable_expert_parallel"):
-        LLM(str(ckpt), enable_expert_parallel=True, speculative_config={"method": "mtp"}, **engine_args())

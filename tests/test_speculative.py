@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
-from deepinfer.engine.graphs import MAX_VERIFY_GRAPH_BATCH
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import create_reference_backend
 from deepinfer.testing.checkpoints import (
@@ -299,13 +298,12 @@ def test_graph_drafting_writes_the_accepted_rows_only(mirrored: Path) -> None:
     torch.testing.assert_close(out[written], ref[written], rtol=1e-5, atol=1e-5)
 
 
-def test_batches_beyond_the_verification_graphs_run_eagerly(
-    mirrored: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """More requests than MAX_VERIFY_GRAPH_BATCH: eager steps (no verification graph fits);
-    once the short requests finish, the rest replay graphs. Outputs are plain decoding's, greedy
-    and seeded."""
-    n = MAX_VERIFY_GRAPH_BATCH + 8
+def test_batches_past_64_requests_verify_in_graphs(mirrored: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """72 requests (the graph bucket of 80): their verification steps replay graphs (none runs
+    eagerly once every request decodes), and the outputs are plain decoding's, greedy and seeded.
+    The graph memory reserve is that of the largest verification step: its forward and draw
+    (measured; here a stand-in per (bucket, width)) and the graphs' copies of its rows."""
+    n = 72
     prompts = [{"prompt_token_ids": [5 + (7 * i + 3 * j) % 120 for j in range(3 + i % 5)]} for i in range(n)]
     params = [  # greedy and seeded, short and long
         SamplingParams(temperature=0.8 * (i % 3 > 0), seed=i, max_tokens=3 if i % 2 else 12, ignore_eos=True)
@@ -316,21 +314,35 @@ def test_batches_beyond_the_verification_graphs_run_eagerly(
         return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
 
     want = outputs(make(mirrored))
-    llm = make(mirrored, speculative_config={**SPEC, "num_speculative_tokens": 2})
-    graphs = llm.llm_engine.worker.verify_graphs
+    llm = make(mirrored, speculative_config={**SPEC, "num_speculative_tokens": 2}, max_num_seqs=n)
+    worker = llm.llm_engine.worker
+    assert max(b for b, _ in worker.verify_graphs) == 80
+    graphs = worker.verify_graphs
     real = graphs.bucket_for
-    seen: list[tuple[int, bool]] = []  # (requests, served by a graph) of every drafting step
+    seen: list[tuple[int, bool]] = []  # (requests, served by a graph) of every drafting step that decodes
 
     def spy(batch: Any) -> tuple[int, int] | None:
         graph = real(batch)
-        seen.append((len(batch), graph is not None))
+        if all(n == 1 + nd for n, nd in zip(batch.num_new_tokens, batch.num_draft_tokens)):
+            seen.append((len(batch), graph is not None))
         return graph
 
     monkeypatch.setattr(graphs, "bucket_for", spy)
     assert outputs(llm) == want
-    assert any(b > MAX_VERIFY_GRAPH_BATCH and not g for b, g in seen)
-    assert all(b <= MAX_VERIFY_GRAPH_BATCH for b, g in seen if g) and any(g for _, g in seen)
+    assert any(b > 64 and g for b, g in seen) and all(g for _, g in seen)
+    spec = llm.llm_engine.speculative
+    assert spec is not None and spec.num_graph_steps > 0
     assert llm.llm_engine.num_accepted_tokens > 0
+
+    def stand_in(bucket: int, width: int | None = None, prefill: bool = False) -> int:
+        return 1000 * bucket * (1 + (width or 0))
+
+    monkeypatch.setattr(worker, "_step_memory_bytes", stand_in)
+    buckets = sorted({b for b, _ in graphs})
+    hidden_bytes = 4 * llm.llm_engine.model.config.hidden_size  # float32 rows
+    rows = 80 * 3
+    assert worker._graph_reserve(buckets, buckets, []) == 1000 * rows + rows * (4 * 128 + hidden_bytes + 8)
+    assert worker._graph_reserve(buckets, [], []) == 1000 * 80
 
 
 def test_mtp_steps_run_eagerly_where_graphs_cannot_serve_them(

@@ -461,6 +461,10 @@ class MTPProposer:
     ) -> None:
         self.model, self.backend, self.caches, self.block_size = model, backend, caches, block_size
         self.head_rows = k - 1  # its chain writes k - 1 rows past the verified ones
+        # expert parallelism: every propose runs the head this many times (1 + a chain of
+        # fixed_calls - 1, its drafts past those asked dropped), as every rank's drafting step
+        # makes the same MoE exchanges; None: as many as the most drafts asked
+        self.fixed_calls: int | None = None
         self.groups, self.ring, self.ring_caches = groups, ring, ring_caches
 
     def graph_draft(self) -> DraftFn:
@@ -501,6 +505,7 @@ class MTPProposer:
             chain_tables = padded_tables(ring_tables(seqs, spans, bs, limits, self.groups), device)
         drafts, conf = mtp_chain(
             model, self.caches, bs, out[fb.logits_indices], _dev([e - 1 for _, e in spans], device),
-            chain_tables, _dev(limits, device), max(limits), max(num_drafts), fb.group_block_tables,
+            chain_tables, _dev(limits, device), max(limits), self.fixed_calls or max(num_drafts),
+            fb.group_block_tables,
         )  # fmt: skip
         return _drafts(drafts, conf, num_drafts)

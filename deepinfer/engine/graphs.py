@@ -57,10 +57,9 @@ def prefill_graph_shapes(max_rows: int, max_tokens: int, max_model_len: int) -> 
     ]
 
 
-# Verification graphs are captured for the buckets up to this many requests (DeepSeek-V4's goal:
-# a k-draft verified step within 1.3x a plain step at batch 1 to 64): beyond it confidence
-# scheduling leaves drafts little room, and eager steps serve what is left.
-MAX_VERIFY_GRAPH_BATCH = 64
+# Verification graphs are captured for every decode bucket, up to max_num_seqs: the worker sets
+# aside the graph memory of the largest (Worker._graph_reserve: its forward and draw measured,
+# plus VerifyGraphs.capture's logits, hidden-state and sampled-token copies of its B (1 + K) rows).
 
 # prepare(bucket, width, prefill) -> an all-padding step of that layout (StepInputs.prepare)
 Prepare = Callable[[int, int | None, bool], PreparedStep]

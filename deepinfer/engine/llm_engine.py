@@ -13,7 +13,10 @@ Expert-parallel ranks schedule their step before the status exchange that starts
 rank's step is a decode batch that fits a graph (or no forward), every rank replays the graph of
 the smallest bucket that holds the largest batch (an idle rank with every row padding), its MoE
 exchanges of fixed shapes captured inside; otherwise every rank runs eagerly, with the
-host-sized exchanges.
+host-sized exchanges. With speculative decoding a rank plans its whole step first (drafts
+limited, results in flight processed) and a step with drafts asks for DRAFTS: every rank then
+runs eagerly, and where the drafter's forwards make MoE exchanges (the MTP head), every rank
+makes them too, idle forwards of the head on a rank whose step drafts nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ from deepinfer.log import configure_logging
 from deepinfer.model_config import ServedModelConfig
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.eplb import ExpertBalancer
+from deepinfer.parallel.exchanges import current_log, log_exchanges
 from deepinfer.parallel.expert_parallel import ExpertParallel
+from deepinfer.parallel.rank_sync import DRAFTS
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +145,9 @@ class LLMEngine:
             config, self.tokenizer, self.vocab_size, n, self.eos_token_ids, image_setup(mc, config)
         )
         self.in_flight: InFlight | None = None  # the last step's results, not yet processed
-        self.planned: StepPlan | None = None  # expert parallelism: the next step, scheduled
+        # expert parallelism: the next step, planned before the status exchange (_plan's result)
+        self.planned: tuple[list[Sequence], StepPlan | None] | None = None
+        self.draft_exchanges = 0  # MoE exchanges of one MTP head forward (expert parallelism)
         # EPLB: the counts of every MoE layer and their rearrangements (deepinfer.parallel.eplb)
         group = self.expert_parallel
         self.expert_balancer: ExpertBalancer | None = None
@@ -220,7 +227,8 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, launch, process the previous step's results, launch the draw -> the requests
         that finished (with async scheduling or chained verification steps, the previous step's)."""
-        finished, plan = self._plan()
+        finished, plan = self.planned or self._plan()
+        self.planned = None
         if plan is None:  # nothing to launch: only results in flight are left
             assert self.in_flight is not None or not self.scheduler.has_unfinished(), (
                 "scheduler made no progress"
@@ -245,9 +253,8 @@ class LLMEngine:
             spec.limit_drafts()
         elif spec is not None:  # confidence scheduling left no room for drafts: a plain step
             spec.drop_drafts()
-        plan, self.planned = self.planned or StepPlan(self.scheduler.schedule()), None
+        plan = StepPlan(self.scheduler.schedule(), drafts=drafts)
         assert plan.batch is not None
-        plan.drafts = drafts
         return finished, plan if len(plan.batch) else None
 
     def _launch(self, plan: StepPlan) -> Launched:
@@ -333,28 +340,56 @@ class LLMEngine:
         if ep is None:
             return self.step() if busy else None
         sync, worker = ep.sync, self.worker
-        if sync.exchanges_per_forward is None:  # count a forward's exchanges
+        if sync.exchanges_per_forward is None:  # count a forward's exchanges (and the MTP head's)
             sync.run_forward(worker.idle, worker.idle)
+            if worker.draft_exchanges:
+                with log_exchanges() as log:
+                    worker.idle_draft(1)
+                self.draft_exchanges = log.done
         rows = sync.start_step(busy, functools.partial(self._plan_step, busy))
         if rows is None:  # no rank has requests left
             return None
         if self.expert_balancer is not None:  # every rank passed this exchange: the same steps
             self.expert_balancer.step(self.backend.collectives)
         bucket = self.worker.agreed_bucket(rows)
+        # a step with drafts on any rank: every rank runs the MTP head k times after its forward
+        drafting = DRAFTS in rows and self.draft_exchanges > 0
+        assert sync.exchanges_per_forward is not None
+        head = self.config.num_speculative_tokens * self.draft_exchanges if drafting else 0
+        total = sync.exchanges_per_forward + head  # the MoE exchanges every rank makes this step
 
         def idle(bucket: int | None = bucket) -> None:
             self.worker.idle(bucket)
+            if drafting:
+                self.worker.idle_draft()
 
         if not busy:  # the other ranks still step: this one joins their MoE exchanges
-            sync.run_forward(idle, idle)
+            sync.run_forward(idle, idle, total)
             return []
+
+        def step() -> list[Sequence]:
+            proposals = worker.num_proposals
+            finished = self.step()
+            log = current_log()
+            if drafting and worker.num_proposals == proposals:  # the head's exchanges, after the forward's
+                if log is not None and log.done == 0 and not log.whole:
+                    worker.idle(bucket)  # no forward of its own (only results in flight)
+                worker.idle_draft()
+            return finished
+
         assert self.planned is not None
-        self.planned.bucket, self.planned.eager = bucket, bucket is None
-        finished: list[Sequence] = sync.run_forward(self.step, idle)
+        plan = self.planned[1]
+        if plan is not None:
+            plan.bucket, plan.eager = bucket, bucket is None
+        finished: list[Sequence] = sync.run_forward(step, idle, total)
         return finished
 
     def _plan_step(self, busy: bool) -> int:
-        """Expert parallelism, before the status exchange: schedule this rank's step (when busy)
-        -> the rows it asks for (Worker.rows_asked)."""
-        self.planned = StepPlan(self.scheduler.schedule()) if busy else None
-        return self.worker.rows_asked(self.planned.batch if self.planned is not None else None)
+        """Expert parallelism, before the status exchange: plan this rank's step (when busy: drafts
+        limited, results in flight processed where the step drafts, the batch scheduled) -> the
+        rows it asks for (Worker.rows_asked)."""
+        self.planned = self._plan() if busy else None
+        plan = self.planned[1] if self.planned is not None else None
+        if plan is None:
+            return self.worker.rows_asked(None)
+        return self.worker.rows_asked(plan.batch, plan.drafts)

@@ -29,11 +29,11 @@ the outputs' exactness. Verification is rejection sampling with the drafter's on
 
 Steps with drafts (or that draft) are synchronous: the next step's drafts depend on this
 step's accepted tokens; the engine processes every token in flight before scheduling one. A
-step whose requests all decode (at most MAX_VERIFY_GRAPH_BATCH of them, needing no host logits
-processing or log-probabilities) is two graph replays (Worker.verify_launch): the forward over
-every request padded to 1 + width tokens, then the draw of every row at once, acceptance and
-the drafter's next block on the device (deepinfer.engine.drafters); the host reads the result
-once. Drawing every row before acceptance is the same as drawing them one by one: each row's
+step whose requests all decode (up to max_num_seqs of them, needing no host logits processing
+or log-probabilities; not with expert parallelism) is two graph replays (Worker.verify_launch):
+the forward over every request padded to 1 + width tokens, then the draw of every row at once,
+acceptance and the drafter's next block on the device (deepinfer.engine.drafters); the host
+reads the result once. Drawing every row before acceptance is the same as drawing them one by one: each row's
 noise depends only on its request's seed and position, and without logits processors a row's
 distribution does not depend on the tokens appended before it. Such steps chain (Chain): a
 graph of width K also writes the next step's inputs on the device (chain_next_inputs), so the

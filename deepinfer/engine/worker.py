@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -59,7 +60,6 @@ from deepinfer.engine.drafters import (
     chain_next_inputs,
 )
 from deepinfer.engine.graphs import (
-    MAX_VERIFY_GRAPH_BATCH,
     DecodeGraphs,
     PendingVerify,
     PrefillGraphs,
@@ -87,7 +87,7 @@ from deepinfer.models.config_vision import NUM_IMAGE_IDS as IMAGE_IDS
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.models.interface import CausalLM
 from deepinfer.parallel.exchanges import current_log
-from deepinfer.parallel.rank_sync import EAGER
+from deepinfer.parallel.rank_sync import DRAFTS, EAGER
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class Worker:
                 config.max_num_batched_tokens, config.max_num_seqs, bs, ring.ring_step_tokens(bs)
             )
         # a verification graph step of the largest verify bucket: B x (1 + K) tokens
-        verify_rows = min(self.max_rows, MAX_VERIFY_GRAPH_BATCH) * (1 + k)
+        verify_rows = self.max_rows * (1 + k)
         most = max(config.max_num_batched_tokens, verify_rows, config.max_prefill_graph_tokens)
         self.inputs = StepInputs(
             backend, bs, most, self.max_rows, max_model_len, k, self.kv_groups, model.token_history
@@ -261,6 +261,9 @@ class Worker:
         )  # fmt: skip
         self.pool_blocks = self._allocate(self.num_blocks)  # per group: the blocks handed out
         self.proposer = self._proposer()
+        self.num_proposals = 0  # propose() calls: a step that made none runs idle_draft (expert parallelism)
+        if expert_parallel and isinstance(self.proposer, MTPProposer):
+            self.proposer.fixed_calls = k  # every rank's drafting step: k head forwards (idle_draft)
         self.graph_memory_bytes = 0  # what capturing the graphs took, measured on devices that count
         if buckets:
             self._capture(buckets, verify_buckets, prefill_shapes, reserve)
@@ -286,15 +289,22 @@ class Worker:
         shapes: list[tuple[int, int]] = []
         if buckets and model.supports_prefill_graphs and not expert_parallel:
             shapes = prefill_graph_shapes(max(buckets), c.max_prefill_graph_tokens, self.max_model_len)
-        return buckets, self._verify_buckets(buckets), shapes
+        return buckets, self._verify_buckets(buckets, expert_parallel), shapes
 
-    def _verify_buckets(self, buckets: list[int]) -> list[int]:
-        """The graph buckets whose speculative steps replay verification graphs: those up to
-        MAX_VERIFY_GRAPH_BATCH requests, unless a step's padding drafts (up to k positions past
-        max_model_len) would leave the rope table, or the MTP head's chained drafts need graphs
-        that compute attention lengths and the backend's cannot."""
+    def _verify_buckets(self, buckets: list[int], expert_parallel: bool = False) -> list[int]:
+        """The graph buckets whose speculative steps replay verification graphs: every decode
+        bucket (up to max_num_seqs; _graph_reserve sets their memory aside), unless a step's
+        padding drafts (up to k positions past max_model_len) would leave the rope table, the MTP
+        head's chained drafts need graphs that compute attention lengths and the backend's
+        cannot, or the ranks are expert-parallel."""
         method = self.config.speculative_method
         if method is None or not buckets:
+            return []
+        if expert_parallel:  # the ranks agree on eager steps with drafts (rows_asked: DRAFTS)
+            logger.info(
+                "speculative steps run eagerly with expert parallelism: the ranks do not replay "
+                "verification graphs together yet (plain decoding steps replay decode graphs)"
+            )
             return []
         positions = self.model.rope_positions
         if self.max_model_len + self.k > positions:
@@ -311,20 +321,28 @@ class Worker:
                 self.backend.name,
             )
             return []
-        return [b for b in buckets if b <= MAX_VERIFY_GRAPH_BATCH]
+        return buckets
 
     def _graph_reserve(
         self, buckets: list[int], verify_buckets: list[int], prefill_shapes: list[tuple[int, int]]
     ) -> int:
         """Graphs hold one forward's activations of the largest bucket (or verify or prefill
-        step) in their pool: the bytes set aside for it."""
+        step) in their pool: the bytes set aside for it, plus the verification graphs' logits,
+        hidden-state and sampled-token copies of their largest step, outside the pool
+        (VerifyGraphs.capture; where the device counts its memory)."""
         reserves = [self._step_memory_bytes(max(buckets)) or 0] if buckets else []
+        buffers = 0
         if verify_buckets:
-            reserves.append(self._step_memory_bytes(max(verify_buckets), self.k) or 0)
+            rows = max(verify_buckets) * (1 + self.k)
+            step = self._step_memory_bytes(max(verify_buckets), self.k)
+            reserves.append(step or 0)
+            if step is not None:
+                hidden = math.prod(self.model.hidden_shape) * self.model.embed_tokens.element_size()
+                buffers = rows * (4 * self.vocab_size + hidden + 8)
         if prefill_shapes:
             b, q = max(prefill_shapes, key=lambda s: (s[0] * s[1], s[1]))
             reserves.append(self._step_memory_bytes(b, q - 1, prefill=True) or 0)
-        return max(reserves, default=0)
+        return max(reserves, default=0) + buffers
 
     def _step_memory_bytes(self, bucket: int, width: int | None = None, prefill: bool = False) -> int | None:
         """Device memory one decode forward + draw of `bucket` requests (of 1 + width tokens
@@ -821,14 +839,18 @@ class Worker:
         """The drafter's proposals after an eager forward that kept its hidden states
         (Proposer.propose)."""
         assert self.proposer is not None and self.hidden is not None
+        self.num_proposals += 1
         return self.proposer.propose(seqs, spans, hidden_rows, num_drafts, limits, self.hidden)
 
     # ------------------------------------------------------------------ expert parallelism
 
-    def rows_asked(self, batch: ScheduledBatch | None) -> int:
+    def rows_asked(self, batch: ScheduledBatch | None, drafts: bool = False) -> int:
         """Before the status exchange, a rank's planned step (None: idle) -> the rows it asks for:
         its decode batch size where a graph serves it, 0 for no forward of its own, EAGER for a
-        step that needs eager forwards (or on a rank without graphs)."""
+        step that needs eager forwards (or on a rank without graphs), DRAFTS for a step with
+        drafts (eager: verification graphs are off with expert parallelism)."""
+        if drafts and batch is not None and len(batch):
+            return DRAFTS
         if not self.decode_graphs:
             return EAGER
         if batch is None or len(batch) == 0:  # idle, or only tokens in flight
@@ -839,7 +861,7 @@ class Worker:
         """The graph bucket every expert-parallel rank replays this step, from every rank's rows
         (each rank decides the same); None: eager forwards (some rank's step needs them, or no
         rank has a forward of its own)."""
-        if EAGER in rows or max(rows) == 0:
+        if min(rows) < 0 or max(rows) == 0:  # EAGER or DRAFTS
             return None
         return self.decode_graphs.smallest(max(rows))
 
@@ -859,6 +881,26 @@ class Worker:
             attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
         )  # fmt: skip
         self.model.forward(fb, self.kv_caches)
+
+    @property
+    def draft_exchanges(self) -> bool:
+        """Whether the drafter's forwards make MoE exchanges: the MTP head's layers (their experts
+        are split over the ranks too); the block and DFlash drafters hold all of theirs."""
+        return isinstance(self.proposer, MTPProposer) and self.proposer.fixed_calls is not None
+
+    @torch.inference_mode()
+    def idle_draft(self, calls: int | None = None) -> None:
+        """The MTP head's forwards over no tokens, as many as a drafting step makes (`calls`,
+        default k): the exchanges of a rank whose step drafts nothing while another's does."""
+        empty = torch.zeros((0,), dtype=torch.int64, device=self.device)
+        tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+        fb = ForwardBatch(
+            input_ids=empty, positions=empty, slot_mapping=empty,
+            attn=AttentionMetadata.build(tables, [], []), logits_indices=empty,
+        )  # fmt: skip
+        hidden = self.model.embed_tokens.new_zeros((0, *self.model.hidden_shape))
+        for _ in range(self.k if calls is None else calls):
+            self.model.forward_mtp(fb, hidden, self.mtp_caches)
 
 
 def prompt_logprob_spans(batch: ScheduledBatch) -> list[tuple[Sequence, int, int, int]]:

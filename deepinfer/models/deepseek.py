@@ -322,6 +322,8 @@ class DFlashDrafter(DFlashHeads):
     ) -> None:
         """trunks (T, n, Dm): the target's trunks at target_layer_ids for the step's tokens ->
         each draft layer's cache row at batch.slot_mapping (slot -1: padding, no row)."""
+        if trunks.shape[0] == 0:  # an idle forward (expert parallelism: a rank without requests)
+            return
         u = self.project(trunks)  # (T, n Dm) -> (T, Dm)
         for layer, cache in zip(self.blocks, caches):
             attn = layer.self_attn

@@ -1187,8 +1187,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         slices = self._mtp_slices.get(len(kv_caches))
         if slices is None or depth >= len(slices):
             raise ValueError(f"{len(kv_caches)} MTP caches do not hold MTP layer {depth}'s")
-        self._check_length(batch)
         mtp = cast(V4MTPLayer, self.mtp[depth])
+        if batch.num_tokens == 0:  # an expert-parallel rank drafting nothing: the exchange only
+            return join_exchanges(nn.ModuleList([mtp.block]), self.embed_tokens, self.hidden_shape)
+        self._check_length(batch)
         ratio = mtp.block.ratio
         tables, entries = self._entries(batch, (ratio,), kv_caches[0].spec.block_size)
         ratios = self.v4.mtp_compress_ratios[: len(slices)]

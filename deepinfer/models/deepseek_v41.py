@@ -652,6 +652,8 @@ class V41DFlashDrafter(DFlashHeads):
     def inject(self, trunks: torch.Tensor, batch: ForwardBatch, caches: list[PagedKVCache]) -> None:
         """trunks (T, n, Dm) the mean streams -> each draft layer's window row at
         batch.slot_mapping (slot -1: padding, no row)."""
+        if trunks.shape[0] == 0:  # an idle forward (expert parallelism: a rank without requests)
+            return
         u = self.project(trunks)  # (T, Dm)
         for layer, cache in zip(self.blocks, caches):
             attn = layer.attn

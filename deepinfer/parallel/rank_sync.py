@@ -6,8 +6,10 @@ its first call (the control group: on the CPU whatever the device's backend, wit
 distributed_timeout_s as its timeout; torch.distributed.new_group, so the ranks' engines must
 start their first calls in the same order). Each rank adds one record (an all_reduce of one row
 per rank): where it is (call and step numbers), whether it has requests left, the rows its step
-asks for (its decode batch size when a graph serves it, or EAGER: the ranks then agree on one
-graph bucket, or on eager forwards, at no extra exchange), and whether it failed, with its error.
+asks for (its decode batch size when a graph serves it, EAGER, or DRAFTS for an eager step with
+drafts: the ranks then agree on one graph bucket, or on eager forwards, and on whether every
+rank runs the drafter's exchanges too, at no extra exchange), and whether it failed, with its
+error.
 
 - A rank that cannot start a call (its requests were refused) says so at the call's exchange:
   every rank raises, nothing of the call runs, and the ranks go on serving.
@@ -45,6 +47,9 @@ T = TypeVar("T")
 
 CALL, STEP = 1, 2  # the kinds of exchange
 EAGER = -1  # the rows of a step that needs eager forwards (prefill, mixed, no graph fits)
+# the rows of an eager step with drafts: its drafter's forwards may make MoE exchanges too (the
+# MTP head's layers), which every rank then makes (deepinfer.engine.llm_engine)
+DRAFTS = -2
 RECORD_BYTES = 1024  # one rank's record: 7 int64 fields, then its error as UTF-8
 _FIELDS = 7  # kind, call, step, busy, rows, failed, error length
 _MESSAGE_BYTES = RECORD_BYTES - 8 * _FIELDS
@@ -166,9 +171,12 @@ class RankSync:
         self._raise_failures(statuses, "; every rank dropped the requests of this call")
         return [s.rows for s in statuses] if any(s.busy for s in statuses) else None
 
-    def run_forward(self, forward: Callable[[], T], idle: Callable[[], object]) -> T:
+    def run_forward(
+        self, forward: Callable[[], T], idle: Callable[[], object], total: int | None = None
+    ) -> T:
         """forward(): a step, or idle(), a forward with no tokens; either makes the same MoE
-        exchanges as every other rank's forward; a step that made none (its tokens were still in
+        exchanges as every other rank's forward (`total` of them: exchanges_per_forward unless
+        the step makes more, a drafter's); a step that made none (its tokens were still in
         flight: async scheduling) runs idle() after it. If either raises, this rank runs the
         exchanges it still owes the others (all of them by idle() if it made none), then reports
         the error at the step exchange the others wait at: they raise there, naming this rank,
@@ -180,23 +188,23 @@ class RankSync:
                 if self.exchanges_per_forward and log.done == 0 and not log.whole:
                     idle()
             except BaseException as exc:
-                failure = self._fail(exc, log, idle)
+                failure = self._fail(exc, log, idle, total)
                 if failure is exc:
                     raise
                 raise failure from exc
             if self.exchanges_per_forward is None:
                 assert not log.whole, "the first forward (counting the exchanges) runs eagerly"
                 self.exchanges_per_forward = log.done
-            elif not log.whole and log.done != self.exchanges_per_forward:  # the others would wait
+            elif not log.whole and log.done != (total or self.exchanges_per_forward):  # the others would wait
                 try:
-                    self._settle(log, idle)
+                    self._settle(log, idle, total)
                 except BaseException as exc:
                     raise self._break(f"rank {self.rank}: {describe(exc)}") from exc
         return result
 
     # ------------------------------------------------------------------ failures
 
-    def _settle(self, log: ExchangeLog, idle: Callable[[], object]) -> None:
+    def _settle(self, log: ExchangeLog, idle: Callable[[], object], total: int | None = None) -> None:
         """Run the MoE exchanges this forward still owes the other ranks."""
         if log.open:
             raise RuntimeError("it stopped part-way through a MoE exchange")
@@ -207,16 +215,18 @@ class RankSync:
         elif self.exchanges_per_forward is None:
             raise RuntimeError("how many MoE exchanges a forward makes is not known yet")
         else:
-            log.complete(self.exchanges_per_forward)
+            log.complete(total or self.exchanges_per_forward)
 
-    def _fail(self, exc: BaseException, log: ExchangeLog, idle: Callable[[], object]) -> BaseException:
+    def _fail(
+        self, exc: BaseException, log: ExchangeLog, idle: Callable[[], object], total: int | None = None
+    ) -> BaseException:
         """This rank's forward raised exc: settle with the others -> the exception to raise."""
         where = f"step {self.steps} of generate call {self.calls}"
         if log.open:  # a collective failed (a rank exited?), or this rank stopped inside one
             reason = f"the MoE exchange at {where} failed (did a rank exit?): {describe(exc)}"
             return self._break(self._notice() or reason)
         try:
-            self._settle(log, idle)
+            self._settle(log, idle, total)
         except BaseException as owed:
             return self._break(
                 f"rank {self.rank} raised at {where} ({describe(exc)}) and could not run the MoE "
