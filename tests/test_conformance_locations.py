@@ -94,6 +94,26 @@ def test_linear_fp8_names_the_k_block() -> None:
     assert "K block 2 (columns 256..383)" in msg and "K block 0 (" not in msg and "K block 1 (" not in msg
 
 
+class LastKBlockScaleDoubledGrouped(ReferenceGemm):
+    """grouped_gemm_fp8 reading every expert's last K block of weight scales twice as large."""
+
+    def grouped_gemm_fp8(self, x, weight, weight_scale, group_sizes, block=128):  # type: ignore[no-untyped-def]
+        ws = weight_scale.clone()
+        ws[:, :, -1] *= 2
+        return super().grouped_gemm_fp8(x, weight, ws, group_sizes, block=block)
+
+
+def test_grouped_gemm_fp8_names_the_k_block() -> None:
+    backend = planted(gemm=LastKBlockScaleDoubledGrouped(BackendOptions()))
+    sizes = test_gemm.ALIGNED_GROUPS[0]
+    with pytest.raises(AssertionError) as exc:
+        test_gemm.test_grouped_gemm_fp8_aligned(backend, None, torch.float32, gen(), sizes)
+    msg = str(exc.value)
+    assert msg.startswith("grouped_gemm_fp8 (torch.float32; group sizes"), msg
+    assert "K block 1 (columns 128..255)" in msg and "K block 0 (" not in msg, msg
+    assert "(of 2 K blocks of 128)" in msg and "group " in msg, msg  # the element names its group
+
+
 class OneRowRoutedWrong(MoeOps):
     """route with one row's last expert replaced: by an unchosen expert of the same group
     (stage "expert") or by one of a group no chosen expert lies in (stage "group")."""

@@ -99,13 +99,16 @@ def assert_close_by_k_block(
     what: str,
     case: str,
     fp8_act: bool = False,
+    locate: Locator | None = None,
 ) -> None:
-    """assert_close of an FP8 product; a failure also names the K blocks at fault."""
+    """assert_close of an FP8 product; a failure also names the K blocks at fault (and the
+    element by `locate`, default (row, column) of y)."""
     __tracebackhide__ = True
     try:
         assert_close(
-            y, expected, dtype, what=what, fp8_act=fp8_act, locate=mn_locator(tuple(y.shape)), case=case
-        )
+            y, expected, dtype, what=what, fp8_act=fp8_act, locate=locate or mn_locator(tuple(y.shape)),
+            case=case,
+        )  # fmt: skip
     except AssertionError as exc:
         raise AssertionError(f"{exc}; {k_blocks_at_fault(run, expect, k, block, dtype, fp8_act)}") from None
 
@@ -514,9 +517,19 @@ def run_grouped_gemm_fp8(
     y = backend.gemm.grouped_gemm_fp8(x, wq, ws, group_sizes.to(dev))
     expected = ref_gemm.grouped_gemm_fp8(oracle(x), wq.cpu(), ws.cpu(), group_sizes)
     assert y.dtype == dtype
-    assert_close(
-        y, expected, dtype, what="grouped_gemm_fp8", fp8_act=True, locate=grouped_locator(sizes),
-        case=f"group sizes {sizes}, K={k} N={n}",
+
+    def masked(keep: torch.Tensor) -> torch.Tensor:  # x's columns outside one K block zeroed:
+        return torch.where(keep.to(dev), x, 0)  # the kept block quantises as in x (own scales)
+
+    def run(keep: torch.Tensor) -> torch.Tensor:
+        return backend.gemm.grouped_gemm_fp8(masked(keep), wq, ws, group_sizes.to(dev))
+
+    def expect(keep: torch.Tensor) -> torch.Tensor:
+        return ref_gemm.grouped_gemm_fp8(oracle(masked(keep)), wq.cpu(), ws.cpu(), group_sizes)
+
+    assert_close_by_k_block(
+        y, expected, dtype, run, expect, k, ref_gemm.FP8_BLOCK, what="grouped_gemm_fp8", fp8_act=True,
+        case=f"group sizes {sizes}, K={k} N={n}", locate=grouped_locator(sizes),
     )  # fmt: skip
 
 
