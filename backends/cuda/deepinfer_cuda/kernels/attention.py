@@ -67,6 +67,11 @@ class AttentionConfig:
 
 # Many rows per tile (>= 64 heads x tokens): the best of eight tilings on an H200 (H=128 decode).
 WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+# FP8 latent rows with many rows per tile: 32-key tiles. The rows come by pointer loads (no TMA)
+# and are dequantised in registers, so a tile's keys are held twice (bytes, then q's dtype);
+# WIDE_CONFIG's 64-key tiles with a scale load per value needed 319488 bytes of shared memory on
+# an H200 (over the SM90 limit of 232448); these need at most 196608 (tests/test_cuda_compile.py).
+FP8_WIDE_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tma=False)
 # float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
 # (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
 FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -560,6 +565,31 @@ def _num_splits(
     return max(1, min(want, span // min_split))
 
 
+def launch_config(
+    dtype: torch.dtype,
+    rows: int,
+    max_q: int,
+    batch: int,
+    span: int,
+    batch_invariant: bool,
+    fp8: bool,
+    device: torch.device,
+    config: AttentionConfig | None = None,
+) -> tuple[AttentionConfig, int]:
+    """mla_attention's tiles (config, where given, wins) and its few-tiles split minimum for `rows`
+    (token, head) rows a request, `max_q` query tokens, `batch` requests over `span` keys; fp8: the
+    cache holds FP8 latent rows (tests/test_cuda_compile.py lowers every choice for SM90)."""
+    fp32 = dtype == torch.float32
+    if batch_invariant:
+        return config or (FP32_CONFIG if fp32 else _invariant_config(rows, device)), FEW_TILES_MIN_SPLIT_TILES
+    short = config is None and not fp32 and max_q == 1 and rows < 64
+    if short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN:  # one tile of rows per request
+        return AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N), 1
+    wide = FP8_WIDE_CONFIG if fp8 else WIDE_CONFIG
+    default = FP32_CONFIG if fp32 else wide if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
+    return config or default, FEW_TILES_MIN_SPLIT_TILES
+
+
 @dataclass(frozen=True)
 class SplitPartials:
     """mla_attention's split-KV partials before their merge: part (T*H*splits, next_pow2(v_dim))
@@ -666,23 +696,11 @@ def mla_attention_partials(
     max_len = max(meta.seq_lens_host)
     rope_dim = d - latent_dim
 
-    fp32 = q.dtype == torch.float32
     span = max_len if window is None else min(max_len, window + max_q)
-    few_tiles_min = FEW_TILES_MIN_SPLIT_TILES
-    if batch_invariant:
-        cfg = config or (FP32_CONFIG if fp32 else _invariant_config(max_q * h, q.device))
-        split = split_size or INVARIANT_SPLIT
-    else:
-        rows = max_q * h
-        short = config is None and not fp32 and max_q == 1 and rows < 64
-        short = short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN
-        if short:  # one tile of rows per request
-            config = AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N)
-            few_tiles_min = 1
-        cfg = config or (
-            FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
-        )
-        split = split_size or 0
+    cfg, few_tiles_min = launch_config(
+        q.dtype, max_q * h, max_q, batch, span, batch_invariant, bool(fp8_tile), q.device, config
+    )
+    split = split_size or (INVARIANT_SPLIT if batch_invariant else 0)
     if split % cfg.block_n:
         raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
     if split:
