@@ -314,6 +314,8 @@ FP8_CHECKED_REQUESTS = 2
 # per tile: 64-key tiles in one stage (147456 bytes of shared memory) and two (189440 bytes;
 # with a scale per value they need 319488, over SM90's 232448).
 FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
+# attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 32.
+FP8_SPLIT_SWEEP = {"per_sm_4": 4}
 
 
 def bench_decode_fp8(
@@ -343,16 +345,22 @@ def bench_decode_fp8(
         fp8 = be.kv_cache.allocate(KVCacheSpec(nb, 64, 512, 64, torch.bfloat16, "fp8"), 1)[0]
         be.kv_cache.write_kv(fp8, pool.view(-1, 576), torch.arange(nb * 64, device=dev))
         times = {}
-        runs: list[tuple[str, PagedKVCache, Any]] = [
-            ("bf16", bf16, None), ("fp8", fp8, None), ("fp8_per_value", fp8, None)
+        # (name, cache, attention-module knobs for the run: read at launch, the graph keeps them)
+        runs: list[tuple[str, PagedKVCache, dict[str, Any]]] = [
+            ("bf16", bf16, {}), ("fp8", fp8, {}), ("fp8_per_value", fp8, {"FP8_SCALE_TILES": False})
         ]  # fmt: skip
-        sweeps = FP8_WIDE_SWEEP.items()
         if heads >= 64 and not smoke:
-            runs += [(f"fp8_{k}", fp8, attn_k.AttentionConfig(*v, tma=False)) for k, v in sweeps]
-        wide = attn_k.FP8_WIDE_CONFIG
-        for name, cache, cfg in runs:
-            attn_k.FP8_SCALE_TILES = name != "fp8_per_value"  # read at launch: the graph keeps it
-            attn_k.FP8_WIDE_CONFIG = cfg or wide
+            wides = FP8_WIDE_SWEEP.items()
+            runs += [(f"fp8_{k}", fp8, {"FP8_WIDE_CONFIG": attn_k.AttentionConfig(*v, tma=False)})
+                     for k, v in wides]  # fmt: skip
+        if batch >= 32 and not smoke:
+            runs += [(f"fp8_{k}", fp8, {"FP8_PROGRAMS_PER_SM": v}) for k, v in FP8_SPLIT_SWEEP.items()]
+        knob_names = ("FP8_SCALE_TILES", "FP8_WIDE_CONFIG", "FP8_PROGRAMS_PER_SM")
+        defaults = {k: getattr(attn_k, k) for k in knob_names}
+        for name, cache, knobs in runs:
+            for k, v in (defaults | knobs).items():
+                setattr(attn_k, k, v)
+            swept = name[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP
             it = [0]
 
             def run(
@@ -367,11 +375,11 @@ def bench_decode_fp8(
             try:
                 times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
             except Exception as exc:  # a swept tiling that does not launch: logged, the rest still run
-                if cfg is None:
+                if not swept:
                     raise
                 log(f"decode fp8 H={heads} B={batch} {name}: failed {type(exc).__name__}: {str(exc)[:160]}")
-        attn_k.FP8_SCALE_TILES = True
-        attn_k.FP8_WIDE_CONFIG = wide
+        for k, v in defaults.items():
+            setattr(attn_k, k, v)
         read = batch * kv_len * 656 + batch * per_req * 4 + q.numel() * 2
         gbs = read / times["fp8"] / 1e6
         row = {
@@ -380,7 +388,7 @@ def bench_decode_fp8(
             "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
             "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
         }  # fmt: skip
-        sweep = {k[4:]: v for k, v in times.items() if k[4:] in FP8_WIDE_SWEEP}
+        sweep = {k[4:]: v for k, v in times.items() if k[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP}
         if sweep:
             row["sweep_ms"] = sweep
         # against float32 attention over the rows the FP8 cache holds, for the first requests (the

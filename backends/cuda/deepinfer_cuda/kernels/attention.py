@@ -536,6 +536,12 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
 FP8_SCALE_TILES = True
 
 
+# Programs per SM that _num_splits aims at over FP8 rows (2, as over bf16 rows, where TMA feeds
+# each program): pointer loads of byte rows may want more programs in flight to hide their
+# latency; bench/bench_cuda.py --only decode_fp8 times 4 at batch >= 32 (FP8_SPLIT_SWEEP).
+FP8_PROGRAMS_PER_SM = 2
+
+
 def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
     """The kernel's FP8_TILES: tiles of the latent when they fill its power-of-two block, else 0."""
     if not (fp8_tile and FP8_SCALE_TILES and latent_dim == next_pow2(latent_dim)):
@@ -552,15 +558,17 @@ def _num_splits(
     cfg: AttentionConfig,
     device: torch.device,
     few_tiles_min: int = FEW_TILES_MIN_SPLIT_TILES,
+    per_sm: int = 2,
 ) -> int:
     """KV splits per tile of rows for `tiles` tiles over spans of up to `max_len` keys: about two
     programs per SM, rounded DOWN (programs just past a full wave each walk a whole split after
     the wave ends: H200 run 8, 16 heads x 32768 keys: batch 32 in 288 programs took 0.64 ms, 5.5x
     batch 8 in 264 programs for 4x the data), splits of at least MIN_SPLIT keys, or of
-    `few_tiles_min` tiles when the tiles fill fewer than half the SMs."""
+    `few_tiles_min` tiles when the tiles fill fewer than half the SMs. per_sm: programs per SM
+    wanted (FP8_PROGRAMS_PER_SM over FP8 rows)."""
     sms = num_sms(device)
     span = max_len if window is None else min(max_len, window + max_q)
-    want = max(1, 2 * sms // tiles)
+    want = max(1, per_sm * sms // tiles)
     min_split = MIN_SPLIT if 2 * tiles >= sms else few_tiles_min * cfg.block_n
     return max(1, min(want, span // min_split))
 
@@ -706,9 +714,9 @@ def mla_attention_partials(
     if split:
         max_splits = triton.cdiv(max_len, split)
     else:
-        max_splits = _num_splits(
-            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device, few_tiles_min
-        )
+        tiles = batch * triton.cdiv(max_q * h, cfg.block_m)
+        per_sm = FP8_PROGRAMS_PER_SM if fp8_tile else 2
+        max_splits = _num_splits(tiles, max_len, max_q, window, cfg, q.device, few_tiles_min, per_sm)
     direct = max_splits == 1 and not batch_invariant
     if direct:
         split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)
