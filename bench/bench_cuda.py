@@ -131,11 +131,21 @@ def decode_inputs(
     return pool, metas, q, per_req
 
 
-def decode_error(out: torch.Tensor, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata) -> float:
-    """Relative error of decode output against float32 softmax attention over each request."""
+def decode_error(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    meta: AttentionMetadata,
+    requests: int | None = None,
+    rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Relative error of decode output against float32 softmax attention over each request (the
+    first `requests` of them); rows: the (blocks, 64, 576) float rows of gathered pool blocks
+    (None: the pool's own values)."""
     errs = []
-    for b, n in enumerate(meta.seq_lens_host):
-        k = pool[meta.block_tables[b].long()].reshape(-1, 576)[:n].float()  # (L, 576)
+    for b, n in enumerate(meta.seq_lens_host[:requests]):
+        blocks = pool[meta.block_tables[b].long()]
+        k = (blocks if rows is None else rows(blocks)).reshape(-1, 576)[:n].float()  # (L, 576)
         p = torch.softmax(q[b].float() @ k.T * 192**-0.5, dim=-1)  # (H, L)
         ref = p @ k[:, :512]
         errs.append(float((out[b] - ref).norm() / ref.norm()))
@@ -298,6 +308,14 @@ def bench_decode(
 # (heads, batch, keys) of the FP8-cache rows: issue 37's table (16 heads at 8 x 4096 and
 # 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys
 FP8_DECODE_SHAPES = [(16, 1, 32768), (16, 8, 4096), (16, 128, 32768), (128, 32, 4096), (128, 128, 32768)]
+# Requests of each row checked against float32 attention over the rows the FP8 cache holds.
+FP8_CHECKED_REQUESTS = 2
+# attention.FP8_WIDE_CONFIG (the tiles of >= 64 rows a request: 128 heads) against these, scales
+# per tile: 64-key tiles in one stage (147456 bytes of shared memory) and two (189440 bytes;
+# with a scale per value they need 319488, over SM90's 232448).
+FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
+# attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 32.
+FP8_SPLIT_SWEEP = {"per_sm_4": 4}
 
 
 def bench_decode_fp8(
@@ -327,8 +345,22 @@ def bench_decode_fp8(
         fp8 = be.kv_cache.allocate(KVCacheSpec(nb, 64, 512, 64, torch.bfloat16, "fp8"), 1)[0]
         be.kv_cache.write_kv(fp8, pool.view(-1, 576), torch.arange(nb * 64, device=dev))
         times = {}
-        for name, cache in (("bf16", bf16), ("fp8", fp8), ("fp8_per_value", fp8)):
-            attn_k.FP8_SCALE_TILES = name != "fp8_per_value"  # read at launch: the graph keeps it
+        # (name, cache, attention-module knobs for the run: read at launch, the graph keeps them)
+        runs: list[tuple[str, PagedKVCache, dict[str, Any]]] = [
+            ("bf16", bf16, {}), ("fp8", fp8, {}), ("fp8_per_value", fp8, {"FP8_SCALE_TILES": False})
+        ]  # fmt: skip
+        if heads >= 64 and not smoke:
+            wides = FP8_WIDE_SWEEP.items()
+            runs += [(f"fp8_{k}", fp8, {"FP8_WIDE_CONFIG": attn_k.AttentionConfig(*v, tma=False)})
+                     for k, v in wides]  # fmt: skip
+        if batch >= 32 and not smoke:
+            runs += [(f"fp8_{k}", fp8, {"FP8_PROGRAMS_PER_SM": v}) for k, v in FP8_SPLIT_SWEEP.items()]
+        knob_names = ("FP8_SCALE_TILES", "FP8_WIDE_CONFIG", "FP8_PROGRAMS_PER_SM")
+        defaults = {k: getattr(attn_k, k) for k in knob_names}
+        for name, cache, knobs in runs:
+            for k, v in (defaults | knobs).items():
+                setattr(attn_k, k, v)
+            swept = name[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP
             it = [0]
 
             def run(
@@ -340,8 +372,14 @@ def bench_decode_fp8(
                 it[0] = (it[0] + 1) % len(metas)
                 be.attention.decode(q, cache, metas[it[0]], scale=192**-0.5, v_dim=512)
 
-            times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
-        attn_k.FP8_SCALE_TILES = True
+            try:
+                times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
+            except Exception as exc:  # a swept tiling that does not launch: logged, the rest still run
+                if not swept:
+                    raise
+                log(f"decode fp8 H={heads} B={batch} {name}: failed {type(exc).__name__}: {str(exc)[:160]}")
+        for k, v in defaults.items():
+            setattr(attn_k, k, v)
         read = batch * kv_len * 656 + batch * per_req * 4 + q.numel() * 2
         gbs = read / times["fp8"] / 1e6
         row = {
@@ -350,15 +388,23 @@ def bench_decode_fp8(
             "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
             "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
         }  # fmt: skip
-        if batch <= 8:  # against float32 attention over the rows the FP8 cache holds
-            out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
-            rows_f32 = dequantize_mla_rows(fp8.tensors[0], 512, 64)
-            row["rel_err"] = decode_error(out, q, rows_f32, metas[0])
+        sweep = {k[4:]: v for k, v in times.items() if k[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP}
+        if sweep:
+            row["sweep_ms"] = sweep
+        # against float32 attention over the rows the FP8 cache holds, for the first requests (the
+        # whole 128 x 32k cache in float32 would take 9.7 GB)
+        out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
+        row["rel_err"] = decode_error(
+            out, q, fp8.tensors[0], metas[0], FP8_CHECKED_REQUESTS, lambda r: dequantize_mla_rows(r, 512, 64)
+        )
+        row["finite"] = bool(torch.isfinite(out).all())
         rows.append(row)
+        swept = "".join(f", {k} {v:.3f} ms" for k, v in sweep.items())
         log(
             f"decode fp8 H={heads:3d} B={batch:3d} L={kv_len:5d}: {times['fp8']:.3f} ms {gbs:6.0f} GB/s "
             f"({gbs / copy_gbs:.2f} of copy), bf16 cache {times['bf16']:.3f} ms: {row['speedup']:.2f}x, "
-            f"scales per value {times['fp8_per_value']:.3f} ms, err {row.get('rel_err', float('nan')):.1e}"
+            f"scales per value {times['fp8_per_value']:.3f} ms, err {row['rel_err']:.1e} "
+            f"(first {FP8_CHECKED_REQUESTS} requests; all finite: {row['finite']}){swept}"
         )
         del pool, metas, q, bf16, fp8
     return rows
@@ -997,7 +1043,8 @@ def markdown(res: dict[str, Any]) -> str:
             "GB/s of the FP8 bytes read; `vs bf16`: the bf16 cache's time over the FP8 cache's, same inputs",
             "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run;",
             "`per-value ms`: the FP8 kernel loading a scale per value instead of one per tile",
-            "(FP8_SCALE_TILES off).",
+            "(FP8_SCALE_TILES off); rel err: the first requests' against float32 attention over the",
+            "dequantised rows.",
             "",
             "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err "
             "| per-value ms |",
@@ -1010,6 +1057,10 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{r['ratio_to_copy']:.2f} | {r['bf16_ms']:.3f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | "
                 f"{err} | {r['per_value_ms']:.3f} |"
             )
+        for r in fp8_rows:
+            if r.get("sweep_ms"):
+                tiles = ", ".join(f"{k} {v:.3f} ms" for k, v in r["sweep_ms"].items())
+                out.append(f"\nH={r['heads']} B={r['batch']} L={r['kv_len']}, other FP8 tiles: {tiles}")
     sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
     if sweep:
         out += ["", "Tile sweeps at batch 128, KV length 4096 (first row per head count: the default):", ""]

@@ -34,6 +34,11 @@ class Ptx(str):
     """A kernel's PTX text, with the warps it was compiled for (bench/kernel_registers.py)."""
 
     num_warps: int = 4
+    shared: int = 0  # bytes of shared memory the compiled kernel needs a program
+
+
+# Shared memory a program may take on SM90 (227 KB: the H200's "Hardware limit" in a launch error).
+SM90_SHARED = 232448
 
 
 def compile_sm90(
@@ -42,10 +47,12 @@ def compile_sm90(
     constexprs: dict[str, Any],
     num_warps: int = 4,
     aligned: tuple[str, ...] = (),
+    num_stages: int | None = None,
 ) -> Ptx:
     """Lower `kernel` to a cubin for sm_90 (arguments not in `types` or `constexprs` are i32);
     returns the PTX. aligned: arguments specialised as multiples of 16, as the launcher does at
-    run time for pointers and integers that are (what lets masked loads vectorise)."""
+    run time for pointers and integers that are (what lets masked loads vectorise, and pipeline
+    through shared memory). num_stages: the launch's (None: Triton's default)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -54,7 +61,8 @@ def compile_sm90(
     attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except RuntimeError as exc:  # no ptxas / CUDA backend in this Triton build
         if "ptxas" in str(exc) or "backend" in str(exc).lower():
             pytest.skip(f"Triton cannot compile for CUDA here: {exc}")
@@ -62,6 +70,7 @@ def compile_sm90(
     assert compiled.asm.get("cubin"), "no cubin"
     ptx = Ptx(compiled.asm["ptx"])
     ptx.num_warps = num_warps
+    ptx.shared = compiled.metadata.shared
     return ptx
 
 
@@ -464,17 +473,58 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
     return ptx
 
 
-@pytest.mark.parametrize(
-    ("heads", "block_m", "block_n", "warps", "direct", "v_is_lat"),
-    [(16, 16, 32, 4, False, True), (128, 64, 64, 8, False, True), (16, 16, 32, 4, True, False)],
-    ids=["heads_16", "heads_128", "direct_v256"],
-)
+def _fp8_launches() -> list[tuple[str, Any, torch.dtype]]:
+    """The distinct tiles mla_attention picks over FP8 rows (attention.launch_config) for the
+    models' head counts (16, 32, 64, 128) in decode (batch 1 over a short span, batch 128 over
+    32768 keys), chunked prefill (8 query tokens) and batch-invariant mode, bfloat16 and float32
+    queries; each id names the tiles (block_m x block_n, warps, stages)."""
+    from deepinfer_cuda.kernels import attention as att_k
+
+    seen: dict[Any, tuple[str, Any, torch.dtype]] = {}
+    cpu = torch.device("cpu")
+    for dtype in (torch.bfloat16, torch.float32):
+        for heads in (16, 32, 64, 128):
+            for q, batch, span, inv in ((1, 1, 160, False), (1, 128, 32768, False), (8, 4, 4096, False),
+                                        (1, 32, 4096, True)):  # fmt: skip
+                cfg, _ = att_k.launch_config(dtype, q * heads, q, batch, span, inv, True, cpu)
+                name = f"{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}_{str(dtype)[6:]}"
+                seen.setdefault((name, dtype), (name, cfg, dtype))  # TMA or not: the same kernel here
+    return list(seen.values())
+
+
+FP8_LAUNCHES = _fp8_launches()
+
+
 @pytest.mark.parametrize("tiles", [4, 0], ids=["scales_per_tile", "scales_per_value"])
-def test_fp8_cache_kernels(
-    heads: int, block_m: int, block_n: int, warps: int, direct: bool, v_is_lat: bool, tiles: int
-) -> None:
-    """FP8 latent caches (kernels/kv_fp8.py): the quantising store, and the attention kernel reading
-    uint8 rows at the tiles mla_attention picks for 16 and 128 heads (V the latent, or a prefix)."""
+@pytest.mark.parametrize(("cfg", "dtype"), [p[1:] for p in FP8_LAUNCHES], ids=[p[0] for p in FP8_LAUNCHES])
+def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, tiles: int) -> None:
+    """FP8 latent caches (kernels/kv_fp8.py): the attention kernel reading uint8 rows (DeepSeek-V3's
+    512 + 64) at every tiling mla_attention picks for them, compiled as the launcher specialises it
+    (pointers, strides and widths multiples of 16, the config's stages), fits SM90's shared memory:
+    WIDE_CONFIG's 64 x 64 tiles with a scale per value needed 319488 bytes there on an H200."""
+    from deepinfer_cuda.kernels import attention as att_k
+
+    dt = "bf16" if dtype == torch.bfloat16 else "f32"
+    types = {a: PTR[dt] for a in ("q_ptr", "out_ptr", "sinks_ptr", "allow_ptr")} | {"kv_ptr": "*u8"}
+    types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
+    types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
+    aligned = ("q_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "part_ptr", "lse_ptr",
+               "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_bt", "stride_ot", "stride_oh",
+               "D_LAT", "D_ROPE", "DV")  # fmt: skip
+    ptx = compile_sm90(
+        att_k._mla_attention_kernel, types,
+        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512,
+             HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
+             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=dtype == torch.float32, TMA=False,
+             EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=tiles),
+        num_warps=cfg.num_warps, aligned=aligned, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
+    assert ptx.shared <= SM90_SHARED, f"{ptx.shared} bytes of shared memory, SM90 has {SM90_SHARED}"
+
+
+def test_fp8_store_and_v_prefix_kernels() -> None:
+    """The quantising store, and the direct (one split) kernel with V a prefix of the latent."""
     from deepinfer_cuda.kernels import attention as att_k
     from deepinfer_cuda.kernels import kv_fp8
 
@@ -487,13 +537,13 @@ def test_fp8_cache_kernels(
     types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
     ptx = compile_sm90(
         att_k._mla_attention_kernel, types,
-        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512 if v_is_lat else 256,
-             HAS_ROPE=True, V_IS_LAT=v_is_lat, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=False,
-             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=direct, IEEE=False, TMA=False, EARLY=False, PDL=True,
-             FP8_TILE=128, FP8_TILES=tiles),
-        num_warps=warps,
+        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=256, HAS_ROPE=True,
+             V_IS_LAT=False, BLOCK_M=16, BLOCK_N=32, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False,
+             DIRECT=True, IEEE=False, TMA=False, EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=4),
+        num_stages=2,
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
+    assert ptx.shared <= SM90_SHARED
 
 
 def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:

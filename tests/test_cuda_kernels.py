@@ -2334,6 +2334,42 @@ def test_fp8_decode_with_many_splits(
         torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("split_size", [16, None], ids=["fixed_splits", "adaptive_splits"])
+def test_fp8_decode_many_requests_over_poisoned_rows(gen: torch.Generator, split_size: int | None) -> None:
+    """A decode batch's structure at small sizes: many requests, keys long against the 16-key tile
+    and page, many KV splits (empty ones for the short requests) and the combine, over an FP8 pool
+    whose unwritten rows and unused blocks (the table's padding points at one) are 0xFF bytes: NaN
+    e4m3 values, NaN scales, NaN rope. No NaN may reach the output: the float64 oracle."""
+    from deepinfer_cuda.kernels import kv_fp8
+
+    from deepinfer.backend.kv_formats_mla import fp8_row_bytes
+    from deepinfer.testing.oracles import e4m3_rows64
+
+    seq = [1, 16, 47, 64, 100, 130, 200, 33]
+    lat, rope, h, bs = 128, 16, 2, 16
+    pool, meta, rows = paged(seq, [1] * len(seq), lat + rope, bs, gen)
+    table = meta.block_tables.cpu().clone()
+    used = [table[b, : -(-n // bs)].clone() for b, n in enumerate(seq)]
+    spare = min(set(range(pool.shape[0])) - set(torch.cat(used).tolist()))  # paged() leaves two unused
+    for b, n in enumerate(seq):
+        table[b, -(-n // bs) :] = spare
+    slots = torch.cat(
+        [u.long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs for u, n in zip(used, seq)]
+    )
+    fp8 = torch.full((pool.shape[0], bs, fp8_row_bytes(lat, rope)), 0xFF, dtype=torch.uint8, device=DEV)
+    kv_fp8.write_fp8_rows(fp8, torch.cat(rows).to(DEV), slots.to(DEV), lat, rope)
+    meta = AttentionMetadata.build(table.to(DEV), seq, [1] * len(seq))
+    q = torch.randn((len(seq), h, lat + rope), generator=gen)
+    out = attn_k.mla_attention(
+        q.to(DEV), fp8, meta, scale=0.1, v_dim=lat, latent_dim=lat, config=small_config(),
+        split_size=split_size, fp8_tile=128,
+    )  # fmt: skip
+    assert torch.isfinite(out).all(), "NaN from an unwritten row or an empty split"
+    kept = e4m3_rows64(lat, 128)
+    expected = oracle_attention(q, [kept(r.double()) for r in rows], seq, [1] * len(seq), 0.1, lat)
+    torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
+
+
 def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
     """Chunked prefill rows over FP8 rows of a narrow latent (one tile of 24), adaptive splits,
     bfloat16 queries; and a cache that is not FP8 rows of q's widths is refused."""

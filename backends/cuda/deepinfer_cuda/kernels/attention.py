@@ -67,6 +67,11 @@ class AttentionConfig:
 
 # Many rows per tile (>= 64 heads x tokens): the best of eight tilings on an H200 (H=128 decode).
 WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+# FP8 latent rows with many rows per tile: 32-key tiles. The rows come by pointer loads (no TMA)
+# and are dequantised in registers, so a tile's keys are held twice (bytes, then q's dtype);
+# WIDE_CONFIG's 64-key tiles with a scale load per value needed 319488 bytes of shared memory on
+# an H200 (over the SM90 limit of 232448); these need at most 196608 (tests/test_cuda_compile.py).
+FP8_WIDE_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tma=False)
 # float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
 # (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
 FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -531,6 +536,12 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
 FP8_SCALE_TILES = True
 
 
+# Programs per SM that _num_splits aims at over FP8 rows (2, as over bf16 rows, where TMA feeds
+# each program): pointer loads of byte rows may want more programs in flight to hide their
+# latency; bench/bench_cuda.py --only decode_fp8 times 4 at batch >= 32 (FP8_SPLIT_SWEEP).
+FP8_PROGRAMS_PER_SM = 2
+
+
 def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
     """The kernel's FP8_TILES: tiles of the latent when they fill its power-of-two block, else 0."""
     if not (fp8_tile and FP8_SCALE_TILES and latent_dim == next_pow2(latent_dim)):
@@ -547,17 +558,44 @@ def _num_splits(
     cfg: AttentionConfig,
     device: torch.device,
     few_tiles_min: int = FEW_TILES_MIN_SPLIT_TILES,
+    per_sm: int = 2,
 ) -> int:
     """KV splits per tile of rows for `tiles` tiles over spans of up to `max_len` keys: about two
     programs per SM, rounded DOWN (programs just past a full wave each walk a whole split after
     the wave ends: H200 run 8, 16 heads x 32768 keys: batch 32 in 288 programs took 0.64 ms, 5.5x
     batch 8 in 264 programs for 4x the data), splits of at least MIN_SPLIT keys, or of
-    `few_tiles_min` tiles when the tiles fill fewer than half the SMs."""
+    `few_tiles_min` tiles when the tiles fill fewer than half the SMs. per_sm: programs per SM
+    wanted (FP8_PROGRAMS_PER_SM over FP8 rows)."""
     sms = num_sms(device)
     span = max_len if window is None else min(max_len, window + max_q)
-    want = max(1, 2 * sms // tiles)
+    want = max(1, per_sm * sms // tiles)
     min_split = MIN_SPLIT if 2 * tiles >= sms else few_tiles_min * cfg.block_n
     return max(1, min(want, span // min_split))
+
+
+def launch_config(
+    dtype: torch.dtype,
+    rows: int,
+    max_q: int,
+    batch: int,
+    span: int,
+    batch_invariant: bool,
+    fp8: bool,
+    device: torch.device,
+    config: AttentionConfig | None = None,
+) -> tuple[AttentionConfig, int]:
+    """mla_attention's tiles (config, where given, wins) and its few-tiles split minimum for `rows`
+    (token, head) rows a request, `max_q` query tokens, `batch` requests over `span` keys; fp8: the
+    cache holds FP8 latent rows (tests/test_cuda_compile.py lowers every choice for SM90)."""
+    fp32 = dtype == torch.float32
+    if batch_invariant:
+        return config or (FP32_CONFIG if fp32 else _invariant_config(rows, device)), FEW_TILES_MIN_SPLIT_TILES
+    short = config is None and not fp32 and max_q == 1 and rows < 64
+    if short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN:  # one tile of rows per request
+        return AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N), 1
+    wide = FP8_WIDE_CONFIG if fp8 else WIDE_CONFIG
+    default = FP32_CONFIG if fp32 else wide if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
+    return config or default, FEW_TILES_MIN_SPLIT_TILES
 
 
 @dataclass(frozen=True)
@@ -666,31 +704,19 @@ def mla_attention_partials(
     max_len = max(meta.seq_lens_host)
     rope_dim = d - latent_dim
 
-    fp32 = q.dtype == torch.float32
     span = max_len if window is None else min(max_len, window + max_q)
-    few_tiles_min = FEW_TILES_MIN_SPLIT_TILES
-    if batch_invariant:
-        cfg = config or (FP32_CONFIG if fp32 else _invariant_config(max_q * h, q.device))
-        split = split_size or INVARIANT_SPLIT
-    else:
-        rows = max_q * h
-        short = config is None and not fp32 and max_q == 1 and rows < 64
-        short = short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN
-        if short:  # one tile of rows per request
-            config = AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N)
-            few_tiles_min = 1
-        cfg = config or (
-            FP32_CONFIG if fp32 else WIDE_CONFIG if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
-        )
-        split = split_size or 0
+    cfg, few_tiles_min = launch_config(
+        q.dtype, max_q * h, max_q, batch, span, batch_invariant, bool(fp8_tile), q.device, config
+    )
+    split = split_size or (INVARIANT_SPLIT if batch_invariant else 0)
     if split % cfg.block_n:
         raise ValueError(f"split_size {split} must be a multiple of block_n {cfg.block_n}")
     if split:
         max_splits = triton.cdiv(max_len, split)
     else:
-        max_splits = _num_splits(
-            batch * triton.cdiv(max_q * h, cfg.block_m), max_len, max_q, window, cfg, q.device, few_tiles_min
-        )
+        tiles = batch * triton.cdiv(max_q * h, cfg.block_m)
+        per_sm = FP8_PROGRAMS_PER_SM if fp8_tile else 2
+        max_splits = _num_splits(tiles, max_len, max_q, window, cfg, q.device, few_tiles_min, per_sm)
     direct = max_splits == 1 and not batch_invariant
     if direct:
         split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)

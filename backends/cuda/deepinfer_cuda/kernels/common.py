@@ -2,9 +2,10 @@
 # (Triton kernels take untyped tensor-like arguments by design; the launchers are typed.)
 """Helpers shared by the kernels: interpreter workarounds and small launch utilities.
 
-Under TRITON_INTERPRET=1 (CI on a CPU) four interpreter defects are worked around, all only in
+Under TRITON_INTERPRET=1 (CI on a CPU) five interpreter defects are worked around, all only in
 that mode (the compiled path is untouched):
   * tl.dot on bfloat16 / float16 operands returns garbage: operands are upcast to float32 first.
+  * bfloat16 * bfloat16 returns garbage: kv_fp8.load_fp8_latent multiplies in float32 there.
   * float32 -> float8e4nv conversion drops the carry when rounding reaches the next binade
     (1.95 -> 1.0): values are rounded to the e4m3 grid in float32 before the cast.
   * float32 -> bfloat16 conversion truncates: `to_dtype` rounds to nearest even in float32 first.

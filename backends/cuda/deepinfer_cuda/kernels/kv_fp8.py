@@ -16,7 +16,7 @@ import triton.language as tl
 
 from deepinfer.backend.fp8 import AMAX_EPS, FP8_MAX
 from deepinfer.backend.kv_formats_mla import fp8_row_bytes, fp8_tile
-from deepinfer_cuda.kernels.common import next_pow2, to_dtype, to_e4m3
+from deepinfer_cuda.kernels.common import IS_INTERPRET, next_pow2, to_dtype, to_e4m3
 
 # The kernels write the format's constants as literals (Triton reads no non-constexpr globals):
 # 448.0 is FP8_MAX, 1e-10 AMAX_EPS, as deepinfer.backend.fp8 defines.
@@ -87,17 +87,23 @@ def load_fp8_latent(
     e4m3 * the tile's power-of-two scale, exact in float32, then in `dtype` (bfloat16 and float16
     hold it exactly too: 4 significant bits). TILES > 0: cols is arange(0, TILES * TILE), the
     whole latent, and each row's TILES scales are loaded once and broadcast over their tiles
-    (else one scale load per value, from the same few addresses)."""
+    (else one scale load per value, from the same few addresses). bfloat16: the product is taken
+    in bfloat16, exact too (its 8 significant bits and float32's exponents hold e4m3 * 2^k: the
+    same bits as in float32, packed multiplies); float16's exponents may not hold the scale. The
+    interpreter multiplies bfloat16 wrongly (common.py): there the product is taken in float32."""
     m = n_valid[:, None] & (cols[None, :] < width)
     q8 = tl.load(kv_row[:, None] + cols[None, :], mask=m, other=0)
-    q = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if dtype == tl.bfloat16 and not IS_INTERPRET:  # by float16 (exact too): SM90 converts e4m3 pairs
+        q = q8.to(tl.float8e4nv, bitcast=True).to(tl.float16).to(tl.bfloat16)  # to float16 pairs
+    else:
+        q = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     scales = (kv_row + D_LAT).to(tl.pointer_type(tl.float32))
     if TILES:
         s = tl.load(scales[:, None] + tl.arange(0, TILES)[None, :], mask=n_valid[:, None], other=0.0)
-        q3 = tl.reshape(q, (q.shape[0], TILES, TILE)) * s[:, :, None]
+        q3 = tl.reshape(q, (q.shape[0], TILES, TILE)) * s.to(q.dtype)[:, :, None]
         return tl.reshape(q3, (q.shape[0], TILES * TILE)).to(dtype)
     s = tl.load(scales[:, None] + (cols // TILE)[None, :], mask=m, other=0.0)
-    return (q * s).to(dtype)
+    return (q * s.to(q.dtype)).to(dtype)
 
 
 @triton.jit
