@@ -174,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if dflash:  # targets the depth reduction keeps: layer 0 and the first decoder (C1) layer
         text = json.loads(config_file.read_text()).get("text_config", {})
         overrides = {"dspark_target_layer_ids": [0, list(text.get("compress_ratios", [1])).index(1)]}
+        if text.get("engram_layer_ids"):  # speculative decoding is refused with Engram: dropped
+            overrides["engram_layer_ids"] = []
     model = random_model(
         config_file, backend, base.torch_dtype, 0, base.gpu_memory_utilization,
         num_hidden_layers=args.num_hidden_layers, mtp=not dflash, dflash=dflash, text_overrides=overrides,
