@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_step_times import synthetic
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.config import ModelConfig
@@ -75,8 +76,16 @@ def test_outputs_equal_plain_decoding(
     ckpt: Path, expected: Any, spec: dict[str, Any], engine_args: dict[str, Any], graphs: bool
 ) -> None:
     llm = make(ckpt, speculative_config={"method": "dflash", **spec}, **engine_args)
-    assert (run(llm, GREEDY), run(llm, SEEDED)) == expected
     engine = llm.llm_engine
+    if spec.get("confidence_scheduling") and "step_token_budget" not in spec:
+        # a curve flat in the drafts (as a GPU's at these sizes): the CPU's own timings, on a busy
+        # machine, can make every draft look too dear
+        assert engine.speculative is not None
+        buckets = sorted({b for b, _ in engine.worker.verify_graphs.forwards})
+        engine.speculative.step_times = synthetic(
+            buckets, spec["num_speculative_tokens"], knee=1e9, per_token=1.0
+        )
+    assert (run(llm, GREEDY), run(llm, SEEDED)) == expected
     assert engine.num_draft_tokens > 0
     assert engine.speculative is not None and (engine.speculative.num_graph_steps > 0) == graphs
     if "num_gpu_blocks_override" in engine_args:

@@ -185,7 +185,10 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llm(root: Path, **kw: Any) -> LLM:
-    return LLM(str(root), backend="reference", dtype="float32", block_size=4, max_model_len=128, **kw)
+    return LLM(
+        str(root), backend="reference", dtype="float32", block_size=4, max_model_len=128,
+        kv_cache_dtype="bf16", **kw,
+    )  # fmt: skip
 
 
 def test_bad_images_fail_their_request_only(vl_dir: Path) -> None:
