@@ -508,14 +508,7 @@ class AttentionOps(_Part):
         dtype. Default: the reference over read_kv_rows (any layout), one request at a time from
         the device lengths read on the host (NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "quantized_attention")
-        kv = self.backend.kv_cache
-
-        def read_window(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-            return kv.read_kv_rows(cache, slots, window_format)
-
-        def read_entries(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-            return kv.read_kv_rows(cache, slots, entry_format)
-
+        read_window, read_entries = self._row_reader(window_format), self._row_reader(entry_format)
         if entries is None:  # the window alone: a ratio past every length closes no entry
             entries, ratio, read_entries = window, 1 << 62, read_window
         return ref_v4.compressed_attention(
@@ -540,11 +533,7 @@ class AttentionOps(_Part):
         values). Default: the reference over read_kv_rows, one request at a time from the device
         lengths read on the host (NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "quantized_indexer_topk")
-        kv = self.backend.kv_cache
-
-        def read(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-            return kv.read_kv_rows(cache, slots, key_format)
-
+        read = self._row_reader(key_format)
         return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, read)
 
     def varlen_attention(
@@ -626,12 +615,14 @@ class AttentionOps(_Part):
 
     def _key_reader(self, key_format: kvf.RowFormat | None) -> ref_v4.RowReader:
         """The index keys' rows: read_kv's values, or read_kv_rows' dequantised ones."""
+        return self.backend.kv_cache.read_kv if key_format is None else self._row_reader(key_format)
+
+    def _row_reader(self, fmt: kvf.RowFormat | None) -> ref_v4.RowReader:
+        """read_kv_rows in `fmt`: (cache, slots) -> float32 rows, dequantised."""
         kv = self.backend.kv_cache
-        if key_format is None:
-            return kv.read_kv
 
         def read(cache: PagedKVCache, slots: torch.Tensor) -> torch.Tensor:
-            return kv.read_kv_rows(cache, slots, key_format)
+            return kv.read_kv_rows(cache, slots, fmt)
 
         return read
 
