@@ -169,7 +169,8 @@ def test_indexer_kernels() -> None:
 def test_candidate_block_kernels() -> None:
     """DeepSeek-V4.1's candidate blocks: the block maxima, the scores over the candidate slots
     (V4.1-Flash's 32 x 128 indexer, blocks of 16; bf16 keys and the published MXFP4 key rows,
-    dequantised in registers) and the select of both stages."""
+    dequantised in registers, the queries rounded to MXFP4 in registers beside them) and the
+    select of both stages."""
     from deepinfer_cuda.kernels import v4 as v4_k
 
     lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
@@ -185,8 +186,9 @@ def test_candidate_block_kernels() -> None:
             "scale": "fp32",
         }
         constexprs = dict(
-            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format)
-        )
+            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format),
+            Q_MXFP4=key_format == "mxfp4",
+        )  # fmt: skip
         compile_sm90(v4_k._listed_scores_kernel, types | lengths, constexprs)
     types = {"score_ptr": PTR["f32"], "blocks_ptr": PTR["i32"], "out_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     for listed in (True, False):
@@ -229,14 +231,30 @@ def test_quantized_attention_kernel(formats: tuple[str, str], direct: bool) -> N
 
 
 def test_quantized_indexer_scores_kernel() -> None:
-    """MXFP4 index keys (V4.1-Flash: 32 heads x 128), dequantised in registers."""
+    """MXFP4 index keys (V4.1-Flash: 32 heads x 128), dequantised in registers, the queries
+    rounded to MXFP4 in registers (the FP4 indexer)."""
     from deepinfer_cuda.kernels import v4 as v4_k
 
     lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     types = {"q_ptr": PTR["bf16"], "k_ptr": "*u8", "w_ptr": PTR["f32"], "score_ptr": PTR["f32"]}
     types["scale"] = "fp32"
-    constexprs = dict(BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code("mxfp4"))
+    constexprs = dict(
+        BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code("mxfp4"), Q_MXFP4=True
+    )
     compile_sm90(v4_k._indexer_scores_kernel, types | lengths, constexprs)
+
+
+@pytest.mark.parametrize(("fmt", "width"), [("fp8", 512), ("fp4", 512), ("mxfp4", 128)])
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_v41_row_store_kernels(fmt: str, width: int, dtype: str) -> None:
+    """DeepSeek-V4.1's fused quantise + store of each row format at V4.1-Flash's widths (the
+    window / main rows of 512 values, the index keys of 128), from bf16 and float32 rows."""
+    from deepinfer_cuda.kernels import kv_v41
+
+    kernel, group = kv_v41._KERNELS[fmt]  # type: ignore[index]
+    types = {"x_ptr": PTR[dtype], "cache_ptr": "*u8", "slot_ptr": PTR["i64"]}
+    ptx = compile_sm90(kernel, types, dict(BLOCK_G=width // group), num_warps=2)
+    assert "div.rn.f32" in ptx  # the IEEE quotients of the reference's scales
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])

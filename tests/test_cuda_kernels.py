@@ -38,6 +38,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.gemm import CudaGemm
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import kv_v41
     from deepinfer_cuda.kernels import mla as mla_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
@@ -51,6 +52,13 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _round_mxfp4_probe(x_ptr, y_ptr, H, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
+        at = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        ok = at < H * COLS
+        x = tl.load(x_ptr + at, mask=ok, other=0.0)
+        tl.store(y_ptr + at, kv_v41.round_mxfp4(x, ROWS, COLS), mask=ok)
 
 
 from deepinfer import envs  # noqa: E402
@@ -1498,8 +1506,8 @@ def test_indexer_candidate_blocks_against_float64(
     selects over several blocks of columns, fewer candidates than top-k, rows whose scores all tie
     (zero queries: the lowest ids), graph-replay host lengths (upper bounds) and a scores budget
     that runs each request alone. MXFP4 keys (V4.1's published index-key rows, every pool row
-    quantised): the kernels dequantise them in registers; float64 scores the keys rounded by the
-    oracle's own kv_round."""
+    quantised): the kernels dequantise them in registers and round the queries to MXFP4 there;
+    float64 scores the keys and the query heads rounded by the oracle's own kv_round."""
     from deepinfer.backend import kv_formats_v41 as kvf
     from deepinfer.testing.v41_oracle import kv_round
 
@@ -1518,10 +1526,11 @@ def test_indexer_candidate_blocks_against_float64(
         for i, r in enumerate(range(sum(ql[:b]), sum(ql[: b + 1])))
     ]
     scores64 = {}
+    q64 = q.double() if key_format is None else kv_round(q.double(), key_format)
     for r, b, pos in queries:
         n_vis = (pos + 1) // ratio
         k64 = rows[b][:n_vis].double()
-        s64 = (torch.relu(q[r].double() @ k64.T) * 0.3 * w[r].double()[:, None]).sum(0)
+        s64 = (torch.relu(q64[r] @ k64.T) * 0.3 * w[r].double()[:, None]).sum(0)
         scores64[r] = s64.tolist()
     bound = dataclasses.replace(meta, seq_lens_host=(400,) * 4, max_seq_len=400)
     pool = keys.tensors[0]
@@ -1620,7 +1629,7 @@ def test_quantized_rows_splits_and_upper_bounds(
     """DeepSeek-V4.1's rows: the same caches quantised (every row, the NaN ones no request owns
     too), read by the kernel in its adaptive splits, one-tile splits and a replayed graph's upper
     bounds, as the reference over the dequantised rows; then the indexer's scores over MXFP4 keys
-    pick what the reference picks."""
+    (the queries rounded to MXFP4 in registers) pick what the reference picks."""
     from deepinfer.backend import kv_formats_v41 as kvf
 
     monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
@@ -1661,7 +1670,9 @@ def test_quantized_rows_splits_and_upper_bounds(
     keys = quantized(entries, "mxfp4")
     key_meta = AttentionMetadata.build(entry_table, list(meta.seq_lens_host), list(meta.query_lens_host))
     qi, w = torch.randn((q.shape[0], 3, 32), generator=gen), torch.randn((q.shape[0], 3), generator=gen)
-    want_ids = ref_v4.indexer_topk(qi, w, keys, key_meta, 4, 7, 0.3, reader("mxfp4"))
+    want_ids = ref_v4.indexer_topk(  # the FP4 indexer: MXFP4 queries beside MXFP4 keys
+        kvf.round_index_queries(qi, "mxfp4"), w, keys, key_meta, 4, 7, 0.3, reader("mxfp4")
+    )
     dev_meta = AttentionMetadata.build(
         entry_table.to(DEV), list(meta.seq_lens_host), list(meta.query_lens_host)
     )
@@ -2433,3 +2444,78 @@ def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
     torch.testing.assert_close(uv.cpu().double(), want, rtol=2.5e-2, atol=2.5e-2 * float(want.abs().max()))
     with pytest.raises(ValueError, match="does not read FP8 latent caches"):
         cache_tensor(cache)
+
+
+def _v41_rows(t: int, w: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """(t, w) rows for the V4.1 row stores: blocks of 16 values at magnitudes 2^-14 .. 2^8, an
+    all-zero row head, a tiny block, negative zeros, and rows of e2m1 midpoints (ties) at a
+    power-of-two scale (every format's blocks) and at the e4m3 scale 0.75 (fp4's blocks)."""
+    mag = torch.exp2(torch.randint(-14, 9, (t, w // 16), generator=gen).float()).repeat_interleave(16, dim=1)
+    x = torch.randn((t, w), generator=gen) * mag
+    x[1, :32] = 0.0
+    x[1, 32:48] = -0.0
+    x[2, :32] *= 1e-30
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    ties[1::2] *= -1
+    x[3] = ties.repeat(w // 32) * 2.0**-3  # amax 6 * 2^-3 in every block: scale 2^-3 (fp4: e4m3)
+    x[4] = ties.repeat(w // 32) * 0.75  # fp4: the e4m3 scale 0.75, not a power of two
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "w", "dtype"),
+    [("fp8", 512, torch.bfloat16), ("fp4", 512, torch.bfloat16), ("mxfp4", 128, torch.bfloat16),
+     ("fp8", 32, torch.float32), ("fp4", 32, torch.float32), ("mxfp4", 32, torch.float32)],
+)  # fmt: skip
+def test_v41_row_stores_are_the_reference_quantiser(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, fmt: str, w: int, dtype: torch.dtype
+) -> None:
+    """DeepSeek-V4.1's fused quantise + store (kernels/kv_v41.py; the published widths in
+    bfloat16, one or two scale blocks in float32) writes the bytes kv_formats_v41.quantize_rows
+    gives, bit for bit, from a strided view: e2m1 ties to the even code, zero and tiny blocks,
+    negative zeros; slot -1 skips a row and the rows no slot names keep their bytes. Through the
+    backend's write_kv_rows too, and its unfused switch."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+
+    t = 9
+    x = _v41_rows(t, w, dtype, gen)
+    wide = torch.cat([x, x[:, :5]], dim=1)[:, :w]  # a strided view
+    row = kvf.row_bytes(fmt, w)  # type: ignore[arg-type]
+    slots = torch.tensor([3, -1, 0, 15, 7, 8, 1, 2, 12])
+    keep = slots >= 0
+    want = kvf.quantize_rows(x[keep], fmt)  # type: ignore[arg-type]
+    cache = torch.full((4, 4, row), 0xA5, dtype=torch.uint8, device=DEV)
+    kv_v41.write_kv_rows(cache, wide.to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+    flat = cache.view(-1, row).cpu()
+    bad = flat[slots[keep]] != want
+    assert not bad.any(), f"{fmt}: {int(bad.sum())} bytes differ, the first at {bad.nonzero()[0].tolist()}"
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert (flat[untouched] == 0xA5).all(), "rows no slot names were written"
+    spec = KVCacheSpec(4, 4, row, 0, torch.uint8)
+    for unfused in ("0", "1"):
+        monkeypatch.setenv(envs.CUDA_UNFUSED.name, unfused)
+        backend = cuda_backend.create_cuda_backend(BackendOptions())
+        assert backend.kv_cache.fused == (unfused == "0")
+        cache = PagedKVCache(spec, (torch.zeros((4, 4, row), dtype=torch.uint8, device=DEV),))
+        backend.kv_cache.write_kv_rows(cache, wide.to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+        assert torch.equal(cache.tensors[0].view(-1, row).cpu()[slots[keep]], want), unfused
+    with pytest.raises(ValueError, match="take"):
+        kv_v41.write_kv_rows(cache.tensors[0], x[:, :-32].to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+
+
+def test_index_queries_round_in_registers_as_the_reference() -> None:
+    """kv_v41.round_mxfp4 (the FP4 indexer's queries in the score kernels) against
+    kv_formats_v41.round_index_queries bit for bit: 3 heads (padded to 16 rows) of 64 values,
+    magnitudes 2^-20 .. 2^20, an all-zero head, ties at the e2m1 midpoints."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+
+    gen = torch.Generator().manual_seed(5)
+    mag = torch.exp2(torch.randint(-20, 21, (3, 2), generator=gen).float()).repeat_interleave(32, dim=1)
+    q = torch.randn((3, 64), generator=gen) * mag
+    q[1] = 0.0
+    q[2, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * 2.0**-7
+    y = torch.empty_like(q, device=DEV)
+    _round_mxfp4_probe[(1,)](q.to(DEV), y, 3, ROWS=16, COLS=64)
+    want = kvf.round_index_queries(q, "mxfp4")
+    assert torch.equal(y.cpu(), want), (y.cpu() - want).abs().max()

@@ -45,7 +45,8 @@ Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "
 window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
 (68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
 sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk; the
-candidate stages take the index keys' format too), prefill included, so every step attends and
+candidate stages take the index keys' format too; beside MXFP4 keys the ops round the index
+queries to MXFP4 as well, DeepSeek's FP4 indexer), prefill included, so every step attends and
 scores the rounded values; the C2 state keeps the model dtype bit for
 bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
