@@ -262,6 +262,8 @@ class LLMEngine:
             assert self.speculative is not None
             return self.speculative.launch(plan.batch)
         assert plan.batch is not None
+        if self.speculative is not None:
+            self.speculative.num_plain_steps += 1
         out = self.worker.forward(plan.batch, plan.bucket, plan.eager)
         self.scheduler.advance(plan.batch)
         return out
