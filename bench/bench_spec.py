@@ -450,7 +450,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         default=None,
         help="DFlash (DSpark) drafter k (default 3 5; --small: 2)",
     )
-    ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
+    ap.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="min_draft_confidence when scheduled (default: 0.3 with --schedule budget; 0 with measured, "
+        "whose rule verifies every draft below the width it picks, as a padding row costs what a draft does)",
+    )
     ap.add_argument(
         "--schedule",
         choices=("measured", "budget"),
@@ -489,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "stamp each row with its start and end (unix seconds), to see what the plain figure's drift follows",
     )
     args = ap.parse_args(argv)
+    if args.threshold is None:
+        args.threshold = 0.3 if args.schedule == "budget" else 0.0
     args.batches = args.batches or ([1, 4] if args.small else [1, 8, 32, 128])
     args.new_tokens = args.new_tokens or (8 if args.small else 128)
     if args.min_seconds is None:

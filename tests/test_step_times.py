@@ -71,6 +71,11 @@ def test_chooser_equals_brute_force(seed: int) -> None:
     got = step_value(times, conf, counts, requests)
     assert got == pytest.approx(best, rel=1e-9)
     assert got >= step_value(times, conf, [0] * len(conf), requests)  # never below a plain step
+    # a probe only where drafts sure to be accepted could beat a plain step
+    sure = [[1.0] * k] * min(requests, 4)
+    plain = step_value(times, sure, [0] * len(sure), requests)
+    can = brute_force(times, sure, requests) > plain * (1 + 1e-9) if requests <= 4 else False
+    assert times.drafting_can_pay(requests, k) == can
 
 
 def test_plain_steps_where_drafting_does_not_pay() -> None:
@@ -231,6 +236,10 @@ def test_worker_measures_every_graph(plain: list[list[int]]) -> None:
     verify = {(b, w) for b, w in worker.verify_graphs.forwards if w > 0}
     decode = {(b, 0) for b in worker.decode_graphs.forwards}
     assert set(times.forward) == verify | decode == set(times.sampler)
+    # the width-0 verification graphs (drafting, no draft verified) are the probes
+    assert (
+        set(times.probe) == {b for b, w in worker.verify_graphs.forwards if w == 0} == {b for b, _ in decode}
+    )
     assert times.max_width == 2
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == plain
@@ -408,9 +417,21 @@ def test_wrong_drafts_end_verification_chains(
     buckets = sorted({b for b, _ in engine.worker.verify_graphs.forwards})
     decoder.step_times = synthetic(buckets, 3, knee=1e9, per_token=0.0, drafter=0.5)
     kinds = record_steps(llm, monkeypatch)
+    replays = {"n": 0}
+    real = engine.worker.decode_graphs.bucket_for
+
+    def spy(batch):  # type: ignore[no-untyped-def]
+        bucket = real(batch)
+        replays["n"] += bucket is not None
+        return bucket
+
+    monkeypatch.setattr(engine.worker.decode_graphs, "bucket_for", spy)
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONG, use_tqdm=False)]
     assert got == plain_long
     assert engine.num_accepted_tokens == 0 and engine.num_draft_tokens > 0
     assert decoder.num_graph_steps > 0 and decoder.num_plain_steps > 2 * decoder.num_steps, kinds
+    assert (
+        replays["n"] >= decoder.num_plain_steps - 1
+    )  # the plain steps replay decode graphs (but the prefill)
     runs = plain_runs(kinds)
     assert runs == sorted(runs) and runs[-1] > runs[0], kinds
