@@ -20,7 +20,15 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine import drafters
-from deepinfer.engine.step_times import Acceptance, Backoff, Episode, StepTimes, choose_drafts, step_value
+from deepinfer.engine.step_times import (
+    TIMED_STEPS,
+    Acceptance,
+    Backoff,
+    Episode,
+    StepTimes,
+    choose_drafts,
+    step_value,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,6 +180,14 @@ def test_episode_pays_against_plain_steps_in_its_time() -> None:
         assert ep.tokens == 14 and ep.plain_tokens == pytest.approx(4 * (probe + wide) / plain)
         # about 8.2 plain tokens with a free drafter, 16.2 with one as dear as a plain step
         assert ep.paid == (drafter == 0.0)
+    # by the wall clock: 14 tokens against 4 requests x 5 ms / 1 ms per plain step, once timed
+    ep = Episode(tokens=14.0)
+    for n in range(1, TIMED_STEPS + 1):
+        ep.timed(4, 5.0 / TIMED_STEPS, 1.0)
+        assert ep.losing == (n == TIMED_STEPS) and ep.wall_plain_tokens == pytest.approx(
+            20.0 * n / TIMED_STEPS
+        )
+    assert not ep.paid and not Episode(tokens=21.0, timed_steps=TIMED_STEPS, wall_plain_tokens=20.0).losing
 
 
 def test_step_times_refuses_bad_curves() -> None:
@@ -393,6 +409,41 @@ def test_drafter_that_turns_right_is_picked_up(
         got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONG, use_tqdm=False)]
         assert got == plain_long
     assert engine.num_accepted_tokens > 3 * 40 / 2 and kinds.count(True) > 4 * kinds.count(False), kinds
+
+
+@pytest.mark.parametrize("drafting_ms", [10.0, 1.1], ids=["host-bound-drafting", "cheap-drafting"])
+def test_wall_clock_decides_episodes(
+    plain_long: list[list[int]], monkeypatch: pytest.MonkeyPatch, drafting_ms: float
+) -> None:
+    """Right drafts that pay on the curve, on a clock where a plain step takes 1 ms and a
+    drafting step drafting_ms (host time the curve does not see): at 10 ms (12 tokens against
+    30 from plain steps meanwhile) episodes end after their timed steps and back off; at 1.1 ms
+    drafting goes on. Outputs equal plain decoding either way."""
+    llm = eager_with_oracle(plain_long, monkeypatch, [True])
+    engine, decoder = llm.llm_engine, llm.llm_engine.speculative
+    assert decoder is not None
+    now = [0.0]
+    decoder.clock = lambda: now[0]
+    kinds: list[bool] = []
+    real = engine._launch
+
+    def launch(plan):  # type: ignore[no-untyped-def]
+        kinds.append(plan.drafts)
+        now[0] += (drafting_ms if plan.drafts else 1.0) * 1e-3
+        return real(plan)
+
+    monkeypatch.setattr(engine, "_launch", launch)
+    got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, LONG, use_tqdm=False)]
+    assert got == plain_long
+    if drafting_ms > 2:
+        seen = "".join(".D"[k] for k in kinds)
+        episodes = [len(run) for run in seen.split(".") if run]
+        assert len(episodes) >= 3 and max(episodes) <= TIMED_STEPS + 1, seen  # cut once timed
+        runs = plain_runs(kinds)
+        assert runs == sorted(runs) and runs[-1] > runs[0] and decoder.backoff.length >= 4, seen
+        assert decoder.plain_ms == {3: pytest.approx(1.0)}
+    else:
+        assert kinds.count(True) > 4 * kinds.count(False) and engine.num_accepted_tokens > 60, kinds
 
 
 def test_wrong_drafts_end_verification_chains(

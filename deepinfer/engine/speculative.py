@@ -20,8 +20,9 @@ that maximise expected tokens per ms, the drafter's cost included; where none pa
 a plain decoding step (no drafter) and drafting stops. It starts again with a probe (a step
 that drafts but verifies nothing) where drafts could pay at all on the curve, after a back-off
 that doubles, up to a cap, each time an episode of drafting emitted fewer tokens than plain
-steps would have in its time. A chain of verification steps goes on while the drafts of its
-next step pay at its width K and it verifies some. The budget policy (step_token_budget
+steps would have in its time, on the curve or by the wall clock (tick). A chain of
+verification steps starts where the chooser takes its width K and goes on while the drafts of
+its next step pay at K and it verifies some. The budget policy (step_token_budget
 given): a decode step's forward costs about the same for any token count up to a knee; so a
 step may hold step_token_budget tokens in all: with R requests waiting or running (one token
 each), the drafts get budget = max(0, step_token_budget - R) tokens, given to the drafts of
@@ -55,7 +56,8 @@ launches every step (deepinfer.engine.llm_engine), the worker runs them on the d
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -170,7 +172,13 @@ class SpeculativeDecoder:
         self.num_steps = 0  # steps that verified or proposed drafts
         self.num_graph_steps = 0  # of which verification graph replays
         self.num_probes = 0  # of which probes (measured policy: drafting after plain steps)
-        self.num_plain_steps = 0  # steps without drafts or drafter (the engine counts them)
+        self.num_plain_steps = 0  # steps without drafts or drafter (plain_launched)
+        # the wall clock (s) of the measured policy's episodes: set once the curve is measured
+        # (tests that inject a curve leave it None, or inject a clock of their own)
+        self.clock: Callable[[], float] | None = None
+        self.plain_ms: dict[int, float] = {}  # requests -> wall ms of a plain decoding step (running mean)
+        self._last_tick: tuple[float, int, int] | None = None  # (time, plain steps, drafting steps)
+        self._plain_rows = 0  # requests of the last plain step when all decode (else 0: not timed)
         # overlap: chain verification steps (the host reads step N while the device runs N + 1)
         self.overlap = True
         self.chain: Chain | None = None
@@ -196,6 +204,7 @@ class SpeculativeDecoder:
         if self.step_times is None and self.policy == "measured":
             self.step_times = self.worker.measure_step_times()
             if self.step_times is not None:
+                self.clock = time.perf_counter
                 curve = self.step_times
                 logger.info(
                     "confidence scheduling: step times (ms, forward + sampler) by (bucket, width): %s",
@@ -235,7 +244,7 @@ class SpeculativeDecoder:
         if self.episode is not None:
             seqs = [s for s in self.scheduler.running if s.draft]
             conf = [self.acceptance.calibrated(c) for c in self._drafts_of(seqs)]
-            if any(choose_drafts(times, conf, max(requests, len(conf)))):
+            if not self.episode.losing and any(choose_drafts(times, conf, max(requests, len(conf)))):
                 return True
             if self.episode.paid:
                 self.backoff.paid()
@@ -278,6 +287,35 @@ class SpeculativeDecoder:
         conf = [self.acceptance.calibrated(self.estimates[: self.k])] * r
         return any(batch.num_draft_tokens) and max(choose_drafts(times, conf, r), default=0) == self.k
 
+    def plain_launched(self, batch: ScheduledBatch) -> None:
+        """The engine launched a plain step (no drafts, no drafter)."""
+        self.num_plain_steps += 1
+        self._plain_rows = len(batch) if all(n == 1 for n in batch.num_new_tokens) else 0
+
+    def untimed(self) -> None:
+        """The engine starts a generate call: the time since the last step is no step's."""
+        self._last_tick = None
+
+    def tick(self) -> None:
+        """At the start of each engine step: the wall time since the last one is the step then
+        launched's, a plain decoding step's (its running mean per batch size) or an episode's."""
+        if self.clock is None or self.step_times is None:
+            return
+        now = self.clock()
+        last, self._last_tick = self._last_tick, (now, self.num_plain_steps, self.num_steps)
+        if last is None:
+            return
+        ms = (now - last[0]) * 1e3
+        plain, drafting = self.num_plain_steps > last[1], self.num_steps > last[2]
+        if plain and not drafting and self._plain_rows:
+            r = self._plain_rows
+            old = self.plain_ms.get(r)
+            self.plain_ms[r] = ms if old is None else old + ESTIMATE_WEIGHT * (ms - old)
+        elif drafting and not plain and self.episode is not None:
+            r = max(1, self.num_requests())
+            # without a timed plain step of r requests yet: the curve's (device only: less)
+            self.episode.timed(r, ms, self.plain_ms.get(r, self.step_times.plain_ms(r)))
+
     def _observe(
         self, rows: int, width: int, tokens: int, drafts: int, expected: float, accepted: int
     ) -> None:
@@ -294,13 +332,14 @@ class SpeculativeDecoder:
 
     def _chain_next_pays(self, seqs: list[Sequence], result: VerifyResult) -> bool:
         """Measured policy, a chained step just read: whether the chain's next step but one is
-        worth launching: the step after it (launched already) verifies some drafts, and these
-        drafts, as its next drafts are likely to be, pay at width K against a plain step."""
+        worth launching: the step after it (launched already) verifies some drafts, these
+        drafts, as its next drafts are likely to be, pay at width K against a plain step, and
+        the episode is not losing to plain steps by the wall clock."""
         times = self.step_times
         if self.policy != "measured" or times is None:
             return True
         live = [b for b, s in enumerate(seqs) if not s.is_finished]
-        if not any(result.next_drafts[b] for b in live):
+        if not any(result.next_drafts[b] for b in live) or (self.episode is not None and self.episode.losing):
             return False
         conf = [self.acceptance.calibrated(result.confidences[b][: result.next_drafts[b]]) for b in live]
         return width_value(times, conf, len(live), self.k) > width_value(times, [], len(live), 0)

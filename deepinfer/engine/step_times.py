@@ -30,7 +30,9 @@ before they are chosen on. Drafting runs in episodes (SpeculativeDecoder): a pro
 drafter's first block after plain steps), then steps while the chooser verifies drafts; an
 episode that emitted fewer tokens than plain steps would have in its time on the curve did not
 pay, and Backoff then keeps the next steps plain, twice as many after each such episode up to a
-cap, before the next probe.
+cap, before the next probe. The curve holds device time only: an episode is also timed by the
+wall clock against plain steps (the host's work is on no curve, and a step with drafts is
+synchronous where plain ones overlap the device), and ends once it loses by that account.
 """
 
 from __future__ import annotations
@@ -248,10 +250,26 @@ class Backoff:
 @dataclass
 class Episode:
     """Drafting steps since a probe: the tokens they emitted, and the tokens plain steps would
-    have emitted in their time on the curve (requests x step ms / plain step ms)."""
+    have emitted in their time on the curve (requests x step ms / plain step ms) and in their
+    wall time (timed: the engine's host work between steps is on no curve; a step with drafts
+    is synchronous where a plain one overlaps the device)."""
 
     tokens: float = 0.0
     plain_tokens: float = 0.0
+    timed_steps: int = 0  # steps whose wall time is counted
+    wall_plain_tokens: float = 0.0  # tokens plain steps would have emitted in that wall time
+
+    def timed(self, requests: int, wall_ms: float, plain_ms: float) -> None:
+        """One of its steps took wall_ms, where a plain step of `requests` requests takes
+        plain_ms."""
+        self.timed_steps += 1
+        self.wall_plain_tokens += requests * wall_ms / plain_ms
+
+    @property
+    def losing(self) -> bool:
+        """Whether its timed steps emitted fewer tokens than plain steps would have meanwhile
+        (after a few, so that one slow step does not decide)."""
+        return self.timed_steps >= TIMED_STEPS and self.tokens < self.wall_plain_tokens
 
     def add(self, times: StepTimes, requests: int, width: int, tokens: int) -> None:
         """A processed drafting step of `requests` requests at `width` (0: a probe) that emitted
@@ -264,7 +282,10 @@ class Episode:
 
     @property
     def paid(self) -> bool:
-        return self.tokens > self.plain_tokens
+        return self.tokens > self.plain_tokens and not self.losing
+
+
+TIMED_STEPS = 4  # an episode's wall time decides only once it has this many steps
 
 
 def measure_curve(
