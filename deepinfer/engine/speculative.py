@@ -246,13 +246,13 @@ class SpeculativeDecoder:
             conf = [self.acceptance.calibrated(c) for c in self._drafts_of(seqs)]
             if not self.episode.losing and any(choose_drafts(times, conf, max(requests, len(conf)))):
                 return True
+            # it failed with drafts that did not pay or none confident enough; neither when no
+            # step of it ran or the drafter ran for no request left (a generate call's end)
+            failed = self.episode.tokens > 0 and bool(seqs or self.num_offered)
             if self.episode.paid:
                 self.backoff.paid()
-            elif self.episode.tokens and (
-                seqs or self.num_offered
-            ):  # drafts that do not pay, or none confident
+            elif failed:
                 self.backoff.failed()
-            # else: no step ran, or the drafter ran for no request left (a generate call's end)
             self.episode = None
         elif not self.backoff.waits() and times.drafting_can_pay(max(requests, 1), self.k):
             self.episode = Episode()
