@@ -149,6 +149,19 @@ ENGRAM_HOST_TABLES = Switch(
     audience="user",
     read_when="when a model is loaded",
 )
+ENGRAM_PREFETCH = Switch(
+    name="DEEPINFER_ENGRAM_PREFETCH",
+    attr="engram_prefetch",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: DeepSeek-V4.1's Engram rows of every layer fetched at the start of the forward "
+        "(small.engram_prefetch; cuda: on a side stream, overlapping the layers before each Engram "
+        "layer); 0: each Engram layer looks its rows up itself"
+    ),
+    audience="user",
+    read_when="when a model is loaded",
+)
 MODEL_UNFUSED = Switch(
     name="DEEPINFER_MODEL_UNFUSED",
     attr="model_unfused",
@@ -418,6 +431,7 @@ SWITCHES: tuple[Switch, ...] = (
     CONFIGURE_LOGGING,
     SKIP_WEIGHT_CHECK,
     ENGRAM_HOST_TABLES,
+    ENGRAM_PREFETCH,
     MODEL_UNFUSED,
     CONFORMANCE_HEAVY,
     REFERENCE_DEVICE,
@@ -453,6 +467,7 @@ class Env:
     configure_logging: bool
     skip_weight_check: bool
     engram_host_tables: bool
+    engram_prefetch: bool
     model_unfused: frozenset[str]
     conformance_heavy: bool
     reference_device: str

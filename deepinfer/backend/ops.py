@@ -40,6 +40,7 @@ from deepinfer.backend.types import (
     Event,
     KVCacheSpec,
     PagedKVCache,
+    PendingRows,
     RouterConfig,
     Stream,
 )
@@ -1132,6 +1133,33 @@ class SmallOps(_Part):
         graph-safe. Default: the reference (deepinfer.reference.engram; host tables only where
         host memory is the device's, the CPU)."""
         return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table, scales, dtype)
+
+    def engram_prefetch(
+        self,
+        ngram_ids: torch.Tensor,
+        multipliers: torch.Tensor,
+        sizes: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        scales: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PendingRows:
+        """engram_lookup (same arguments, the same rows bit for bit) started so that it may run
+        beside the work issued after it on the current stream, until engram_wait(pending): a
+        model fetches every Engram layer's rows at the start of its forward (the n-gram ids
+        depend on the input tokens only) and each layer waits for its own (DeepSeek's engine
+        does the same). The inputs must stay unchanged until that wait. Graph-safe: a prefetch
+        and its wait inside one capture_graph are both captured. Default: this backend's
+        engram_lookup, now, on the current stream."""
+        return PendingRows(
+            self.engram_lookup(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
+        )
+
+    def engram_wait(self, pending: PendingRows) -> torch.Tensor:
+        """The rows of an engram_prefetch (T, C * Dh), ready for the work issued after this call
+        on the current stream (the stream, and the capture if any, of the prefetch). Call it once
+        for each prefetch. Default: pending.rows (the default prefetch wrote them in order)."""
+        return pending.rows
 
     def engram_gate(
         self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float
