@@ -52,6 +52,20 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
 
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fp4_rows_probe(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, s_ptr, out_ptr, K, N, stride_w, stride_s,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+    ):  # fmt: skip
+        # out[i, :N] = moe_k._fp4_rows_dot of x row i with the N packed rows of w
+        i = tl.program_id(0)
+        rn = tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w_rows = w_ptr + rn[:, None] * stride_w
+        s_rows = s_ptr + rn[:, None] * stride_s
+        v = moe_k._fp4_rows_dot(x_ptr + i * K, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, 1, DECODE)
+        tl.store(out_ptr + i * N + rn, v, mask=n_ok)
+
 
 from deepinfer import envs  # noqa: E402
 from deepinfer.backend.types import (  # noqa: E402
@@ -585,6 +599,34 @@ def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
         sizes = torch.tensor([k], device=DEV)
         y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), sizes, pairs=pairs)
         assert torch.equal(y.cpu(), want), (pairs, (y.cpu() - want).abs().max())
+
+
+def fp4_rows_every_code(decode: str) -> None:
+    """_fp4_rows_dot under `decode` (moe_k.FP4_DECODE) on identity rows: each of the 16 e2m1
+    codes in both nibbles under UE8M0 scales from 2^-127 to 2^125 (as the grouped GEMM's test),
+    K = 96 (a partial step of BLOCK_K 64 and 3 scale groups): exactly the format's dequantised
+    weights, for bfloat16 rows (float32 ones for PAIR and GROUP too); ASM's inline assembly and
+    SCALED's tl.dot_scaled only on a GPU (the interpreter runs float32 ops and MMA for them)."""
+    from deepinfer.backend import fp4
+
+    n, k = 16, 96
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # (N, K/2)
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 6, dtype=torch.uint8).view(n, 3)
+    want = fp4.dequantize_weight(packed, scales).T  # (K, N)
+    for dtype in (torch.bfloat16, torch.float32) if decode in ("PAIR", "GROUP") else (torch.bfloat16,):
+        x = torch.eye(k, dtype=dtype).to(DEV)
+        out = torch.full((k, n), float("nan"), device=DEV)
+        _fp4_rows_probe[(k,)](
+            x, packed.to(DEV), scales.to(DEV), out, k, n, packed.stride(0), scales.stride(0),
+            BLOCK_N=16, BLOCK_K=64, DECODE=moe_k.FP4_DECODE[decode],
+        )  # fmt: skip
+        assert torch.equal(out.cpu(), want), (decode, dtype, (out.cpu() - want).abs().max())
+
+
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_fp4_rows_decode_every_code_and_scale_exactly(decode: str) -> None:
+    fp4_rows_every_code(decode)
 
 
 def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
@@ -2123,11 +2165,13 @@ def clamped_moe_oracle(
     return out
 
 
-def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator, decode: str) -> None:
     """decode_moe's FP4 flag: MXFP4 w13 / w2 read as GEMV rows (both nibbles of each byte, a scale
     per 32 values; Dm = 96 and I = 80 leave partial steps and scale groups), the clamped SwiGLU
     between, the fused combine; against float64 on the dequantised weights. On a GPU also
-    V4-Flash's widths (Dm 4096, I 2048) with the default tiles."""
+    V4-Flash's widths (Dm 4096, I 2048) with the default tiles. Every FP4_DECODE variant (ASM
+    as MMA in the interpreter)."""
     limit = 0.6
     sizes = [(6, 96, 80, 3, 2)] + ([(8, 4096, 2048, 2, 6)] if GPU and not INTERPRET else [])
     for e, dm, inter, t, k in sizes:
@@ -2135,12 +2179,12 @@ def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
         x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
         weights = torch.rand((t, k), generator=gen).to(DEV)
-        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit)
+        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, fp4_decode=decode)
         want = clamped_moe_oracle(x, weights, ids, w, limit)
         assert y.shape == (t, dm) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
         cfg = dataclasses.replace(moe_k.FP4_DECODE_CONFIG, fused_combine=False)  # the third launch
-        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg)
+        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg, fp4_decode=decode)
         torch.testing.assert_close(y3.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 

@@ -30,6 +30,7 @@ class CudaMoe(MoeOps):
         # MXFP4 experts on decode_moe too; off (DEEPINFER_CUDA_V4_DECODE=0), DeepSeek-V4's MoE
         # (the calls with swiglu_limit) takes the contract's composition, as before V4 used fused_moe
         self.v4_decode = env.cuda_v4_decode
+        self.fp4_decode = env.cuda_fp4_decode  # how decode_moe decodes MXFP4 weights (moe_k.FP4_DECODE)
         # its tiles where a benchmark pins them (else decode_config's by size), and its copy limit
         self.decode_tiles, self.max_copies = moe_k.decode_setting(env.cuda_moe_decode_tiles)
         self.early = env.cuda_moe_early
@@ -161,7 +162,7 @@ class CudaMoe(MoeOps):
             if self.v4_decode and fits:
                 return moe_k.decode_moe(
                     x, weights, ids, w13, w2, w13_scale, w2_scale, config=self.decode_tiles, pdl=self.pdl,
-                    swiglu_limit=limit,
+                    swiglu_limit=limit, fp4_decode=self.fp4_decode,
                 )  # fmt: skip
             return super().fused_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, limit)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:
