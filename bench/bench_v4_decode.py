@@ -305,8 +305,9 @@ def bench_moe(
         ]
         # 64 tokens: the k256 rows only; 256 tokens (past the decode kernels' copies): none
         tiles = (sweep[:3] if smoke else sweep) if t <= 8 else wide if t <= 64 else []
-        if variants:  # the decode variants instead of the tile sweep
+        if variants:  # the decode variants instead of the tile sweep and the grouped paths
             tiles = []
+            ways = [wy for wy in ways if not wy[0].startswith("grouped")]
             for v, vt in FP4_VARIANTS:
                 c = None
                 if vt is not None:
@@ -326,7 +327,7 @@ def bench_moe(
                 lambda x, wt, ids, c=c: moe_k.decode_moe(x, wt, ids, *w, swiglu_limit=LIMIT, config=c),
                 expert_bytes[0],
             ))  # fmt: skip
-        ref = ways[3][1](*inputs[0]).float()  # the old path on the same MXFP4 weights
+        ref = dict((n, f) for n, f, _ in ways)["old"](*inputs[0]).float()  # the old path, same weights
         row: dict[str, Any] = {"tokens": t, "copies": t * top, "distinct_experts": distinct}
         for way, fn, per_expert in ways:
             try:
