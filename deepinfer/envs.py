@@ -305,12 +305,12 @@ CUDA_FP4_DECODE = Switch(
         "how the MXFP4 decode MoE kernels decode and multiply the experts' nibbles (kernels/moe.py "
         "FP4_DECODE): PAIR (float32, scale per value), GROUP (float32, scale per 32-value group on "
         "the partial sums), MMA (bf16 weights on the tensor cores, token rows as the B operand), ASM "
-        "(MMA with an inline-assembly nibble decode)"
+        "(MMA with an inline-assembly nibble decode), SCALED (Triton's microscaled product, tl.dot_scaled)"
     ),
     audience="benchmark",
     read_when=_CUDA,
     backend="cuda",
-    choices=("PAIR", "GROUP", "MMA", "ASM"),
+    choices=("PAIR", "GROUP", "MMA", "ASM", "SCALED"),
     what="an MXFP4 decode",
 )
 CUDA_PDL = Switch(

@@ -2223,6 +2223,36 @@ def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
             torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
+def test_fused_moe_passes_the_fp4_decode_switch(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEEPINFER_CUDA_FP4_DECODE names one of decode_moe's MXFP4 decodes (the switch's choices are
+    FP4_DECODE's names); a backend built with it hands that decode to decode_moe, whose result
+    stays within bf16 rounding of float64; an unknown name is an error naming the valid ones."""
+    assert envs.CUDA_FP4_DECODE.choices == tuple(moe_k.FP4_DECODE)
+    seen: list[str] = []
+    real = moe_k.decode_moe
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs["fp4_decode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    e, dm, inter, t, k, limit = 6, 64, 48, 2, 2, 0.8
+    w = mxfp4_experts(e, dm, inter, gen)
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    monkeypatch.setenv(envs.CUDA_FP4_DECODE.name, "group")
+    moe = cuda_backend.create_cuda_backend(BackendOptions()).moe
+    y = moe.fused_moe(x, weights, ids, *w, swiglu_limit=limit)
+    assert seen == ["GROUP"]
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="PAIR"):
+        real(x, weights, ids, *w, swiglu_limit=limit, fp4_decode="NIBBLE")
+
+
 def _varlen_f64(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float
 ) -> torch.Tensor:
