@@ -214,10 +214,11 @@ def mxfp4_experts(e: int, h: int, inter: int, dev: torch.device) -> tuple[torch.
 
 
 # FP4_DECODE variants timed side by side with --fp4-variants (decode_moe called directly, so at
-# 64 tokens too): (variant, tiles (n, k, warps) of both kernels, or None for fp4_decode_config's)
+# 64 tokens too): (variant, tiles (n, k, warps) of both kernels, or None for fp4_decode_config's;
+# SCALED's own: 64 x 512 up to 8 copies, 64 x 256 above)
 FP4_VARIANTS: list[tuple[str, tuple[int, int, int] | None]] = [
     ("PAIR", None), ("GROUP", None), ("MMA", None), ("ASM", None), ("SCALED", None),
-    ("SCALED", (64, 256, 4)), ("SCALED", (64, 512, 4)), ("SCALED", (128, 256, 8)),
+    ("SCALED", (32, 256, 4)), ("SCALED", (64, 512, 4)), ("SCALED", (128, 256, 8)),
 ]  # fmt: skip
 
 

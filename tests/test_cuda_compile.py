@@ -549,9 +549,10 @@ def test_fp8_store_and_v_prefix_kernels() -> None:
 @pytest.mark.parametrize("decode", ["GROUP", "MMA", "ASM", "SCALED"])
 def test_fp4_decode_variant_kernels(decode: str) -> None:
     """decode_moe's MXFP4 kernels under each FP4_DECODE variant (PAIR: decode_step_kernels) at
-    both decode tiles lower for SM90 without spills: MMA, ASM and SCALED multiply on the tensor
-    cores in bf16, ASM decodes by its inline PTX (prmt, bf16x2 multiplies), GROUP with no float32
-    scale multiply per value (PAIR has two a value: 2^126 and the scale)."""
+    both of its decode tiles (fp4_decode_config) lower for SM90 without spills: MMA, ASM and
+    SCALED multiply on the tensor cores in bf16 (SCALED on its 64 rows by wgmma), ASM decodes by
+    its inline PTX (prmt, bf16x2 multiplies), GROUP with no float32 scale multiply per value
+    (PAIR has two a value: 2^126 and the scale)."""
     from deepinfer_cuda.kernels import moe as moe_k
 
     bf16, f32, i32 = PTR["bf16"], PTR["f32"], PTR["i32"]
@@ -560,7 +561,7 @@ def test_fp4_decode_variant_kernels(decode: str) -> None:
                 "count_ptr": i32, "limit": "fp32"}  # fmt: skip
     down_types = {"a_ptr": bf16, "w_ptr": "*u8", "ws_ptr": "*u8", "ids_ptr": i32, "wt_ptr": f32,
                   "y_ptr": bf16, "out_ptr": bf16, "count_ptr": i32}  # fmt: skip
-    for cfg in (moe_k.FP4_DECODE_CONFIG, moe_k.FP4_ONE_TOKEN_CONFIG):
+    for cfg in (moe_k.fp4_decode_config(1, decode), moe_k.fp4_decode_config(64, decode)):
         for name, kernel, types, extra in (
             ("up", moe_k._decode_up_kernel, up_types, dict(ZERO_BLOCK=4, SHARED=0, CLAMP=True)),
             ("down", moe_k._decode_down_kernel, down_types, dict(COMBINE=True, SHARED=0, K_IDS=6)),
@@ -578,6 +579,8 @@ def test_fp4_decode_variant_kernels(decode: str) -> None:
                 assert ptx.count("mul.f32") < 0.6 * ptxs["PAIR"].count("mul.f32"), what
             else:
                 assert mmas and all(".bf16.bf16" in m for m in mmas), what
+            if decode == "SCALED":  # 64 rows: the warpgroup MMA
+                assert all("wgmma" in m for m in mmas), what
             if decode == "ASM":
                 assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx, what
 

@@ -2228,7 +2228,8 @@ def test_fused_moe_passes_the_fp4_decode_switch(
 ) -> None:
     """DEEPINFER_CUDA_FP4_DECODE names one of decode_moe's MXFP4 decodes (the switch's choices are
     FP4_DECODE's names); a backend built with it hands that decode to decode_moe, whose result
-    stays within bf16 rounding of float64; an unknown name is an error naming the valid ones."""
+    stays within bf16 rounding of float64; an unknown name is an error naming the valid ones.
+    Pinned decode tiles (DEEPINFER_CUDA_MOE_DECODE_TILES) set the MXFP4 path's copy limit too."""
     assert envs.CUDA_FP4_DECODE.choices == tuple(moe_k.FP4_DECODE)
     seen: list[str] = []
     real = moe_k.decode_moe
@@ -2251,6 +2252,19 @@ def test_fused_moe_passes_the_fp4_decode_switch(
     torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
     with pytest.raises(ValueError, match="PAIR"):
         real(x, weights, ids, *w, swiglu_limit=limit, fp4_decode="NIBBLE")
+    # pinned decode tiles carry their copy limit to the MXFP4 path too (past FP4_DECODE_MAX_COPIES)
+    t = moe_k.FP4_DECODE_MAX_COPIES // k + 1
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, f"32,64,4,3,32,64,4,3,1,{t * k}")
+    seen.clear()
+    y = cuda_backend.create_cuda_backend(BackendOptions()).moe.fused_moe(
+        x, weights, ids, *w, swiglu_limit=limit
+    )
+    assert seen == ["GROUP"]
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
 def _varlen_f64(

@@ -148,8 +148,9 @@ class CudaMoe(MoeOps):
         two launches (up with silu_and_mul, down with the combine), no sort;
         DEEPINFER_CUDA_MOE_DECODE=0 turns it off.
         MXFP4 experts (DeepSeek-V4): decode_moe's GEMV kernels up to moe_k.FP4_DECODE_MAX_COPIES
-        copies; above, the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0:
-        every call with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
+        copies (pinned tiles: their copy limit), decoded as DEEPINFER_CUDA_FP4_DECODE says; above,
+        the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0: every call
+        with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
@@ -158,7 +159,8 @@ class CudaMoe(MoeOps):
         shared = self._shared_early(x, ids, w13)
         limit = swiglu_limit
         if w13.dtype == torch.uint8 or (limit is not None and not self.v4_decode):  # MXFP4, or V4 off
-            fits = self.fused and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES
+            most = moe_k.FP4_DECODE_MAX_COPIES if self.decode_tiles is None else self.max_copies
+            fits = self.fused and not self.batch_invariant and ids.numel() <= most
             if self.v4_decode and fits:
                 return moe_k.decode_moe(
                     x, weights, ids, w13, w2, w13_scale, w2_scale, config=self.decode_tiles, pdl=self.pdl,
