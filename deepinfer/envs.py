@@ -309,6 +309,23 @@ CUDA_MX_FP4 = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_FP4_DECODE = Switch(
+    name="DEEPINFER_CUDA_FP4_DECODE",
+    attr="cuda_fp4_decode",
+    kind="choice",
+    default="PAIR",
+    meaning=(
+        "how the MXFP4 decode MoE kernels decode and multiply the experts' nibbles (kernels/moe.py "
+        "FP4_DECODE): PAIR (float32, scale per value), GROUP (float32, scale per 32-value group on "
+        "the partial sums), MMA (bf16 weights on the tensor cores, token rows as the B operand), ASM "
+        "(MMA with an inline-assembly nibble decode), SCALED (Triton's microscaled product, tl.dot_scaled)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+    choices=("PAIR", "GROUP", "MMA", "ASM", "SCALED"),
+    what="an MXFP4 decode",
+)
 CUDA_PDL = Switch(
     name="DEEPINFER_CUDA_PDL",
     attr="cuda_pdl",
@@ -445,6 +462,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_SKINNY,
     CUDA_V4_DECODE,
     CUDA_MX_FP4,
+    CUDA_FP4_DECODE,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
@@ -481,6 +499,7 @@ class Env:
     cuda_skinny: bool
     cuda_v4_decode: bool
     cuda_mx_fp4: bool
+    cuda_fp4_decode: str
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None

@@ -564,6 +564,45 @@ def test_fp8_store_and_v_prefix_kernels() -> None:
     assert ptx.shared <= SM90_SHARED
 
 
+@pytest.mark.parametrize("decode", ["GROUP", "MMA", "ASM", "SCALED"])
+def test_fp4_decode_variant_kernels(decode: str) -> None:
+    """decode_moe's MXFP4 kernels under each FP4_DECODE variant (PAIR: decode_step_kernels) at
+    both of its decode tiles (fp4_decode_config) lower for SM90 without spills: MMA, ASM and
+    SCALED multiply on the tensor cores in bf16 (SCALED on its 64 rows by wgmma), ASM decodes by
+    its inline PTX (prmt, bf16x2 multiplies), GROUP with no float32 scale multiply per value
+    (PAIR has two a value: 2^126 and the scale)."""
+    from deepinfer_cuda.kernels import moe as moe_k
+
+    bf16, f32, i32 = PTR["bf16"], PTR["f32"], PTR["i32"]
+    tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, PDL=True, FP4=True)
+    up_types = {"x_ptr": bf16, "w_ptr": "*u8", "ws_ptr": "*u8", "ids_ptr": i32, "act_ptr": bf16,
+                "count_ptr": i32, "limit": "fp32"}  # fmt: skip
+    down_types = {"a_ptr": bf16, "w_ptr": "*u8", "ws_ptr": "*u8", "ids_ptr": i32, "wt_ptr": f32,
+                  "y_ptr": bf16, "out_ptr": bf16, "count_ptr": i32}  # fmt: skip
+    for cfg in (moe_k.fp4_decode_config(1, decode), moe_k.fp4_decode_config(64, decode)):
+        for name, kernel, types, extra in (
+            ("up", moe_k._decode_up_kernel, up_types, dict(ZERO_BLOCK=4, SHARED=0, CLAMP=True)),
+            ("down", moe_k._decode_down_kernel, down_types, dict(COMBINE=True, SHARED=0, K_IDS=6)),
+        ):
+            n, k, st = (cfg.up_n, cfg.up_k, cfg.up_stages) if name == "up" else (cfg.down_n, cfg.down_k,
+                                                                                cfg.down_stages)  # fmt: skip
+            consts = tiles | extra | dict(BLOCK_N=n, BLOCK_K=k, STAGES=st)
+            ptxs = {d: compile_sm90(kernel, types, consts | dict(DECODE=moe_k.FP4_DECODE[d]), num_stages=st)
+                    for d in ("PAIR", decode)}  # fmt: skip
+            ptx, what = ptxs[decode], f"{decode} {name} {k}"
+            assert ".local" not in ptx, f"{what}: registers spill to local memory"
+            mmas = [line for line in ptx.splitlines() if "mma.sync" in line or "mma_async" in line]
+            if decode == "GROUP":
+                assert not mmas, what
+                assert ptx.count("mul.f32") < 0.6 * ptxs["PAIR"].count("mul.f32"), what
+            else:
+                assert mmas and all(".bf16.bf16" in m for m in mmas), what
+            if decode == "SCALED":  # 64 rows: the warpgroup MMA
+                assert all("wgmma" in m for m in mmas), what
+            if decode == "ASM":
+                assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx, what
+
+
 def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:
     """Every kernel of the decode step compiles with programmatic dependent launch, and waits for
     its predecessor (griddepcontrol.wait) exactly when launched that way: a kernel launched with

@@ -60,6 +60,20 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         x = tl.load(x_ptr + at, mask=ok, other=0.0)
         tl.store(y_ptr + at, kv_v41.round_mxfp4(x, ROWS, COLS), mask=ok)
 
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fp4_rows_probe(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, s_ptr, out_ptr, K, N, stride_w, stride_s,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+    ):  # fmt: skip
+        # out[i, :N] = moe_k._fp4_rows_dot of x row i with the N packed rows of w
+        i = tl.program_id(0)
+        rn = tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w_rows = w_ptr + rn[:, None] * stride_w
+        s_rows = s_ptr + rn[:, None] * stride_s
+        v = moe_k._fp4_rows_dot(x_ptr + i * K, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, 1, DECODE)
+        tl.store(out_ptr + i * N + rn, v, mask=n_ok)
+
 
 from deepinfer import envs  # noqa: E402
 from deepinfer.backend.types import (  # noqa: E402
@@ -593,6 +607,34 @@ def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
         sizes = torch.tensor([k], device=DEV)
         y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), sizes, pairs=pairs)
         assert torch.equal(y.cpu(), want), (pairs, (y.cpu() - want).abs().max())
+
+
+def fp4_rows_every_code(decode: str) -> None:
+    """_fp4_rows_dot under `decode` (moe_k.FP4_DECODE) on identity rows: each of the 16 e2m1
+    codes in both nibbles under UE8M0 scales from 2^-127 to 2^125 (as the grouped GEMM's test),
+    K = 96 (a partial step of BLOCK_K 64 and 3 scale groups): exactly the format's dequantised
+    weights, for bfloat16 rows (float32 ones for PAIR and GROUP too); ASM's inline assembly and
+    SCALED's tl.dot_scaled only on a GPU (the interpreter runs float32 ops and MMA for them)."""
+    from deepinfer.backend import fp4
+
+    n, k = 16, 96
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # (N, K/2)
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 6, dtype=torch.uint8).view(n, 3)
+    want = fp4.dequantize_weight(packed, scales).T  # (K, N)
+    for dtype in (torch.bfloat16, torch.float32) if decode in ("PAIR", "GROUP") else (torch.bfloat16,):
+        x = torch.eye(k, dtype=dtype).to(DEV)
+        out = torch.full((k, n), float("nan"), device=DEV)
+        _fp4_rows_probe[(k,)](
+            x, packed.to(DEV), scales.to(DEV), out, k, n, packed.stride(0), scales.stride(0),
+            BLOCK_N=16, BLOCK_K=64, DECODE=moe_k.FP4_DECODE[decode],
+        )  # fmt: skip
+        assert torch.equal(out.cpu(), want), (decode, dtype, (out.cpu() - want).abs().max())
+
+
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_fp4_rows_decode_every_code_and_scale_exactly(decode: str) -> None:
+    fp4_rows_every_code(decode)
 
 
 def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
@@ -2134,11 +2176,13 @@ def clamped_moe_oracle(
     return out
 
 
-def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator, decode: str) -> None:
     """decode_moe's FP4 flag: MXFP4 w13 / w2 read as GEMV rows (both nibbles of each byte, a scale
     per 32 values; Dm = 96 and I = 80 leave partial steps and scale groups), the clamped SwiGLU
     between, the fused combine; against float64 on the dequantised weights. On a GPU also
-    V4-Flash's widths (Dm 4096, I 2048) with the default tiles."""
+    V4-Flash's widths (Dm 4096, I 2048) with the default tiles. Every FP4_DECODE variant (ASM
+    as MMA in the interpreter)."""
     limit = 0.6
     sizes = [(6, 96, 80, 3, 2)] + ([(8, 4096, 2048, 2, 6)] if GPU and not INTERPRET else [])
     for e, dm, inter, t, k in sizes:
@@ -2146,12 +2190,12 @@ def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
         x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
         weights = torch.rand((t, k), generator=gen).to(DEV)
-        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit)
+        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, fp4_decode=decode)
         want = clamped_moe_oracle(x, weights, ids, w, limit)
         assert y.shape == (t, dm) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
         cfg = dataclasses.replace(moe_k.FP4_DECODE_CONFIG, fused_combine=False)  # the third launch
-        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg)
+        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg, fp4_decode=decode)
         torch.testing.assert_close(y3.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
@@ -2188,6 +2232,50 @@ def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
             y = b.moe.fused_moe(x, weights, ids, *w[:2], *w[2:], swiglu_limit=limit)
             assert calls == ([t] if expect else []), (t, calls)
             torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_fused_moe_passes_the_fp4_decode_switch(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEEPINFER_CUDA_FP4_DECODE names one of decode_moe's MXFP4 decodes (the switch's choices are
+    FP4_DECODE's names); a backend built with it hands that decode to decode_moe, whose result
+    stays within bf16 rounding of float64; an unknown name is an error naming the valid ones.
+    Pinned decode tiles (DEEPINFER_CUDA_MOE_DECODE_TILES) set the MXFP4 path's copy limit too."""
+    assert envs.CUDA_FP4_DECODE.choices == tuple(moe_k.FP4_DECODE)
+    seen: list[str] = []
+    real = moe_k.decode_moe
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs["fp4_decode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    e, dm, inter, t, k, limit = 6, 64, 48, 2, 2, 0.8
+    w = mxfp4_experts(e, dm, inter, gen)
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    monkeypatch.setenv(envs.CUDA_FP4_DECODE.name, "group")
+    moe = cuda_backend.create_cuda_backend(BackendOptions()).moe
+    y = moe.fused_moe(x, weights, ids, *w, swiglu_limit=limit)
+    assert seen == ["GROUP"]
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="PAIR"):
+        real(x, weights, ids, *w, swiglu_limit=limit, fp4_decode="NIBBLE")
+    # pinned decode tiles carry their copy limit to the MXFP4 path too (past FP4_DECODE_MAX_COPIES)
+    t = moe_k.FP4_DECODE_MAX_COPIES // k + 1
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, f"32,64,4,3,32,64,4,3,1,{t * k}")
+    seen.clear()
+    y = cuda_backend.create_cuda_backend(BackendOptions()).moe.fused_moe(
+        x, weights, ids, *w, swiglu_limit=limit
+    )
+    assert seen == ["GROUP"]
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
 def _varlen_f64(
