@@ -306,26 +306,35 @@ def bench_decode(
 
 
 # (heads, batch, keys) of the FP8-cache rows: issue 37's table (16 heads at 8 x 4096 and
-# 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys
-FP8_DECODE_SHAPES = [(16, 1, 32768), (16, 8, 4096), (16, 128, 32768), (128, 32, 4096), (128, 128, 32768)]
+# 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys, the largest first
+# (a run cut by its time limit keeps the rows it logged)
+FP8_DECODE_SHAPES = [(128, 128, 32768), (16, 128, 32768), (128, 32, 4096), (16, 8, 4096), (16, 1, 32768)]
 # Requests of each row checked against float32 attention over the rows the FP8 cache holds.
 FP8_CHECKED_REQUESTS = 2
 # attention.FP8_WIDE_CONFIG (the tiles of >= 64 rows a request: 128 heads) against these, scales
 # per tile: 64-key tiles in one stage (147456 bytes of shared memory) and two (189440 bytes;
-# with a scale per value they need 319488, over SM90's 232448).
-FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
-# attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 32.
+# with a scale per value they need 319488, over SM90's 232448); 32-key tiles in three stages.
+FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2), "64x32_s3": (64, 32, 8, 3)}
+# attention.FP8_NARROW_CONFIG (fewer than 64 rows a request: 16 heads) against these: 64-key tiles,
+# three stages, and the 16 heads padded to 64 rows (the warpgroup MMA).
+FP8_NARROW_SWEEP = {
+    "n16x64_s2": (16, 64, 4, 2),
+    "n16x32_s3": (16, 32, 4, 3),
+    "n64x64_s2": (64, 64, 8, 2),
+}
+# attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 8.
 FP8_SPLIT_SWEEP = {"per_sm_4": 4}
 
 
 def bench_decode_fp8(
-    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool
+    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool, sweep: bool = True
 ) -> list[dict[str, Any]]:
     """attention.decode over FP8 latent rows (kv_cache_dtype="fp8": 656 bytes a token) against the
     same call over the bf16 cache they were quantised from (1152 bytes), both replayed from CUDA
     graphs in this run: GB/s of the FP8 bytes read against the copy rate, speed against bf16, the
-    time with a scale load per value (attention.FP8_SCALE_TILES off), and the FP8 output's relative
-    difference from float32 attention over the dequantised rows."""
+    time of the bfloat16 read (attention.FP8_HALF_READ off), the tile sweeps (sweep: False for
+    none), and the FP8 output's relative difference from float32 attention over the dequantised
+    rows."""
     from deepinfer_cuda.kernels import attention as attn_k
 
     from deepinfer.backend.kv_formats_mla import dequantize_mla_rows
@@ -347,20 +356,22 @@ def bench_decode_fp8(
         times = {}
         # (name, cache, attention-module knobs for the run: read at launch, the graph keeps them)
         runs: list[tuple[str, PagedKVCache, dict[str, Any]]] = [
-            ("bf16", bf16, {}), ("fp8", fp8, {}), ("fp8_per_value", fp8, {"FP8_SCALE_TILES": False})
+            ("bf16", bf16, {}), ("fp8", fp8, {}), ("fp8_bf16_read", fp8, {"FP8_HALF_READ": False})
         ]  # fmt: skip
-        if heads >= 64 and not smoke:
-            wides = FP8_WIDE_SWEEP.items()
-            runs += [(f"fp8_{k}", fp8, {"FP8_WIDE_CONFIG": attn_k.AttentionConfig(*v, tma=False)})
-                     for k, v in wides]  # fmt: skip
-        if batch >= 32 and not smoke:
+        sweeps = FP8_WIDE_SWEEP if heads >= 64 else FP8_NARROW_SWEEP
+        knob = "FP8_WIDE_CONFIG" if heads >= 64 else "FP8_NARROW_CONFIG"
+        if sweep and not smoke:
+            runs += [(f"fp8_{k}", fp8, {knob: attn_k.AttentionConfig(*v, tma=False)})
+                     for k, v in sweeps.items()]  # fmt: skip
+        if sweep and batch >= 8 and not smoke:
             runs += [(f"fp8_{k}", fp8, {"FP8_PROGRAMS_PER_SM": v}) for k, v in FP8_SPLIT_SWEEP.items()]
-        knob_names = ("FP8_SCALE_TILES", "FP8_WIDE_CONFIG", "FP8_PROGRAMS_PER_SM")
+        knob_names = ("FP8_HALF_READ", "FP8_WIDE_CONFIG", "FP8_NARROW_CONFIG", "FP8_PROGRAMS_PER_SM")
         defaults = {k: getattr(attn_k, k) for k in knob_names}
+        all_sweeps = FP8_WIDE_SWEEP | FP8_NARROW_SWEEP | FP8_SPLIT_SWEEP
         for name, cache, knobs in runs:
             for k, v in (defaults | knobs).items():
                 setattr(attn_k, k, v)
-            swept = name[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP
+            swept = name[4:] in all_sweeps
             it = [0]
 
             def run(
@@ -384,13 +395,13 @@ def bench_decode_fp8(
         gbs = read / times["fp8"] / 1e6
         row = {
             "heads": heads, "batch": batch, "kv_len": kv_len, "ms": times["fp8"], "bf16_ms": times["bf16"],
-            "per_value_ms": times["fp8_per_value"],
+            "bf16_read_ms": times["fp8_bf16_read"],
             "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
             "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
         }  # fmt: skip
-        sweep = {k[4:]: v for k, v in times.items() if k[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP}
-        if sweep:
-            row["sweep_ms"] = sweep
+        swept_ms = {k[4:]: v for k, v in times.items() if k[4:] in all_sweeps}
+        if swept_ms:
+            row["sweep_ms"] = swept_ms
         # against float32 attention over the rows the FP8 cache holds, for the first requests (the
         # whole 128 x 32k cache in float32 would take 9.7 GB)
         out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
@@ -399,11 +410,11 @@ def bench_decode_fp8(
         )
         row["finite"] = bool(torch.isfinite(out).all())
         rows.append(row)
-        swept = "".join(f", {k} {v:.3f} ms" for k, v in sweep.items())
+        swept = "".join(f", {k} {v:.3f} ms" for k, v in swept_ms.items())
         log(
             f"decode fp8 H={heads:3d} B={batch:3d} L={kv_len:5d}: {times['fp8']:.3f} ms {gbs:6.0f} GB/s "
             f"({gbs / copy_gbs:.2f} of copy), bf16 cache {times['bf16']:.3f} ms: {row['speedup']:.2f}x, "
-            f"scales per value {times['fp8_per_value']:.3f} ms, err {row['rel_err']:.1e} "
+            f"bf16 read {times['fp8_bf16_read']:.3f} ms, err {row['rel_err']:.1e} "
             f"(first {FP8_CHECKED_REQUESTS} requests; all finite: {row['finite']}){swept}"
         )
         del pool, metas, q, bf16, fp8
@@ -1042,12 +1053,11 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             "GB/s of the FP8 bytes read; `vs bf16`: the bf16 cache's time over the FP8 cache's, same inputs",
             "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run;",
-            "`per-value ms`: the FP8 kernel loading a scale per value instead of one per tile",
-            "(FP8_SCALE_TILES off); rel err: the first requests' against float32 attention over the",
-            "dequantised rows.",
+            "`bf16-read ms`: the FP8 kernel converting the rows to bfloat16 (FP8_HALF_READ off) instead",
+            "of float16; rel err: the first requests' against float32 attention over the dequantised rows.",
             "",
             "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err "
-            "| per-value ms |",
+            "| bf16-read ms |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in fp8_rows:
@@ -1055,7 +1065,7 @@ def markdown(res: dict[str, Any]) -> str:
             out.append(
                 f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
                 f"{r['ratio_to_copy']:.2f} | {r['bf16_ms']:.3f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | "
-                f"{err} | {r['per_value_ms']:.3f} |"
+                f"{err} | {r['bf16_read_ms']:.3f} |"
             )
         for r in fp8_rows:
             if r.get("sweep_ms"):
@@ -1181,6 +1191,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only", default="decode,decode_fp8,fp8,moe,v4,mla_query", help="comma-separated sections"
     )
+    p.add_argument(
+        "--no-fp8-sweep", dest="fp8_sweep", action="store_false",
+        help="decode_fp8: time the default tiles only (no FP8_WIDE / NARROW / SPLIT sweeps)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     registry = BackendRegistry.discover()
     be = registry.create("cuda", BackendOptions())
@@ -1215,7 +1229,10 @@ def main(argv: list[str] | None = None) -> int:
             "decode",
             lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
         ),
-        ("decode_fp8", lambda: bench_decode_fp8(be, dev, timer, res["copy"]["gbs"], args.smoke)),
+        (
+            "decode_fp8",
+            lambda: bench_decode_fp8(be, dev, timer, res["copy"]["gbs"], args.smoke, args.fp8_sweep),
+        ),
         ("decode_short", lambda: bench_decode_short(be, dev, timer, args.smoke)),
         ("skinny", lambda: bench_skinny(dev, timer, res["copy"]["gbs"], args.smoke)),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),

@@ -2370,6 +2370,64 @@ def test_fp8_decode_many_requests_over_poisoned_rows(gen: torch.Generator, split
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("split_size", [32, None], ids=["fixed_splits", "adaptive_splits"])
+def test_fp8_float16_read_across_magnitudes(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, split_size: int | None
+) -> None:
+    """The float16 read of FP8 rows (bfloat16 queries, V the latent: kv_fp8.load_fp8_latent_half)
+    where float16 cannot hold the values themselves: tile scales from 2^-30 to 2^14 that grow
+    along each request (the reference scale rises within a split, its accumulator rescaled), a
+    tile 2^-20 below its neighbours, query heads from 2^-24 to 2^12. Against the float64
+    attention over the rows the format keeps, and no worse than the bfloat16 read's error."""
+    from deepinfer_cuda.kernels import kv_fp8
+
+    from deepinfer.backend.kv_formats_mla import fp8_row_bytes
+    from deepinfer.testing.oracles import e4m3_rows64
+
+    seq = [3, 70, 150, 41]
+    lat, rope, h, bs = 256, 16, 4, 16
+    assert attn_k._fp8_half(attn_k._fp8_tiles(lat, 128), torch.bfloat16, lat, lat)
+    pool, meta, _ = paged(seq, [1] * len(seq), lat + rope, bs, gen)
+    table = meta.block_tables.cpu()
+    rows = []
+    for n in seq:
+        x = torch.randn((n, lat + rope), generator=gen)
+        grow = torch.linspace(-30, 14, n).round()[:, None]  # each row's tile exponents rise with position
+        x[:, :lat] *= torch.exp2(grow + torch.randint(-3, 4, (n, 2), generator=gen)).repeat_interleave(128, 1)
+        x[::5, 128:lat] *= 2.0**-20  # one tile far below the row's other
+        rows.append(x.to(torch.bfloat16).float())
+    slots = torch.cat(
+        [table[b].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(seq)]
+    )
+    fp8 = torch.zeros((pool.shape[0], bs, fp8_row_bytes(lat, rope)), dtype=torch.uint8, device=DEV)
+    kv_fp8.write_fp8_rows(fp8, torch.cat(rows).to(DEV), slots.to(DEV), lat, rope)
+    q = torch.randn((len(seq), h, lat + rope), generator=gen)
+    q *= torch.exp2(torch.tensor([-24.0, 0.0, 12.0, -6.0]))[None, :, None]
+    q[:, 2, :lat] *= 2.0**-16  # this head's scores come from the rope part mostly
+    q = q.to(torch.bfloat16)
+    kept = e4m3_rows64(lat, 128)
+    # the scale keeps the softmax away from one-hot: scores of rows near 2^14 at the ends
+    scale = 2.0**-22
+    expected = oracle_attention(q.double(), [kept(r.double()) for r in rows], seq, [1] * len(seq), scale, lat)
+    errors = {}
+    for half in (True, False):
+        monkeypatch.setattr(attn_k, "FP8_HALF_READ", half)
+        out = attn_k.mla_attention(
+            q.to(DEV), fp8, meta, scale=scale, v_dim=lat, latent_dim=lat, config=small_config(),
+            split_size=split_size, fp8_tile=128,
+        ).cpu().double()  # fmt: skip
+        assert torch.isfinite(out).all()
+        # each (token, head) row against its own magnitude: outputs span 2^-30 .. 2^14 per column tile
+        for t0 in (0, 128):
+            want, got = expected[..., t0 : t0 + 128], out[..., t0 : t0 + 128]
+            mag = want.abs().amax(-1, keepdim=True)
+            rel = ((got - want).abs() / mag).amax()
+            assert rel < 1e-2, f"half={half}: columns {t0}+ off by {float(rel):.2e} of their row's largest"
+            errors[half, t0] = float(rel)
+    for t0 in (0, 128):
+        assert errors[True, t0] <= 2 * errors[False, t0] + 1e-3, errors
+
+
 def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
     """Chunked prefill rows over FP8 rows of a narrow latent (one tile of 24), adaptive splits,
     bfloat16 queries; and a cache that is not FP8 rows of q's widths is refused."""
