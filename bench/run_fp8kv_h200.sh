@@ -18,7 +18,7 @@ set -u -o pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT}
-R=/tmp/fp8kv
+R=$(mktemp -d /tmp/fp8kv.XXXXXX)
 PARTS=" ${PARTS:-tests bench} "
 PARTS=${PARTS/ tests / kernels conformance }
 want() { [[ $PARTS == *" $1 "* ]]; }
