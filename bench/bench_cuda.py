@@ -313,15 +313,11 @@ FP8_DECODE_SHAPES = [(128, 128, 32768), (16, 128, 32768), (128, 32, 4096), (16, 
 FP8_CHECKED_REQUESTS = 2
 # attention.FP8_WIDE_CONFIG (the tiles of >= 64 rows a request: 128 heads) against these, scales
 # per tile: 64-key tiles in one stage (147456 bytes of shared memory) and two (189440 bytes;
-# with a scale per value they need 319488, over SM90's 232448); 32-key tiles in three stages.
-FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2), "64x32_s3": (64, 32, 8, 3)}
+# with a scale per value they need 319488, over SM90's 232448).
+FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
 # attention.FP8_NARROW_CONFIG (fewer than 64 rows a request: 16 heads) against these: 64-key tiles,
-# three stages, and the 16 heads padded to 64 rows (the warpgroup MMA).
-FP8_NARROW_SWEEP = {
-    "n16x64_s2": (16, 64, 4, 2),
-    "n16x32_s3": (16, 32, 4, 3),
-    "n64x64_s2": (64, 64, 8, 2),
-}
+# and the 16 heads padded to 64 rows (the warpgroup MMA).
+FP8_NARROW_SWEEP = {"n16x64_s2": (16, 64, 4, 2), "n64x64_s2": (64, 64, 8, 2)}
 # attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 8.
 FP8_SPLIT_SWEEP = {"per_sm_4": 4}
 
