@@ -320,6 +320,8 @@ FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
 FP8_NARROW_SWEEP = {"n16x64_s2": (16, 64, 4, 2), "n64x64_s2": (64, 64, 8, 2)}
 # attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 8.
 FP8_SPLIT_SWEEP = {"per_sm_4": 4}
+# attention.FP8_TMA (the latent bytes of whole tiles by TMA) on, at the default tiles.
+FP8_TMA_SWEEP = {"tma": True}
 
 
 def bench_decode_fp8(
@@ -361,9 +363,12 @@ def bench_decode_fp8(
                      for k, v in sweeps.items()]  # fmt: skip
         if sweep and batch >= 8 and not smoke:
             runs += [(f"fp8_{k}", fp8, {"FP8_PROGRAMS_PER_SM": v}) for k, v in FP8_SPLIT_SWEEP.items()]
+        if sweep and not smoke:
+            runs += [(f"fp8_{k}", fp8, {"FP8_TMA": v}) for k, v in FP8_TMA_SWEEP.items()]
         knob_names = ("FP8_HALF_READ", "FP8_WIDE_CONFIG", "FP8_NARROW_CONFIG", "FP8_PROGRAMS_PER_SM")
+        knob_names += ("FP8_TMA",)
         defaults = {k: getattr(attn_k, k) for k in knob_names}
-        all_sweeps = FP8_WIDE_SWEEP | FP8_NARROW_SWEEP | FP8_SPLIT_SWEEP
+        all_sweeps = FP8_WIDE_SWEEP | FP8_NARROW_SWEEP | FP8_SPLIT_SWEEP | FP8_TMA_SWEEP
         for name, cache, knobs in runs:
             for k, v in (defaults | knobs).items():
                 setattr(attn_k, k, v)

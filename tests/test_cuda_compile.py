@@ -496,7 +496,9 @@ FP8_LAUNCHES = _fp8_launches()
 
 
 @pytest.mark.parametrize(
-    "read", ["half", "tiles", "values"], ids=["float16_read", "scales_per_tile", "scales_per_value"]
+    "read",
+    ["half", "half_tma", "tiles", "values"],
+    ids=["float16_read", "float16_read_tma", "scales_per_tile", "scales_per_value"],
 )
 @pytest.mark.parametrize(("cfg", "dtype"), [p[1:] for p in FP8_LAUNCHES], ids=[p[0] for p in FP8_LAUNCHES])
 def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
@@ -505,10 +507,12 @@ def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
     (pointers, strides and widths multiples of 16, the config's stages), fits SM90's shared memory:
     WIDE_CONFIG's 64 x 64 tiles with a scale per value needed 319488 bytes there on an H200. The
     float16 read (bfloat16 queries only) multiplies float16 operands: SM90's MMA on them, the
-    e4m3 pairs converted straight to float16 (no bfloat16 conversion left in it)."""
+    e4m3 pairs converted straight to float16 (no bfloat16 conversion left in it); half_tma: its
+    latent bytes by TMA (attention.FP8_TMA, a (rows, 2, 256) descriptor)."""
     from deepinfer_cuda.kernels import attention as att_k
 
-    if read == "half" and dtype == torch.float32:
+    half = read.startswith("half")
+    if half and dtype == torch.float32:
         pytest.skip("the float16 read takes bfloat16 / float16 queries (float32 ones: the float32 read)")
     tiles = 0 if read == "values" else 4
     dt = "bf16" if dtype == torch.bfloat16 else "f32"
@@ -516,20 +520,24 @@ def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
     types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
     types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
     types |= {"qh_ptr": "*fp16", "qs_ptr": PTR["f32"]}  # the float16 read's queries
+    tma = read == "half_tma"
+    descs = {"k_desc": f"tensordesc<u8[{cfg.block_n}, 2, 256]>"} if tma else {}
     aligned = ("q_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "part_ptr", "lse_ptr",
                "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_bt", "stride_ot", "stride_oh",
                "D_LAT", "D_ROPE", "DV", "qh_ptr", "qs_ptr")  # fmt: skip
     ptx = compile_sm90(
-        att_k._mla_attention_kernel, types,
-        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512,
+        att_k._mla_attention_kernel, types | descs,
+        ({} if tma else dict(k_desc=None)) | dict(kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512,
              HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
-             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=dtype == torch.float32, TMA=False,
-             EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=tiles, FP8_HALF=read == "half"),
+             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=dtype == torch.float32, TMA=tma,
+             EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=tiles, FP8_HALF=half),
         num_warps=cfg.num_warps, aligned=aligned, num_stages=cfg.num_stages,
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
     assert ptx.shared <= SM90_SHARED, f"{ptx.shared} bytes of shared memory, SM90 has {SM90_SHARED}"
-    if read == "half":
+    if tma:
+        assert "cp.async.bulk.tensor.3d" in ptx, "the latent bytes not by TMA"
+    if half:
         assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "not the float16 read"
         assert ".f16.f16" in ptx, "no float16 MMA"
 

@@ -2370,22 +2370,27 @@ def test_fp8_decode_many_requests_over_poisoned_rows(gen: torch.Generator, split
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("split_size", [32, None], ids=["fixed_splits", "adaptive_splits"])
+@pytest.mark.parametrize(
+    ("split_size", "tma"),
+    [(32, False), (None, False), (32, True)],
+    ids=["fixed_splits", "adaptive_splits", "tma"],
+)
 def test_fp8_float16_read_across_magnitudes(
-    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, split_size: int | None
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, split_size: int | None, tma: bool
 ) -> None:
     """The float16 read of FP8 rows (bfloat16 queries, V the latent: kv_fp8.load_fp8_latent_half)
     where float16 cannot hold the values themselves: tile scales from 2^-30 to 2^14 that grow
     along each request (the reference scale rises within a split, its accumulator rescaled), a
     tile 2^-20 below its neighbours, query heads from 2^-24 to 2^12. Against the float64
-    attention over the rows the format keeps, and no worse than the bfloat16 read's error."""
+    attention over the rows the format keeps, and no worse than the bfloat16 read's error. tma: the
+    latent bytes of whole tiles by TMA (attention.FP8_TMA), a request's last partial tile by pointers."""
     from deepinfer_cuda.kernels import kv_fp8
 
     from deepinfer.backend.kv_formats_mla import fp8_row_bytes
     from deepinfer.testing.oracles import e4m3_rows64
 
     seq = [3, 70, 150, 41]
-    lat, rope, h, bs = 256, 16, 4, 16
+    lat, rope, h, bs = 256, 20, 4, 16  # rows of 304 bytes: 16-byte multiples, as TMA needs
     assert attn_k._fp8_half(attn_k._fp8_tiles(lat, 128), torch.bfloat16, lat, lat)
     pool, meta, _ = paged(seq, [1] * len(seq), lat + rope, bs, gen)
     table = meta.block_tables.cpu()
@@ -2409,6 +2414,9 @@ def test_fp8_float16_read_across_magnitudes(
     # the scale keeps the softmax away from one-hot: scores of rows near 2^14 at the ends
     scale = 2.0**-22
     expected = oracle_attention(q.double(), [kept(r.double()) for r in rows], seq, [1] * len(seq), scale, lat)
+    monkeypatch.setattr(attn_k, "FP8_TMA", tma)
+    if tma:
+        assert attn_k._fp8_descriptor(fp8, lat, small_config()) is not None
     errors = {}
     for half in (True, False):
         monkeypatch.setattr(attn_k, "FP8_HALF_READ", half)

@@ -51,6 +51,7 @@ from deepinfer_cuda.kernels.common import (
 )
 from deepinfer_cuda.kernels.kv_fp8 import (
     fp8_row_scales,
+    fp8_to_half,
     half_query_rows,
     load_fp8_latent,
     load_fp8_latent_half,
@@ -166,7 +167,24 @@ def _attend_tile(
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
-    if TMA:
+    if TMA and FP8_HALF:  # the latent bytes by TMA ((rows, parts, C / parts) view), the rest by pointers
+        row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
+        kv_row = kv_ptr + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kvt
+        scales = fp8_row_scales(kv_row, n_valid, D_LAT, FP8_TILES)  # (BLOCK_N, tiles)
+        ref_old = ref
+        ref, inv_ref = pow2_floor(tl.maximum(ref_old, tl.max(tl.max(scales, axis=1), axis=0)))
+        q8 = tl.reshape(k_desc.load([row0, 0, 0]), (BLOCK_N, BLOCK_DL))
+        k = fp8_to_half(q8, scales * inv_ref, FP8_TILE, FP8_TILES)
+        kr = k
+        if HAS_ROPE:
+            kr = load_fp8_rope(kv_row, n_valid, offs_dr, D_LAT, D_ROPE, FP8_TILE, q_rope.dtype)
+        m_i, l_i, acc = _attend_loaded(
+            k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+            allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE, k, q_scale * ref,
+            ref_old * inv_ref,
+        )  # fmt: skip
+        return m_i, l_i, acc, ref
+    elif TMA:
         row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
         k = k_desc.load([row0, 0])
         kr = kr_desc.load([row0, D_LAT]) if HAS_ROPE else k
@@ -386,7 +404,8 @@ def _mla_attention_kernel(
                 n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
                 kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
                 page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True, 0, 0, ref,
+                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True, FP8_TILE, FP8_TILES,
+                ref, q_scale, FP8_HALF,
             )  # fmt: skip
     for n0 in range(tl.maximum(tail, begin), end, BLOCK_N):
         m_i, l_i, acc, ref = _attend_tile(
@@ -574,6 +593,36 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
     k_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, latent_dim])
     kr_desc = TensorDescriptor(kv, shape, strides, [cfg.block_n, rope_dim]) if rope_dim else k_desc
     return k_desc, kr_desc
+
+
+def _fp8_descriptor(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> object:
+    """A TMA descriptor over the latent bytes of FP8 rows (NB, BS, row bytes) uint8, viewed as
+    (blocks * page, parts, C / parts) with parts of at most 256 bytes (TMA's box limit), tiles of
+    (block_n, parts, C / parts); None where the layout does not allow it (as _kv_descriptors)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, page, _ = kv.shape
+    parts = max(1, latent_dim // 256)
+    width = latent_dim // parts
+    if not (
+        tma_supported(kv.device)
+        and width == next_pow2(width)
+        and width * parts == latent_dim
+        and page % cfg.block_n == 0
+        and kv.stride(2) == 1
+        and kv.stride(0) == page * kv.stride(1)
+        and kv.stride(1) % 16 == 0
+        and kv.data_ptr() % 16 == 0
+    ):
+        return None
+    shape, strides = [nb * page, parts, width], [kv.stride(1), width, 1]
+    return TensorDescriptor(kv, shape, strides, [cfg.block_n, parts, width])
+
+
+# The float16 read loading the latent bytes of whole tiles by TMA (_fp8_descriptor; the scales and
+# rope part by pointers); False: every byte by pointer loads. bench/bench_cuda.py --only
+# decode_fp8 times both.
+FP8_TMA = False
 
 
 # FP8 latent rows whose width is a power of two: load each row's tile scales once and broadcast
@@ -788,7 +837,10 @@ def mla_attention_partials(
     fp8_tiles = _fp8_tiles(latent_dim, fp8_tile)
     fp8_half = _fp8_half(fp8_tiles, q.dtype, v_dim, latent_dim)
     qh, qs = half_query_rows(q, latent_dim, pdl_enabled(q.device, pdl)) if fp8_half else (q, q)
-    k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma and not fp8_tile else (None, None)
+    if fp8_half and FP8_TMA:
+        k_desc, kr_desc = _fp8_descriptor(kv, latent_dim, cfg), None
+    else:
+        k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma and not fp8_tile else (None, None)
     block_dv = next_pow2(v_dim)
     if direct:
         out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
@@ -812,7 +864,8 @@ def mla_attention_partials(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
         DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
-        EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl, FP8_TILE=fp8_tile,
+        EARLY=early_cache and k_desc is not None and v_dim == latent_dim and not fp8_tile, PDL=pdl,
+        FP8_TILE=fp8_tile,
         FP8_TILES=fp8_tiles, FP8_HALF=fp8_half,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip

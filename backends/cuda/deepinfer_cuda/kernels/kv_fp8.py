@@ -4,7 +4,7 @@
 the loads the attention kernel dequantises in registers.
 
 Two reads. load_fp8_latent: e4m3 * scale in q's dtype (any latent width, float32 queries too).
-The float16 read (load_fp8_latent_half, with half_queries): SM90 converts e4m3 pairs to float16
+The float16 read (fp8_to_half, with half_queries): SM90 converts e4m3 pairs to float16
 in one instruction, where bfloat16 takes three more (each float16 widened to float32, then packed:
 the conversions, not the MMAs, bounded the bfloat16 read). Float16 cannot hold every scale, so
 the values are taken relative to a power-of-two reference, the largest scale the program has met
@@ -136,15 +136,12 @@ def pow2_floor(x):
 
 
 @triton.jit
-def load_fp8_latent_half(kv_row, n_valid, ratio, TILE: tl.constexpr, TILES: tl.constexpr):
-    """(BLOCK_N, TILES * TILE) float16: the whole latent of the FP8 rows at kv_row (0 in rows not
-    n_valid), each tile's e4m3 values times ratio (BLOCK_N, TILES) float32, a power of two < 2
-    (the tile's scale over the caller's reference). Exact while ratio >= 2^-15 (e4m3's 2^-9 step
-    times it stays on float16's grid); smaller ratios round in float16's subnormals, an error
-    below 2^-24 of the reference. The interpreter (no float16 product there) multiplies in
-    float32: the same values."""
-    cols = tl.arange(0, TILES * TILE)
-    q8 = tl.load(kv_row[:, None] + cols[None, :], mask=n_valid[:, None], other=0)
+def fp8_to_half(q8, ratio, TILE: tl.constexpr, TILES: tl.constexpr):
+    """(BLOCK_N, TILES * TILE) float16: q8 (BLOCK_N, TILES * TILE) e4m3 bytes (a whole latent),
+    each tile's values times ratio (BLOCK_N, TILES) float32, a power of two < 2 (the tile's scale
+    over the caller's reference). Exact while ratio >= 2^-15 (e4m3's 2^-9 step times it stays on
+    float16's grid); smaller ratios round in float16's subnormals, an error below 2^-24 of the
+    reference. The interpreter (no float16 product there) multiplies in float32: the same values."""
     if IS_INTERPRET:
         q = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         r = ratio
@@ -153,6 +150,13 @@ def load_fp8_latent_half(kv_row, n_valid, ratio, TILE: tl.constexpr, TILES: tl.c
         r = ratio.to(tl.float16)
     q3 = tl.reshape(q, (q.shape[0], TILES, TILE)) * r[:, :, None]
     return tl.reshape(q3, (q.shape[0], TILES * TILE)).to(tl.float16)
+
+
+@triton.jit
+def load_fp8_latent_half(kv_row, n_valid, ratio, TILE: tl.constexpr, TILES: tl.constexpr):
+    """fp8_to_half of the whole latent of the FP8 rows at kv_row (BLOCK_N,) (0 in rows not n_valid)."""
+    q8 = tl.load(kv_row[:, None] + tl.arange(0, TILES * TILE)[None, :], mask=n_valid[:, None], other=0)
+    return fp8_to_half(q8, ratio, TILE, TILES)
 
 
 @triton.jit
