@@ -9,9 +9,10 @@
 #   2. bench: bench/bench_cuda.py --only decode_fp8: decode over the FP8 cache against the bf16
 #      cache it was quantised from, 16 and 128 heads (batch x keys: 1 x 32768, 8 x 4096,
 #      128 x 32768; 32 x 4096, 128 x 32768), GB/s against the copy rate measured in the same run,
-#      every row's error over its first requests, the bfloat16 read beside the float16 one, and the
-#      tiles of FP8_WIDE_SWEEP (128 heads) / FP8_NARROW_SWEEP (16 heads) and FP8_SPLIT_SWEEP
-#      (SWEEP=0: the default tiles only).
+#      every row's error over its first requests (the defaults' and the float16 read's), and the
+#      variants of bench_cuda.fp8_variants: the float16 read (attention.FP8_HALF_READ) with TMA, with
+#      4 programs an SM, each read at the tiles of FP8_WIDE_SWEEP (128 heads) / FP8_NARROW_SWEEP
+#      (16 heads) (SWEEP=0: the defaults and the float16 read only).
 #   usage: OUT=dir bash bench/run_fp8kv_h200.sh    (PARTS="tests bench", the default, picks;
 #          "tests" is "kernels conformance")
 set -u -o pipefail

@@ -2391,6 +2391,7 @@ def test_fp8_float16_read_across_magnitudes(
 
     seq = [3, 70, 150, 41]
     lat, rope, h, bs = 256, 20, 4, 16  # rows of 304 bytes: 16-byte multiples, as TMA needs
+    monkeypatch.setattr(attn_k, "FP8_HALF_READ", True)
     assert attn_k._fp8_half(attn_k._fp8_tiles(lat, 128), torch.bfloat16, lat, lat)
     pool, meta, _ = paged(seq, [1] * len(seq), lat + rope, bs, gen)
     table = meta.block_tables.cpu()
@@ -2454,10 +2455,16 @@ def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
         )
 
 
-def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("half", [False, True], ids=["bf16_read", "float16_read"])
+def test_fp8_cache_through_the_backend(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, half: bool
+) -> None:
     """The backend's FP8 path end to end: write_mla_kv (norm, rope, the quantising store), then
-    decode and mla_decode_and_uv reading the rows; the V4 ops refuse an FP8 cache by name."""
+    decode and mla_decode_and_uv reading the rows (in bfloat16, or in float16:
+    attention.FP8_HALF_READ); the V4 ops refuse an FP8 cache by name."""
     from deepinfer.testing.oracles import e4m3_rows64
+
+    monkeypatch.setattr(attn_k, "FP8_HALF_READ", half)
 
     be = cuda_backend.create_cuda_backend(BackendOptions())
     assert be.capabilities.supports_fp8_kv_cache

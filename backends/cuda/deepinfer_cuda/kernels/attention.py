@@ -630,11 +630,11 @@ FP8_TMA = False
 FP8_SCALE_TILES = True
 
 
-# FP8 latent rows read in float16 (kv_fp8.load_fp8_latent_half: one conversion a value pair) where
-# the latent is whole power-of-two tiles, V is the latent and q is bfloat16 / float16; False: the
-# bfloat16 read (e4m3 -> float16 -> float32 -> bfloat16, times the scale). bench/bench_cuda.py
-# --only decode_fp8 times both.
-FP8_HALF_READ = True
+# FP8 latent rows read in float16 (kv_fp8.fp8_to_half: one conversion a value pair) where the
+# latent is whole power-of-two tiles, V is the latent and q is bfloat16 / float16; False: the
+# bfloat16 read (e4m3 -> float16 -> float32 -> bfloat16, times the scale). Off until timed on a
+# GPU: bench/bench_cuda.py --only decode_fp8 times both (its fp8_variants).
+FP8_HALF_READ = False
 
 
 # Programs per SM that _num_splits aims at over FP8 rows (2, as over bf16 rows, where TMA feeds
