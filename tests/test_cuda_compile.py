@@ -495,12 +495,22 @@ def _fp8_launches() -> list[tuple[str, Any, torch.dtype]]:
 FP8_LAUNCHES = _fp8_launches()
 
 
+# The reads of FP8 rows: the float16 read (bfloat16 / float16 queries only), by pointers or TMA,
+# and the read in q's dtype with the scales per tile or per value.
+FP8_READS = {"half": "float16_read", "half_tma": "float16_read_tma", "tiles": "scales_per_tile",
+             "values": "scales_per_value"}  # fmt: skip
+
+
+FP8_CASES = [
+    (p, r) for p in FP8_LAUNCHES for r in FP8_READS if p[2] != torch.float32 or not r.startswith("half")
+]
+
+
 @pytest.mark.parametrize(
-    "read",
-    ["half", "half_tma", "tiles", "values"],
-    ids=["float16_read", "float16_read_tma", "scales_per_tile", "scales_per_value"],
+    ("cfg", "dtype", "read"),
+    [(*p[1:], r) for p, r in FP8_CASES],
+    ids=[f"{p[0]}-{FP8_READS[r]}" for p, r in FP8_CASES],
 )
-@pytest.mark.parametrize(("cfg", "dtype"), [p[1:] for p in FP8_LAUNCHES], ids=[p[0] for p in FP8_LAUNCHES])
 def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
     """FP8 latent caches (kernels/kv_fp8.py): the attention kernel reading uint8 rows (DeepSeek-V3's
     512 + 64) at every tiling mla_attention picks for them, compiled as the launcher specialises it
@@ -512,8 +522,6 @@ def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
     from deepinfer_cuda.kernels import attention as att_k
 
     half = read.startswith("half")
-    if half and dtype == torch.float32:
-        pytest.skip("the float16 read takes bfloat16 / float16 queries (float32 ones: the float32 read)")
     tiles = 0 if read == "values" else 4
     dt = "bf16" if dtype == torch.bfloat16 else "f32"
     types = {a: PTR[dt] for a in ("q_ptr", "out_ptr", "sinks_ptr", "allow_ptr")} | {"kv_ptr": "*u8"}
