@@ -5,7 +5,8 @@
 #      -k fp8_...: the quantising store, decode / prefill over FP8 rows in several splits, the float16
 #      read across magnitudes, the backend path), and the conformance
 #      suite's FP8-cache cases on cuda, heavy ones included
-#      (deepinfer/testing/conformance/test_fp8_kv_cache.py), every dtype;
+#      (deepinfer/testing/conformance/test_fp8_kv_cache.py), every dtype; part "conformance_half":
+#      the same cases with the float16 read (DEEPINFER_CUDA_FP8_HALF_READ=1);
 #   2. bench: bench/bench_cuda.py --only decode_fp8: decode over the FP8 cache against the bf16
 #      cache it was quantised from, 16 and 128 heads (batch x keys: 1 x 32768, 8 x 4096,
 #      128 x 32768; 32 x 4096, 128 x 32768), GB/s against the copy rate measured in the same run,
@@ -42,17 +43,24 @@ if want kernels; then
     tests/test_cuda_kernels.py -k "fp8_rows or fp8_decode or fp8_prefill or fp8_cache or fp8_store or fp8_float16"
   grep -E "passed|failed|FAILED|Error" "$R/kernels.log" | tail -n 8 | tee -a "$R/summary.txt"
 fi
-if want conformance; then
-  part conformance "${CONF_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
-    -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-heavy \
+conformance() {  # conformance NAME [VAR=VALUE...]: the FP8-cache cases, heavy ones included
+  local name=$1; shift
+  part "$name" "${CONF_TIMEOUT:-150}" env "$@" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
+    -n 8 -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-heavy \
     deepinfer/testing/conformance/test_fp8_kv_cache.py
-  grep -E "passed|failed|FAILED|Error|GREEN" "$R/conformance.log" | tail -n 12 | tee -a "$R/summary.txt"
+  grep -E "passed|failed|FAILED|Error|GREEN" "$R/$name.log" | tail -n 12 | tee -a "$R/summary.txt"
+}
+if want conformance; then
+  conformance conformance
 fi
 
 if want bench; then
   sweep=(); [[ ${SWEEP:-1} == 0 ]] && sweep=(--no-fp8-sweep)
   part bench "${BENCH_TIMEOUT:-120}" python3 bench/bench_cuda.py --only decode_fp8 ${sweep[@]+"${sweep[@]}"} --out "$R/bench"
   grep -E "^copy|decode fp8|FAILED" "$R/bench.log" | tee -a "$R/summary.txt"
+fi
+if want conformance_half; then
+  conformance conformance_half DEEPINFER_CUDA_FP8_HALF_READ=1
 fi
 
 say "total $SECONDS s"

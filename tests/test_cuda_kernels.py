@@ -2460,13 +2460,18 @@ def test_fp8_cache_through_the_backend(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, half: bool
 ) -> None:
     """The backend's FP8 path end to end: write_mla_kv (norm, rope, the quantising store), then
-    decode and mla_decode_and_uv reading the rows (in bfloat16, or in float16:
-    attention.FP8_HALF_READ); the V4 ops refuse an FP8 cache by name."""
+    decode and mla_decode_and_uv reading the rows (in bfloat16, or in float16 with
+    DEEPINFER_CUDA_FP8_HALF_READ=1, which the backend reads when it is created); the V4 ops refuse
+    an FP8 cache by name."""
     from deepinfer.testing.oracles import e4m3_rows64
 
-    monkeypatch.setattr(attn_k, "FP8_HALF_READ", half)
-
+    if half:
+        monkeypatch.setenv(envs.CUDA_FP8_HALF_READ.name, "1")
+    halves: list[int] = []  # launches of the float16 read's queries
+    real = attn_k.half_query_rows
+    monkeypatch.setattr(attn_k, "half_query_rows", lambda *a: halves.append(1) or real(*a))
     be = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.delenv(envs.CUDA_FP8_HALF_READ.name, raising=False)  # the backend keeps what it read
     assert be.capabilities.supports_fp8_kv_cache
     lat, rope, h, bs = 128, 16, 4, 16
     seq = [5, 40]
@@ -2504,5 +2509,6 @@ def test_fp8_cache_through_the_backend(
     uv = be.attention.mla_decode_and_uv(q.to(DEV), cache, meta, w_uv.to(DEV), scale=0.1, v_dim=lat)
     want = torch.einsum("bhv,hov->bho", out.cpu().double(), w_uv.double())
     torch.testing.assert_close(uv.cpu().double(), want, rtol=2.5e-2, atol=2.5e-2 * float(want.abs().max()))
+    assert len(halves) == (2 if half else 0), "decode and mla_decode_and_uv: the read the switch asks for"
     with pytest.raises(ValueError, match="does not read FP8 latent caches"):
         cache_tensor(cache)

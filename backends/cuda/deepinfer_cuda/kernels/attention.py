@@ -633,7 +633,8 @@ FP8_SCALE_TILES = True
 # FP8 latent rows read in float16 (kv_fp8.fp8_to_half: one conversion a value pair) where the
 # latent is whole power-of-two tiles, V is the latent and q is bfloat16 / float16; False: the
 # bfloat16 read (e4m3 -> float16 -> float32 -> bfloat16, times the scale). Off until timed on a
-# GPU: bench/bench_cuda.py --only decode_fp8 times both (its fp8_variants).
+# GPU: bench/bench_cuda.py --only decode_fp8 times both (its fp8_variants). The cuda backend turns
+# it on with DEEPINFER_CUDA_FP8_HALF_READ=1 (its launches' fp8_half_read).
 FP8_HALF_READ = False
 
 
@@ -651,10 +652,11 @@ def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
     return tiles if tiles & (tiles - 1) == 0 else 0  # a power of two
 
 
-def _fp8_half(fp8_tiles: int, dtype: torch.dtype, v_dim: int, latent_dim: int) -> bool:
-    """Whether the kernel reads FP8 rows in float16 (FP8_HALF_READ's conditions)."""
+def _fp8_half(fp8_tiles: int, dtype: torch.dtype, v_dim: int, latent_dim: int, wanted: bool = False) -> bool:
+    """Whether the kernel reads FP8 rows in float16: wanted (the launch's fp8_half_read) or
+    FP8_HALF_READ, and the rows and q allow it (FP8_HALF_READ's conditions)."""
     halves = dtype in (torch.bfloat16, torch.float16)
-    return FP8_HALF_READ and fp8_tiles > 0 and v_dim == latent_dim and halves
+    return (wanted or FP8_HALF_READ) and fp8_tiles > 0 and v_dim == latent_dim and halves
 
 
 def _num_splits(
@@ -737,10 +739,12 @@ def mla_attention(
     split_size: int | None = None,
     pdl: bool = True,
     fp8_tile: int = 0,
+    fp8_half_read: bool = False,
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
     fp8_tile > 0: kv (NB, BS, row bytes) uint8 holds FP8 latent rows with that tile
-    (deepinfer.backend.kv_formats_mla), dequantised in the kernel's registers.
+    (deepinfer.backend.kv_formats_mla), dequantised in the kernel's registers (fp8_half_read, or
+    the module's FP8_HALF_READ: read in float16 where the rows allow it, kernels/kv_fp8.py).
 
     split_size: tokens per KV split at absolute positions (a multiple of the config's block_n);
     None: batch-invariant mode uses the fixed INVARIANT_SPLIT, otherwise the number of splits is
@@ -751,7 +755,7 @@ def mla_attention(
     out = mla_attention_partials(
         q, kv, meta, scale=scale, v_dim=v_dim, latent_dim=latent_dim, window=window, sinks=sinks,
         topk_indices=topk_indices, batch_invariant=batch_invariant, config=config, split_size=split_size,
-        pdl=pdl, fp8_tile=fp8_tile,
+        pdl=pdl, fp8_tile=fp8_tile, fp8_half_read=fp8_half_read,
     )  # fmt: skip
     if isinstance(out, torch.Tensor):
         return out
@@ -778,6 +782,7 @@ def mla_attention_partials(
     early_cache: bool = False,
     pdl: bool = True,
     fp8_tile: int = 0,
+    fp8_half_read: bool = False,
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
@@ -835,7 +840,7 @@ def mla_attention_partials(
 
     allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
     fp8_tiles = _fp8_tiles(latent_dim, fp8_tile)
-    fp8_half = _fp8_half(fp8_tiles, q.dtype, v_dim, latent_dim)
+    fp8_half = _fp8_half(fp8_tiles, q.dtype, v_dim, latent_dim, fp8_half_read)
     qh, qs = half_query_rows(q, latent_dim, pdl_enabled(q.device, pdl)) if fp8_half else (q, q)
     if fp8_half and FP8_TMA:
         k_desc, kr_desc = _fp8_descriptor(kv, latent_dim, cfg), None
