@@ -306,26 +306,50 @@ def bench_decode(
 
 
 # (heads, batch, keys) of the FP8-cache rows: issue 37's table (16 heads at 8 x 4096 and
-# 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys
-FP8_DECODE_SHAPES = [(16, 1, 32768), (16, 8, 4096), (16, 128, 32768), (128, 32, 4096), (128, 128, 32768)]
+# 128 x 32768, 128 heads at 32 x 4096 and 128 x 32768) and batch 1 at 32k keys, the largest first
+# (a run cut by its time limit keeps the rows it logged)
+FP8_DECODE_SHAPES = [(128, 128, 32768), (16, 128, 32768), (128, 32, 4096), (16, 8, 4096), (16, 1, 32768)]
 # Requests of each row checked against float32 attention over the rows the FP8 cache holds.
 FP8_CHECKED_REQUESTS = 2
 # attention.FP8_WIDE_CONFIG (the tiles of >= 64 rows a request: 128 heads) against these, scales
 # per tile: 64-key tiles in one stage (147456 bytes of shared memory) and two (189440 bytes;
 # with a scale per value they need 319488, over SM90's 232448).
 FP8_WIDE_SWEEP = {"64x64_s1": (64, 64, 8, 1), "64x64_s2": (64, 64, 8, 2)}
-# attention.FP8_PROGRAMS_PER_SM (split-KV programs per SM over FP8 rows) against these at batch >= 32.
-FP8_SPLIT_SWEEP = {"per_sm_4": 4}
+# attention.FP8_NARROW_CONFIG (fewer than 64 rows a request: 16 heads) against these: 64-key tiles,
+# and the 16 heads padded to 64 rows (the warpgroup MMA).
+FP8_NARROW_SWEEP = {"n16x64_s2": (16, 64, 4, 2), "n64x64_s2": (64, 64, 8, 2)}
+
+
+def fp8_variants(heads: int, batch: int) -> dict[str, dict[str, Any]]:
+    """The attention-module knobs decode_fp8 times beside the defaults, by name: the float16 read
+    (FP8_HALF_READ) at the default tiles, with TMA (FP8_TMA), with 4 programs an SM at batch >= 8
+    (FP8_PROGRAMS_PER_SM), and each read at the swept tiles (FP8_WIDE_SWEEP at >= 64 heads, else
+    FP8_NARROW_SWEEP)."""
+    from deepinfer_cuda.kernels import attention as attn_k
+
+    half = {"FP8_HALF_READ": True}
+    out = {"half": half, "half_tma": half | {"FP8_TMA": True}}
+    if batch >= 8:
+        out["half_per_sm_4"] = half | {"FP8_PROGRAMS_PER_SM": 4}
+    tiles, knob = (
+        (FP8_WIDE_SWEEP, "FP8_WIDE_CONFIG") if heads >= 64 else (FP8_NARROW_SWEEP, "FP8_NARROW_CONFIG")
+    )
+    for name, t in tiles.items():
+        cfg = attn_k.AttentionConfig(*t, tma=False)
+        out[f"half_{name}"] = half | {knob: cfg}
+        out[f"bf16read_{name}"] = {"FP8_HALF_READ": False, knob: cfg}
+    return out
 
 
 def bench_decode_fp8(
-    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool
+    be: Backend, dev: torch.device, timer: Timer, copy_gbs: float, smoke: bool, sweep: bool = True
 ) -> list[dict[str, Any]]:
     """attention.decode over FP8 latent rows (kv_cache_dtype="fp8": 656 bytes a token) against the
     same call over the bf16 cache they were quantised from (1152 bytes), both replayed from CUDA
     graphs in this run: GB/s of the FP8 bytes read against the copy rate, speed against bf16, the
-    time with a scale load per value (attention.FP8_SCALE_TILES off), and the FP8 output's relative
-    difference from float32 attention over the dequantised rows."""
+    times of fp8_variants (sweep: False for none; the float16 read is always timed), and the
+    relative difference from float32 attention over the dequantised rows of the default's output
+    and the float16 read's."""
     from deepinfer_cuda.kernels import attention as attn_k
 
     from deepinfer.backend.kv_formats_mla import dequantize_mla_rows
@@ -346,21 +370,17 @@ def bench_decode_fp8(
         be.kv_cache.write_kv(fp8, pool.view(-1, 576), torch.arange(nb * 64, device=dev))
         times = {}
         # (name, cache, attention-module knobs for the run: read at launch, the graph keeps them)
-        runs: list[tuple[str, PagedKVCache, dict[str, Any]]] = [
-            ("bf16", bf16, {}), ("fp8", fp8, {}), ("fp8_per_value", fp8, {"FP8_SCALE_TILES": False})
-        ]  # fmt: skip
-        if heads >= 64 and not smoke:
-            wides = FP8_WIDE_SWEEP.items()
-            runs += [(f"fp8_{k}", fp8, {"FP8_WIDE_CONFIG": attn_k.AttentionConfig(*v, tma=False)})
-                     for k, v in wides]  # fmt: skip
-        if batch >= 32 and not smoke:
-            runs += [(f"fp8_{k}", fp8, {"FP8_PROGRAMS_PER_SM": v}) for k, v in FP8_SPLIT_SWEEP.items()]
-        knob_names = ("FP8_SCALE_TILES", "FP8_WIDE_CONFIG", "FP8_PROGRAMS_PER_SM")
+        variants = fp8_variants(heads, batch)
+        if not sweep or smoke:
+            variants = {"half": variants["half"]}
+        runs: list[tuple[str, PagedKVCache, dict[str, Any]]] = [("bf16", bf16, {}), ("fp8", fp8, {})]
+        runs += [(f"fp8_{k}", fp8, v) for k, v in variants.items()]
+        knob_names = {k for v in variants.values() for k in v}
         defaults = {k: getattr(attn_k, k) for k in knob_names}
         for name, cache, knobs in runs:
             for k, v in (defaults | knobs).items():
                 setattr(attn_k, k, v)
-            swept = name[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP
+            swept = name[4:] in variants  # a variant that fails is logged, the rest still run
             it = [0]
 
             def run(
@@ -374,37 +394,52 @@ def bench_decode_fp8(
 
             try:
                 times[name] = timer(run) if smoke else timer(graph_replayer(run, len(metas)))
-            except Exception as exc:  # a swept tiling that does not launch: logged, the rest still run
+            except Exception as exc:
                 if not swept:
                     raise
                 log(f"decode fp8 H={heads} B={batch} {name}: failed {type(exc).__name__}: {str(exc)[:160]}")
-        for k, v in defaults.items():
-            setattr(attn_k, k, v)
         read = batch * kv_len * 656 + batch * per_req * 4 + q.numel() * 2
         gbs = read / times["fp8"] / 1e6
         row = {
             "heads": heads, "batch": batch, "kv_len": kv_len, "ms": times["fp8"], "bf16_ms": times["bf16"],
-            "per_value_ms": times["fp8_per_value"],
+            "half_ms": times.get("fp8_half", math.nan),
+            "half_speedup": times["bf16"] / times.get("fp8_half", math.nan),
             "gbs": gbs, "ratio_to_copy": gbs / copy_gbs, "speedup": times["bf16"] / times["fp8"],
             "tflops": batch * heads * kv_len * 2 * (576 + 512) / times["fp8"] / 1e9, "sets": len(metas),
         }  # fmt: skip
-        sweep = {k[4:]: v for k, v in times.items() if k[4:] in FP8_WIDE_SWEEP | FP8_SPLIT_SWEEP}
-        if sweep:
-            row["sweep_ms"] = sweep
+        swept_ms = {k[4:]: v for k, v in times.items() if k[4:] in variants and k != "fp8_half"}
+        if swept_ms:
+            row["sweep_ms"] = swept_ms
         # against float32 attention over the rows the FP8 cache holds, for the first requests (the
-        # whole 128 x 32k cache in float32 would take 9.7 GB)
-        out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
-        row["rel_err"] = decode_error(
-            out, q, fp8.tensors[0], metas[0], FP8_CHECKED_REQUESTS, lambda r: dequantize_mla_rows(r, 512, 64)
-        )
-        row["finite"] = bool(torch.isfinite(out).all())
+        # whole 128 x 32k cache in float32 would take 9.7 GB): the defaults, then the float16 read
+        finite = True
+        row["half_rel_err"] = math.nan
+        for key, knobs in (("rel_err", {}), ("half_rel_err", variants["half"])):
+            if key == "half_rel_err" and "fp8_half" not in times:
+                continue  # the float16 read did not launch (logged above)
+            for k, v in (defaults | knobs).items():
+                setattr(attn_k, k, v)
+            out = be.attention.decode(q, fp8, metas[0], scale=192**-0.5, v_dim=512).float()
+            row[key] = decode_error(
+                out,
+                q,
+                fp8.tensors[0],
+                metas[0],
+                FP8_CHECKED_REQUESTS,
+                lambda r: dequantize_mla_rows(r, 512, 64),
+            )
+            finite = finite and bool(torch.isfinite(out).all())
+        for k, v in defaults.items():
+            setattr(attn_k, k, v)
+        row["finite"] = finite
         rows.append(row)
-        swept = "".join(f", {k} {v:.3f} ms" for k, v in sweep.items())
+        swept = "".join(f", {k} {v:.3f} ms" for k, v in swept_ms.items())
         log(
             f"decode fp8 H={heads:3d} B={batch:3d} L={kv_len:5d}: {times['fp8']:.3f} ms {gbs:6.0f} GB/s "
             f"({gbs / copy_gbs:.2f} of copy), bf16 cache {times['bf16']:.3f} ms: {row['speedup']:.2f}x, "
-            f"scales per value {times['fp8_per_value']:.3f} ms, err {row['rel_err']:.1e} "
-            f"(first {FP8_CHECKED_REQUESTS} requests; all finite: {row['finite']}){swept}"
+            f"float16 read {row['half_ms']:.3f} ms: {row['half_speedup']:.2f}x, err {row['rel_err']:.1e} "
+            f"(float16 read {row['half_rel_err']:.1e}; first {FP8_CHECKED_REQUESTS} requests; all finite: "
+            f"{row['finite']}){swept}"
         )
         del pool, metas, q, bf16, fp8
     return rows
@@ -1042,25 +1077,25 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             "GB/s of the FP8 bytes read; `vs bf16`: the bf16 cache's time over the FP8 cache's, same inputs",
             "(the FP8 rows are the bf16 rows quantised), both CUDA-graph replays in this run;",
-            "`per-value ms`: the FP8 kernel loading a scale per value instead of one per tile",
-            "(FP8_SCALE_TILES off); rel err: the first requests' against float32 attention over the",
-            "dequantised rows.",
+            "`ms`: the defaults; `float16-read ms`: attention.FP8_HALF_READ on (e4m3 to float16, float16",
+            "MMAs) at the default tiles; rel err: the first requests' against float32 attention over the",
+            "dequantised rows (the defaults', the float16 read's).",
             "",
             "| heads | batch | KV len | ms | GB/s | of copy | bf16 ms | vs bf16 | TFLOP/s | rel err "
-            "| per-value ms |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| float16-read ms | vs bf16 | rel err |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in fp8_rows:
             err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
             out.append(
                 f"| {r['heads']} | {r['batch']} | {r['kv_len']} | {r['ms']:.3f} | {r['gbs']:.0f} | "
                 f"{r['ratio_to_copy']:.2f} | {r['bf16_ms']:.3f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | "
-                f"{err} | {r['per_value_ms']:.3f} |"
+                f"{err} | {r['half_ms']:.3f} | {r['half_speedup']:.2f}x | {r['half_rel_err']:.1e} |"
             )
         for r in fp8_rows:
             if r.get("sweep_ms"):
                 tiles = ", ".join(f"{k} {v:.3f} ms" for k, v in r["sweep_ms"].items())
-                out.append(f"\nH={r['heads']} B={r['batch']} L={r['kv_len']}, other FP8 tiles: {tiles}")
+                out.append(f"\nH={r['heads']} B={r['batch']} L={r['kv_len']}, other FP8 variants: {tiles}")
     sweep = [r for r in res["decode"] if "sweep" in r and "ms" in r]
     if sweep:
         out += ["", "Tile sweeps at batch 128, KV length 4096 (first row per head count: the default):", ""]
@@ -1181,6 +1216,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only", default="decode,decode_fp8,fp8,moe,v4,mla_query", help="comma-separated sections"
     )
+    p.add_argument(
+        "--no-fp8-sweep", dest="fp8_sweep", action="store_false",
+        help="decode_fp8: time the default tiles only (no FP8_WIDE / NARROW / SPLIT sweeps)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     registry = BackendRegistry.discover()
     be = registry.create("cuda", BackendOptions())
@@ -1215,7 +1254,10 @@ def main(argv: list[str] | None = None) -> int:
             "decode",
             lambda: bench_decode(be, dev, timer, res["copy"]["gbs"], res["matmul"]["tflops"], args.smoke),
         ),
-        ("decode_fp8", lambda: bench_decode_fp8(be, dev, timer, res["copy"]["gbs"], args.smoke)),
+        (
+            "decode_fp8",
+            lambda: bench_decode_fp8(be, dev, timer, res["copy"]["gbs"], args.smoke, args.fp8_sweep),
+        ),
         ("decode_short", lambda: bench_decode_short(be, dev, timer, args.smoke)),
         ("skinny", lambda: bench_skinny(dev, timer, res["copy"]["gbs"], args.smoke)),
         ("fp8", lambda: bench_fp8(be, dev, timer, args.smoke)),

@@ -326,6 +326,20 @@ CUDA_FP4_DECODE = Switch(
     choices=("PAIR", "GROUP", "MMA", "ASM", "SCALED"),
     what="an MXFP4 decode",
 )
+CUDA_FP8_HALF_READ = Switch(
+    name="DEEPINFER_CUDA_FP8_HALF_READ",
+    attr="cuda_fp8_half_read",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: MLA attention over FP8 latent caches reads the rows in float16 (e4m3 pairs to float16, "
+        "float16 MMAs, kernels/kv_fp8.py) instead of dequantising them to bfloat16; off until timed "
+        "on a GPU (bench/run_fp8kv_h200.sh)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
 CUDA_PDL = Switch(
     name="DEEPINFER_CUDA_PDL",
     attr="cuda_pdl",
@@ -463,6 +477,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_V4_DECODE,
     CUDA_MX_FP4,
     CUDA_FP4_DECODE,
+    CUDA_FP8_HALF_READ,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
@@ -500,6 +515,7 @@ class Env:
     cuda_v4_decode: bool
     cuda_mx_fp4: bool
     cuda_fp4_decode: str
+    cuda_fp8_half_read: bool
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None

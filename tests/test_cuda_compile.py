@@ -421,20 +421,20 @@ def decode_step_kernels(pdl: bool) -> dict[str, Ptx]:
         att_k._mla_attention_kernel, attn_types,
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=0, FP8_TILES=0, FP8_HALF=False),
     )  # fmt: skip
     ptx["mla_attention_early"] = compile_sm90(  # mla_decode_and_uv's: TMA tiles, the first before the wait
         att_k._mla_attention_kernel,
         attn_types | {"k_desc": "tensordesc<bf16[16, 512]>", "kr_desc": "tensordesc<bf16[16, 64]>"},
         dict(BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=16, BLOCK_N=16,
              HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=False, TMA=True,
-             EARLY=True, PDL=pdl, FP8_TILE=0, FP8_TILES=0),
+             EARLY=True, PDL=pdl, FP8_TILE=0, FP8_TILES=0, FP8_HALF=False),
     )  # fmt: skip
     ptx["mla_attention_fp8"] = compile_sm90(  # FP8 latent rows (uint8), dequantised in registers
         att_k._mla_attention_kernel, attn_types | {"kv_ptr": "*u8"},
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512, HAS_ROPE=True, V_IS_LAT=True,
              BLOCK_M=16, BLOCK_N=16, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False,
-             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=128, FP8_TILES=4),
+             IEEE=False, TMA=False, EARLY=False, PDL=pdl, FP8_TILE=128, FP8_TILES=4, FP8_HALF=False),
     )  # fmt: skip
     ptx["combine"] = compile_sm90(
         att_k._combine_kernel, {"part_ptr": f32, "lse_ptr": f32, "sinks_ptr": f32, "out_ptr": bf16},
@@ -513,36 +513,64 @@ def _fp8_launches() -> list[tuple[str, Any, torch.dtype]]:
 FP8_LAUNCHES = _fp8_launches()
 
 
-@pytest.mark.parametrize("tiles", [4, 0], ids=["scales_per_tile", "scales_per_value"])
-@pytest.mark.parametrize(("cfg", "dtype"), [p[1:] for p in FP8_LAUNCHES], ids=[p[0] for p in FP8_LAUNCHES])
-def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, tiles: int) -> None:
+# The reads of FP8 rows: the float16 read (bfloat16 / float16 queries only), by pointers or TMA,
+# and the read in q's dtype with the scales per tile or per value.
+FP8_READS = {"half": "float16_read", "half_tma": "float16_read_tma", "tiles": "scales_per_tile",
+             "values": "scales_per_value"}  # fmt: skip
+
+
+FP8_CASES = [
+    (p, r) for p in FP8_LAUNCHES for r in FP8_READS if p[2] != torch.float32 or not r.startswith("half")
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "dtype", "read"),
+    [(*p[1:], r) for p, r in FP8_CASES],
+    ids=[f"{p[0]}-{FP8_READS[r]}" for p, r in FP8_CASES],
+)
+def test_fp8_cache_kernels(cfg: Any, dtype: torch.dtype, read: str) -> None:
     """FP8 latent caches (kernels/kv_fp8.py): the attention kernel reading uint8 rows (DeepSeek-V3's
     512 + 64) at every tiling mla_attention picks for them, compiled as the launcher specialises it
     (pointers, strides and widths multiples of 16, the config's stages), fits SM90's shared memory:
-    WIDE_CONFIG's 64 x 64 tiles with a scale per value needed 319488 bytes there on an H200."""
+    WIDE_CONFIG's 64 x 64 tiles with a scale per value needed 319488 bytes there on an H200. The
+    float16 read (bfloat16 queries only) multiplies float16 operands: SM90's MMA on them, the
+    e4m3 pairs converted straight to float16 (no bfloat16 conversion left in it); half_tma: its
+    latent bytes by TMA (attention.FP8_TMA, a (rows, 2, 256) descriptor)."""
     from deepinfer_cuda.kernels import attention as att_k
 
+    half = read.startswith("half")
+    tiles = 0 if read == "values" else 4
     dt = "bf16" if dtype == torch.bfloat16 else "f32"
     types = {a: PTR[dt] for a in ("q_ptr", "out_ptr", "sinks_ptr", "allow_ptr")} | {"kv_ptr": "*u8"}
     types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
     types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
+    types |= {"qh_ptr": "*fp16", "qs_ptr": PTR["f32"]}  # the float16 read's queries
+    tma = read == "half_tma"
+    descs = {"k_desc": f"tensordesc<u8[{cfg.block_n}, 2, 256]>"} if tma else {}
     aligned = ("q_ptr", "kv_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "out_ptr", "part_ptr", "lse_ptr",
                "stride_qt", "stride_qh", "stride_kvb", "stride_kvt", "stride_bt", "stride_ot", "stride_oh",
-               "D_LAT", "D_ROPE", "DV")  # fmt: skip
+               "D_LAT", "D_ROPE", "DV", "qh_ptr", "qs_ptr")  # fmt: skip
     ptx = compile_sm90(
-        att_k._mla_attention_kernel, types,
-        dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512,
+        att_k._mla_attention_kernel, types | descs,
+        ({} if tma else dict(k_desc=None)) | dict(kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=512,
              HAS_ROPE=True, V_IS_LAT=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
-             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=dtype == torch.float32, TMA=False,
-             EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=tiles),
+             HAS_SINKS=False, HAS_ALLOW=False, DIRECT=False, IEEE=dtype == torch.float32, TMA=tma,
+             EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=tiles, FP8_HALF=half),
         num_warps=cfg.num_warps, aligned=aligned, num_stages=cfg.num_stages,
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
     assert ptx.shared <= SM90_SHARED, f"{ptx.shared} bytes of shared memory, SM90 has {SM90_SHARED}"
+    if tma:
+        assert "cp.async.bulk.tensor.3d" in ptx, "the latent bytes not by TMA"
+    if half:
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx, "not the float16 read"
+        assert ".f16.f16" in ptx, "no float16 MMA"
 
 
 def test_fp8_store_and_v_prefix_kernels() -> None:
-    """The quantising store, and the direct (one split) kernel with V a prefix of the latent."""
+    """The quantising store, the float16 read's queries, and the direct (one split) kernel with V a
+    prefix of the latent."""
     from deepinfer_cuda.kernels import attention as att_k
     from deepinfer_cuda.kernels import kv_fp8
 
@@ -550,6 +578,11 @@ def test_fp8_store_and_v_prefix_kernels() -> None:
         kv_fp8._write_fp8_rows_kernel, {"kv_ptr": PTR["bf16"], "cache_ptr": "*u8", "slot_ptr": PTR["i64"]},
         dict(TILE=128, BLOCK_T=128, BLOCK_R=64), num_warps=1,
     )  # fmt: skip
+    half = compile_sm90(
+        kv_fp8._half_queries_kernel, {"q_ptr": PTR["bf16"], "out_ptr": "*fp16", "inv_ptr": PTR["f32"]},
+        dict(BLOCK_R=16, BLOCK_C=512, PDL=True),
+    )  # fmt: skip
+    assert "griddepcontrol.wait" in half
     types = {a: PTR["bf16"] for a in ("q_ptr", "out_ptr", "sinks_ptr", "allow_ptr")} | {"kv_ptr": "*u8"}
     types |= {a: PTR["i32"] for a in ("bt_ptr", "seq_lens_ptr", "qsl_ptr")}
     types |= {"part_ptr": PTR["f32"], "lse_ptr": PTR["f32"], "qk_scale": "fp32"}
@@ -557,7 +590,8 @@ def test_fp8_store_and_v_prefix_kernels() -> None:
         att_k._mla_attention_kernel, types,
         dict(k_desc=None, kr_desc=None, BLOCK_DL=512, BLOCK_DR=64, BLOCK_DV=256, HAS_ROPE=True,
              V_IS_LAT=False, BLOCK_M=16, BLOCK_N=32, HAS_WINDOW=False, HAS_SINKS=False, HAS_ALLOW=False,
-             DIRECT=True, IEEE=False, TMA=False, EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=4),
+             DIRECT=True, IEEE=False, TMA=False, EARLY=False, PDL=True, FP8_TILE=128, FP8_TILES=4,
+             FP8_HALF=False),
         num_stages=2,
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"

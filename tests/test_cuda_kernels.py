@@ -2469,6 +2469,73 @@ def test_fp8_decode_many_requests_over_poisoned_rows(gen: torch.Generator, split
     torch.testing.assert_close(out.cpu().double(), expected, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize(
+    ("split_size", "tma"),
+    [(32, False), (None, False), (32, True)],
+    ids=["fixed_splits", "adaptive_splits", "tma"],
+)
+def test_fp8_float16_read_across_magnitudes(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, split_size: int | None, tma: bool
+) -> None:
+    """The float16 read of FP8 rows (bfloat16 queries, V the latent: kv_fp8.load_fp8_latent_half)
+    where float16 cannot hold the values themselves: tile scales from 2^-30 to 2^14 that grow
+    along each request (the reference scale rises within a split, its accumulator rescaled), a
+    tile 2^-20 below its neighbours, query heads from 2^-24 to 2^12. Against the float64
+    attention over the rows the format keeps, and no worse than the bfloat16 read's error. tma: the
+    latent bytes of whole tiles by TMA (attention.FP8_TMA), a request's last partial tile by pointers."""
+    from deepinfer_cuda.kernels import kv_fp8
+
+    from deepinfer.backend.kv_formats_mla import fp8_row_bytes
+    from deepinfer.testing.oracles import e4m3_rows64
+
+    seq = [3, 70, 150, 41]
+    lat, rope, h, bs = 256, 20, 4, 16  # rows of 304 bytes: 16-byte multiples, as TMA needs
+    monkeypatch.setattr(attn_k, "FP8_HALF_READ", True)
+    assert attn_k._fp8_half(attn_k._fp8_tiles(lat, 128), torch.bfloat16, lat, lat)
+    pool, meta, _ = paged(seq, [1] * len(seq), lat + rope, bs, gen)
+    table = meta.block_tables.cpu()
+    rows = []
+    for n in seq:
+        x = torch.randn((n, lat + rope), generator=gen)
+        grow = torch.linspace(-30, 14, n).round()[:, None]  # each row's tile exponents rise with position
+        x[:, :lat] *= torch.exp2(grow + torch.randint(-3, 4, (n, 2), generator=gen)).repeat_interleave(128, 1)
+        x[::5, 128:lat] *= 2.0**-20  # one tile far below the row's other
+        rows.append(x.to(torch.bfloat16).float())
+    slots = torch.cat(
+        [table[b].long()[torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(seq)]
+    )
+    fp8 = torch.zeros((pool.shape[0], bs, fp8_row_bytes(lat, rope)), dtype=torch.uint8, device=DEV)
+    kv_fp8.write_fp8_rows(fp8, torch.cat(rows).to(DEV), slots.to(DEV), lat, rope)
+    q = torch.randn((len(seq), h, lat + rope), generator=gen)
+    q *= torch.exp2(torch.tensor([-24.0, 0.0, 12.0, -6.0]))[None, :, None]
+    q[:, 2, :lat] *= 2.0**-16  # this head's scores come from the rope part mostly
+    q = q.to(torch.bfloat16)
+    kept = e4m3_rows64(lat, 128)
+    # the scale keeps the softmax away from one-hot: scores of rows near 2^14 at the ends
+    scale = 2.0**-22
+    expected = oracle_attention(q.double(), [kept(r.double()) for r in rows], seq, [1] * len(seq), scale, lat)
+    monkeypatch.setattr(attn_k, "FP8_TMA", tma)
+    if tma:
+        assert attn_k._fp8_descriptor(fp8, lat, small_config()) is not None
+    errors = {}
+    for half in (True, False):
+        monkeypatch.setattr(attn_k, "FP8_HALF_READ", half)
+        out = attn_k.mla_attention(
+            q.to(DEV), fp8, meta, scale=scale, v_dim=lat, latent_dim=lat, config=small_config(),
+            split_size=split_size, fp8_tile=128,
+        ).cpu().double()  # fmt: skip
+        assert torch.isfinite(out).all()
+        # each (token, head) row against its own magnitude: outputs span 2^-30 .. 2^14 per column tile
+        for t0 in (0, 128):
+            want, got = expected[..., t0 : t0 + 128], out[..., t0 : t0 + 128]
+            mag = want.abs().amax(-1, keepdim=True)
+            rel = ((got - want).abs() / mag).amax()
+            assert rel < 1e-2, f"half={half}: columns {t0}+ off by {float(rel):.2e} of their row's largest"
+            errors[half, t0] = float(rel)
+    for t0 in (0, 128):
+        assert errors[True, t0] <= 2 * errors[False, t0] + 1e-3, errors
+
+
 def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
     """Chunked prefill rows over FP8 rows of a narrow latent (one tile of 24), adaptive splits,
     bfloat16 queries; and a cache that is not FP8 rows of q's widths is refused."""
@@ -2487,12 +2554,23 @@ def test_fp8_prefill_and_adaptive_splits(gen: torch.Generator) -> None:
         )
 
 
-def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("half", [False, True], ids=["bf16_read", "float16_read"])
+def test_fp8_cache_through_the_backend(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, half: bool
+) -> None:
     """The backend's FP8 path end to end: write_mla_kv (norm, rope, the quantising store), then
-    decode and mla_decode_and_uv reading the rows; the V4 ops refuse an FP8 cache by name."""
+    decode and mla_decode_and_uv reading the rows (in bfloat16, or in float16 with
+    DEEPINFER_CUDA_FP8_HALF_READ=1, which the backend reads when it is created); the V4 ops refuse
+    an FP8 cache by name."""
     from deepinfer.testing.oracles import e4m3_rows64
 
+    if half:
+        monkeypatch.setenv(envs.CUDA_FP8_HALF_READ.name, "1")
+    halves: list[int] = []  # launches of the float16 read's queries
+    real = attn_k.half_query_rows
+    monkeypatch.setattr(attn_k, "half_query_rows", lambda *a: halves.append(1) or real(*a))
     be = cuda_backend.create_cuda_backend(BackendOptions())
+    monkeypatch.delenv(envs.CUDA_FP8_HALF_READ.name, raising=False)  # the backend keeps what it read
     assert be.capabilities.supports_fp8_kv_cache
     lat, rope, h, bs = 128, 16, 4, 16
     seq = [5, 40]
@@ -2530,6 +2608,7 @@ def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
     uv = be.attention.mla_decode_and_uv(q.to(DEV), cache, meta, w_uv.to(DEV), scale=0.1, v_dim=lat)
     want = torch.einsum("bhv,hov->bho", out.cpu().double(), w_uv.double())
     torch.testing.assert_close(uv.cpu().double(), want, rtol=2.5e-2, atol=2.5e-2 * float(want.abs().max()))
+    assert len(halves) == (2 if half else 0), "decode and mla_decode_and_uv: the read the switch asks for"
     with pytest.raises(ValueError, match="does not read FP8 latent caches"):
         cache_tensor(cache)
 

@@ -46,6 +46,7 @@ class CudaAttention(AttentionOps):
         self.early_inputs = env.cuda_early_inputs  # the decode step's MLA kernels (kernels/mla.py)
         self.pdl = env.cuda_pdl
         self.vendor = env.cuda_vendor  # FlashMLA where installed (deepinfer_cuda.vendor)
+        self.fp8_half_read = env.cuda_fp8_half_read  # FP8 latent rows read in float16 (kernels/kv_fp8.py)
 
     def decode(
         self,
@@ -111,7 +112,7 @@ class CudaAttention(AttentionOps):
         o = attn_k.mla_attention_partials(  # the model's decode step: its metadata and older rows
             q, cache_tensor(cache, fp8=True), meta, scale=scale, v_dim=v_dim,
             latent_dim=cache.spec.latent_dim, early_cache=self.early_inputs, pdl=self.pdl,
-            fp8_tile=fp8_tile_of(cache.spec),
+            fp8_tile=fp8_tile_of(cache.spec), fp8_half_read=self.fp8_half_read,
         )  # fmt: skip
         if isinstance(o, torch.Tensor):
             return gemm.batched_linear(o.transpose(0, 1), w_uv).transpose(0, 1)
@@ -135,7 +136,7 @@ class CudaAttention(AttentionOps):
             sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, batch_invariant=self.batch_invariant,
             split_size=attn_k.invariant_split(self.options.max_model_len) if self.batch_invariant else None,
-            pdl=self.pdl, fp8_tile=fp8_tile_of(cache.spec),
+            pdl=self.pdl, fp8_tile=fp8_tile_of(cache.spec), fp8_half_read=self.fp8_half_read,
         )  # fmt: skip
 
     def mla_query(

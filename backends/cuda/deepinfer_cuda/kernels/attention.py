@@ -49,7 +49,15 @@ from deepinfer_cuda.kernels.common import (
     tma_supported,
     wait_for_previous,
 )
-from deepinfer_cuda.kernels.kv_fp8 import load_fp8_latent, load_fp8_rope
+from deepinfer_cuda.kernels.kv_fp8 import (
+    fp8_row_scales,
+    fp8_to_half,
+    half_query_rows,
+    load_fp8_latent,
+    load_fp8_latent_half,
+    load_fp8_rope,
+    pow2_floor,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -72,6 +80,9 @@ WIDE_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # WIDE_CONFIG's 64-key tiles with a scale load per value needed 319488 bytes of shared memory on
 # an H200 (over the SM90 limit of 232448); these need at most 196608 (tests/test_cuda_compile.py).
 FP8_WIDE_CONFIG = AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2, tma=False)
+# FP8 latent rows with fewer rows a request (16 or 32 heads): the tiles, block_m raised to the
+# rows' next power of two where it is smaller (bench/bench_cuda.py --only decode_fp8 sweeps them).
+FP8_NARROW_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, tma=False)
 # float32 operands (IEEE products on the CUDA cores) take twice the shared memory: small tiles
 # (WIDE_CONFIG would need 295 KB of shared memory there, over the SM90 limit of 227 KB).
 FP32_CONFIG = AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -140,19 +151,40 @@ def _attend_tile(
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ROPE: tl.constexpr, V_IS_LAT: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, k_desc, kr_desc, TMA: tl.constexpr,
-    FP8_TILE: tl.constexpr = 0, FP8_TILES: tl.constexpr = 0,
+    FP8_TILE: tl.constexpr = 0, FP8_TILES: tl.constexpr = 0, ref=1.0, q_scale=None,
+    FP8_HALF: tl.constexpr = False,
 ):  # fmt: skip
-    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc).
+    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns the updated (m, l, acc, ref).
     TMA: the tile lies inside one page and below the KV length (every row written), so it is two
     bulk copies (latent, rope) from the (blocks * page, D) view of the cache, with no masks.
     FP8_TILE > 0: the cache holds FP8 latent rows (kernels/kv_fp8.py) of that tile, dequantised
-    here, in registers, to q's dtype (never TMA)."""
+    here, in registers, to q's dtype (never TMA). FP8_HALF (V the whole latent of FP8_TILES
+    tiles): the float16 read instead, q_lat from kv_fp8.half_queries and q_scale its inverse
+    powers; ref (a power of two, 0 before the first tile) is the largest scale seen so far, acc
+    is held in units of it (the caller multiplies it back), and rises here as the tiles need."""
     offs_dl = tl.arange(0, BLOCK_DL)
     offs_dr = tl.arange(0, BLOCK_DR)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
-    if TMA:
+    if TMA and FP8_HALF:  # the latent bytes by TMA ((rows, parts, C / parts) view), the rest by pointers
+        row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
+        kv_row = kv_ptr + (row0 + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_kvt
+        scales = fp8_row_scales(kv_row, n_valid, D_LAT, FP8_TILES)  # (BLOCK_N, tiles)
+        ref_old = ref
+        ref, inv_ref = pow2_floor(tl.maximum(ref_old, tl.max(tl.max(scales, axis=1), axis=0)))
+        q8 = tl.reshape(k_desc.load([row0, 0, 0]), (BLOCK_N, BLOCK_DL))
+        k = fp8_to_half(q8, scales * inv_ref, FP8_TILE, FP8_TILES)
+        kr = k
+        if HAS_ROPE:
+            kr = load_fp8_rope(kv_row, n_valid, offs_dr, D_LAT, D_ROPE, FP8_TILE, q_rope.dtype)
+        m_i, l_i, acc = _attend_loaded(
+            k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+            allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE, k, q_scale * ref,
+            ref_old * inv_ref,
+        )  # fmt: skip
+        return m_i, l_i, acc, ref
+    elif TMA:
         row0 = tl.load(bt_ptr + b * stride_bt + n0 // page_size) * page_size + n0 % page_size
         k = k_desc.load([row0, 0])
         kr = kr_desc.load([row0, D_LAT]) if HAS_ROPE else k
@@ -161,7 +193,12 @@ def _attend_tile(
     else:
         blk = tl.load(bt_ptr + b * stride_bt + offs_n // page_size, mask=n_valid, other=0)
         kv_row = kv_ptr + blk.to(tl.int64) * stride_kvb + (offs_n % page_size) * stride_kvt  # (BLOCK_N,)
-        if FP8_TILE:
+        if FP8_HALF:
+            scales = fp8_row_scales(kv_row, n_valid, D_LAT, FP8_TILES)  # (BLOCK_N, tiles)
+            ref_old = ref
+            ref, inv_ref = pow2_floor(tl.maximum(ref_old, tl.max(tl.max(scales, axis=1), axis=0)))
+            k = load_fp8_latent_half(kv_row, n_valid, scales * inv_ref, FP8_TILE, FP8_TILES)
+        elif FP8_TILE:
             k = load_fp8_latent(kv_row, n_valid, offs_dl, D_LAT, D_LAT, FP8_TILE, q_lat.dtype, FP8_TILES)
         else:
             k = tl.load(
@@ -172,13 +209,20 @@ def _attend_tile(
         kr = k  # unused without a rope part
         if HAS_ROPE:
             if FP8_TILE:
-                kr = load_fp8_rope(kv_row, n_valid, offs_dr, D_LAT, D_ROPE, FP8_TILE, q_lat.dtype)
+                kr = load_fp8_rope(kv_row, n_valid, offs_dr, D_LAT, D_ROPE, FP8_TILE, q_rope.dtype)
             else:
                 kr = tl.load(
                     kv_row[:, None] + D_LAT + offs_dr[None, :],
                     mask=n_valid[:, None] & (offs_dr[None, :] < D_ROPE),
                     other=0.0,
                 )
+    if FP8_HALF:  # the scores' latent part and the output in units of ref; acc rescaled as ref rose
+        m_i, l_i, acc = _attend_loaded(
+            k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
+            allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE, k, q_scale * ref,
+            ref_old * inv_ref,
+        )  # fmt: skip
+        return m_i, l_i, acc, ref
     if V_IS_LAT:
         v = k
     elif FP8_TILE:
@@ -187,10 +231,11 @@ def _attend_tile(
         v = tl.load(
             kv_row[:, None] + offs_dv[None, :], mask=n_valid[:, None] & (offs_dv[None, :] < DV), other=0.0
         )
-    return _attend_loaded(
+    m_i, l_i, acc = _attend_loaded(
         k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
         allow_ptr, stride_allow, qk_scale, HAS_ROPE, BLOCK_N, HAS_ALLOW, IEEE, v,
     )  # fmt: skip
+    return m_i, l_i, acc, ref
 
 
 @triton.jit
@@ -198,12 +243,17 @@ def _attend_loaded(
     k, kr, n0, end, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
     allow_ptr, stride_allow, qk_scale,
     HAS_ROPE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ALLOW: tl.constexpr, IEEE: tl.constexpr, v=None,
+    lat_scale=None, acc_ratio=1.0,
 ):  # fmt: skip
     """_attend_tile's online-softmax step on a loaded tile: k (BLOCK_N, BLOCK_DL) latent keys,
-    kr their rope part, v the values (None: the latent, k itself)."""
+    kr their rope part, v the values (None: the latent, k itself). lat_scale (BLOCK_M,): a factor
+    of each row's latent scores (before the rope part joins them); acc_ratio: a factor of acc
+    besides the softmax's (the FP8 float16 read's change of units)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < end
     s = mma(q_lat, tl.trans(k), tl.zeros([q_lat.shape[0], BLOCK_N], tl.float32), IEEE)
+    if lat_scale is not None:
+        s = s * lat_scale[:, None]
     if HAS_ROPE:
         s = mma(q_rope, tl.trans(kr), s, IEEE)
     s = s * qk_scale
@@ -223,7 +273,7 @@ def _attend_loaded(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if v is None:
         v = k
-    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    acc = mma(p.to(v.dtype), v, acc * (alpha * acc_ratio)[:, None], IEEE)
     return m_new, l_i, acc
 
 
@@ -240,7 +290,7 @@ def _attend_loaded(
 )
 def _mla_attention_kernel(
     q_ptr, kv_ptr, k_desc, kr_desc, bt_ptr, seq_lens_ptr, qsl_ptr, sinks_ptr, allow_ptr,
-    out_ptr, part_ptr, lse_ptr,
+    out_ptr, part_ptr, lse_ptr, qh_ptr, qs_ptr,
     stride_qt, stride_qh, stride_kvb, stride_kvt, stride_bt, stride_ot, stride_oh, stride_allow,
     H, page_size, qk_scale, window, split_size, min_split_tiles, max_splits, D_LAT, D_ROPE, DV,
     BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -248,10 +298,12 @@ def _mla_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALLOW: tl.constexpr,
     DIRECT: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
-    FP8_TILE: tl.constexpr, FP8_TILES: tl.constexpr,
+    FP8_TILE: tl.constexpr, FP8_TILES: tl.constexpr, FP8_HALF: tl.constexpr = False,
 ):  # fmt: skip
     """FP8_TILE > 0: kv_ptr holds FP8 latent rows (uint8, kernels/kv_fp8.py; not TMA, not EARLY);
-    FP8_TILES > 0: the latent is that many whole tiles (kv_fp8.load_fp8_latent's broadcast scales).
+    FP8_TILES > 0: the latent is that many whole tiles (kv_fp8.load_fp8_latent's broadcast scales);
+    FP8_HALF (FP8_TILES > 0, V the latent, bfloat16 / float16 q): kv_fp8's float16 read, the
+    latent queries from qh_ptr (T*H, BLOCK_DL) float16, their inverse powers from qs_ptr (T*H,).
     EARLY (TMA, V_IS_LAT): the lengths, the block tables and every cache row before each
     request's new tokens were written before the forward's first kernel (mla_attention_partials,
     early_cache): the program reads them, and loads its first tile when no new row lies in it,
@@ -311,9 +363,16 @@ def _mla_attention_kernel(
 
     offs_dl = tl.arange(0, BLOCK_DL)
     q_row = q_ptr + t_glob * stride_qt + head * stride_qh  # (BLOCK_M,) pointers
-    q_lat = tl.load(
-        q_row[:, None] + offs_dl[None, :], mask=row_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
-    )
+    q_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    if FP8_HALF:  # the latent queries in float16 and their inverse powers (kv_fp8.half_query_rows)
+        qh_row = t_glob * H + head
+        qh = qh_ptr + qh_row[:, None] * BLOCK_DL + offs_dl[None, :]
+        q_lat = tl.load(qh, mask=row_valid[:, None], other=0.0)
+        q_scale = tl.load(qs_ptr + qh_row, mask=row_valid, other=1.0)
+    else:
+        q_lat = tl.load(
+            q_row[:, None] + offs_dl[None, :], mask=row_valid[:, None] & (offs_dl[None, :] < D_LAT), other=0.0
+        )
     offs_dr = tl.arange(0, BLOCK_DR)
     if HAS_ROPE:
         q_rope = tl.load(
@@ -323,6 +382,7 @@ def _mla_attention_kernel(
         )
     else:
         q_rope = q_lat
+    ref = tl.zeros([], tl.float32)  # FP8_HALF: the largest scale seen (acc's unit); 0 before any
     offs_dv = tl.arange(0, BLOCK_DV)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -340,19 +400,23 @@ def _mla_attention_kernel(
     if TMA:  # whole tiles below the KV length by TMA, then at most one partial tile with masks
         tail = tl.maximum(begin, tl.minimum(end, (kv_len // BLOCK_N) * BLOCK_N))
         for n0 in range(begin, tail, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(
+            m_i, l_i, acc, ref = _attend_tile(
                 n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
                 kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
                 page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
-                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True,
+                HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, True, FP8_TILE, FP8_TILES,
+                ref, q_scale, FP8_HALF,
             )  # fmt: skip
     for n0 in range(tl.maximum(tail, begin), end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
+        m_i, l_i, acc, ref = _attend_tile(
             n0, end, b, pos, lo_r, t_glob, row_valid, q_lat, q_rope, m_i, l_i, acc,
             kv_ptr, bt_ptr, allow_ptr, stride_kvb, stride_kvt, stride_bt, stride_allow,
             page_size, qk_scale, D_LAT, D_ROPE, DV, BLOCK_DL, BLOCK_DR, BLOCK_DV,
             HAS_ROPE, V_IS_LAT, BLOCK_N, HAS_ALLOW, IEEE, k_desc, kr_desc, False, FP8_TILE, FP8_TILES,
+            ref, q_scale, FP8_HALF,
         )  # fmt: skip
+    if FP8_HALF:
+        acc = acc * ref  # from units of ref (exact: a power of two)
 
     dv_mask = row_valid[:, None] & (offs_dv[None, :] < DV)
     if DIRECT:
@@ -531,9 +595,47 @@ def _kv_descriptors(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> 
     return k_desc, kr_desc
 
 
+def _fp8_descriptor(kv: torch.Tensor, latent_dim: int, cfg: AttentionConfig) -> object:
+    """A TMA descriptor over the latent bytes of FP8 rows (NB, BS, row bytes) uint8, viewed as
+    (blocks * page, parts, C / parts) with parts of at most 256 bytes (TMA's box limit), tiles of
+    (block_n, parts, C / parts); None where the layout does not allow it (as _kv_descriptors)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    nb, page, _ = kv.shape
+    parts = max(1, latent_dim // 256)
+    width = latent_dim // parts
+    if not (
+        tma_supported(kv.device)
+        and width == next_pow2(width)
+        and width * parts == latent_dim
+        and page % cfg.block_n == 0
+        and kv.stride(2) == 1
+        and kv.stride(0) == page * kv.stride(1)
+        and kv.stride(1) % 16 == 0
+        and kv.data_ptr() % 16 == 0
+    ):
+        return None
+    shape, strides = [nb * page, parts, width], [kv.stride(1), width, 1]
+    return TensorDescriptor(kv, shape, strides, [cfg.block_n, parts, width])
+
+
+# The float16 read loading the latent bytes of whole tiles by TMA (_fp8_descriptor; the scales and
+# rope part by pointers); False: every byte by pointer loads. bench/bench_cuda.py --only
+# decode_fp8 times both.
+FP8_TMA = False
+
+
 # FP8 latent rows whose width is a power of two: load each row's tile scales once and broadcast
 # them (True), or load a scale per value (False); bench/bench_cuda.py --only decode_fp8 times both.
 FP8_SCALE_TILES = True
+
+
+# FP8 latent rows read in float16 (kv_fp8.fp8_to_half: one conversion a value pair) where the
+# latent is whole power-of-two tiles, V is the latent and q is bfloat16 / float16; False: the
+# bfloat16 read (e4m3 -> float16 -> float32 -> bfloat16, times the scale). Off until timed on a
+# GPU: bench/bench_cuda.py --only decode_fp8 times both (its fp8_variants). The cuda backend turns
+# it on with DEEPINFER_CUDA_FP8_HALF_READ=1 (its launches' fp8_half_read).
+FP8_HALF_READ = False
 
 
 # Programs per SM that _num_splits aims at over FP8 rows (2, as over bf16 rows, where TMA feeds
@@ -548,6 +650,13 @@ def _fp8_tiles(latent_dim: int, fp8_tile: int) -> int:
         return 0
     tiles = latent_dim // fp8_tile
     return tiles if tiles & (tiles - 1) == 0 else 0  # a power of two
+
+
+def _fp8_half(fp8_tiles: int, dtype: torch.dtype, v_dim: int, latent_dim: int, wanted: bool = False) -> bool:
+    """Whether the kernel reads FP8 rows in float16: wanted (the launch's fp8_half_read) or
+    FP8_HALF_READ, and the rows and q allow it (FP8_HALF_READ's conditions)."""
+    halves = dtype in (torch.bfloat16, torch.float16)
+    return (wanted or FP8_HALF_READ) and fp8_tiles > 0 and v_dim == latent_dim and halves
 
 
 def _num_splits(
@@ -594,7 +703,12 @@ def launch_config(
     if short and batch <= SHORT_SPAN_TILES and span <= SHORT_SPAN:  # one tile of rows per request
         return AttentionConfig(block_m=next_pow2(rows), block_n=SHORT_SPAN_BLOCK_N), 1
     wide = FP8_WIDE_CONFIG if fp8 else WIDE_CONFIG
-    default = FP32_CONFIG if fp32 else wide if rows >= 64 else AttentionConfig(block_m=next_pow2(rows))
+    narrow = AttentionConfig(block_m=next_pow2(rows))
+    if fp8:
+        n = FP8_NARROW_CONFIG
+        block_m = max(n.block_m, next_pow2(rows))
+        narrow = AttentionConfig(block_m, n.block_n, n.num_warps, n.num_stages, tma=False)
+    default = FP32_CONFIG if fp32 else wide if rows >= 64 else narrow
     return config or default, FEW_TILES_MIN_SPLIT_TILES
 
 
@@ -625,10 +739,12 @@ def mla_attention(
     split_size: int | None = None,
     pdl: bool = True,
     fp8_tile: int = 0,
+    fp8_half_read: bool = False,
 ) -> torch.Tensor:
     """Ragged paged attention. q (T, H, D), kv (NB, BS, D) -> (T, H, v_dim) in q's dtype.
     fp8_tile > 0: kv (NB, BS, row bytes) uint8 holds FP8 latent rows with that tile
-    (deepinfer.backend.kv_formats_mla), dequantised in the kernel's registers.
+    (deepinfer.backend.kv_formats_mla), dequantised in the kernel's registers (fp8_half_read, or
+    the module's FP8_HALF_READ: read in float16 where the rows allow it, kernels/kv_fp8.py).
 
     split_size: tokens per KV split at absolute positions (a multiple of the config's block_n);
     None: batch-invariant mode uses the fixed INVARIANT_SPLIT, otherwise the number of splits is
@@ -639,7 +755,7 @@ def mla_attention(
     out = mla_attention_partials(
         q, kv, meta, scale=scale, v_dim=v_dim, latent_dim=latent_dim, window=window, sinks=sinks,
         topk_indices=topk_indices, batch_invariant=batch_invariant, config=config, split_size=split_size,
-        pdl=pdl, fp8_tile=fp8_tile,
+        pdl=pdl, fp8_tile=fp8_tile, fp8_half_read=fp8_half_read,
     )  # fmt: skip
     if isinstance(out, torch.Tensor):
         return out
@@ -666,6 +782,7 @@ def mla_attention_partials(
     early_cache: bool = False,
     pdl: bool = True,
     fp8_tile: int = 0,
+    fp8_half_read: bool = False,
 ) -> torch.Tensor | SplitPartials:
     """mla_attention without the merge of its splits: the output (T, H, v_dim) where one split
     serves every row (the kernel writes it), else the SplitPartials for combine_splits (or for a
@@ -722,7 +839,13 @@ def mla_attention_partials(
         split = 0  # one adaptive split covers any length (a replayed graph may see longer rows)
 
     allow = _allow_mask(topk_indices, t, max_len) if topk_indices is not None else None
-    k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma and not fp8_tile else (None, None)
+    fp8_tiles = _fp8_tiles(latent_dim, fp8_tile)
+    fp8_half = _fp8_half(fp8_tiles, q.dtype, v_dim, latent_dim, fp8_half_read)
+    qh, qs = half_query_rows(q, latent_dim, pdl_enabled(q.device, pdl)) if fp8_half else (q, q)
+    if fp8_half and FP8_TMA:
+        k_desc, kr_desc = _fp8_descriptor(kv, latent_dim, cfg), None
+    else:
+        k_desc, kr_desc = _kv_descriptors(kv, latent_dim, cfg) if cfg.tma and not fp8_tile else (None, None)
     block_dv = next_pow2(v_dim)
     if direct:
         out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
@@ -736,7 +859,7 @@ def mla_attention_partials(
     _mla_attention_kernel[grid](
         q, kv, k_desc, kr_desc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         sinks if sinks is not None else q, allow if allow is not None else q,
-        out, part, lse,
+        out, part, lse, qh, qs,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), allow.stride(0) if allow is not None else 0,
         h, kv.shape[1], scale * LOG2E, window or 0, split, few_tiles_min, max_splits,
@@ -746,8 +869,9 @@ def mla_attention_partials(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, HAS_ALLOW=allow is not None,
         DIRECT=direct, IEEE=q.dtype == torch.float32, TMA=k_desc is not None,
-        EARLY=early_cache and k_desc is not None and v_dim == latent_dim, PDL=pdl, FP8_TILE=fp8_tile,
-        FP8_TILES=_fp8_tiles(latent_dim, fp8_tile),
+        EARLY=early_cache and k_desc is not None and v_dim == latent_dim and not fp8_tile, PDL=pdl,
+        FP8_TILE=fp8_tile,
+        FP8_TILES=fp8_tiles, FP8_HALF=fp8_half,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out if direct else SplitPartials(part, lse, max_splits)
