@@ -361,14 +361,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     eval_data = batch(held_ids, p.eval_windows, length)
     eval_anchors = random_anchors(p.eval_windows, p.anchors, length, p.block_size, gen, device)
     with torch.no_grad():
-        loss_before = float(
-            block_losses(params, cfg, dcfg, embed, lm_head, eval_data, eval_anchors, p.conf_weight)[0]
-        )
-
+        loss0, held0 = block_losses(params, cfg, dcfg, embed, lm_head, eval_data, eval_anchors, p.conf_weight)
+    loss_before = float(loss0)
     if args.evaluate is not None:
-        with torch.no_grad():
-            _, held = block_losses(params, cfg, dcfg, embed, lm_head, eval_data, eval_anchors, p.conf_weight)
-        accept = rounded(held)["accept"]
+        accept = rounded(held0)["accept"]
         result = {"accept_by_slot": accept, "mean_accepted_length": round(1.0 + sum(accept), 4)}
         result.update(blocks=eval_anchors.numel(), loss=round(loss_before, 4))
         print(f"held-out ({args.evaluate}/dflash): {json.dumps(result)}", flush=True)
@@ -420,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "accept_by_slot": accept,  # teacher-forced: drafts 0..s all equal g
         "mean_accepted_length": round(1.0 + sum(accept), 4),
         "blocks": eval_anchors.numel(),
+        "accept_by_slot_before": rounded(held0)["accept"],
         "loss_before": round(loss_before, 4),
         "loss_after": round(float(loss_after), 4),
     }
@@ -438,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "device": args.device,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
         "corpus_sha256": corpus_hash,
         "curve": curve,
         "held_out": held_out,
