@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from models_util import rel_err
 from test_step_times import synthetic
 
 from deepinfer import LLM, SamplingParams
@@ -246,7 +247,8 @@ def test_training_lowers_the_loss_at_toy_size(tmp_path: Path) -> None:
 def test_training_forward_is_the_oracles_block_per_window() -> None:
     """train/train_dflash.py's block_forward (batched over windows, the block's own slots and the
     context scored apart) equals dflash_block run window by window, float64, on random weights and
-    several anchors per window (some near the window's start and end)."""
+    several anchors per window (some near the window's start and end); in bfloat16 (the GPU's
+    training dtype) within bfloat16's rounding of it."""
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "train"))
     import train_dflash
@@ -276,3 +278,9 @@ def test_training_forward_is_the_oracles_block_per_window() -> None:
         want, want_c = dflash_block(w, cfg, dd, emb, head, trunks[i], anchors[i], tokens[i], prev[i])
         assert torch.allclose(logits[i], want, rtol=1e-9, atol=1e-9)
         assert torch.allclose(torch.sigmoid(z[i]), want_c, rtol=1e-9, atol=1e-9)
+    low = [t.bfloat16() for t in (emb, head, trunks)]
+    w16 = {k: v.bfloat16() for k, v in w.items()}
+    logits16, z16 = train_dflash.block_forward(w16, cfg, dd, *low, anchors, tokens, prev)
+    assert logits16.dtype == torch.bfloat16
+    assert rel_err(logits16.double(), logits) < 0.05
+    assert rel_err(z16.double(), z) < 0.05

@@ -13,7 +13,7 @@ t+1 .. t+B; slot s learns g_{t+1+s}, its Markov term fed prev_s = x_{t+1} (s = 0
 previous slot's target: its draft when that draft is accepted). Every block of a window attends
 the window's injected context up to its anchor and its own slots: block_forward, the math of
 deepinfer.testing.dflash_oracle.dflash_block (the dense forward the engine's paged forward is
-checked against in tests/test_dflash.py) batched over windows, in bfloat16 autocast on CUDA.
+checked against in tests/test_dflash.py) batched over windows, in bfloat16 on a GPU.
 
 Loss = mean over slots of the cross-entropy against g + conf_weight * the confidence head's binary
 cross-entropy: c_s against "draft s equals g" on the blocks whose drafts before s all did (c_s is
@@ -243,18 +243,22 @@ def block_losses(
     data: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     anchors: torch.Tensor,
     conf_weight: float,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """data: (windows (W, L), trunks, greedy); anchors (W, N) -> (loss, stats: per-slot
     cross-entropy, the confidence loss, per-slot acceptance (drafts 0..s all equal g); tensors,
-    so a step need not wait for the device)."""
+    so a step need not wait for the device). The forward runs in `dtype` (the parameters cast,
+    their gradients float32), the losses in float32."""
     windows, trunks, greedy = data
     b = dcfg["block_size"]
     slots = torch.arange(b, device=anchors.device)
     target = torch.gather(greedy, 1, (anchors[..., None] + 1 + slots).flatten(1)).view(*anchors.shape, b)
     token = torch.gather(windows, 1, anchors + 1)  # (W, N): x_{t+1}
     prev = torch.cat([token[..., None], target[..., :-1]], dim=-1)  # (W, N, B)
-    with torch.autocast(trunks.device.type, torch.bfloat16, enabled=trunks.device.type == "cuda"):
-        logits, z = block_forward(params, cfg, dcfg, embed, lm_head, trunks, anchors, token, prev)
+    w = {k: v.to(dtype) for k, v in params.items()}
+    logits, z = block_forward(
+        w, cfg, dcfg, embed.to(dtype), lm_head.to(dtype), trunks.to(dtype), anchors, token, prev
+    )
     logits, z, target = (
         logits.reshape(-1, b, logits.shape[-1]),
         z.reshape(-1, b).float(),
@@ -305,6 +309,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=None, help="fixed optimizer steps instead of the budget")
     ap.add_argument("--windows", type=int, default=None, help="windows per model run (the preset's)")
     ap.add_argument("--anchors", type=int, default=None, help="blocks per window per step (the preset's)")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="the drafter's forward (default: bfloat16 on a GPU, float32 on the CPU)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--evaluate",
@@ -357,11 +367,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         windows = sample_windows(stream, count, length, gen).to(device)
         return (windows, *target_outputs(model, windows, p.target_layer_ids))
 
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    fixed = (params, cfg, dcfg, embed, lm_head)
     length = min(p.window, held_ids.numel() - 1)
     eval_data = batch(held_ids, p.eval_windows, length)
     eval_anchors = random_anchors(p.eval_windows, p.anchors, length, p.block_size, gen, device)
     with torch.no_grad():
-        loss0, held0 = block_losses(params, cfg, dcfg, embed, lm_head, eval_data, eval_anchors, p.conf_weight)
+        loss0, held0 = block_losses(*fixed, eval_data, eval_anchors, p.conf_weight, dtype)
     loss_before = float(loss0)
     if args.evaluate is not None:
         accept = rounded(held0)["accept"]
@@ -391,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if step % p.reuse == 0:
             data = batch(train_ids, p.windows, p.window)
         anchors = random_anchors(p.windows, p.anchors, p.window, p.block_size, gen, device)
-        loss, stats = block_losses(params, cfg, dcfg, embed, lm_head, data, anchors, p.conf_weight)
+        loss, stats = block_losses(*fixed, data, anchors, p.conf_weight, dtype)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -408,9 +420,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_s = time.time() - start
 
     with torch.no_grad():
-        loss_after, held = block_losses(
-            params, cfg, dcfg, embed, lm_head, eval_data, eval_anchors, p.conf_weight
-        )
+        loss_after, held = block_losses(*fixed, eval_data, eval_anchors, p.conf_weight, dtype)
     accept = rounded(held)["accept"]
     held_out = {
         "accept_by_slot": accept,  # teacher-forced: drafts 0..s all equal g
@@ -433,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "train_cpu_seconds": round(time.process_time() - cpu0, 1),
         "cpu_seconds": round(time.process_time(), 1),
         "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
