@@ -193,10 +193,10 @@ def test_cuda_backend_verification_graphs_equal_plain_decoding(ckpt: Path) -> No
 
 TINY = Path(__file__).resolve().parents[1] / "model" / "tiny"
 # Greedy acceptance of the shipped drafter (model/tiny/dflash/, train/train_dflash.py) on the
-# prompts below, accepted drafts / verified drafts: 56 / 340 = 0.165 measured on the reference
-# backend on CPU when it shipped (a random drafter accepts about none); the floor leaves room for
-# another CPU's rounding.
-SHIPPED_ACCEPTANCE_FLOOR = 0.12
+# prompts below, accepted drafts / verified drafts: 65 / 295 = 0.220 measured on the reference
+# backend on CPU when it shipped (the drafter before it: 56 / 340 = 0.165; a random drafter
+# accepts about none); the floor leaves room for another CPU's rounding.
+SHIPPED_ACCEPTANCE_FLOOR = 0.17
 
 
 def test_shipped_drafter_accepts_and_equals_plain_decoding() -> None:
