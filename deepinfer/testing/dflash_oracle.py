@@ -2,8 +2,9 @@
 no code with deepinfer.models (reference/deepseek-v4.1.md 1.10-1.11; the target's layers are
 deepinfer.testing.oracles', the V3 float64 oracle).
 
-It computes in the dtype of the trunks it is given (float64 in the tests; train/train_dflash.py
-runs it in float32 with autograd, over many blocks of a window at once):
+It computes in the dtype of the trunks it is given, on their device (float64 in the tests;
+train/train_dflash.py trains with a form batched over windows that reuses its parts and is
+checked against dflash_block in tests/test_dflash_engine.py):
   naive MLA (the latent expanded into per-head keys and values), the context's keys and values
   from u = project_norm(projection(trunks)) at positions 0..L-1, each block's from its own slots
   at anchor+1 .. anchor+B; block n's slots see context positions <= anchor_n and every slot of
@@ -39,7 +40,7 @@ def target_trunks64(
 def _rope(x: torch.Tensor, positions: torch.Tensor, cfg: dict[str, Any]) -> torch.Tensor:
     """x (M, ..., R): interleaved pairs (x0, x1) rotated by position * freq, in x's dtype."""
     freqs, factor = _yarn_inv_freq(cfg, x.shape[-1])
-    ang = positions.double()[:, None] * freqs[None, :]  # (M, R/2)
+    ang = positions.double()[:, None] * freqs.to(positions.device)[None, :]  # (M, R/2)
     cos, sin = (ang.cos() * factor).to(x.dtype), (ang.sin() * factor).to(x.dtype)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
     cos, sin = cos.view(shape), sin.view(shape)
