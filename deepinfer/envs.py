@@ -31,7 +31,7 @@ Kind = Literal["flag", "text", "choice", "names", "ints", "int", "float"]
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MODEL_FUSIONS = ("qkv_a", "shared_experts")
+MODEL_FUSIONS = ("qkv_a", "shared_experts", "compressor")
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ MODEL_UNFUSED = Switch(
     default=frozenset(),
     meaning=(
         "model-level fusions to switch off (qkv_a: MLA's q + kv_a GEMM; shared_experts: the shared "
-        "experts in the routed grouped GEMM), comma-separated, or 1 / all"
+        "experts in the routed grouped GEMM; compressor: DeepSeek-V4's wkv + wgate GEMM), "
+        "comma-separated, or 1 / all"
     ),
     audience="benchmark",
     read_when="when a model is loaded",

@@ -50,6 +50,15 @@ class CudaSmall(SmallOps):
     ) -> torch.Tensor:
         return small_k.rope(x, positions, cos_sin_cache, interleaved)
 
+    def rope_tail(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """One launch (kernels/small.py: the head channels copied, the tail rotated); unfused: the
+        contract's rope and cat."""
+        if not self.fused:
+            return super().rope_tail(x, positions, cos_sin_cache, inverse)
+        return small_k.rope_tail(x, positions, cos_sin_cache, inverse)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return small_k.silu_and_mul(x)
 

@@ -149,6 +149,57 @@ def rope(
 
 
 @triton.jit
+def _rope_tail_kernel(
+    x_ptr, y_ptr, pos_ptr, cs_ptr, H, HEAD, HALF, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One token, BLOCK_H heads: the first HEAD channels copied in BLOCK_D chunks, the rotary
+    tail's interleaved pairs rotated by f_i (INVERSE: by -f_i, sin negated)."""
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = hs[:, None] < H
+    x_row = x_ptr + t * stride_xt + hs[:, None] * stride_xh
+    y_row = y_ptr + t * stride_yt + hs[:, None] * stride_yh
+    for d0 in range(0, HEAD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)[None, :]
+        m = rows & (d < HEAD)
+        tl.store(y_row + d, tl.load(x_row + d, mask=m), mask=m)
+    i = tl.arange(0, BLOCK_R)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    rope_rows(x_row + HEAD, y_row + HEAD, rows, cos[None, :], sin[None, :], HALF, True, BLOCK_R)
+
+
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool
+) -> torch.Tensor:
+    """x (T, H, D) -> a copy in x's dtype whose last R channels (R = cos_sin_cache.shape[1]) are
+    rotated, interleaved pairs (by -angle where inverse), in one launch."""
+    if x.dim() != 3:
+        raise ValueError(f"rope_tail takes x of shape (T, H, D), got {tuple(x.shape)}")
+    t, h, d = x.shape
+    r = cos_sin_cache.shape[-1]
+    if r % 2 or r > d:
+        raise ValueError(f"rope_tail: rotary width {r} must be even and at most the row width {d}")
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0 or d == 0:
+        return y
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    positions = positions.contiguous()  # the kernel reads position t at offset t
+    block_h = min(16, next_pow2(h, 1))
+    _rope_tail_kernel[(t, triton.cdiv(h, block_h))](
+        xs, y, positions, cs, h, d - r, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1),
+        cs.stride(0), INVERSE=inverse, BLOCK_H=block_h, BLOCK_D=min(128, next_pow2(max(d - r, 1), 1)),
+        BLOCK_R=next_pow2(r // 2, 1), num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, y_ptr, I, stride_x, stride_y, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
 ):

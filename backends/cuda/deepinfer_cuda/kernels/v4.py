@@ -389,6 +389,80 @@ def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: to
     return out
 
 
+# --------------------------------------------------------------------------- compressed entries
+
+
+@triton.jit
+def _entries_kernel(
+    seq_ptr, slot_ptr, bt_ptr, et_ptr, kt_ptr, state_ptr, present_ptr, out_ptr, pos_ptr, key_ptr,
+    T, MB, MBE, MBK, stride_bt, stride_et, stride_kt, Q, K, RATIO, BS, S,
+    OVERLAP: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Candidate e = b * K + j of request b (its j-th of K = ceil(Q / RATIO)): entry
+    w = (end - Q) // RATIO + j, whether it closes, its S pooled slots and its rows."""
+    e = tl.program_id(0).to(tl.int64)
+    b = e // K
+    end = tl.load(seq_ptr + b).to(tl.int64)
+    start = end - Q  # the request's first position this step (>= 0)
+    w = start // RATIO + e % K
+    row = tl.minimum(tl.maximum(b * Q + (w + 1) * RATIO - 1 - start, 0), T - 1)
+    closed = end // RATIO  # entries closed once the step is done
+    closes = (w < closed) & (tl.load(slot_ptr + row) >= 0)
+    w = tl.minimum(w, tl.maximum(closed - 1, 0))  # a candidate that does not close: rows it owns
+    s = tl.arange(0, BLOCK_S)
+    live = s < S
+    if OVERLAP:
+        p = (w - 1) * RATIO + s
+    else:
+        p = w * RATIO + s
+    present = p >= 0
+    p = tl.minimum(tl.maximum(p, 0), end - 1)
+    col = tl.minimum(p // BS, MB - 1)
+    block = tl.load(bt_ptr + b * stride_bt + col, mask=live, other=0).to(tl.int64)
+    tl.store(state_ptr + e * S + s, block * BS + p % BS, mask=live)
+    tl.store(present_ptr + e * S + s, present.to(tl.uint8), mask=live)
+    entry = tl.load(et_ptr + b * stride_et + tl.minimum(w // BS, MBE - 1)).to(tl.int64) * BS + w % BS
+    out = tl.where(closes, entry, -1)
+    tl.store(out_ptr + e, out)
+    tl.store(pos_ptr + e, w * RATIO)
+    if HAS_KEYS:
+        key = tl.load(kt_ptr + b * stride_kt + tl.minimum(w // BS, MBK - 1)).to(tl.int64) * BS + w % BS
+        tl.store(key_ptr + e, tl.where(closes, key, -1))
+
+
+def compressed_entries(
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    entry_tables: torch.Tensor,
+    key_tables: torch.Tensor | None,
+    query_len: int,
+    ratio: int,
+    overlap: bool,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVCacheOps.compressed_entries of a step whose B requests each compute query_len tokens,
+    in one launch (one program per candidate): (state_slots (W, S), present (W, S) bool,
+    out_slots, positions, key_slots (W,)), W = B * ceil(query_len / ratio)."""
+    b, k = seq_lens.shape[0], -(-query_len // ratio)
+    span = 2 * ratio if overlap else ratio
+    dev = slot_mapping.device
+    state = torch.empty((b * k, span), dtype=torch.int64, device=dev)
+    present = torch.empty((b * k, span), dtype=torch.bool, device=dev)
+    out, pos = (torch.empty((b * k,), dtype=torch.int64, device=dev) for _ in range(2))
+    keys = out if key_tables is None else torch.empty_like(out)
+    if b * k == 0:
+        return state, present, out, pos, keys
+    kt = entry_tables if key_tables is None else key_tables
+    _entries_kernel[(b * k,)](
+        seq_lens, slot_mapping, block_tables, entry_tables, kt, state, present.view(torch.uint8), out, pos,
+        keys, slot_mapping.shape[0], block_tables.shape[1], entry_tables.shape[1], kt.shape[1],
+        block_tables.stride(0), entry_tables.stride(0), kt.stride(0), query_len, k, ratio, block_size, span,
+        OVERLAP=overlap, HAS_KEYS=key_tables is not None, BLOCK_S=next_pow2(span, 1), num_warps=1,
+    )  # fmt: skip
+    return state, present, out, pos, keys
+
+
 # --------------------------------------------------------------------------- lightning indexer
 
 # Entries per scoring tile; entries scanned per step of the select kernel.
