@@ -85,7 +85,7 @@ def timed(fn: Any, smoke: bool) -> float:
     with torch.cuda.graph(graph):
         for i in range(CALLS):
             fn(i)
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median")
     return float(ms) * 1e3 / CALLS
 
 
