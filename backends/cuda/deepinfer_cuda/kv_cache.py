@@ -76,7 +76,7 @@ class CudaKVCache(KVCacheOps):
         """One launch (kernels/v4.py) where every request computes the same number of tokens
         (decode, verification and graph steps); ragged steps and unfused: the contract's."""
         lens = set(meta.query_lens_host)
-        if not self.fused or len(lens) != 1 or not slot_mapping.is_contiguous():
+        if not self.fused or len(lens) != 1:
             return super().compressed_entries(
                 meta, slot_mapping, entry_tables, key_tables, ratio=ratio, overlap=overlap,
                 block_size=block_size,

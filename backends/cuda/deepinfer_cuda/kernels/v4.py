@@ -453,7 +453,13 @@ def compressed_entries(
     keys = out if key_tables is None else torch.empty_like(out)
     if b * k == 0:
         return state, present, out, pos, keys
-    kt = entry_tables if key_tables is None else key_tables
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # the kernel reads a table's row with unit stride
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    block_tables, entry_tables = rows(block_tables), rows(entry_tables)
+    kt = entry_tables if key_tables is None else rows(key_tables)
+    seq_lens, slot_mapping = seq_lens.contiguous(), slot_mapping.contiguous()
     _entries_kernel[(b * k,)](
         seq_lens, slot_mapping, block_tables, entry_tables, kt, state, present.view(torch.uint8), out, pos,
         keys, slot_mapping.shape[0], block_tables.shape[1], entry_tables.shape[1], kt.shape[1],
