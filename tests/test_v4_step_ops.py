@@ -5,7 +5,8 @@ bench/bench_e2e_v4.py's 4-layer V4-Flash). The entries closing in the step, thei
 and index-key slots come from one kv_cache.compressed_entries call per compression ratio (a
 kernel of the cuda backend), so the model computes no integer tensor itself but the hash
 layers' expert ids; each layer issues only a few elementwise ops of its own (the rope tails
-are small.rope_tail calls, the compressors' [kv | gate] one GEMM)."""
+are small.rope_tail calls, the compressors' [kv | gate] one GEMM, which gives the two GEMMs'
+tokens)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM, SamplingParams, envs
+from deepinfer.models.deepseek_v4 import Compressor
 from deepinfer.models.forward_batch import ForwardBatch
 from deepinfer.testing.checkpoints import tiny_v4_config, write_random_v4_checkpoint
 
@@ -111,3 +114,29 @@ def test_decode_forward_index_work_is_per_step(tmp_path: Path) -> None:
         assert per_layer[i] <= BUDGET[kind], (i, kind, [op for op in trace.ops if op[0] == i])
     # outside the layers: the embedding and the streams' copy of it
     assert per_layer[-1] <= 2, [op for op in trace.ops if op[0] == -1]
+
+
+def test_compressor_projections_in_one_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compressors' wkv and wgate as one GEMM (Compressor.kv_gate) give the two GEMMs'
+    greedy tokens and log-probabilities (float32 rounding); DEEPINFER_MODEL_UNFUSED=compressor
+    keeps them apart."""
+    root = write_random_v4_checkpoint(tmp_path / "v4", tiny_v4_config(max_position_embeddings=128))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 120 + 2 for i in range(n)]} for j, n in enumerate((19, 7))]
+    runs = {}
+    for unfused in ("", "compressor"):
+        monkeypatch.setenv(envs.MODEL_UNFUSED.name, unfused)
+        llm = LLM(str(root), backend="reference", dtype="float32", block_size=4, max_model_len=64)
+        compressors = [m for m in llm.llm_engine.model.modules() if isinstance(m, Compressor)]
+        assert compressors and all((m.kv_gate is None) == bool(unfused) for m in compressors)
+        res = llm.generate(prompts, params, use_tqdm=False)
+        runs[unfused] = [
+            (
+                list(r.outputs[0].token_ids),
+                [next(iter(lp.values())).logprob for lp in r.outputs[0].logprobs or []],
+            )
+            for r in res
+        ]
+    for (tokens, lps), (tokens_u, lps_u) in zip(runs[""], runs["compressor"]):
+        assert tokens == tokens_u
+        assert lps and torch.allclose(torch.tensor(lps), torch.tensor(lps_u), atol=1e-5, rtol=0)
