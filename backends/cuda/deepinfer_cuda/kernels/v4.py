@@ -1046,6 +1046,13 @@ INVARIANT_SPLIT_TILES = 16
 # Fewest tiles per split (adaptive mode): one decode row's keys (128 window + 512 top-k = 10
 # tiles) over a few programs.
 MIN_SPLIT_TILES = 2
+# Small decode grids (fewer than SMALL_GRID_PROGRAMS programs of whole head tiles: V4-Flash's 64
+# heads are one tile, so batch 1 was one program walking an HCA row's 3 tiles, 27 us a call on an
+# H200) take head tiles of SMALL_BLOCK_M rows and splits down to SMALL_MIN_SPLIT_TILES tiles
+# (adaptive mode only: batch-invariant tiles never depend on the batch).
+SMALL_GRID_PROGRAMS = 64
+SMALL_BLOCK_M = 16
+SMALL_MIN_SPLIT_TILES = 1
 
 
 @triton.jit
@@ -1231,6 +1238,12 @@ def compressed_attention(
     batch, max_q, max_len = meta.num_requests, max(meta.query_lens_host), max(meta.seq_lens_host)
 
     cfg = config or _compressed_config(h, q.dtype)
+    min_tiles = MIN_SPLIT_TILES
+    small = batch * max_q * triton.cdiv(h, cfg.block_m) < SMALL_GRID_PROGRAMS
+    if config is None and small and not batch_invariant and split_tiles is None and q.dtype != torch.float32:
+        block_m = min(SMALL_BLOCK_M, cfg.block_m)
+        cfg = attn_k.AttentionConfig(block_m=block_m, block_n=cfg.block_n, num_warps=4)
+        min_tiles = SMALL_MIN_SPLIT_TILES
     bn = cfg.block_n
     list_len = topk.shape[1] if topk is not None else max_len // ratio
     max_tiles = triton.cdiv(min(window or max_len, max_len), bn) + triton.cdiv(list_len, bn)
@@ -1241,7 +1254,7 @@ def compressed_attention(
         max_splits = triton.cdiv(max_tiles, split_tiles)
     else:
         want = max(1, 2 * num_sms(q.device) // (batch * max_q * head_tiles))
-        max_splits = max(1, min(want, max_tiles // MIN_SPLIT_TILES))
+        max_splits = max(1, min(want, max_tiles // min_tiles))
     direct = max_splits == 1 and not batch_invariant
     block_d = next_pow2(d)
     if direct:
@@ -1256,7 +1269,7 @@ def compressed_attention(
         meta.block_tables.stride(0), cbt.stride(0), out.stride(0), out.stride(1),
         topk.stride(0) if topk is not None else 0,
         h, kv.shape[1], ckv.shape[1], scale * LOG2E, window or 0, ratio,
-        topk.shape[1] if topk is not None else 0, MIN_SPLIT_TILES, split_tiles or 0, max_splits, d,
+        topk.shape[1] if topk is not None else 0, min_tiles, split_tiles or 0, max_splits, d,
         BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=bn, HAS_WINDOW=window is not None,
         HAS_TOPK=topk is not None, HAS_SINKS=sinks is not None, DIRECT=direct,
         IEEE=q.dtype == torch.float32, KV_FMT=row_format_code(kv_format), CKV_FMT=row_format_code(ckv_format),
