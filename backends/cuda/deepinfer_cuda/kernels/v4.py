@@ -1047,9 +1047,10 @@ INVARIANT_SPLIT_TILES = 16
 # tiles) over a few programs.
 MIN_SPLIT_TILES = 2
 # Small decode grids (fewer than SMALL_GRID_PROGRAMS programs of whole head tiles: V4-Flash's 64
-# heads are one tile, so batch 1 was one program walking an HCA row's 3 tiles, 27 us a call on an
-# H200) take head tiles of SMALL_BLOCK_M rows and splits down to SMALL_MIN_SPLIT_TILES tiles
-# (adaptive mode only: batch-invariant tiles never depend on the batch).
+# heads are one tile, so at batch 1 an HCA row's 3 tiles were one program: the 4-layer step's
+# four calls took 0.107 ms on an H200, bench/results/2026-12-03_H200_v4_step_profile) take head
+# tiles of SMALL_BLOCK_M rows and splits down to SMALL_MIN_SPLIT_TILES tiles (adaptive mode only:
+# batch-invariant tiles never depend on the batch).
 SMALL_GRID_PROGRAMS = 64
 SMALL_BLOCK_M = 16
 SMALL_MIN_SPLIT_TILES = 1
