@@ -290,6 +290,17 @@ def test_rope_kernel(interleaved: bool) -> None:
     compile_sm90(small_k._rope_kernel, types, dict(INTERLEAVED=interleaved, BLOCK_H=16, BLOCK_R=32))
 
 
+@pytest.mark.parametrize("biased", [False, True])
+def test_gated_pool_kernel(biased: bool) -> None:
+    """The compressor's pooling at V4-Flash's HCA tile (128 slots), plain and with the position
+    bias and absent slots (small.compressor_pool)."""
+    from deepinfer_cuda.kernels import small as small_k
+
+    types = {"kv_ptr": PTR["bf16"], "gate_ptr": PTR["bf16"], "out_ptr": PTR["bf16"]}
+    types |= {"bias_ptr": PTR["f32"], "present_ptr": "*u8"}
+    compile_sm90(small_k._gated_pool_kernel, types, dict(BIASED=biased, BLOCK_S=128, BLOCK_D=32))
+
+
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_tail_kernel(inverse: bool) -> None:
     """V4's partial rope at its shapes: 512-wide heads, a 64-wide rotary tail."""

@@ -1089,6 +1089,16 @@ class SmallOps(_Part):
         Default: the reference."""
         return ref_v4.gated_pool(kv, gate)
 
+    def compressor_pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V4's compressor pooling of its state rows: kv (W, S, D), gate (W, S, D) in any
+        float dtype, bias (S, D) float32 (the per-slot position bias), present (W, S) bool ->
+        gated_pool(kv, logits) with logits = gate + bias in float32, -inf where not present.
+        Default: those two torch ops, then this part's gated_pool."""
+        logits = torch.where(present[..., None], gate + bias, float("-inf"))
+        return self.gated_pool(kv, logits)
+
     def hc_pre(
         self,
         streams: torch.Tensor,

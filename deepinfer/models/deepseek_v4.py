@@ -408,9 +408,9 @@ class Compressor(nn.Module):
             gate = torch.cat([segs[2][:, :m], segs[3][:, m:]], dim=1)
         else:
             kv, gate = segs
-        # float32 logits (the add promotes), -inf where the slot's position does not exist
-        logits = torch.where(entries.present[..., None], gate + self.slot_ape, float("-inf"))
-        pooled = small.rms_norm(small.gated_pool(kv, logits), self.norm.weight, self.norm.eps)  # (W, width)
+        # logits gate + ape in float32, -inf where the slot's position does not exist
+        pooled = small.compressor_pool(kv, gate, self.slot_ape, entries.present)  # (W, width)
+        pooled = small.rms_norm(pooled, self.norm.weight, self.norm.eps)
         pooled = rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
         out.write(self.backend, pooled, entries.out_slots)
 

@@ -3,7 +3,8 @@ clamped SwiGLU, the compressor's gated pooling, the entries closing in a step an
 lightning indexer's top-k and attention over a sliding window plus compressed entries. Semantics
 on deepinfer.backend.ops (SmallOps.hc_pre, hc_post, hc_head, clamped_silu_and_mul, gated_pool;
 KVCacheOps.compressed_entries; AttentionOps.indexer_topk, indexer_candidate_blocks,
-indexer_topk_in_blocks (DeepSeek-V4.1's two-stage selection), compressed_attention). Plain float32 PyTorch, one request at a time where lengths differ.
+indexer_topk_in_blocks (DeepSeek-V4.1's two-stage selection), compressed_attention). Plain
+float32 PyTorch, one request at a time where lengths differ.
 
 Symbols: T tokens, N hc_mult streams, Dm hidden, H heads, D head width, S slots of a window,
 Hi / Di indexer heads / head width, C compressed entries of a request, Kt top-k.

@@ -68,6 +68,14 @@ class CudaSmall(SmallOps):
     def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return small_k.gated_pool(kv, gate)
 
+    def compressor_pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
+    ) -> torch.Tensor:
+        """gated_pool's launch, the bias added and the absent slots masked in it."""
+        if not self.fused:
+            return super().compressor_pool(kv, gate, bias, present)
+        return small_k.gated_pool(kv, gate, bias, present)
+
     def hc_pre(
         self,
         streams: torch.Tensor,

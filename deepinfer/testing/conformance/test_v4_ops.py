@@ -56,6 +56,29 @@ def test_gated_pool(
     assert_close(got, want, dtype, what="gated_pool")
 
 
+@pytest.mark.parametrize("windows,slots", [(0, 4), (1, 4), (5, 8), (3, 128)])
+def test_compressor_pool(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, windows: int, slots: int
+) -> None:
+    """gated_pool of the logits gate + bias (float32), absent slots out: strided series of wider
+    rows, as the compressor reads them."""
+    dev, d = backend.device.device(), 20
+    kv = randn((windows, slots, 2 * d), dtype, dev, gen)[..., d:]  # the second series of a row
+    gate = randn((windows, slots, 2 * d), dtype, dev, gen, 3.0)[..., :d]
+    bias = randn((slots, d), torch.float32, dev, gen)
+    present = torch.rand((windows, slots), generator=gen) >= 0.3
+    if windows:
+        present[0] = False  # a window with no slot at all pools to zeros
+    got = backend.small.compressor_pool(kv, gate, bias, present.to(dev))
+    kv64, g64, live = oracle(kv), oracle(gate) + oracle(bias), present[..., None]
+    top = torch.where(live, g64, torch.full_like(g64, -1e300)).amax(dim=1, keepdim=True)
+    e = torch.where(live, torch.exp(g64 - top), torch.zeros_like(g64))
+    total = e.sum(dim=1)
+    want = torch.where(total > 0, (e * kv64).sum(dim=1) / total.clamp(min=1e-300), torch.zeros_like(total))
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, what="compressor_pool")
+
+
 def _rope_table(positions: int, rot: int) -> torch.Tensor:
     """(P, R) float32 [cos | sin] of angle p * 10000^(-2i/R)."""
     inv = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)

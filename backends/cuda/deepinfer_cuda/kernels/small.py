@@ -242,13 +242,14 @@ def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 @triton.jit
 def _gated_pool_kernel(
-    kv_ptr, gate_ptr, out_ptr, S, D, stride_kw, stride_ks, stride_gw, stride_gs, stride_ow,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    kv_ptr, gate_ptr, out_ptr, bias_ptr, present_ptr, S, D, stride_kw, stride_ks, stride_gw, stride_gs,
+    stride_ow, stride_bs, stride_pw, BIASED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One program per (window, channel block): the softmax over the S slots per channel, BLOCK_S
     slots per step as one (BLOCK_S, BLOCK_D) tile (V4-Flash's 8 and 128 slots: one step), merged
     online across steps. A slot per step, as before, made HCA's 128 slots a chain of 128
-    dependent loads: 20 us a call at decode."""
+    dependent loads: 20 us a call at decode. BIASED: the logits are gate + bias[s] (float32),
+    -inf where present[w, s] is 0."""
     w = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -263,6 +264,10 @@ def _gated_pool_kernel(
             mask=mask,
             other=float("-inf"),
         ).to(tl.float32)
+        if BIASED:
+            g += tl.load(bias_ptr + slots[:, None] * stride_bs + cols[None, :], mask=mask, other=0.0)
+            live = tl.load(present_ptr + w * stride_pw + slots, mask=slots < S, other=0)
+            g = tl.where(live[:, None] != 0, g, float("-inf"))
         v = tl.load(
             kv_ptr + w * stride_kw + slots[:, None] * stride_ks + cols[None, :], mask=mask, other=0.0
         ).to(tl.float32)
@@ -283,9 +288,15 @@ GATED_POOL_TILE = 4096
 GATED_POOL_MAX_SLOTS = 128
 
 
-def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+) -> torch.Tensor:
     """DeepSeek-V4's compressor pooling: kv (W, S, D), gate (W, S, D) logits (-inf: absent) ->
-    (W, D) in kv's dtype, the softmax over S per channel in float32 (all absent: zeros)."""
+    (W, D) in kv's dtype, the softmax over S per channel in float32 (all absent: zeros). With bias
+    (S, D) float32 and present (W, S) bool: the logits gate + bias, -inf where not present."""
     if kv.shape != gate.shape or kv.dim() != 3:
         shapes = f"{tuple(kv.shape)} and {tuple(gate.shape)}"
         raise ValueError(f"gated_pool needs kv and gate of one (W, S, D) shape, got {shapes}")
@@ -296,9 +307,18 @@ def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if w and d:
         block_s = min(next_pow2(s, 1), GATED_POOL_MAX_SLOTS)
         block = max(16, min(next_pow2(d), GATED_POOL_TILE // block_s))
+        biased = bias is not None and present is not None
+        if biased:
+            assert bias is not None and present is not None
+            if bias.shape != (s, d) or present.shape != (w, s):
+                raise ValueError(f"gated_pool: bias {tuple(bias.shape)} / present {tuple(present.shape)} "
+                                 f"do not match ({w}, {s}, {d})")  # fmt: skip
+            bias = bias.float() if bias.stride(-1) == 1 else bias.float().contiguous()
+            present = present.contiguous().view(torch.uint8)
         _gated_pool_kernel[(w, triton.cdiv(d, block))](
-            kv, gate, out, s, d, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
-            BLOCK_S=block_s, BLOCK_D=block, num_warps=4,
+            kv, gate, out, bias if biased else gate, present if biased else gate, s, d, kv.stride(0),
+            kv.stride(1), gate.stride(0), gate.stride(1), out.stride(0), bias.stride(0) if biased else 0,
+            present.stride(0) if biased else 0, BIASED=biased, BLOCK_S=block_s, BLOCK_D=block, num_warps=4,
         )  # fmt: skip
     return out
 
