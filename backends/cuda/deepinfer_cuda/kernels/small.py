@@ -308,17 +308,16 @@ def gated_pool(
         block_s = min(next_pow2(s, 1), GATED_POOL_MAX_SLOTS)
         block = max(16, min(next_pow2(d), GATED_POOL_TILE // block_s))
         biased = bias is not None and present is not None
-        if biased:
-            assert bias is not None and present is not None
+        bias_arg, present_arg = gate, gate  # unread without BIASED
+        if bias is not None and present is not None:
             if bias.shape != (s, d) or present.shape != (w, s):
                 raise ValueError(f"gated_pool: bias {tuple(bias.shape)} / present {tuple(present.shape)} "
                                  f"do not match ({w}, {s}, {d})")  # fmt: skip
-            bias = bias.float() if bias.stride(-1) == 1 else bias.float().contiguous()
-            present = present.contiguous().view(torch.uint8)
+            bias_arg, present_arg = bias.float().contiguous(), present.contiguous().view(torch.uint8)
         _gated_pool_kernel[(w, triton.cdiv(d, block))](
-            kv, gate, out, bias if biased else gate, present if biased else gate, s, d, kv.stride(0),
-            kv.stride(1), gate.stride(0), gate.stride(1), out.stride(0), bias.stride(0) if biased else 0,
-            present.stride(0) if biased else 0, BIASED=biased, BLOCK_S=block_s, BLOCK_D=block, num_warps=4,
+            kv, gate, out, bias_arg, present_arg, s, d, kv.stride(0), kv.stride(1), gate.stride(0),
+            gate.stride(1), out.stride(0), bias_arg.stride(0), present_arg.stride(0), BIASED=biased,
+            BLOCK_S=block_s, BLOCK_D=block, num_warps=4,
         )  # fmt: skip
     return out
 
