@@ -1,9 +1,10 @@
 """DeepSeek-V4-Flash's compressed attention at decode sizes on one GPU: the cuda backend's
 kernel (kernels/v4.compressed_attention) over a 128-token window plus compressed entries, 64
-heads of 512, at batch 1, 8, 64, in the tilings a decode step could take: head tiles (BLOCK_M
-16, 32, 64) x the fewest key tiles a split may hold (MIN_SPLIT_TILES 1, 2), against the default
-dispatch. Layers: HCA (ratio 128: every entry visible) and CSA (ratio 4, the indexer's top 512
-of the visible entries), contexts of 200 and 2048 tokens; the grid from host lengths of 1024
+heads of 512, at batch 1, 8, 64, in the tilings a decode step could take: the default dispatch,
+DEEPINFER_CUDA_V4_SMALL_GRID's (`small grid`), and head tiles (BLOCK_M 16, 32, 64) x the fewest
+key tiles a split may hold (MIN_SPLIT_TILES 1, 2). Layers: HCA (ratio 128: every entry visible)
+and CSA (ratio 4, the indexer's top 512 of the visible entries), contexts of 200 and 2048 tokens;
+the grid from host lengths of 1024
 (a replayed graph's upper bound). Timed as CUDA-graph replays of 20 back-to-back calls, each
 on its own cache copy (over the L2), median of triton.testing.do_bench; us per call.
 
@@ -106,11 +107,14 @@ def main() -> None:
     batches = [1, 2] if smoke else [1, 8, 64]
     layers = [("hca", 128, 0), ("csa", 4, 512)] if not smoke else [("hca", 16, 0), ("csa", 4, 16)]
     contexts = [200] if smoke else [200, 2048]
-    tilings: list[tuple[str, attn_k.AttentionConfig | None, int]] = [("default", None, v4_k.MIN_SPLIT_TILES)]
+    tilings: list[tuple[str, attn_k.AttentionConfig | None, int, bool]] = [
+        ("default", None, v4_k.MIN_SPLIT_TILES, False),
+        ("small grid", None, v4_k.MIN_SPLIT_TILES, True),  # DEEPINFER_CUDA_V4_SMALL_GRID=1
+    ]
     for bm in (16, 32, 64):
         for ms in (1, 2):
             cfg = attn_k.AttentionConfig(block_m=bm, block_n=64, num_warps=8 if bm == 64 else 4)
-            tilings.append((f"m{bm} s{ms}", cfg, ms))
+            tilings.append((f"m{bm} s{ms}", cfg, ms, False))
     rows: list[dict[str, Any]] = []
     default_min = v4_k.MIN_SPLIT_TILES
     for name, ratio, topk in layers:
@@ -118,7 +122,7 @@ def main() -> None:
             for b in batches:
                 c = case(b, ctx, ratio, topk, dev, gen)
                 row: dict[str, Any] = {"layer": name, "context": ctx, "batch": b}
-                for label, cfg, min_split in tilings:
+                for label, cfg, min_split, small_grid in tilings:
                     v4_k.MIN_SPLIT_TILES = min_split
                     if smoke and cfg is not None:
                         cfg = attn_k.AttentionConfig(block_m=min(cfg.block_m, HEADS), block_n=16)
@@ -127,7 +131,7 @@ def main() -> None:
                         return v4_k.compressed_attention(
                             c["q"], c["kv"][i], c["ckv"][i], c["meta"], scale=DIM**-0.5, ratio=ratio,
                             window=WINDOW, sinks=c["sinks"], topk_indices=c["topk"],
-                            compressed_block_tables=c["etables"], config=cfg,
+                            compressed_block_tables=c["etables"], config=cfg, small_grid=small_grid,
                         )  # fmt: skip
 
                     try:

@@ -283,6 +283,32 @@ CUDA_V4_DECODE = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_V4_STEP = Switch(
+    name="DEEPINFER_CUDA_V4_STEP",
+    attr="cuda_v4_step",
+    kind="flag",
+    default=True,
+    meaning=(
+        "0: DeepSeek-V4's per-step entry slots, rope tails and compressor bias on the contract's "
+        "torch compositions (no compressed_entries, rope_tail or compressor_pool kernels)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
+CUDA_V4_SMALL_GRID = Switch(
+    name="DEEPINFER_CUDA_V4_SMALL_GRID",
+    attr="cuda_v4_small_grid",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: DeepSeek-V4's compressed attention on grids of under 64 whole-head programs (decode "
+        "below 64 requests) in 16-row head tiles and splits down to one key tile (not yet timed)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
 CUDA_MX_FP4 = Switch(
     name="DEEPINFER_CUDA_MX_FP4",
     attr="cuda_mx_fp4",
@@ -431,6 +457,8 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_KERNEL_COPIES,
     CUDA_SKINNY,
     CUDA_V4_DECODE,
+    CUDA_V4_STEP,
+    CUDA_V4_SMALL_GRID,
     CUDA_MX_FP4,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
@@ -466,6 +494,8 @@ class Env:
     cuda_kernel_copies: bool
     cuda_skinny: bool
     cuda_v4_decode: bool
+    cuda_v4_step: bool
+    cuda_v4_small_grid: bool
     cuda_mx_fp4: bool
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None

@@ -1617,9 +1617,10 @@ def test_compressed_attention_splits_and_upper_bounds(
 def test_compressed_attention_small_grid(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, topk_width: int
 ) -> None:
-    """A decode-sized grid in bfloat16 under the default dispatch: small head tiles and one-tile
-    splits (SMALL_BLOCK_M, SMALL_MIN_SPLIT_TILES) as the reference, and as the whole-head tiles
-    the same call takes with the small-grid rule off."""
+    """A decode-sized grid in bfloat16 under the default config with small_grid
+    (DEEPINFER_CUDA_V4_SMALL_GRID): small head tiles and one-tile splits (SMALL_BLOCK_M,
+    SMALL_MIN_SPLIT_TILES) as the reference, and as the whole-head tiles the same call takes
+    when the grid is not small."""
     monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
     _, tokens, entries, entry_table, meta, _, topk = _compressed_case(gen, topk_width)
     h = 40  # one 64-row head tile by default, three of SMALL_BLOCK_M rows in the small grid
@@ -1642,7 +1643,7 @@ def test_compressed_attention_small_grid(
             v4_k.compressed_attention(
                 q.to(DEV), kv.to(DEV), ckv.to(DEV), meta, scale=0.2, ratio=4, window=20,
                 sinks=sinks.to(DEV), topk_indices=None if topk is None else topk.to(DEV),
-                compressed_block_tables=entry_table.to(DEV),
+                compressed_block_tables=entry_table.to(DEV), small_grid=True,
             ).cpu().float()
         )  # fmt: skip
     for got in outs:

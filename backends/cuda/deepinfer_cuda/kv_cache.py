@@ -23,6 +23,7 @@ class CudaKVCache(KVCacheOps):
         super().__init__(options)
         self.fused = not env.cuda_unfused
         self.pdl = env.cuda_pdl
+        self.v4_step = self.fused and env.cuda_v4_step  # compressed_entries' kernel
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Triton row store (no host sync, graph-safe); slot -1 skips the row. FP8 latent caches:
@@ -74,9 +75,10 @@ class CudaKVCache(KVCacheOps):
         block_size: int,
     ) -> ref_v4.EntrySlots | None:
         """One launch (kernels/v4.py) where every request computes the same number of tokens
-        (decode, verification and graph steps); ragged steps and unfused: the contract's."""
+        (decode, verification and graph steps); ragged steps, unfused or DEEPINFER_CUDA_V4_STEP=0:
+        the contract's."""
         lens = set(meta.query_lens_host)
-        if not self.fused or len(lens) != 1:
+        if not self.v4_step or len(lens) != 1:
             return super().compressed_entries(
                 meta, slot_mapping, entry_tables, key_tables, ratio=ratio, overlap=overlap,
                 block_size=block_size,

@@ -1046,11 +1046,13 @@ INVARIANT_SPLIT_TILES = 16
 # Fewest tiles per split (adaptive mode): one decode row's keys (128 window + 512 top-k = 10
 # tiles) over a few programs.
 MIN_SPLIT_TILES = 2
-# Small decode grids (fewer than SMALL_GRID_PROGRAMS programs of whole head tiles: V4-Flash's 64
-# heads are one tile, so at batch 1 an HCA row's 3 tiles were one program: the 4-layer step's
-# four calls took 0.107 ms on an H200, bench/results/2026-12-03_H200_v4_step_profile) take head
-# tiles of SMALL_BLOCK_M rows and splits down to SMALL_MIN_SPLIT_TILES tiles (adaptive mode only:
-# batch-invariant tiles never depend on the batch).
+# With small_grid (DEEPINFER_CUDA_V4_SMALL_GRID=1; off until timed on a GPU, which
+# bench/bench_v4_attention.py does), a grid of fewer than SMALL_GRID_PROGRAMS programs of whole
+# head tiles (V4-Flash's 64 heads are one tile, so at batch 1 an HCA row's 3 tiles are one
+# program: the 4-layer step's four calls took 0.107 ms on an H200,
+# bench/results/2026-12-03_H200_v4_step_profile) takes head tiles of SMALL_BLOCK_M rows and splits
+# down to SMALL_MIN_SPLIT_TILES tiles (adaptive mode only: batch-invariant tiles never depend on
+# the batch).
 SMALL_GRID_PROGRAMS = 64
 SMALL_BLOCK_M = 16
 SMALL_MIN_SPLIT_TILES = 1
@@ -1204,6 +1206,7 @@ def compressed_attention(
     pdl: bool = True,
     kv_format: str | None = None,
     ckv_format: str | None = None,
+    small_grid: bool = False,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D) in q's dtype: one softmax over each query's window rows of the
     token cache kv (NB, BS, >= D) and its compressed entries in ckv (NBc, BSc, >= D) (all visible,
@@ -1211,7 +1214,9 @@ def compressed_attention(
     split_tiles: tiles per split (None: batch-invariant mode INVARIANT_SPLIT_TILES, else adaptive).
     The grid comes from the host lengths (upper bounds in a replayed graph). pdl: the split
     merge's launch (attention.combine_splits). kv_format / ckv_format: V4.1 row formats of the
-    caches (uint8 rows of row_bytes(format, D) bytes; None: values in q's dtype family)."""
+    caches (uint8 rows of row_bytes(format, D) bytes; None: values in q's dtype family).
+    small_grid: a grid of fewer than SMALL_GRID_PROGRAMS programs takes the small-grid tiling
+    (DEEPINFER_CUDA_V4_SMALL_GRID; adaptive mode and the default config only)."""
     t, h, d = q.shape
     _check_rows("compressed_attention token cache", kv, d, kv_format)
     _check_rows("compressed_attention entry cache", ckv, d, ckv_format)
@@ -1240,7 +1245,7 @@ def compressed_attention(
 
     cfg = config or _compressed_config(h, q.dtype)
     min_tiles = MIN_SPLIT_TILES
-    small = batch * max_q * triton.cdiv(h, cfg.block_m) < SMALL_GRID_PROGRAMS
+    small = small_grid and batch * max_q * triton.cdiv(h, cfg.block_m) < SMALL_GRID_PROGRAMS
     if config is None and small and not batch_invariant and split_tiles is None and q.dtype != torch.float32:
         block_m = min(SMALL_BLOCK_M, cfg.block_m)
         cfg = attn_k.AttentionConfig(block_m=block_m, block_n=cfg.block_n, num_warps=4)
