@@ -16,7 +16,10 @@ model lacks is listed as skipped, with the reason, in the table. Speculative ste
 verification graphs (forward, then draw + acceptance + the drafter's next block: the block
 drafter's pass, or the MTP head over the verified rows and chained k - 1 times), chained so that
 the host reads step N while step N + 1 runs; larger batches step eagerly. graph_steps = the share
-of a row's speculative steps that replayed graphs.
+of a row's speculative steps that replayed graphs; drafted_steps = the share of all its engine
+steps (prefill included) that drafted or verified drafts (scheduled rows: the rest were plain
+steps the policy chose, without the drafter), probes = how many of them were probes (measured
+policy: the drafter's first block after plain steps).
 
 Output tokens per second = B * new tokens / wall time of the generate call (prefill included;
 the median of at least --repeats calls, more until they add up to --min-seconds, each after a
@@ -32,7 +35,8 @@ differ is recorded in each row (a verification pass may round a near-tie differe
 one-row decode step; tests/ check exactness on the reference backend).
 
 Writes OUT/spec.json (rows {"device", "drafter", "k", "scheduled", "batch", "plain_tok_s",
-"spec_tok_s", "mean_accepted", "graph_steps", "requests_differing_from_plain"}), OUT/spec.md
+"spec_tok_s", "mean_accepted", "graph_steps", "drafted_steps", "probes",
+"requests_differing_from_plain"}), OUT/spec.md
 (the table) and OUT/spec.svg (speed-up against batch size, one line per configuration).
 """
 
@@ -131,6 +135,8 @@ class Timing(NamedTuple):
     tokens: list[list[int]]  # the last call's outputs
     accepted: int  # drafts accepted in the last call
     graph_share: float  # share of its speculative steps that replayed graphs
+    drafted_share: float  # share of its engine steps that drafted (the others: plain steps)
+    probes: int  # of its drafting steps, probes (the measured policy's first after plain steps)
     beside_tok_s: float  # `beside`'s output tok/s (0.0 without)
     beside_fastest_tok_s: float  # `beside`'s fastest call, in output tok/s (0.0 without)
     pair_ratio: float  # median over adjacent pairs of beside's wall / llm's wall
@@ -181,7 +187,11 @@ def timed(
         if beside is not None:
             beside_walls.append(call(beside)[0])
         accepted = engine.num_accepted_tokens
-        steps = (spec.num_steps, spec.num_graph_steps) if spec else (0, 0)
+        steps = (
+            (spec.num_steps, spec.num_graph_steps, spec.num_plain_steps, spec.num_probes)
+            if spec
+            else (0,) * 4
+        )
         wall, out = call(llm)
         walls.append(wall)
     tokens = [list(r.outputs[0].token_ids) for r in out]
@@ -193,11 +203,15 @@ def timed(
     pair_ratio = pairs[len(pairs) // 2] if pairs else 0.0
     ran, graphs = (spec.num_steps - steps[0], spec.num_graph_steps - steps[1]) if spec else (0, 0)
     share = graphs / ran if ran else 0.0
+    plain_steps = spec.num_plain_steps - steps[2] if spec else 0
+    probes = spec.num_probes - steps[3] if spec else 0
     return Timing(
         total / median,
         tokens,
         engine.num_accepted_tokens - accepted,
         share,
+        ran / (ran + plain_steps) if ran + plain_steps else 0.0,
+        probes,
         beside_tok_s,
         beside_fastest,
         pair_ratio,
@@ -357,8 +371,9 @@ def markdown(rows: list[dict[str, Any]], skipped: list[str], header: str) -> str
         header,
         "",
         "| drafter | k | scheduled | batch | plain tok/s | spec tok/s | speed-up | median of pair ratios "
-        "| against the fastest plain call | plain tok/s, timed first | mean accepted | graph steps |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| against the fastest plain call | plain tok/s, timed first | mean accepted | graph steps "
+        "| drafted steps (probes) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         fastest = r["spec_tok_s"] / r.get("plain_fastest_tok_s", nan)
@@ -367,7 +382,8 @@ def markdown(rows: list[dict[str, Any]], skipped: list[str], header: str) -> str
             f"{r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} | {r['spec_tok_s'] / r['plain_tok_s']:.2f}x | "
             f"{r.get('speedup_pairs', 0.0):.2f}x | {fastest:.2f}x | "
             f"{r.get('plain_first_tok_s', 0.0):.1f} | "
-            f"{r['mean_accepted']:.2f} | {r.get('graph_steps', 0.0):.0%} |"
+            f"{r['mean_accepted']:.2f} | {r.get('graph_steps', 0.0):.0%} | "
+            f"{r.get('drafted_steps', 0.0):.0%} ({r.get('probes', 0)}) |"
         )
     if skipped:
         lines += ["", "Skipped: " + "; ".join(skipped) + "."]
@@ -434,7 +450,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         default=None,
         help="DFlash (DSpark) drafter k (default 3 5; --small: 2)",
     )
-    ap.add_argument("--threshold", type=float, default=0.3, help="min_draft_confidence when scheduled")
+    ap.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="min_draft_confidence when scheduled (default: 0.3 with --schedule budget; 0 with measured, "
+        "whose rule verifies every draft below the width it picks, as a padding row costs what a draft does)",
+    )
     ap.add_argument(
         "--schedule",
         choices=("measured", "budget"),
@@ -473,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         "stamp each row with its start and end (unix seconds), to see what the plain figure's drift follows",
     )
     args = ap.parse_args(argv)
+    if args.threshold is None:
+        args.threshold = 0.3 if args.schedule == "budget" else 0.0
     args.batches = args.batches or ([1, 4] if args.small else [1, 8, 32, 128])
     args.new_tokens = args.new_tokens or (8 if args.small else 128)
     if args.min_seconds is None:
@@ -573,6 +597,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                 "plain_fastest_tok_s": round(timing.beside_fastest_tok_s, 2),
                 "mean_accepted": round(total / (total - accepted), 3),
                 "graph_steps": round(timing.graph_share, 3),
+                "drafted_steps": round(timing.drafted_share, 3),
+                "probes": timing.probes,
                 "requests_differing_from_plain": differ,
             }
             if sampler is not None:

@@ -26,6 +26,9 @@ median of triton.testing.do_bench):
     and the microscaled (`mx ...`) kernels, in TFLOP/s and GB/s of the distinct experts' bytes.
 
     python bench/bench_v4_decode.py --out DIR          # writes v4_decode.json and v4_decode.md
+    python bench/bench_v4_decode.py --only moe --fp4-variants --out DIR
+        # the routed-expert layer at 1, 8, 64 tokens with each MXFP4 decode of decode_moe
+        # (kernels/moe.FP4_DECODE; FP4_VARIANTS below) in place of the tile sweep
     TRITON_INTERPRET=1 python bench/bench_v4_decode.py --smoke   # tiny shapes on the CPU
 """
 
@@ -210,9 +213,19 @@ def mxfp4_experts(e: int, h: int, inter: int, dev: torch.device) -> tuple[torch.
     return p13, p2, s13, s2
 
 
+# FP4_DECODE variants timed side by side with --fp4-variants (decode_moe called directly, so at
+# 64 tokens too): (variant, tiles (n, k, warps) of both kernels, or None for fp4_decode_config's;
+# SCALED's own: 64 x 512 up to 8 copies, 64 x 256 above)
+FP4_VARIANTS: list[tuple[str, tuple[int, int, int] | None]] = [
+    ("PAIR", None), ("GROUP", None), ("MMA", None), ("ASM", None), ("SCALED", None),
+    ("SCALED", (32, 256, 4)), ("SCALED", (64, 512, 4)), ("SCALED", (128, 256, 8)),
+]  # fmt: skip
+
+
 def bench_moe(
-    new: Any, old: Any, mx: Any, dev: torch.device, timer: Timer, copy: float, smoke: bool
-) -> list[dict]:
+    new: Any, old: Any, mx: Any, dev: torch.device, timer: Timer, copy: float, smoke: bool,
+    variants: bool = False,
+) -> list[dict]:  # fmt: skip
     from deepinfer_cuda.kernels import moe as moe_k
 
     gen = torch.Generator().manual_seed(1)
@@ -248,7 +261,7 @@ def bench_moe(
         )
     ]
     wide = [c for c in sweep if c.up_k == c.down_k == 256 and c.up_n == 32 and c.up_warps == 4]
-    for t in (1, 8, 64, 256) if not smoke else (1, 3):
+    for t in ((1, 8, 64) if variants else (1, 8, 64, 256)) if not smoke else (1, 3):
         sets = 1 if smoke else 8 if t <= 64 else 2
         inputs = []
         for _ in range(sets):
@@ -293,13 +306,29 @@ def bench_moe(
         ]
         # 64 tokens: the k256 rows only; 256 tokens (past the decode kernels' copies): none
         tiles = (sweep[:3] if smoke else sweep) if t <= 8 else wide if t <= 64 else []
+        if variants:  # the decode variants instead of the tile sweep and the grouped paths
+            tiles = []
+            ways = [wy for wy in ways if not wy[0].startswith("grouped")]
+            for v, vt in FP4_VARIANTS:
+                c = None
+                if vt is not None:
+                    n, k, wp = vt
+                    c = moe_k.DecodeConfig(up_n=n, up_k=k, up_warps=wp, down_n=n, down_k=k, down_warps=wp)
+                name = f"fp4 {v}" + (f" n{vt[0]} k{vt[1]} w{vt[2]}" if vt else "")
+                ways.append((
+                    name,
+                    lambda x, wt, ids, c=c, v=v: moe_k.decode_moe(
+                        x, wt, ids, *w, swiglu_limit=LIMIT, config=c, fp4_decode=v
+                    ),
+                    expert_bytes[0],
+                ))  # fmt: skip
         for c in tiles:
             ways.append((
                 f"sweep up n{c.up_n} k{c.up_k} down n{c.down_n} k{c.down_k} w{c.up_warps} s{c.up_stages}",
                 lambda x, wt, ids, c=c: moe_k.decode_moe(x, wt, ids, *w, swiglu_limit=LIMIT, config=c),
                 expert_bytes[0],
             ))  # fmt: skip
-        ref = ways[3][1](*inputs[0]).float()  # the old path on the same MXFP4 weights
+        ref = dict((n, f) for n, f, _ in ways)["old"](*inputs[0]).float()  # the old path, same weights
         row: dict[str, Any] = {"tokens": t, "copies": t * top, "distinct_experts": distinct}
         for way, fn, per_expert in ways:
             try:
@@ -433,6 +462,17 @@ def markdown(res: dict[str, Any]) -> str:
         sw = [(v["us"], k) for k, v in r.items() if k.startswith("sweep")]
         best = f"{min(sw)[1][6:]} {min(sw)[0]:.1f}" if sw else ""
         out.append(f"| {r['tokens']} | {r['distinct_experts']:.0f} | {' | '.join(cells)} | {sp} | {best} |")
+    fp4 = sorted({k for r in res["moe"] for k in r if k.startswith("fp4 ")}, key=lambda k: k)
+    if fp4:
+        out.append("\n## MXFP4 decode variants (decode_moe; us, of copy, rel diff to old)\n")
+        out.append("| variant | " + " | ".join(f"{r['tokens']} tok" for r in res["moe"]) + " |")
+        out.append("| --- |" + " --- |" * len(res["moe"]))
+        for k in fp4:
+            cells = [
+                f"{r[k]['us']:.1f} ({r[k]['of_copy']:.2f}, {r[k]['rel_diff_to_old']:.1e})" if k in r else "-"
+                for r in res["moe"]
+            ]
+            out.append(f"| {k[4:]} | {' | '.join(cells)} |")
     out.append("\n## MXFP4 grouped GEMM, prefill (gate_up; ms, TFLOP/s)\n")
     for r in res["prefill"]:
         ways = sorted(((v["ms"], k) for k, v in r.items() if isinstance(v, dict)))
@@ -447,6 +487,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU interpreter)")
     ap.add_argument("--only", choices=["fp8", "moe", "prefill"], default=None)
+    ap.add_argument(
+        "--fp4-variants", action="store_true", help="moe: the MXFP4 decode variants (FP4_VARIANTS), no sweep"
+    )
     args = ap.parse_args()
     smoke = args.smoke
     dev = torch.device("cpu") if smoke and not torch.cuda.is_available() else torch.device("cuda")
@@ -456,7 +499,9 @@ def main() -> None:
     res["copy_gbs"] = copy_rate(dev, timer, smoke)
     res["fp8"] = bench_fp8(new, old, dev, timer, res["copy_gbs"], smoke) if args.only in (None, "fp8") else []
     res["moe"] = (
-        bench_moe(new, old, mx, dev, timer, res["copy_gbs"], smoke) if args.only in (None, "moe") else []
+        bench_moe(new, old, mx, dev, timer, res["copy_gbs"], smoke, args.fp4_variants)
+        if args.only in (None, "moe")
+        else []
     )
     res["prefill"] = bench_prefill(mx, dev, timer, smoke) if args.only in (None, "prefill") else []
     md = markdown(res)

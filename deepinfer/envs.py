@@ -149,6 +149,19 @@ ENGRAM_HOST_TABLES = Switch(
     audience="user",
     read_when="when a model is loaded",
 )
+ENGRAM_PREFETCH = Switch(
+    name="DEEPINFER_ENGRAM_PREFETCH",
+    attr="engram_prefetch",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: DeepSeek-V4.1's Engram rows of every layer fetched at the start of the forward "
+        "(small.engram_prefetch; cuda: on a side stream, overlapping the layers before each Engram "
+        "layer); 0: each Engram layer looks its rows up itself"
+    ),
+    audience="user",
+    read_when="when a model is loaded",
+)
 MODEL_UNFUSED = Switch(
     name="DEEPINFER_MODEL_UNFUSED",
     attr="model_unfused",
@@ -323,6 +336,23 @@ CUDA_MX_FP4 = Switch(
     read_when=_CUDA,
     backend="cuda",
 )
+CUDA_FP4_DECODE = Switch(
+    name="DEEPINFER_CUDA_FP4_DECODE",
+    attr="cuda_fp4_decode",
+    kind="choice",
+    default="PAIR",
+    meaning=(
+        "how the MXFP4 decode MoE kernels decode and multiply the experts' nibbles (kernels/moe.py "
+        "FP4_DECODE): PAIR (float32, scale per value), GROUP (float32, scale per 32-value group on "
+        "the partial sums), MMA (bf16 weights on the tensor cores, token rows as the B operand), ASM "
+        "(MMA with an inline-assembly nibble decode), SCALED (Triton's microscaled product, tl.dot_scaled)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+    choices=("PAIR", "GROUP", "MMA", "ASM", "SCALED"),
+    what="an MXFP4 decode",
+)
 CUDA_PDL = Switch(
     name="DEEPINFER_CUDA_PDL",
     attr="cuda_pdl",
@@ -445,6 +475,7 @@ SWITCHES: tuple[Switch, ...] = (
     CONFIGURE_LOGGING,
     SKIP_WEIGHT_CHECK,
     ENGRAM_HOST_TABLES,
+    ENGRAM_PREFETCH,
     MODEL_UNFUSED,
     CONFORMANCE_HEAVY,
     REFERENCE_DEVICE,
@@ -460,6 +491,7 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_V4_STEP,
     CUDA_V4_SMALL_GRID,
     CUDA_MX_FP4,
+    CUDA_FP4_DECODE,
     CUDA_PDL,
     CUDA_MOE_DECODE_TILES,
     CUDA_INVARIANT_TILE,
@@ -482,6 +514,7 @@ class Env:
     configure_logging: bool
     skip_weight_check: bool
     engram_host_tables: bool
+    engram_prefetch: bool
     model_unfused: frozenset[str]
     conformance_heavy: bool
     reference_device: str
@@ -497,6 +530,7 @@ class Env:
     cuda_v4_step: bool
     cuda_v4_small_grid: bool
     cuda_mx_fp4: bool
+    cuda_fp4_decode: str
     cuda_pdl: bool
     cuda_moe_decode_tiles: tuple[int, ...] | None
     cuda_invariant_tile: tuple[int, ...] | None

@@ -182,7 +182,8 @@ def test_indexer_kernels() -> None:
 def test_candidate_block_kernels() -> None:
     """DeepSeek-V4.1's candidate blocks: the block maxima, the scores over the candidate slots
     (V4.1-Flash's 32 x 128 indexer, blocks of 16; bf16 keys and the published MXFP4 key rows,
-    dequantised in registers) and the select of both stages."""
+    dequantised in registers, the queries rounded to MXFP4 in registers beside them) and the
+    select of both stages."""
     from deepinfer_cuda.kernels import v4 as v4_k
 
     lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
@@ -198,8 +199,9 @@ def test_candidate_block_kernels() -> None:
             "scale": "fp32",
         }
         constexprs = dict(
-            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format)
-        )
+            BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code(key_format),
+            Q_MXFP4=key_format == "mxfp4",
+        )  # fmt: skip
         compile_sm90(v4_k._listed_scores_kernel, types | lengths, constexprs)
     types = {"score_ptr": PTR["f32"], "blocks_ptr": PTR["i32"], "out_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     for listed in (True, False):
@@ -242,14 +244,30 @@ def test_quantized_attention_kernel(formats: tuple[str, str], direct: bool) -> N
 
 
 def test_quantized_indexer_scores_kernel() -> None:
-    """MXFP4 index keys (V4.1-Flash: 32 heads x 128), dequantised in registers."""
+    """MXFP4 index keys (V4.1-Flash: 32 heads x 128), dequantised in registers, the queries
+    rounded to MXFP4 in registers (the FP4 indexer)."""
     from deepinfer_cuda.kernels import v4 as v4_k
 
     lengths = {"bt_ptr": PTR["i32"], "seq_lens_ptr": PTR["i32"], "qsl_ptr": PTR["i32"]}
     types = {"q_ptr": PTR["bf16"], "k_ptr": "*u8", "w_ptr": PTR["f32"], "score_ptr": PTR["f32"]}
     types["scale"] = "fp32"
-    constexprs = dict(BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code("mxfp4"))
+    constexprs = dict(
+        BLOCK_H=32, BLOCK_D=128, BLOCK_N=64, IEEE=False, K_FMT=v4_k.row_format_code("mxfp4"), Q_MXFP4=True
+    )
     compile_sm90(v4_k._indexer_scores_kernel, types | lengths, constexprs)
+
+
+@pytest.mark.parametrize(("fmt", "width"), [("fp8", 512), ("fp4", 512), ("mxfp4", 128)])
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_v41_row_store_kernels(fmt: str, width: int, dtype: str) -> None:
+    """DeepSeek-V4.1's fused quantise + store of each row format at V4.1-Flash's widths (the
+    window / main rows of 512 values, the index keys of 128), from bf16 and float32 rows."""
+    from deepinfer_cuda.kernels import kv_v41
+
+    kernel, group = kv_v41._KERNELS[fmt]  # type: ignore[index]
+    types = {"x_ptr": PTR[dtype], "cache_ptr": "*u8", "slot_ptr": PTR["i64"]}
+    ptx = compile_sm90(kernel, types, dict(BLOCK_G=width // group), num_warps=2)
+    assert "div.rn.f32" in ptx  # the IEEE quotients of the reference's scales
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
@@ -577,6 +595,45 @@ def test_fp8_store_and_v_prefix_kernels() -> None:
     )  # fmt: skip
     assert "e4m3" in ptx, "the FP8 rows are not converted in registers"
     assert ptx.shared <= SM90_SHARED
+
+
+@pytest.mark.parametrize("decode", ["GROUP", "MMA", "ASM", "SCALED"])
+def test_fp4_decode_variant_kernels(decode: str) -> None:
+    """decode_moe's MXFP4 kernels under each FP4_DECODE variant (PAIR: decode_step_kernels) at
+    both of its decode tiles (fp4_decode_config) lower for SM90 without spills: MMA, ASM and
+    SCALED multiply on the tensor cores in bf16 (SCALED on its 64 rows by wgmma), ASM decodes by
+    its inline PTX (prmt, bf16x2 multiplies), GROUP with no float32 scale multiply per value
+    (PAIR has two a value: 2^126 and the scale)."""
+    from deepinfer_cuda.kernels import moe as moe_k
+
+    bf16, f32, i32 = PTR["bf16"], PTR["f32"], PTR["i32"]
+    tiles = dict(FP8=False, IEEE=False, BLOCK_M=16, PDL=True, FP4=True)
+    up_types = {"x_ptr": bf16, "w_ptr": "*u8", "ws_ptr": "*u8", "ids_ptr": i32, "act_ptr": bf16,
+                "count_ptr": i32, "limit": "fp32"}  # fmt: skip
+    down_types = {"a_ptr": bf16, "w_ptr": "*u8", "ws_ptr": "*u8", "ids_ptr": i32, "wt_ptr": f32,
+                  "y_ptr": bf16, "out_ptr": bf16, "count_ptr": i32}  # fmt: skip
+    for cfg in (moe_k.fp4_decode_config(1, decode), moe_k.fp4_decode_config(64, decode)):
+        for name, kernel, types, extra in (
+            ("up", moe_k._decode_up_kernel, up_types, dict(ZERO_BLOCK=4, SHARED=0, CLAMP=True)),
+            ("down", moe_k._decode_down_kernel, down_types, dict(COMBINE=True, SHARED=0, K_IDS=6)),
+        ):
+            n, k, st = (cfg.up_n, cfg.up_k, cfg.up_stages) if name == "up" else (cfg.down_n, cfg.down_k,
+                                                                                cfg.down_stages)  # fmt: skip
+            consts = tiles | extra | dict(BLOCK_N=n, BLOCK_K=k, STAGES=st)
+            ptxs = {d: compile_sm90(kernel, types, consts | dict(DECODE=moe_k.FP4_DECODE[d]), num_stages=st)
+                    for d in ("PAIR", decode)}  # fmt: skip
+            ptx, what = ptxs[decode], f"{decode} {name} {k}"
+            assert ".local" not in ptx, f"{what}: registers spill to local memory"
+            mmas = [line for line in ptx.splitlines() if "mma.sync" in line or "mma_async" in line]
+            if decode == "GROUP":
+                assert not mmas, what
+                assert ptx.count("mul.f32") < 0.6 * ptxs["PAIR"].count("mul.f32"), what
+            else:
+                assert mmas and all(".bf16.bf16" in m for m in mmas), what
+            if decode == "SCALED":  # 64 rows: the warpgroup MMA
+                assert all("wgmma" in m for m in mmas), what
+            if decode == "ASM":
+                assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx, what
 
 
 def test_decode_step_kernels_wait_for_the_previous_kernel_under_pdl() -> None:

@@ -6,6 +6,8 @@ tests/test_cuda_kernels.py."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +60,57 @@ def test_grouped_gemm_fp4_on_the_microscaled_product(gen: torch.Generator) -> No
         torch.testing.assert_close(gemm.grouped_gemm_fp4(xd, pd, sd, zd).cpu().double(), want, **tol)
     with pytest.raises(ValueError, match="microscaled kernel takes bf16"):
         gemm_k.grouped_gemm_fp4(xd.float(), pd, sd, zd, scaled=True)
+
+
+def test_engram_prefetch_in_decode_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V4.1 with its Engram tables in pinned host memory (DEEPINFER_ENGRAM_HOST_TABLES=1)
+    and DEEPINFER_ENGRAM_PREFETCH=1: the decode graphs capture each layer's lookup on the side
+    stream (forked and joined inside the captured forward; the prefetch hands back an event) and
+    serve the decode steps; the greedy tokens equal the eager engine's without the prefetch (each
+    layer's lookup inline on the main stream) and the graphs' with the tables on the device
+    (DEEPINFER_ENGRAM_HOST_TABLES=0, no prefetch). float32, two requests (graph bucket 2: the
+    eager shapes, no padding rows)."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.backend.types import PendingRows
+    from deepinfer.testing.v41_checkpoint import random_v41_tensors, tiny_v41_config, write_v41_checkpoint
+
+    raw = tiny_v41_config(layers=4, engram=True, engram_layer_ids=[1, 0], engram_compressed_vocab_size=None)
+    raw.pop("quantization_config")
+    raw["dtype"] = "float32"
+    root = write_v41_checkpoint(tmp_path, raw, random_v41_tensors(raw, seed=3))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 64, (n,), generator=gen).tolist()} for n in (5, 19)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(prefetch: bool, eager: bool, host: bool = True) -> list[list[int]]:
+        monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1" if host else "0")
+        monkeypatch.setenv("DEEPINFER_ENGRAM_PREFETCH", "1" if prefetch else "0")
+        llm = LLM(
+            str(root), backend="cuda", dtype="float32", block_size=4, max_model_len=64, kv_cache_dtype="bf16",
+            max_num_seqs=2, enforce_eager=eager,
+        )  # fmt: skip
+        worker, small = llm.llm_engine.worker, llm.llm_engine.backend.small
+        engrams = [b.engram for b in llm.llm_engine.model.layers if b.engram is not None]
+        assert len(engrams) == 2 and all(e.table.is_pinned() == host for e in engrams)
+        assert bool(worker.decode_graphs) != eager
+        served, fetched = [], []
+        bucket_for, prefetch_op = worker.decode_graphs.bucket_for, small.engram_prefetch
+
+        def spy_bucket(batch: Any) -> int | None:
+            served.append(bucket_for(batch))
+            return served[-1]
+
+        def spy_prefetch(*args: Any, **kw: Any) -> PendingRows:
+            fetched.append(prefetch_op(*args, **kw))
+            return fetched[-1]
+
+        monkeypatch.setattr(worker.decode_graphs, "bucket_for", spy_bucket)
+        monkeypatch.setattr(small, "engram_prefetch", spy_prefetch)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert eager or 2 in served, "no decode step replayed a graph"
+        assert all(isinstance(p.ready, torch.cuda.Event) for p in fetched) and bool(fetched) == prefetch
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    want = tokens(prefetch=False, eager=True)
+    assert tokens(prefetch=True, eager=False) == want
+    assert tokens(prefetch=False, eager=False, host=False) == want

@@ -12,7 +12,7 @@ CPU (TRITON_INTERPRET=1), in subprocesses so that no other test sees that variab
    expert weights: the FP8 experts' kernels are in the conformance suite), async
    scheduling and (emulated) decode graphs against the plain engine (tests/test_async_graphs.py),
    and DeepSeek-V4 decode graphs against eager steps (tests/test_v4_cache_groups.py),
-   DeepSeek-V4.1 with Engram layers and with candidate blocks against its float64 oracle
+   DeepSeek-V4.1 with Engram layers (and their prefetch) and with candidate blocks against its float64 oracle
    (tests/test_parity_v41.py), and in its published KV formats against the oracle rounding its KV
    (tests/test_parity_v41_kv.py).
 Each subprocess gets a generous limit (SUBPROCESS_TIMEOUT): the interpreter is slow, and on a busy
@@ -104,7 +104,7 @@ def test_engine_v41_engram_under_interpreter() -> None:
     res = _run([str(REPO / "tests" / "test_parity_v41.py"), "-k", "cuda_backend"])
     tail = (res.stdout + res.stderr)[-4000:]
     assert res.returncode == 0, f"DeepSeek-V4.1 on cuda failed under TRITON_INTERPRET=1:\n{tail}"
-    assert "3 passed" in res.stdout, tail  # Engram (two cases), candidate blocks
+    assert "4 passed" in res.stdout, tail  # Engram (two cases), its prefetch, candidate blocks
 
 
 def test_engine_v41_kv_formats_under_interpreter() -> None:

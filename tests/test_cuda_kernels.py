@@ -38,6 +38,7 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
     from deepinfer_cuda.gemm import CudaGemm
     from deepinfer_cuda.kernels import attention as attn_k
     from deepinfer_cuda.kernels import gemm as gemm_k
+    from deepinfer_cuda.kernels import kv_v41
     from deepinfer_cuda.kernels import mla as mla_k
     from deepinfer_cuda.kernels import moe as moe_k
     from deepinfer_cuda.kernels import small as small_k
@@ -51,6 +52,27 @@ if importlib.util.find_spec("triton") is not None and (GPU or INTERPRET):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + i, mask=i < N, other=0).to(tl.uint32)
         tl.store(y_ptr + i, small_k.mix32(x).to(tl.int64), mask=i < N)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _round_mxfp4_probe(x_ptr, y_ptr, H, ROWS: tl.constexpr, COLS: tl.constexpr):  # type: ignore[no-untyped-def]
+        at = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        ok = at < H * COLS
+        x = tl.load(x_ptr + at, mask=ok, other=0.0)
+        tl.store(y_ptr + at, kv_v41.round_mxfp4(x, ROWS, COLS), mask=ok)
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fp4_rows_probe(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, s_ptr, out_ptr, K, N, stride_w, stride_s,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE: tl.constexpr,
+    ):  # fmt: skip
+        # out[i, :N] = moe_k._fp4_rows_dot of x row i with the N packed rows of w
+        i = tl.program_id(0)
+        rn = tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        w_rows = w_ptr + rn[:, None] * stride_w
+        s_rows = s_ptr + rn[:, None] * stride_s
+        v = moe_k._fp4_rows_dot(x_ptr + i * K, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, 1, DECODE)
+        tl.store(out_ptr + i * N + rn, v, mask=n_ok)
 
 
 from deepinfer import envs  # noqa: E402
@@ -585,6 +607,34 @@ def test_grouped_gemm_fp4_decodes_every_code_and_scale_exactly() -> None:
         sizes = torch.tensor([k], device=DEV)
         y = gemm_k.grouped_gemm_fp4(x.to(DEV), packed.to(DEV), scales.to(DEV), sizes, pairs=pairs)
         assert torch.equal(y.cpu(), want), (pairs, (y.cpu() - want).abs().max())
+
+
+def fp4_rows_every_code(decode: str) -> None:
+    """_fp4_rows_dot under `decode` (moe_k.FP4_DECODE) on identity rows: each of the 16 e2m1
+    codes in both nibbles under UE8M0 scales from 2^-127 to 2^125 (as the grouped GEMM's test),
+    K = 96 (a partial step of BLOCK_K 64 and 3 scale groups): exactly the format's dequantised
+    weights, for bfloat16 rows (float32 ones for PAIR and GROUP too); ASM's inline assembly and
+    SCALED's tl.dot_scaled only on a GPU (the interpreter runs float32 ops and MMA for them)."""
+    from deepinfer.backend import fp4
+
+    n, k = 16, 96
+    codes = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % 16
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)  # (N, K/2)
+    scales = torch.tensor([0, 1, 126, 127, 128, 200, 252, 100] * 6, dtype=torch.uint8).view(n, 3)
+    want = fp4.dequantize_weight(packed, scales).T  # (K, N)
+    for dtype in (torch.bfloat16, torch.float32) if decode in ("PAIR", "GROUP") else (torch.bfloat16,):
+        x = torch.eye(k, dtype=dtype).to(DEV)
+        out = torch.full((k, n), float("nan"), device=DEV)
+        _fp4_rows_probe[(k,)](
+            x, packed.to(DEV), scales.to(DEV), out, k, n, packed.stride(0), scales.stride(0),
+            BLOCK_N=16, BLOCK_K=64, DECODE=moe_k.FP4_DECODE[decode],
+        )  # fmt: skip
+        assert torch.equal(out.cpu(), want), (decode, dtype, (out.cpu() - want).abs().max())
+
+
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_fp4_rows_decode_every_code_and_scale_exactly(decode: str) -> None:
+    fp4_rows_every_code(decode)
 
 
 def test_grouped_gemm_fp4_rejects_bad_shapes() -> None:
@@ -1498,8 +1548,8 @@ def test_indexer_candidate_blocks_against_float64(
     selects over several blocks of columns, fewer candidates than top-k, rows whose scores all tie
     (zero queries: the lowest ids), graph-replay host lengths (upper bounds) and a scores budget
     that runs each request alone. MXFP4 keys (V4.1's published index-key rows, every pool row
-    quantised): the kernels dequantise them in registers; float64 scores the keys rounded by the
-    oracle's own kv_round."""
+    quantised): the kernels dequantise them in registers and round the queries to MXFP4 there;
+    float64 scores the keys and the query heads rounded by the oracle's own kv_round."""
     from deepinfer.backend import kv_formats_v41 as kvf
     from deepinfer.testing.v41_oracle import kv_round
 
@@ -1518,10 +1568,11 @@ def test_indexer_candidate_blocks_against_float64(
         for i, r in enumerate(range(sum(ql[:b]), sum(ql[: b + 1])))
     ]
     scores64 = {}
+    q64 = q.double() if key_format is None else kv_round(q.double(), key_format)
     for r, b, pos in queries:
         n_vis = (pos + 1) // ratio
         k64 = rows[b][:n_vis].double()
-        s64 = (torch.relu(q[r].double() @ k64.T) * 0.3 * w[r].double()[:, None]).sum(0)
+        s64 = (torch.relu(q64[r] @ k64.T) * 0.3 * w[r].double()[:, None]).sum(0)
         scores64[r] = s64.tolist()
     bound = dataclasses.replace(meta, seq_lens_host=(400,) * 4, max_seq_len=400)
     pool = keys.tensors[0]
@@ -1658,7 +1709,7 @@ def test_quantized_rows_splits_and_upper_bounds(
     """DeepSeek-V4.1's rows: the same caches quantised (every row, the NaN ones no request owns
     too), read by the kernel in its adaptive splits, one-tile splits and a replayed graph's upper
     bounds, as the reference over the dequantised rows; then the indexer's scores over MXFP4 keys
-    pick what the reference picks."""
+    (the queries rounded to MXFP4 in registers) pick what the reference picks."""
     from deepinfer.backend import kv_formats_v41 as kvf
 
     monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
@@ -1699,7 +1750,9 @@ def test_quantized_rows_splits_and_upper_bounds(
     keys = quantized(entries, "mxfp4")
     key_meta = AttentionMetadata.build(entry_table, list(meta.seq_lens_host), list(meta.query_lens_host))
     qi, w = torch.randn((q.shape[0], 3, 32), generator=gen), torch.randn((q.shape[0], 3), generator=gen)
-    want_ids = ref_v4.indexer_topk(qi, w, keys, key_meta, 4, 7, 0.3, reader("mxfp4"))
+    want_ids = ref_v4.indexer_topk(  # the FP4 indexer: MXFP4 queries beside MXFP4 keys
+        kvf.round_index_queries(qi, "mxfp4"), w, keys, key_meta, 4, 7, 0.3, reader("mxfp4")
+    )
     dev_meta = AttentionMetadata.build(
         entry_table.to(DEV), list(meta.seq_lens_host), list(meta.query_lens_host)
     )
@@ -2161,11 +2214,13 @@ def clamped_moe_oracle(
     return out
 
 
-def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("decode", list(moe_k.FP4_DECODE) if GPU or INTERPRET else ["PAIR"])
+def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator, decode: str) -> None:
     """decode_moe's FP4 flag: MXFP4 w13 / w2 read as GEMV rows (both nibbles of each byte, a scale
     per 32 values; Dm = 96 and I = 80 leave partial steps and scale groups), the clamped SwiGLU
     between, the fused combine; against float64 on the dequantised weights. On a GPU also
-    V4-Flash's widths (Dm 4096, I 2048) with the default tiles."""
+    V4-Flash's widths (Dm 4096, I 2048) with the default tiles. Every FP4_DECODE variant (ASM
+    as MMA in the interpreter)."""
     limit = 0.6
     sizes = [(6, 96, 80, 3, 2)] + ([(8, 4096, 2048, 2, 6)] if GPU and not INTERPRET else [])
     for e, dm, inter, t, k in sizes:
@@ -2173,12 +2228,12 @@ def test_decode_moe_mxfp4_with_the_clamped_swiglu(gen: torch.Generator) -> None:
         x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
         weights = torch.rand((t, k), generator=gen).to(DEV)
-        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit)
+        y = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, fp4_decode=decode)
         want = clamped_moe_oracle(x, weights, ids, w, limit)
         assert y.shape == (t, dm) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
         cfg = dataclasses.replace(moe_k.FP4_DECODE_CONFIG, fused_combine=False)  # the third launch
-        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg)
+        y3 = moe_k.decode_moe(x, weights, ids, *w, swiglu_limit=limit, config=cfg, fp4_decode=decode)
         torch.testing.assert_close(y3.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
@@ -2215,6 +2270,50 @@ def test_fused_moe_takes_the_mxfp4_decode_kernels_by_size_and_switch(
             y = b.moe.fused_moe(x, weights, ids, *w[:2], *w[2:], swiglu_limit=limit)
             assert calls == ([t] if expect else []), (t, calls)
             torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+
+
+def test_fused_moe_passes_the_fp4_decode_switch(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEEPINFER_CUDA_FP4_DECODE names one of decode_moe's MXFP4 decodes (the switch's choices are
+    FP4_DECODE's names); a backend built with it hands that decode to decode_moe, whose result
+    stays within bf16 rounding of float64; an unknown name is an error naming the valid ones.
+    Pinned decode tiles (DEEPINFER_CUDA_MOE_DECODE_TILES) set the MXFP4 path's copy limit too."""
+    assert envs.CUDA_FP4_DECODE.choices == tuple(moe_k.FP4_DECODE)
+    seen: list[str] = []
+    real = moe_k.decode_moe
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kwargs["fp4_decode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_k, "decode_moe", spy)
+    e, dm, inter, t, k, limit = 6, 64, 48, 2, 2, 0.8
+    w = mxfp4_experts(e, dm, inter, gen)
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    monkeypatch.setenv(envs.CUDA_FP4_DECODE.name, "group")
+    moe = cuda_backend.create_cuda_backend(BackendOptions()).moe
+    y = moe.fused_moe(x, weights, ids, *w, swiglu_limit=limit)
+    assert seen == ["GROUP"]
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="PAIR"):
+        real(x, weights, ids, *w, swiglu_limit=limit, fp4_decode="NIBBLE")
+    # pinned decode tiles carry their copy limit to the MXFP4 path too (past FP4_DECODE_MAX_COPIES)
+    t = moe_k.FP4_DECODE_MAX_COPIES // k + 1
+    x = torch.randn((t, dm), generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).int().to(DEV)
+    weights = torch.rand((t, k), generator=gen).to(DEV)
+    monkeypatch.setenv(envs.CUDA_MOE_DECODE_TILES.name, f"32,64,4,3,32,64,4,3,1,{t * k}")
+    seen.clear()
+    y = cuda_backend.create_cuda_backend(BackendOptions()).moe.fused_moe(
+        x, weights, ids, *w, swiglu_limit=limit
+    )
+    assert seen == ["GROUP"]
+    want = clamped_moe_oracle(x, weights, ids, w, limit)
+    torch.testing.assert_close(y.cpu().double(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
 
 
 def _varlen_f64(
@@ -2471,3 +2570,78 @@ def test_fp8_cache_through_the_backend(gen: torch.Generator) -> None:
     torch.testing.assert_close(uv.cpu().double(), want, rtol=2.5e-2, atol=2.5e-2 * float(want.abs().max()))
     with pytest.raises(ValueError, match="does not read FP8 latent caches"):
         cache_tensor(cache)
+
+
+def _v41_rows(t: int, w: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """(t, w) rows for the V4.1 row stores: blocks of 16 values at magnitudes 2^-14 .. 2^8, an
+    all-zero row head, a tiny block, negative zeros, and rows of e2m1 midpoints (ties) at a
+    power-of-two scale (every format's blocks) and at the e4m3 scale 0.75 (fp4's blocks)."""
+    mag = torch.exp2(torch.randint(-14, 9, (t, w // 16), generator=gen).float()).repeat_interleave(16, dim=1)
+    x = torch.randn((t, w), generator=gen) * mag
+    x[1, :32] = 0.0
+    x[1, 32:48] = -0.0
+    x[2, :32] *= 1e-30
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    ties[1::2] *= -1
+    x[3] = ties.repeat(w // 32) * 2.0**-3  # amax 6 * 2^-3 in every block: scale 2^-3 (fp4: e4m3)
+    x[4] = ties.repeat(w // 32) * 0.75  # fp4: the e4m3 scale 0.75, not a power of two
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "w", "dtype"),
+    [("fp8", 512, torch.bfloat16), ("fp4", 512, torch.bfloat16), ("mxfp4", 128, torch.bfloat16),
+     ("fp8", 32, torch.float32), ("fp4", 32, torch.float32), ("mxfp4", 32, torch.float32)],
+)  # fmt: skip
+def test_v41_row_stores_are_the_reference_quantiser(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, fmt: str, w: int, dtype: torch.dtype
+) -> None:
+    """DeepSeek-V4.1's fused quantise + store (kernels/kv_v41.py; the published widths in
+    bfloat16, one or two scale blocks in float32) writes the bytes kv_formats_v41.quantize_rows
+    gives, bit for bit, from a strided view: e2m1 ties to the even code, zero and tiny blocks,
+    negative zeros; slot -1 skips a row and the rows no slot names keep their bytes. Through the
+    backend's write_kv_rows too, and its unfused switch."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+
+    t = 9
+    x = _v41_rows(t, w, dtype, gen)
+    wide = torch.cat([x, x[:, :5]], dim=1)[:, :w]  # a strided view
+    row = kvf.row_bytes(fmt, w)  # type: ignore[arg-type]
+    slots = torch.tensor([3, -1, 0, 15, 7, 8, 1, 2, 12])
+    keep = slots >= 0
+    want = kvf.quantize_rows(x[keep], fmt)  # type: ignore[arg-type]
+    cache = torch.full((4, 4, row), 0xA5, dtype=torch.uint8, device=DEV)
+    kv_v41.write_kv_rows(cache, wide.to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+    flat = cache.view(-1, row).cpu()
+    bad = flat[slots[keep]] != want
+    assert not bad.any(), f"{fmt}: {int(bad.sum())} bytes differ, the first at {bad.nonzero()[0].tolist()}"
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert (flat[untouched] == 0xA5).all(), "rows no slot names were written"
+    spec = KVCacheSpec(4, 4, row, 0, torch.uint8)
+    for unfused in ("0", "1"):
+        monkeypatch.setenv(envs.CUDA_UNFUSED.name, unfused)
+        backend = cuda_backend.create_cuda_backend(BackendOptions())
+        assert backend.kv_cache.fused == (unfused == "0")
+        cache = PagedKVCache(spec, (torch.zeros((4, 4, row), dtype=torch.uint8, device=DEV),))
+        backend.kv_cache.write_kv_rows(cache, wide.to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+        assert torch.equal(cache.tensors[0].view(-1, row).cpu()[slots[keep]], want), unfused
+    with pytest.raises(ValueError, match="take"):
+        kv_v41.write_kv_rows(cache.tensors[0], x[:, :-32].to(DEV), slots.to(DEV), fmt)  # type: ignore[arg-type]
+
+
+def test_index_queries_round_in_registers_as_the_reference() -> None:
+    """kv_v41.round_mxfp4 (the FP4 indexer's queries in the score kernels) against
+    kv_formats_v41.round_index_queries bit for bit: 3 heads (padded to 16 rows) of 64 values,
+    magnitudes 2^-20 .. 2^20, an all-zero head, ties at the e2m1 midpoints."""
+    from deepinfer.backend import kv_formats_v41 as kvf
+
+    gen = torch.Generator().manual_seed(5)
+    mag = torch.exp2(torch.randint(-20, 21, (3, 2), generator=gen).float()).repeat_interleave(32, dim=1)
+    q = torch.randn((3, 64), generator=gen) * mag
+    q[1] = 0.0
+    q[2, :32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4) * 2.0**-7
+    y = torch.empty_like(q, device=DEV)
+    _round_mxfp4_probe[(1,)](q.to(DEV), y, 3, ROWS=16, COLS=64)
+    want = kvf.round_index_queries(q, "mxfp4")
+    assert torch.equal(y.cpu(), want), (y.cpu() - want).abs().max()

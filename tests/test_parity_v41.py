@@ -16,6 +16,7 @@ import dataclasses
 import os
 import re
 import unicodedata
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,58 @@ def test_host_tables_need_a_backend_that_reads_them(monkeypatch: pytest.MonkeyPa
     raw.pop("quantization_config")
     with pytest.raises(ValueError, match=r"backend 'reference' cannot read Engram tables in host memory"):
         DeepseekV41ForCausalLM(ModelConfig.from_dict(raw), backend, torch.float32)
+
+
+def counting_prefetches(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """The engine's engram_prefetch and engram_wait calls from now on, counted."""
+    small, calls = llm.llm_engine.backend.small, Counter[str]()
+
+    def counted(name: str) -> Any:
+        op = getattr(small, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            calls[name] += 1
+            return op(*args, **kw)
+
+        return call
+
+    for name in ("engram_prefetch", "engram_wait"):
+        monkeypatch.setattr(small, name, counted(name))
+    return calls
+
+
+def test_engram_prefetch_keeps_the_tokens(engram_case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DEEPINFER_ENGRAM_PREFETCH=1 (tables in host memory, chunked prefill): every Engram
+    layer's rows fetched at the start of the forward and waited for in its layer (one prefetch
+    and one wait per layer and step), the greedy tokens those of the engine without the
+    prefetch and the oracle's."""
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    args = dict(max_num_batched_tokens=5, enable_chunked_prefill=True)
+    plain = greedy(engram_case.llm(**args), engram_case.prompts)
+    monkeypatch.setenv("DEEPINFER_ENGRAM_PREFETCH", "1")
+    llm = engram_case.llm(**args)
+    calls = counting_prefetches(llm, monkeypatch)
+    assert greedy(llm, engram_case.prompts) == plain == engram_case.expected
+    layers = len(engram_case.raw["text_config"]["engram_layer_ids"])
+    assert calls["engram_prefetch"] == calls["engram_wait"] > 0 and calls["engram_wait"] % layers == 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+)
+def test_engram_prefetch_on_the_cuda_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cuda backend's engram_prefetch / engram_wait (on CPU tensors: the synchronous
+    lookup, no side stream) in the model with its tables in host memory, decode graphs (the
+    interpreter's RerunGraph): the oracle's tokens, which test_engram_on_the_cuda_backend gets
+    from the same prompts without the prefetch."""
+    monkeypatch.setenv("DEEPINFER_ENGRAM_HOST_TABLES", "1")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_PREFETCH", "1")
+    c = Case("engram_tokenizer", tmp_path)
+    llm = c.llm(backend="cuda")
+    calls = counting_prefetches(llm, monkeypatch)
+    assert greedy(llm, c.prompts[:2]) == c.expected[:2]
+    assert calls["engram_prefetch"] == calls["engram_wait"] > 0
 
 
 @pytest.mark.skipif(

@@ -3,7 +3,8 @@ FP4 main entries and index keys; "fp8": FP8 main entries) against the float64 or
 KV the same way (deepinfer.testing.v41_oracle.kv_round, written from the formats' definitions):
 greedy tokens through LLM.generate on the reference backend in float32 equal the oracle's on tiny
 configs covering window / C1 / C2 layers and KV, index-key and top-k sharing, with whole and
-chunked prefill and preemption with recompute. Then the KV budget: the caches are counted at their
+chunked prefill and preemption with recompute; the index queries are FP4 like the index keys.
+Then the KV budget: the caches are counted at their
 real bytes, so the same memory holds more blocks in the ratio of the bytes per token.
 """
 
@@ -157,9 +158,18 @@ def test_the_rounding_is_visible(tmp_path_factory: pytest.TempPathFactory) -> No
         assert any(c.expected != c.exact for c in cases), fmt
 
 
+def test_the_query_rounding_is_visible(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The parity above could not pass with float index queries: an oracle that keeps the index Q
+    unrounded (FP4 keys only) gives other tokens in some prompt of every case."""
+    for name, fmt in CASES:
+        c = built(name, fmt, tmp_path_factory)
+        oracle = V41Oracle(c.raw, c.tensors, kv_cache_dtype=fmt, round_index_queries=False)
+        assert any(oracle.greedy(p, NEW_TOKENS) != e for p, e in zip(c.prompts, c.expected)), (name, fmt)
+
+
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="the cuda backend's kernels in the Triton interpreter: tests/test_cuda_interpret.py runs it",
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available(),
+    reason="the cuda backend's kernels on a GPU, or in the Triton interpreter (tests/test_cuda_interpret.py)",
 )
 def test_published_formats_on_the_cuda_backend(tmp_path: Path) -> None:
     """The cuda backend's Triton kernels over the quantised rows (attention, indexer scoring and

@@ -16,6 +16,9 @@ quantized_indexer_topk): "fp8" (e4m3 + UE8M0 per 32), "fp4" (e2m1 + e4m3 per 16)
 (e2m1 + UE8M0 per 32, the index keys); None: rows in the cache's own float dtype. The quantisers
 here are the formats' definitions; they run on any device without a host sync or a host tensor
 (graph steps capture them).
+
+The FP4 indexer (reference section 1.4) rounds its queries as its keys: with MXFP4 index keys
+each query head's Di values are MXFP4 too (round_index_queries) before the scores.
 """
 
 from __future__ import annotations
@@ -71,6 +74,15 @@ def dequantize_rows(rows: torch.Tensor, fmt: RowFormat) -> torch.Tensor:
     if fmt == "fp4":
         return dequantize_fp4_rows_v41(rows)
     return dequantize_fp4_index_keys_v41(rows)
+
+
+def round_index_queries(q: torch.Tensor, key_format: RowFormat | None) -> torch.Tensor:
+    """The indexer's queries as the scores read them: key_format "mxfp4" (V4.1's FP4 index keys)
+    rounds each row of q (..., Di) to MXFP4 as quantize_fp4_index_keys_v41 rounds a key (one
+    power-of-two scale per 32 values) -> float32; any other key format keeps q as it is."""
+    if key_format != "mxfp4":
+        return q
+    return dequantize_fp4_index_keys_v41(quantize_fp4_index_keys_v41(q))
 
 
 def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:

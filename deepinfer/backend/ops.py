@@ -40,6 +40,7 @@ from deepinfer.backend.types import (
     Event,
     KVCacheSpec,
     PagedKVCache,
+    PendingRows,
     RouterConfig,
     Stream,
 )
@@ -567,10 +568,14 @@ class AttentionOps(_Part):
     ) -> torch.Tensor:
         """DeepSeek-V4.1's indexer scoring over quantised keys: indexer_topk(q, weights, keys, ...)
         where the keys are the rows read_kv_rows dequantises in key_format (Di = q's width
-        values). Default: the reference over read_kv_rows, one request at a time from the device
-        lengths read on the host (NotImplementedError while a real graph captures)."""
+        values) and the queries those kv_formats_v41.round_index_queries gives: key_format
+        "mxfp4" (the published FP4 indexer) scores each query head rounded to MXFP4 as a key is
+        (one power-of-two scale per 32 values), other formats q as it is. Ties as indexer_topk's,
+        among the scores of the rounded queries (FP4 codes tie more often than floats). Default:
+        the reference over read_kv_rows, one request at a time from the device lengths read on
+        the host (NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "quantized_indexer_topk")
-        read = self._row_reader(key_format)
+        read, q = self._row_reader(key_format), kvf.round_index_queries(q, key_format)
         return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, read)
 
     def varlen_attention(
@@ -615,10 +620,12 @@ class AttentionOps(_Part):
         the row's newest visible entry, which scores +inf (always kept). -> (ids (T, topk),
         blocks (T, topk_blocks)) int32: blocks = the min(topk_blocks, visible blocks) best
         blocks in any order, ties to the lower block id, -1 in the other columns. key_format:
-        the keys' row format as quantized_indexer_topk's (None: keys in a float dtype). Default:
-        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
-        while a real graph captures)."""
+        the keys' row format as quantized_indexer_topk's, which also says how the queries are
+        rounded ("mxfp4": to MXFP4; None: keys in a float dtype, q as it is). Default: the
+        reference over read_kv (read_kv_rows where key_format is set; NotImplementedError while
+        a real graph captures)."""
         _refuse_capture(self.backend, "indexer_candidate_blocks")
+        q = kvf.round_index_queries(q, key_format)
         return ref_v4.indexer_candidate_blocks(
             q, weights, keys, meta, ratio, topk, scale, block_size, topk_blocks, self._key_reader(key_format)
         )
@@ -642,10 +649,11 @@ class AttentionOps(_Part):
         ids per row (blocks of block_size entries, as indexer_candidate_blocks lists them), -1
         unused, ids past the row's visible blocks ignored. -> (T, topk) int32: the
         min(topk, candidate entries) best candidate entries in any order, ties to the lower
-        entry id, -1 in the other columns. key_format: as indexer_candidate_blocks'. Default:
-        the reference over read_kv (read_kv_rows where key_format is set; NotImplementedError
-        while a real graph captures)."""
+        entry id, -1 in the other columns. key_format: as indexer_candidate_blocks' (keys and
+        queries). Default: the reference over read_kv (read_kv_rows where key_format is set;
+        NotImplementedError while a real graph captures)."""
         _refuse_capture(self.backend, "indexer_topk_in_blocks")
+        q = kvf.round_index_queries(q, key_format)
         return ref_v4.indexer_topk_in_blocks(
             q, weights, keys, meta, blocks, ratio, topk, scale, block_size, self._key_reader(key_format)
         )
@@ -1188,6 +1196,33 @@ class SmallOps(_Part):
         graph-safe. Default: the reference (deepinfer.reference.engram; host tables only where
         host memory is the device's, the CPU)."""
         return ref_engram.engram_lookup(ngram_ids, multipliers, sizes, table, scales, dtype)
+
+    def engram_prefetch(
+        self,
+        ngram_ids: torch.Tensor,
+        multipliers: torch.Tensor,
+        sizes: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        scales: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PendingRows:
+        """engram_lookup (same arguments, the same rows bit for bit) started so that it may run
+        beside the work issued after it on the current stream, until engram_wait(pending): a
+        model fetches every Engram layer's rows at the start of its forward (the n-gram ids
+        depend on the input tokens only) and each layer waits for its own (DeepSeek's engine
+        does the same). The inputs must stay unchanged until that wait. Graph-safe: a prefetch
+        and its wait inside one capture_graph are both captured. Default: this backend's
+        engram_lookup, now, on the current stream."""
+        return PendingRows(
+            self.engram_lookup(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
+        )
+
+    def engram_wait(self, pending: PendingRows) -> torch.Tensor:
+        """The rows of an engram_prefetch (T, C * Dh), ready for the work issued after this call
+        on the current stream (the stream, and the capture if any, of the prefetch). Call it once
+        for each prefetch. Default: pending.rows (the default prefetch wrote them in order)."""
+        return pending.rows
 
     def engram_gate(
         self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float

@@ -277,6 +277,16 @@ class Event(Protocol):
         """Whether that work has finished, without blocking."""
 
 
+@dataclass
+class PendingRows:
+    """Engram rows a SmallOps.engram_prefetch started to fetch: `rows` (T, C * Dh), for the work
+    issued after SmallOps.engram_wait(this) on the stream that issued the prefetch; `ready`: what
+    the backend's wait joins (its event), None where the rows were written in order already."""
+
+    rows: torch.Tensor
+    ready: Any = None
+
+
 Scoring = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 GroupScore = Literal["max", "top2_sum"]
 

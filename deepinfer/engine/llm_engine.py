@@ -227,6 +227,8 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Schedule, launch, process the previous step's results, launch the draw -> the requests
         that finished (with async scheduling or chained verification steps, the previous step's)."""
+        if self.speculative is not None:
+            self.speculative.tick()
         finished, plan = self.planned or self._plan()
         self.planned = None
         if plan is None:  # nothing to launch: only results in flight are left
@@ -262,6 +264,8 @@ class LLMEngine:
             assert self.speculative is not None
             return self.speculative.launch(plan.batch)
         assert plan.batch is not None
+        if self.speculative is not None:
+            self.speculative.plain_launched(plan.batch)
         out = self.worker.forward(plan.batch, plan.bucket, plan.eager)
         self.scheduler.advance(plan.batch)
         return out
@@ -317,6 +321,8 @@ class LLMEngine:
         exchanges (graph replays of padding rows when the others replay graphs). A step that
         raises on one rank raises on every rank at the next exchange, naming that rank and its
         error (deepinfer.parallel.rank_sync)."""
+        if self.speculative is not None:
+            self.speculative.untimed()
         refused = []
         for seq in seqs:
             if seq.is_finished:  # refused before it started (an image it cannot take)

@@ -15,12 +15,18 @@ the first whose confidence is below the threshold (min_draft_confidence).
 
 Confidence scheduling (confidence_scheduling=True) chooses the drafts a step verifies. The
 measured policy (deepinfer.engine.step_times, the default): the step-time curve of every graph,
-measured once, and per step the drafts (by rank of confidence) that maximise expected tokens per
-ms, a plain step where none pays. The budget policy (step_token_budget given): a decode step's
-forward costs about the same for any token count up to a knee; so a step may hold
-step_token_budget tokens in all: with R requests waiting or running (one token each), the drafts
-get budget = max(0, step_token_budget - R) tokens, given to the drafts of highest confidence
-across the batch (confidences fall along a request's drafts, so each request verifies a
+measured once, and per step the drafts (by rank of confidence, taken at the acceptance observed)
+that maximise expected tokens per ms, the drafter's cost included; where none pays, the step is
+a plain decoding step (no drafter) and drafting stops. It starts again with a probe (a step
+that drafts but verifies nothing) where drafts could pay at all on the curve, after a back-off
+that doubles, up to a cap, each time an episode of drafting emitted fewer tokens than plain
+steps would have in its time, on the curve or by the wall clock (tick). A chain of
+verification steps starts where the chooser takes its width K and goes on while the drafts of
+its next step pay at K and it verifies some. The budget policy (step_token_budget
+given): a decode step's forward costs about the same for any token count up to a knee; so a
+step may hold step_token_budget tokens in all: with R requests waiting or running (one token
+each), the drafts get budget = max(0, step_token_budget - R) tokens, given to the drafts of
+highest confidence across the batch (confidences fall along a request's drafts, so each request verifies a
 prefix). When no draft is chosen the step is a plain decoding step: no drafter, and graphs and
 async scheduling where they are on. A request's first step after plain steps has no drafts; the
 MTP head's cache misses the positions plain steps computed, which lowers its acceptance, never
@@ -50,7 +56,8 @@ launches every step (deepinfer.engine.llm_engine), the worker runs them on the d
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +68,15 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.scheduler import ScheduledBatch, Scheduler
 from deepinfer.engine.sequence import Sequence
-from deepinfer.engine.step_times import StepTimes, best_at_width, choose_drafts, schedule_drafts, step_value
+from deepinfer.engine.step_times import (
+    Acceptance,
+    Backoff,
+    Episode,
+    StepTimes,
+    choose_drafts,
+    schedule_drafts,
+    width_value,
+)
 from deepinfer.engine.worker import ForwardOutput, Worker
 
 logger = logging.getLogger(__name__)
@@ -149,15 +164,27 @@ class SpeculativeDecoder:
         self.policy = config.schedule_policy
         self.step_times: StepTimes | None = None  # measured on first use (tests set a curve)
         self.estimates = [1.0] * self.k  # the expected confidence of draft j (measured policy)
+        self.acceptance = Acceptance()  # the head's confidences against the acceptance observed
+        self.backoff = Backoff()  # plain steps before the next probe
+        self.episode: Episode | None = None  # drafting since the last probe (None: plain steps)
         self.num_draft_tokens = 0  # drafts verified, and accepted
         self.num_accepted_tokens = 0
         self.num_steps = 0  # steps that verified or proposed drafts
         self.num_graph_steps = 0  # of which verification graph replays
+        self.num_probes = 0  # of which probes (measured policy: drafting after plain steps)
+        self.num_plain_steps = 0  # steps without drafts or drafter (plain_launched)
+        # the wall clock (s) of the measured policy's episodes: set once the curve is measured
+        # (tests that inject a curve leave it None, or inject a clock of their own)
+        self.clock: Callable[[], float] | None = None
+        self.plain_ms: dict[int, float] = {}  # requests -> wall ms of a plain decoding step (running mean)
+        self._last_tick: tuple[float, int, int] | None = None  # (time, plain steps, drafting steps)
+        self._plain_rows = 0  # requests of the last plain step when all decode (else 0: not timed)
         # overlap: chain verification steps (the host reads step N while the device runs N + 1)
         self.overlap = True
         self.chain: Chain | None = None
         self.last_budget: int | None = None  # the draft budget of the last step (None: no cap)
         self.confidence: dict[int, list[float]] = {}  # id(seq) -> its drafts' confidences
+        self.num_offered = 0  # requests the last step's drafter drafted for (confident or not)
 
     # ------------------------------------------------------------------ policy
 
@@ -177,13 +204,16 @@ class SpeculativeDecoder:
         if self.step_times is None and self.policy == "measured":
             self.step_times = self.worker.measure_step_times()
             if self.step_times is not None:
+                self.clock = time.perf_counter
                 curve = self.step_times
                 logger.info(
                     "confidence scheduling: step times (ms, forward + sampler) by (bucket, width): %s",
                     ", ".join(
                         f"{key}: {curve.forward[key]:.3f} + {curve.sampler.get(key, 0.0):.3f}"
                         for key in sorted(curve.forward)
-                    ),
+                    )
+                    + "; probes (a width-0 step that drafts) by bucket: "
+                    + ", ".join(f"{b}: {ms:.3f}" for b, ms in sorted(curve.probe.items())),
                 )
             else:
                 logger.warning(
@@ -194,33 +224,49 @@ class SpeculativeDecoder:
                 self.step_token_budget = self.step_token_budget or DEFAULT_STEP_TOKEN_BUDGET
         return self.step_times
 
-    def _measured_confidences(self, estimate: bool) -> list[list[float]]:
-        """Per running request, its drafts' confidences; estimate: for one without drafts, the
-        running estimates (the drafts it would get)."""
-        conf = []
-        for s in self.scheduler.running:
-            if s.draft:
-                conf.append(self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)])
-            elif estimate:
-                conf.append(self.estimates[: self.k])
-        return conf
+    def _drafts_of(self, seqs: list[Sequence]) -> list[list[float]]:
+        """The confidences of each request's drafts, as the head gave them."""
+        return [self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)] for s in seqs]
 
     def wants_step(self) -> bool:
-        """Whether the next step drafts (False: confidence scheduling found drafting does not
-        pay, and the step is a plain decoding step)."""
+        """Whether the next step drafts (False: a plain decoding step, without the drafter)."""
         times = self.times()
         if self.policy == "measured" and times is not None:
-            conf = self._measured_confidences(estimate=True)
-            return any(choose_drafts(times, conf, max(self.num_requests(), len(conf))))
+            return self._measured_wants(times)
         budget = self.budget()
         return budget is None or budget > 0
+
+    def _measured_wants(self, times: StepTimes) -> bool:
+        """The measured policy: while an episode drafts, go on where the chooser verifies some of
+        the requests' drafts (taken at the observed acceptance); else end it (a plain step). Out
+        of one, after the back-off, probe where drafts could pay at all at this batch."""
+        requests = self.num_requests()
+        if self.episode is not None:
+            seqs = [s for s in self.scheduler.running if s.draft]
+            conf = [self.acceptance.calibrated(c) for c in self._drafts_of(seqs)]
+            if not self.episode.losing and any(choose_drafts(times, conf, max(requests, len(conf)))):
+                return True
+            # it failed with drafts that did not pay or none confident enough; neither when no
+            # step of it ran or the drafter ran for no request left (a generate call's end)
+            failed = self.episode.tokens > 0 and bool(seqs or self.num_offered)
+            if self.episode.paid:
+                self.backoff.paid()
+            elif failed:
+                self.backoff.failed()
+            self.episode = None
+        elif not self.backoff.waits() and times.drafting_can_pay(max(requests, 1), self.k):
+            self.episode = Episode()
+            return True
+        self.acceptance.plain_step()
+        return False
 
     def limit_drafts(self) -> None:
         """Before scheduling: each running request keeps the drafts the policy gives it."""
         seqs = [s for s in self.scheduler.running if s.draft]
-        conf = [self.confidence.get(id(s), [1.0] * len(s.draft))[: len(s.draft)] for s in seqs]
+        conf = self._drafts_of(seqs)
         times = self.times()
         if self.policy == "measured" and times is not None:
+            conf = [self.acceptance.calibrated(c) for c in conf]
             counts = choose_drafts(times, conf, max(self.num_requests(), len(conf)))
             self.last_budget = sum(counts)
         else:
@@ -229,15 +275,74 @@ class SpeculativeDecoder:
         for seq, n in zip(seqs, counts):
             del seq.draft[n:]
 
-    def chain_pays(self, num_requests: int) -> bool:
-        """Measured policy: whether steps of the chain's width K (graphs verify every request
-        padded to K drafts) beat plain steps on the curve, by the drafts' estimates."""
+    def chain_pays(self, batch: ScheduledBatch) -> bool:
+        """Measured policy: whether a chain starts at this step: it verifies drafts (a probe
+        does not) and, by the drafts' estimates at the observed acceptance, the chooser takes
+        the chain's width K (graphs verify every request padded to K drafts): wider than a
+        plain step, and than any narrower width on the curve."""
         times = self.step_times
         if self.policy != "measured" or times is None:
             return True
-        conf = [self.estimates[: self.k]] * num_requests
-        _, value = best_at_width(times, conf, num_requests, self.k)
-        return value > step_value(times, conf, [0] * num_requests, num_requests)
+        r = len(batch)
+        conf = [self.acceptance.calibrated(self.estimates[: self.k])] * r
+        return any(batch.num_draft_tokens) and max(choose_drafts(times, conf, r), default=0) == self.k
+
+    def plain_launched(self, batch: ScheduledBatch) -> None:
+        """The engine launched a plain step (no drafts, no drafter)."""
+        self.num_plain_steps += 1
+        self._plain_rows = len(batch) if all(n == 1 for n in batch.num_new_tokens) else 0
+
+    def untimed(self) -> None:
+        """The engine starts a generate call: the time since the last step is no step's."""
+        self._last_tick = None
+
+    def tick(self) -> None:
+        """At the start of each engine step: the wall time since the last one is the step then
+        launched's, a plain decoding step's (its running mean per batch size) or an episode's."""
+        if self.clock is None or self.step_times is None:
+            return
+        now = self.clock()
+        last, self._last_tick = self._last_tick, (now, self.num_plain_steps, self.num_steps)
+        if last is None:
+            return
+        ms = (now - last[0]) * 1e3
+        plain, drafting = self.num_plain_steps > last[1], self.num_steps > last[2]
+        if plain and not drafting and self._plain_rows:
+            r = self._plain_rows
+            old = self.plain_ms.get(r)
+            self.plain_ms[r] = ms if old is None else old + ESTIMATE_WEIGHT * (ms - old)
+        elif drafting and not plain and self.episode is not None:
+            r = max(1, self.num_requests())
+            # without a timed plain step of r requests yet: the curve's (device only: less)
+            self.episode.timed(r, ms, self.plain_ms.get(r, self.step_times.plain_ms(r)))
+
+    def _observe(
+        self, rows: int, width: int, tokens: int, drafts: int, expected: float, accepted: int
+    ) -> None:
+        """Measured policy, a processed step with drafts of `rows` requests at `width` (0: a
+        probe): it emitted `tokens`, verified `drafts` drafts of confidences adding up to
+        `expected`, `accepted` of them accepted."""
+        times = self.step_times
+        if self.policy != "measured" or times is None:
+            return
+        if drafts:
+            self.acceptance.verified(drafts, expected, accepted)
+        if self.episode is not None and rows:
+            self.episode.add(times, rows, min(width, times.max_width), tokens)
+
+    def _chain_next_pays(self, seqs: list[Sequence], result: VerifyResult) -> bool:
+        """Measured policy, a chained step just read: whether the chain's next step but one is
+        worth launching: the step after it (launched already) verifies some drafts, these
+        drafts, as its next drafts are likely to be, pay at width K against a plain step, and
+        the episode is not losing to plain steps by the wall clock."""
+        times = self.step_times
+        if self.policy != "measured" or times is None:
+            return True
+        live = [b for b, s in enumerate(seqs) if not s.is_finished]
+        if not any(result.next_drafts[b] for b in live) or (self.episode is not None and self.episode.losing):
+            return False
+        conf = [self.acceptance.calibrated(result.confidences[b][: result.next_drafts[b]]) for b in live]
+        return width_value(times, conf, len(live), self.k) > width_value(times, [], len(live), 0)
 
     def drop_drafts(self) -> None:
         """Before a plain step: no request verifies drafts."""
@@ -258,6 +363,7 @@ class SpeculativeDecoder:
         """seq's drafts: the chain's tokens up to the first below min_draft_confidence. Their
         confidences update the measured policy's estimates (a draft cut off counts as 0)."""
         offered = list(chain)
+        self.num_offered += bool(offered)
         conf: list[float] = []
         for token, c in offered:
             if c < self.min_draft_confidence:
@@ -279,6 +385,7 @@ class SpeculativeDecoder:
         self.num_steps += 1
         if batch is None:
             return self._launch_chained()
+        self.num_probes += self.episode is not None and not any(batch.num_draft_tokens)
         graph = self.worker.verify_graphs.bucket_for(batch)
         seqs = batch.seqs
         on_host = self.sampler.needs_processing(seqs) or any(s.needs_logprob for s in seqs)
@@ -301,7 +408,7 @@ class SpeculativeDecoder:
             self.overlap
             and (bucket, self.k) in self.worker.verify_graphs
             and not self.scheduler.waiting
-            and self.chain_pays(len(seqs))
+            and self.chain_pays(batch)
         )
         if chained:  # fewer steps where the pool runs short
             limits = self._cover(seqs, [CHAIN_STEPS * (1 + self.k) + self.head_rows] * len(seqs))
@@ -340,10 +447,8 @@ class SpeculativeDecoder:
     def _chain_budget(self, num_requests: int) -> int:
         """The draft budget of a chained step (every draft when unscheduled): the same for every
         step of a chain, as nothing waits and nothing joins."""
-        times = self.step_times
-        if self.policy == "measured" and times is not None:
-            conf = [self.estimates[: self.k]] * num_requests
-            return sum(best_at_width(times, conf, num_requests, self.k)[0])
+        if self.policy == "measured" and self.step_times is not None:
+            return num_requests * self.k  # in a graph a draft costs what its padding row would
         budget = self.budget()
         return num_requests * self.k if budget is None else budget
 
@@ -355,30 +460,36 @@ class SpeculativeDecoder:
         if isinstance(done, EagerStep):
             return self._accept(done)
         result = self.worker.verify_read(done.pending)
-        finished = self._append_verified(done.seqs, done.num_drafts, result, done.limits)
+        finished = self._append_verified(done.seqs, done.num_drafts, result, done.limits, done.pending.width)
         chain = self.chain
         if chain is None:
             return finished
         if chain.last is done or all(s.is_finished for s in chain.seqs):
             self.chain = None  # a step still in flight writes only its finished requests' rows
         else:
-            chain.stop = chain.stop or bool(finished)
+            chain.stop = chain.stop or bool(finished) or not self._chain_next_pays(done.seqs, result)
         chain.last.num_drafts = result.next_drafts  # the step launched after it, if any
         return finished
 
     def _append_verified(
-        self, seqs: list[Sequence], num_drafts: list[int], result: VerifyResult, limits: list[int]
+        self, seqs: list[Sequence], num_drafts: list[int], result: VerifyResult, limits: list[int], width: int
     ) -> list[Sequence]:
-        """The host's side of a verified step: each request's row and accepted drafts count as
-        computed, their tokens are appended (stop conditions checked token by token), and the
-        next block's confident drafts become its drafts. limits: the positions below which the
-        step wrote cache rows (the MTP head's draft i > 0 is kept only if its row was written)."""
+        """The host's side of a verified step (of `width`): each request's row and accepted drafts
+        count as computed, their tokens are appended (stop conditions checked token by token),
+        and the next block's confident drafts become its drafts. limits: the positions below
+        which the step wrote cache rows (the MTP head's draft i > 0 is kept only if its row was
+        written)."""
         finished: list[Sequence] = []
-        self.confidence = {}
+        verified, self.confidence, self.num_offered = self.confidence, {}, 0
+        rows = drafts = accepted = tokens = 0
+        expected = 0.0
         for b, (seq, nd, limit) in enumerate(zip(seqs, num_drafts, limits)):
             if seq.is_finished:  # a chained step's row of a request that finished before it
                 continue
             self.num_draft_tokens += nd
+            rows, drafts, accepted = rows + 1, drafts + nd, accepted + result.accepted[b]
+            expected += sum(verified.get(id(seq), [1.0] * nd)[:nd])
+            tokens += 1 + result.accepted[b]
             self.scheduler.advance_token(seq)  # its last token's row
             for j in range(result.accepted[b] + 1):
                 if j > 0:  # the token just appended equals draft j - 1
@@ -393,6 +504,7 @@ class SpeculativeDecoder:
                 if self.mtp:  # the head's row of draft i > 0 sits at num_tokens - 2 + i
                     k = min(k, max(1, limit - seq.num_tokens + 2))
                 self._keep_confident(seq, zip(result.drafts[b][:k], result.confidences[b][:k]))
+        self._observe(rows, width, tokens, drafts, expected, accepted)
         return finished
 
     def _accept(self, done: EagerStep) -> list[Sequence]:
@@ -400,9 +512,11 @@ class SpeculativeDecoder:
         from its first row; while the token just sampled equals the next draft, that draft was
         right and the token after it is sampled from the next row. Then the drafter proposes."""
         batch, logits = done.batch, done.out.logits
+        verified = self.confidence  # the confidences of the drafts this step verifies
         finished: list[Sequence] = []
         sampling, first_rows, drafted = [], [], []  # drafted: (seq, logits row of its 1st draft)
-        row = 0
+        row = drafts = 0
+        expected = 0.0  # the accepted drafts the confidences expect
         for seq, nd in zip(batch.seqs, batch.num_draft_tokens):
             if seq.num_computed_tokens == seq.num_tokens:
                 sampling.append(seq)
@@ -410,6 +524,8 @@ class SpeculativeDecoder:
                 if nd:
                     drafted.append((seq, row + 1))
                     self.num_draft_tokens += nd
+                    drafts += nd
+                    expected += sum(verified.get(id(seq), [1.0] * nd)[:nd])
                 row += 1 + nd
         accepted: dict[int, int] = {}  # id(seq) -> drafts accepted this step
         if sampling:
@@ -427,6 +543,9 @@ class SpeculativeDecoder:
             pending = [(s, r + 1) for s, r in right if len(s.draft) > j]
         for seq in batch.seqs:
             seq.draft = []
+        taken = sum(accepted.values())
+        width = max(batch.num_draft_tokens, default=0)
+        self._observe(len(sampling), width, len(sampling) + taken, drafts, expected, taken)
         self._propose(batch, done.starts, accepted)
         if done.out.prompt_logprobs is not None:  # from the step's hidden states
             self.outputs.add_prompt_logprobs(done.out.prompt_logprobs, finished)
@@ -446,7 +565,7 @@ class SpeculativeDecoder:
         confident of)."""
         seqs, spans, rows, ks = [], [], [], []  # ks: drafts wanted (0: not at its last token yet)
         row = 0
-        self.confidence = {}
+        self.confidence, self.num_offered = {}, 0
         for seq, start, n, nd in zip(batch.seqs, starts, batch.num_new_tokens, batch.num_draft_tokens):
             valid = n - nd + accepted.get(id(seq), 0)  # positions holding real tokens
             end = min(start + valid, seq.num_tokens - 1)

@@ -785,9 +785,10 @@ class Worker:
         """Confidence scheduling's step-time curve (deepinfer.engine.step_times): every captured
         verification graph (bucket, width >= 1) and decode graph (width 0), its forward and its
         sampler (the draw; for verification also acceptance and drafting) replayed `repeats`
-        times each, the median ms. Their inputs are those of the capture (padding: no cache row
-        is written): all padding, prepared before each graph's replays as for its capture.
-        None without verification graphs (eager steps only)."""
+        times each, the median ms; the width-0 verification graphs beside decode graphs are the
+        probes (drafting, no draft verified). Their inputs are those of the capture (padding: no
+        cache row is written): all padding, prepared before each graph's replays as for its
+        capture. None without verification graphs (eager steps only)."""
         dev = self.backend.device
         verify, decode = self.verify_graphs, self.decode_graphs
         if not verify.forwards:
@@ -805,19 +806,24 @@ class Worker:
 
         forward: dict[tuple[int, int], float] = {}
         sampler: dict[tuple[int, int], float] = {}
+        probe: dict[int, float] = {}
 
-        def measure(bucket: int, width: int | None, graph: GraphRunner, draw: GraphRunner) -> None:
+        def measure(
+            bucket: int, width: int | None, graph: GraphRunner, draw: GraphRunner
+        ) -> tuple[float, float]:
             self.inputs.prepare(ScheduledBatch(), bucket, width, False)
-            key = (bucket, width or 0)
-            forward[key], sampler[key] = median_ms(graph), median_ms(draw)
+            return median_ms(graph), median_ms(draw)
 
         for (b, w), graph in verify.forwards.items():
+            times = measure(b, w, graph, verify.finishes[(b, w, False)])
             if w > 0 or not decode.forwards:  # width 0: the decode graph where there is one
-                measure(b, w, graph, verify.finishes[(b, w, False)])
+                forward[(b, w)], sampler[(b, w)] = times
+            else:
+                probe[b] = sum(times)
         for b, graph in decode.forwards.items():
-            measure(b, None, graph, decode.draws[(b, False)])
+            forward[(b, 0)], sampler[(b, 0)] = measure(b, None, graph, decode.draws[(b, False)])
         dev.synchronize()
-        return StepTimes(forward, sampler)
+        return StepTimes(forward, sampler, probe)
 
     def verify_read(self, pending: PendingVerify) -> VerifyResult:
         """Wait for a launched verification step's results."""

@@ -45,7 +45,8 @@ Row formats (EngineConfig.kv_cache_dtype, use_kv_cache_dtype; kv_formats_v41): "
 window rows in FP8 (528 B at D = 512), the entries in FP4 (288 B) and the index keys in MXFP4
 (68 B), each a uint8 row quantised as it is written (write_kv_rows) and dequantised where the
 sparse attention and the indexer read it (quantized_attention, quantized_indexer_topk; the
-candidate stages take the index keys' format too), prefill included, so every step attends and
+candidate stages take the index keys' format too; beside MXFP4 keys the ops round the index
+queries to MXFP4 as well, DeepSeek's FP4 indexer), prefill included, so every step attends and
 scores the rounded values; the C2 state keeps the model dtype bit for
 bit in the ring's bytes (ByteRows). "bf16": every cache in the model dtype.
 
@@ -54,7 +55,9 @@ streams before the attention's pre mix; the n-gram ids come from each token's in
 engine's token history (ForwardBatch.token_history: the previous G - 1 tokens), built once per
 forward on the device. Its tables are weights on the device, or in pinned host memory
 (envs.ENGRAM_HOST_TABLES, deepinfer.models.engram), as stored: float rows, or DeepSeek's FP8
-rows (e4m3 with a UE8M0 scale per 32 values of a row) that each lookup dequantises.
+rows (e4m3 with a UE8M0 scale per 32 values of a row) that each lookup dequantises. With
+envs.ENGRAM_PREFETCH every Engram layer's lookup starts once the ids are built (StepState
+engram_rows) and each layer waits for its own rows.
 
 Tensor names are DeepSeek's published ones (layers.{i}.attn.wq_a.weight, ..., with or without
 a `model.` prefix). Loaded here: float checkpoints (bfloat16 / float32 weights) and the published
@@ -94,7 +97,7 @@ from deepinfer.backend.kv_formats_v41 import (
     row_formats_v41,
 )
 from deepinfer.backend.ops import Backend
-from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache
+from deepinfer.backend.types import AttentionModifiers, KVCacheSpec, PagedKVCache, PendingRows
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.config_v41 import V41Config
 from deepinfer.models.deepseek_v4 import (
@@ -295,6 +298,7 @@ class StepState:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None  # (T, candidate_topk_blocks) int32, from the candidate source
     ngram_ids: torch.Tensor | None = None  # (T, G) compressed ids, models with Engram layers
+    engram_rows: dict[int, PendingRows] = field(default_factory=dict)  # layer -> rows (ENGRAM_PREFETCH)
 
 
 class MainEntries(nn.Module):
@@ -570,7 +574,8 @@ class V41Block(nn.Module):
         small = self.backend.small
         if self.engram is not None:  # on the streams after the previous post mix
             assert step.ngram_ids is not None
-            streams = self.engram(streams, step.ngram_ids, batch.image_mask)
+            rows = step.engram_rows.get(self.engram.layer)
+            streams = self.engram(streams, step.ngram_ids, batch.image_mask, rows)
         x, post, comb, pre = self._pre(self.hc_attn, streams, pre)
         a = self.attn(self.attn_norm(x), batch, caches, entries, table, step)
         streams = small.hc_post(a, streams, post, comb)
@@ -702,6 +707,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     supports_prefix_caching = False  # a block's entries depend on the tokens after it (C2)
     engram_vocab: torch.Tensor  # (V,) int64 raw -> compressed ids, models with Engram layers
     token_history = 0  # Engram models: max_ngram_size - 1 (set in __init__)
+    engram_prefetch = False  # Engram models: envs.ENGRAM_PREFETCH (set in __init__)
 
     def __init__(
         self,
@@ -735,7 +741,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             vocab, hash_vocab = vocabulary_table(e, config.vocab_size, root)
             self.register_buffer("engram_vocab", vocab.to(device), persistent=False)  # (V,) raw -> compressed
             self.engram_pad = int(vocab[e.pad_token_id]) if e.pad_token_id < len(vocab) else e.pad_token_id
-            host = envs.read().engram_host_tables
+            env = envs.read()
+            host, self.engram_prefetch = env.engram_host_tables, env.engram_prefetch
             if host and not backend.capabilities.reads_host_tables:
                 raise ValueError(
                     f"{envs.ENGRAM_HOST_TABLES.name}=1: backend {backend.name!r} cannot read Engram tables "
@@ -903,6 +910,11 @@ class DeepseekV41ForCausalLM(nn.Module):
             pre = torch.zeros(x.shape[0], v41.hc_mult, dtype=torch.float32, device=x.device)
             pre[:, 0] = 1.0
         step = StepState(ngram_ids=self._ngram_ids(batch))
+        if self.engram_prefetch and step.ngram_ids is not None:  # every layer's rows, as the ids are known
+            for block in self.layers:
+                e = cast(V41Block, block).engram
+                if e is not None:
+                    step.engram_rows[e.layer] = e.prefetch(step.ngram_ids, x.dtype)
         targets = self.dflash.config.target_layer_ids if self.dflash is not None else ()
         trunks: dict[int, torch.Tensor] = {}
         for i, (block, layer_caches) in enumerate(zip(self.layers, caches)):

@@ -24,7 +24,11 @@ the ENGRAM_HOST_TABLES switch (deepinfer.envs) on a backend whose lookup reads h
 needs from there on the device (cuda: the kernel reads them through their mapped address), with
 no host read in the forward, so decode graphs keep them. DeepSeek's engine keeps them in host
 memory too and fetches rows through DeepEP's EngramBuffer. Loading still passes each table
-through device memory once (the checkpoint reader lands tensors on the device).
+through device memory once (the checkpoint reader lands tensors on the device). With the
+ENGRAM_PREFETCH switch the model starts every Engram layer's lookup at the start of its forward
+(small.engram_prefetch: the ids depend on the input tokens only; the cuda backend runs them on a
+side stream, so the reads overlap the layers before each Engram layer) and each layer waits for
+its own rows (small.engram_wait), as DeepSeek's engine does.
 
 Symbols: T tokens, G max n-gram size, Hg heads per n-gram size, C heads of a layer, Dh a row's
 width, N hc_mult streams, Dm hidden.
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 from deepinfer.backend.ops import Backend
+from deepinfer.backend.types import PendingRows
 from deepinfer.models.config import ModelConfig
 from deepinfer.models.config_v41 import EngramConfig
 from deepinfer.models.layers import Linear
@@ -197,14 +202,28 @@ class Engram(nn.Module):
         self.register_buffer("gate_weight", torch.empty(0, device="meta"))  # (N, Dm) float32
         self.wkv = Linear(backend, len(sizes) * engram.head_dim, (hc_mult + 1) * self.dim)
 
+    def prefetch(self, ngram_ids: torch.Tensor, dtype: torch.dtype) -> PendingRows:
+        """Start the lookup of this layer's rows (small.engram_prefetch), FP8 rows into `dtype`."""
+        return self.backend.small.engram_prefetch(
+            ngram_ids, self.multipliers, self.sizes, self.table, scales=self.scales, dtype=dtype
+        )
+
     def forward(
-        self, streams: torch.Tensor, ngram_ids: torch.Tensor, image_mask: torch.Tensor | None = None
+        self,
+        streams: torch.Tensor,
+        ngram_ids: torch.Tensor,
+        image_mask: torch.Tensor | None = None,
+        rows: PendingRows | None = None,
     ) -> torch.Tensor:
-        """image_mask (T,) bool: image tokens are masked out (their streams pass unchanged)."""
+        """image_mask (T,) bool: image tokens are masked out (their streams pass unchanged).
+        rows: this layer's prefetch of the step (waited for here); None: the lookup here."""
         small = self.backend.small
-        e = small.engram_lookup(
-            ngram_ids, self.multipliers, self.sizes, self.table, scales=self.scales, dtype=streams.dtype
-        )  # (T, C*Dh), FP8 rows dequantised
+        if rows is not None:
+            e = small.engram_wait(rows)
+        else:
+            e = small.engram_lookup(
+                ngram_ids, self.multipliers, self.sizes, self.table, scales=self.scales, dtype=streams.dtype
+            )  # (T, C*Dh), FP8 rows dequantised
         kv = self.wkv(e.to(streams.dtype)).view(-1, self.hc_mult + 1, self.dim)
         gated = small.engram_gate(streams, kv, self.gate_weight, self.eps)
         return gated if image_mask is None else torch.where(image_mask[:, None, None], streams, gated)

@@ -38,6 +38,7 @@ from deepinfer.backend import (
 from deepinfer.reference import attention as ref_attention
 from deepinfer.reference import moe as ref_moe
 from deepinfer.reference import small as ref_small
+from deepinfer.reference import v4 as ref_v4
 from deepinfer.reference.backend import (
     ReferenceAttention,
     ReferenceCollectives,
@@ -263,6 +264,16 @@ class CandidateBlocksIgnored(ReferenceAttention):
         )
 
 
+class IndexQueriesUnrounded(ReferenceAttention):
+    """DeepSeek-V4.1's FP4 indexer scoring its MXFP4 keys with float queries (only the keys
+    rounded)."""
+
+    def quantized_indexer_topk(  # type: ignore[no-untyped-def]
+        self, q, weights, keys, meta, *, ratio, topk, scale, key_format
+    ):
+        return ref_v4.indexer_topk(q, weights, keys, meta, ratio, topk, scale, self._row_reader(key_format))
+
+
 class HyperConnectionCombTransposed(SmallOps):
     """mHC's residual mix with comb[t, k, j] for comb[t, j, k] (Sinkhorn's matrix is not symmetric)."""
 
@@ -391,6 +402,10 @@ MUTANT_LIST = [
     Mutant(
         "v41-candidate-blocks-ignored", "attention", CandidateBlocksIgnored, "test_indexer_topk_in_blocks",
         ("test_indexer_topk_in_blocks",), "outside", ("row ",),
+    ),
+    Mutant(
+        "v41-index-queries-float", "attention", IndexQueriesUnrounded, "test_quantized_indexer_topk",
+        ("test_quantized_indexer_topk",), "row ",
     ),
     Mutant(
         "v4-hc-comb-transposed", "small", HyperConnectionCombTransposed, "test_hc_pre_post_head",

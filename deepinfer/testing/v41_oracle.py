@@ -47,7 +47,8 @@ the main entries (after their RoPE) and the index keys are rounded to their cach
 anything reads them, prefill included (DS "cast_back"): FP8 rows (e4m3, one power-of-two scale per
 32 values, the smallest that maps the block's amax within 448), FP4 main rows (e2m1, one e4m3
 scale per 16 values, amax / 6 rounded to e4m3, values past +-6 clipped; "fp8": FP8 rows instead),
-FP4 index keys (e2m1, one power-of-two scale per 32, the smallest that maps amax within 6).
+FP4 index keys (e2m1, one power-of-two scale per 32, the smallest that maps amax within 6), and
+the indexer's queries with them (1.4: the index Q is FP4 too; each head's values rounded as a key).
 Rounding is to the nearest representable value, ties to the even one.
 
 Images: `forward(tokens, images=[(start, rows), ...])` takes each image's span rows (L, H) (from
@@ -597,9 +598,13 @@ class V41Oracle:
         tensors: dict[str, torch.Tensor],
         engram_lookup: Sequence[int] | None = None,
         kv_cache_dtype: str = "bf16",
+        round_index_queries: bool = True,
     ):
+        """round_index_queries False: the index Q stays float under FP4 index keys (tests showing
+        that the queries' rounding changes the tokens)."""
         self.cfg = V41Config.from_dict(config)
         self.kv_formats = KV_FORMATS[kv_cache_dtype]  # (window, main, index) formats
+        self.query_format = self.kv_formats[2] if round_index_queries else None
         self.w = {name.removeprefix("model."): t.detach().to(F64) for name, t in tensors.items()}
         self.engram_lookup = (
             None if engram_lookup is None else torch.as_tensor(engram_lookup, dtype=torch.int64)
@@ -657,7 +662,7 @@ class V41Oracle:
             if c.index_map[L] == L:
                 ip = f"layers.{L}.attn.indexer."
                 q_i = (qn @ w[ip + "wq_b.weight"].T).view(T, c.index_heads, c.index_head_dim)
-                q_i = apply_rope(q_i, pos, inv_freq)
+                q_i = _maybe_round(apply_rope(q_i, pos, inv_freq), self.query_format)  # FP4 Q (1.4)
                 scores = index_scores(q_i, x @ w[ip + "weights_proj.weight"].T, state["index_k"], r)
                 tr.index_scores[L] = scores
                 if c.candidate_source is not None and c.candidate_source == L:

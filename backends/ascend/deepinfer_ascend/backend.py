@@ -18,7 +18,8 @@ DeepSeek-V4's ops (docs/ascend.md, "DeepSeek-V4 ops"):
   kv_cache.write_kv_rows / read_kv_rows, attention.quantized_attention / quantized_indexer_topk
                                 (DeepSeek-V4.1's FP8 / FP4 / MXFP4 KV rows) the contract's
                                 defaults: the torch quantiser on the NPU, the reference attention
-                                and scoring over rows dequantised to float32 (eager steps only):
+                                and scoring over rows dequantised to float32, the FP4 indexer's
+                                queries rounded to MXFP4 beside MXFP4 keys (eager steps only):
                                 the fallback until a torch_npu op reading these byte layouts (e2m1
                                 pairs with e4m3 or UE8M0 scales per 16 / 32 values) is wired
 """

@@ -281,7 +281,8 @@ class CudaAttention(AttentionOps):
         scale: float,
         key_format: RowFormat | None,
     ) -> torch.Tensor:
-        """V4's indexer kernels, the scores over the keys dequantised per tile in registers."""
+        """V4's indexer kernels, the scores over the keys dequantised per tile in registers (MXFP4
+        keys: the queries rounded to MXFP4 in registers too)."""
         if not self.fused:
             return super().quantized_indexer_topk(
                 q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, key_format=key_format
@@ -321,8 +322,8 @@ class CudaAttention(AttentionOps):
         topk_blocks: int,
         key_format: RowFormat | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """V4's indexer scores (quantised keys dequantised per tile in registers), then their
-        block maxima and the blocks' top."""
+        """V4's indexer scores (quantised keys dequantised per tile in registers; MXFP4 keys: the
+        queries rounded to MXFP4 there too), then their block maxima and the blocks' top."""
         if not self.fused:
             return super().indexer_candidate_blocks(
                 q, weights, keys, meta, ratio=ratio, topk=topk, scale=scale, block_size=block_size,
@@ -348,7 +349,7 @@ class CudaAttention(AttentionOps):
         key_format: RowFormat | None = None,
     ) -> torch.Tensor:
         """The scores of the listed blocks' entries alone (quantised keys dequantised per tile in
-        registers), then their top."""
+        registers; MXFP4 keys: the queries rounded to MXFP4 there too), then their top."""
         if not self.fused:
             return super().indexer_topk_in_blocks(
                 q, weights, keys, meta, blocks, ratio=ratio, topk=topk, scale=scale, block_size=block_size,

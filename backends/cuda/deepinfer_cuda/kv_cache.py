@@ -1,17 +1,19 @@
 """The KV-cache part: the contract's (NB, BS, D) layout per layer, written by Triton kernels;
 cache_tensor checks that layout for the other parts. FP8 latent caches (spec.kv_format "fp8"):
 the reference layout of its rows, (NB, BS, bytes_per_token) uint8, quantised by
-kernels/kv_fp8.py at write time."""
+kernels/kv_fp8.py at write time. DeepSeek-V4.1's row formats (write_kv_rows): quantised and stored
+in one launch by kernels/kv_v41.py."""
 
 from __future__ import annotations
 
 import torch
 
 from deepinfer import envs
+from deepinfer.backend.kv_formats_v41 import RowFormat
 from deepinfer.backend.ops import KVCacheOps
 from deepinfer.backend.types import AttentionMetadata, BackendOptions, PagedKVCache
 from deepinfer.reference import v4 as ref_v4
-from deepinfer_cuda.kernels import kv_fp8
+from deepinfer_cuda.kernels import kv_fp8, kv_v41
 from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
 
@@ -35,6 +37,17 @@ class CudaKVCache(KVCacheOps):
             )
         else:
             small_k.write_kv(cache_tensor(cache), kv, slot_mapping)
+
+    def write_kv_rows(
+        self, cache: PagedKVCache, rows: torch.Tensor, slot_mapping: torch.Tensor, fmt: RowFormat | None
+    ) -> None:
+        """V4.1's rows: the fused quantise + store of `fmt` (kernels/kv_v41.py, one launch, bit for
+        bit the reference quantiser); None, or unfused: the contract's default (the torch
+        quantiser, then write_kv's row store)."""
+        if fmt is None or not self.fused:
+            super().write_kv_rows(cache, rows, slot_mapping, fmt)
+        else:
+            kv_v41.write_kv_rows(cache_tensor(cache), rows, slot_mapping, fmt)
 
     def write_mla_kv(
         self,

@@ -30,6 +30,7 @@ class CudaMoe(MoeOps):
         # MXFP4 experts on decode_moe too; off (DEEPINFER_CUDA_V4_DECODE=0), DeepSeek-V4's MoE
         # (the calls with swiglu_limit) takes the contract's composition, as before V4 used fused_moe
         self.v4_decode = env.cuda_v4_decode
+        self.fp4_decode = env.cuda_fp4_decode  # how decode_moe decodes MXFP4 weights (moe_k.FP4_DECODE)
         # its tiles where a benchmark pins them (else decode_config's by size), and its copy limit
         self.decode_tiles, self.max_copies = moe_k.decode_setting(env.cuda_moe_decode_tiles)
         self.early = env.cuda_moe_early
@@ -147,8 +148,9 @@ class CudaMoe(MoeOps):
         two launches (up with silu_and_mul, down with the combine), no sort;
         DEEPINFER_CUDA_MOE_DECODE=0 turns it off.
         MXFP4 experts (DeepSeek-V4): decode_moe's GEMV kernels up to moe_k.FP4_DECODE_MAX_COPIES
-        copies; above, the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0:
-        every call with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
+        copies (pinned tiles: their copy limit), decoded as DEEPINFER_CUDA_FP4_DECODE says; above,
+        the contract's composition over grouped_gemm_fp4. DEEPINFER_CUDA_V4_DECODE=0: every call
+        with swiglu_limit (DeepSeek-V4) takes that composition, the path before."""
         if ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
             raise ValueError(
                 f"fused_moe: ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be (T, K)"
@@ -157,11 +159,12 @@ class CudaMoe(MoeOps):
         shared = self._shared_early(x, ids, w13)
         limit = swiglu_limit
         if w13.dtype == torch.uint8 or (limit is not None and not self.v4_decode):  # MXFP4, or V4 off
-            fits = self.fused and not self.batch_invariant and ids.numel() <= moe_k.FP4_DECODE_MAX_COPIES
+            most = moe_k.FP4_DECODE_MAX_COPIES if self.decode_tiles is None else self.max_copies
+            fits = self.fused and not self.batch_invariant and ids.numel() <= most
             if self.v4_decode and fits:
                 return moe_k.decode_moe(
                     x, weights, ids, w13, w2, w13_scale, w2_scale, config=self.decode_tiles, pdl=self.pdl,
-                    swiglu_limit=limit,
+                    swiglu_limit=limit, fp4_decode=self.fp4_decode,
                 )  # fmt: skip
             return super().fused_moe(x, weights, ids, w13, w2, w13_scale, w2_scale, limit)
         if self.decode and not self.batch_invariant and small and w13_scale is None and w2_scale is None:

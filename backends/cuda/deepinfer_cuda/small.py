@@ -7,7 +7,7 @@ import torch
 
 from deepinfer import envs
 from deepinfer.backend.ops import SmallOps
-from deepinfer.backend.types import BackendOptions
+from deepinfer.backend.types import BackendOptions, PendingRows
 from deepinfer_cuda.kernels import engram as engram_k
 from deepinfer_cuda.kernels import small as small_k
 from deepinfer_cuda.kernels import v4 as v4_k
@@ -24,6 +24,7 @@ class CudaSmall(SmallOps):
         self.v4_step = self.fused and env.cuda_v4_step  # rope_tail's and compressor_pool's kernels
         self.argmax_kernel = self.fused and env.cuda_argmax
         self.pdl = env.cuda_pdl
+        self._fetches: torch.cuda.Stream | None = None  # engram_prefetch's side stream, made at first use
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return small_k.rms_norm(x, weight, eps, pdl=self.pdl)[0]
@@ -153,6 +154,43 @@ class CudaSmall(SmallOps):
         if not self.fused and table.device == ngram_ids.device:
             return super().engram_lookup(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
         return engram_k.engram_lookup(ngram_ids, multipliers, sizes, table, scales, dtype)
+
+    def engram_prefetch(
+        self,
+        ngram_ids: torch.Tensor,
+        multipliers: torch.Tensor,
+        sizes: torch.Tensor,
+        table: torch.Tensor,
+        *,
+        scales: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> PendingRows:
+        """engram_lookup on a side stream forked from the current one (the ids and all work
+        queued before are ready there), an event recorded after it for engram_wait to join: the
+        lookup's reads over the bus overlap the layers queued after it. Inside a CUDA graph
+        capture the fork (wait_stream) and the join (wait_event) are the graph's edges, so a
+        replay runs the lookups beside those layers too. record_stream keeps the rows' memory
+        (allocated on the side stream) from reuse before the current stream's work after the
+        join. Under the interpreter (CPU tensors, no streams): the contract's synchronous default."""
+        if not ngram_ids.is_cuda:
+            return super().engram_prefetch(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
+        current = torch.cuda.current_stream(ngram_ids.device)
+        if self._fetches is None:
+            self._fetches = torch.cuda.Stream(ngram_ids.device)  # type: ignore[no-untyped-call]
+        side = self._fetches
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            rows = self.engram_lookup(ngram_ids, multipliers, sizes, table, scales=scales, dtype=dtype)
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(side)
+        rows.record_stream(current)
+        return PendingRows(rows, ready)
+
+    def engram_wait(self, pending: PendingRows) -> torch.Tensor:
+        """The current stream waits for the prefetch's event (none under the interpreter)."""
+        if isinstance(pending.ready, torch.cuda.Event):
+            torch.cuda.current_stream(pending.rows.device).wait_event(pending.ready)
+        return pending.rows
 
     def engram_gate(
         self, streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float

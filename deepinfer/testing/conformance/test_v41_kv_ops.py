@@ -4,7 +4,9 @@ indexer_candidate_blocks / indexer_topk_in_blocks with key_format) against float
 of each row format within the bounds its step sizes give, then attention, indexer scoring and
 candidate blocks over the cached rows against float64 math over the same rows rounded
 independently (testing.v41_oracle.kv_round, written from the formats' definitions, not from
-backend.kv_formats_v41).
+backend.kv_formats_v41). Over MXFP4 index keys the indexer's queries are MXFP4 too (the published
+FP4 indexer), so the float64 scores round each query head with kv_round as well; FP4 codes tie
+often, and exact float64 ties go to the lower ids (_check_picks).
 
 Rows no request reaches hold 0xFF bytes (NaN e4m3 codes, an infinite UE8M0 scale): they must
 never reach an output.
@@ -193,10 +195,29 @@ def test_quantized_attention(
     assert_close(got, want, dtype, what="quantized_attention", case=f"{name}, {layout}")
 
 
+def _index_queries(q: torch.Tensor) -> torch.Tensor:
+    """float64 (T, Hi, Di) queries as the FP4 indexer scores them: each head's Di values MXFP4."""
+    return kv_round(oracle(q), "mxfp4")
+
+
+def _check_picks(
+    ids: list[int], scores: torch.Tensor, allowed: list[int], k: int, tied: bool, what: str
+) -> None:
+    """check_best, and the contract's tie rule where float64 scores tie exactly at zero (no head
+    scores above zero: zero in float32 too; weights of either sign put other scores on both
+    sides): the picks among those entries are the lowest ids."""
+    check_best(ids, scores, allowed, k, tied, what)
+    got = {i for i in ids if i >= 0}
+    zeros = [i for i in allowed if float(scores[i]) == 0.0]
+    taken = [i for i in zeros if i in got]
+    assert taken == zeros[: len(taken)], f"{what}: zero-score ties must go to the lowest ids, got {ids}"
+
+
 @pytest.mark.parametrize("name", [*CASES, "long"])
 def test_quantized_indexer_topk(backend: Backend, gen: torch.Generator, name: str) -> None:
-    """MXFP4 index keys: each row's picks score at least as high, in float64 over the rounded keys,
-    as every visible entry left out (1e-4: the float32 scores' rounding)."""
+    """MXFP4 index keys and queries: each row's picks score at least as high, in float64 over the
+    keys and the query heads rounded independently, as every visible entry left out (1e-4: the
+    float32 scores' rounding), and exact zero ties go to the lower ids."""
     seq_lens, query_lens = CASES.get(name, ([530, 37], [2, 3]))
     topk = 100 if name == "long" else 3
     ratio, heads, di = 2, 5, 32
@@ -209,17 +230,9 @@ def test_quantized_indexer_topk(backend: Backend, gen: torch.Generator, name: st
         q, weights, step.entries, meta, ratio=ratio, topk=topk, scale=0.3, key_format="mxfp4"
     )
     assert got.shape == (t, topk) and got.dtype == torch.int32
-    q64, w64 = oracle(q), oracle(weights)
     for row, b, pos in step.queries():
-        n_vis = (pos + 1) // ratio
-        keys = step.entry_rows[b][:n_vis]
-        scores = (torch.relu(q64[row] @ keys.T) * 0.3 * w64[row][:, None]).sum(0)
-        ids = [i for i in got[row].tolist() if i >= 0]
-        assert len(ids) == len(set(ids)) == min(topk, n_vis), f"row {row} (position {pos}): ids {ids}"
-        picked = torch.zeros(n_vis, dtype=torch.bool)
-        picked[ids] = True
-        if ids and not picked.all():
-            assert float(scores[picked].min()) >= float(scores[~picked].max()) - 1e-4, f"row {row}: {ids}"
+        scores = _row_scores(step, q, weights, row, b, pos)
+        _check_picks(got[row].tolist(), scores, list(range(scores.shape[0])), topk, False, f"row {row}")
 
 
 # DeepSeek-V4.1's candidate blocks over MXFP4 index keys. name -> (seq_lens, query_lens, topk,
@@ -252,16 +265,17 @@ def _candidate_step(
 def _row_scores(
     step: QuantStep, q: torch.Tensor, weights: torch.Tensor, row: int, b: int, pos: int
 ) -> torch.Tensor:
-    """float64 (visible entries,) scores sum_h w_h relu(q_h . k) * 0.3 over the rounded keys."""
+    """float64 (visible entries,) scores sum_h w_h relu(q_h . k) * 0.3 over the rounded keys and
+    query heads."""
     keys = step.entry_rows[b][: (pos + 1) // step.ratio]
-    return (torch.relu(oracle(q)[row] @ keys.T) * 0.3 * oracle(weights)[row][:, None]).sum(0)
+    return (torch.relu(_index_queries(q)[row] @ keys.T) * 0.3 * oracle(weights)[row][:, None]).sum(0)
 
 
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))
 def test_quantized_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
-    """The first stage over MXFP4 keys (key_format): indexer_topk's ids, and blocks ranked by
-    their best visible entry in float64 over the rounded keys, the newest entry's block always
-    first (+inf), ties to the lower block id."""
+    """The first stage over MXFP4 keys (key_format; the queries MXFP4 too): indexer_topk's ids,
+    and blocks ranked by their best visible entry in float64 over the rounded keys and queries,
+    the newest entry's block always first (+inf), ties to the lower block id."""
     step, meta, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
     ids, blocks = backend.attention.indexer_candidate_blocks(
         q, weights, step.entries, meta, ratio=ratio, topk=topk, scale=0.3, block_size=block,
@@ -273,7 +287,7 @@ def test_quantized_indexer_candidate_blocks(backend: Backend, gen: torch.Generat
     for row, b, pos in step.queries():
         scores = _row_scores(step, q, weights, row, b, pos)
         n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
-        check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
+        _check_picks(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
         nb = -(-n_vis // block)
         best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
         if nb:
@@ -284,9 +298,9 @@ def test_quantized_indexer_candidate_blocks(backend: Backend, gen: torch.Generat
 
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))
 def test_quantized_indexer_topk_in_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
-    """The second stage over MXFP4 keys (key_format): the top-k among the visible entries of each
-    row's listed blocks (random distinct ids, some past the visible blocks, -1 padded) in float64
-    over the rounded keys, ties to the lower entry id."""
+    """The second stage over MXFP4 keys (key_format; the queries MXFP4 too): the top-k among the
+    visible entries of each row's listed blocks (random distinct ids, some past the visible
+    blocks, -1 padded) in float64 over the rounded keys and queries, ties to the lower entry id."""
     step, meta, q, weights, ratio, topk, block, n_blocks = _candidate_step(backend, gen, name)
     t, most = q.shape[0], max(step.seq_lens) // ratio // block + 2
     listed = torch.full((t, n_blocks), -1, dtype=torch.int32)
@@ -303,4 +317,4 @@ def test_quantized_indexer_topk_in_blocks(backend: Backend, gen: torch.Generator
         mine = set(listed[row].tolist())
         allowed = [i for i in range(scores.shape[0]) if i // block in mine]
         tied = name.endswith("ties") and row % 2 == 0
-        check_best(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")
+        _check_picks(got[row].tolist(), scores, allowed, topk, tied, f"row {row}")

@@ -32,6 +32,7 @@ import triton.language as tl
 from deepinfer.backend.types import RouterConfig
 from deepinfer_cuda.kernels.common import (
     INTERPRET,
+    IS_INTERPRET,
     Semaphores,
     launch_dependents,
     log1p,
@@ -41,7 +42,7 @@ from deepinfer_cuda.kernels.common import (
     to_e4m3,
     wait_for_previous,
 )
-from deepinfer_cuda.kernels.gemm import TileTable, e2m1_pair, fp4_scales
+from deepinfer_cuda.kernels.gemm import TileTable, e2m1_pair, e8m0_scale, fp4_scales
 
 SCORING = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
@@ -647,9 +648,24 @@ FP4_DECODE_CONFIG = DecodeConfig(
 )
 
 
-def fp4_decode_config(copies: int) -> DecodeConfig:
-    """The MXFP4 decode tiles of a launch of `copies` token copies."""
-    return FP4_ONE_TOKEN_CONFIG if copies <= FP4_ONE_TOKEN_COPIES else FP4_DECODE_CONFIG
+# The SCALED decode's tiles (FP4_DECODE): 64 weight rows a program, the warpgroup MMA's smallest
+# M (32 rows lower to mma.sync); steps as above. Not yet timed: picked by the loop's SASS for
+# SM90 (Triton 3.6), 10.4 instructions a weight byte at 512-value steps and 12.0 at 256, against
+# 20.3 for PAIR's 32 x 256 tiles and 18.6 for SCALED on 32 rows.
+FP4_SCALED_ONE_TOKEN_CONFIG = DecodeConfig(
+    up_n=64, up_k=512, up_warps=4, up_stages=3, down_n=64, down_k=512, down_warps=4, down_stages=3
+)
+FP4_SCALED_CONFIG = DecodeConfig(
+    up_n=64, up_k=256, up_warps=4, up_stages=3, down_n=64, down_k=256, down_warps=4, down_stages=3
+)
+
+
+def fp4_decode_config(copies: int, decode: str = "PAIR") -> DecodeConfig:
+    """The MXFP4 decode tiles of a launch of `copies` token copies under FP4_DECODE's `decode`."""
+    one = copies <= FP4_ONE_TOKEN_COPIES
+    if decode == "SCALED":
+        return FP4_SCALED_ONE_TOKEN_CONFIG if one else FP4_SCALED_CONFIG
+    return FP4_ONE_TOKEN_CONFIG if one else FP4_DECODE_CONFIG
 
 
 # The most token copies sent to the MXFP4 decode kernels (V4-Flash: 6 per token, so up to 10
@@ -681,20 +697,129 @@ def decode_config(copies: int) -> DecodeConfig:
     return ONE_TOKEN_CONFIG if copies <= ONE_TOKEN_COPIES else DecodeConfig()
 
 
+# How _fp4_rows_dot decodes and multiplies the MXFP4 weights (DEEPINFER_CUDA_FP4_DECODE): the
+# decode kernels are bound by the CUDA cores' work per weight value, not by the bytes.
+#   PAIR: both nibbles to float32 (gemm.e2m1_pair: two multiplies a value, 2^126 and the scale),
+#         times x by FMA into a (BLOCK_N, BLOCK_K / 2) partial;
+#   GROUP: the nibbles' bits read as float32 (e2m1 * 2^-126) times x * 2^63 summed per 32-value
+#         group in registers (each thread holds a group's 16 bytes), then times 2^63 and the
+#         group's scale once: no multiply per value;
+#   MMA: both nibbles' e2m1 values (no scale) as PAIR, rounded to bfloat16 (exact) and
+#         multiplied on the tensor cores, the weights as the A operand (BLOCK_N features x 16
+#         bytes of a group) and the token's row as column 0 of a 16-wide B, the group's scale
+#         applied to its float32 product (_fp4_rows_dot_mma);
+#   ASM: MMA with the nibbles decoded straight to bfloat16 pairs by inline PTX (prmt, shifts,
+#         masks, a bf16x2 multiply) instead of float32 ops; the interpreter, which cannot run
+#         assembly, makes the same values from float32 ops (_e2m1_bf16).
+#   SCALED: Triton's microscaled product (tl.dot_scaled), operands swapped as in
+#         gemm._grouped_mx_kernel: its own e2m1 upcast (byte permutes) into the registers of a
+#         warpgroup MMA, the scales applied by it; the interpreter, which lacks the op, runs MMA.
+FP4_DECODE = {"PAIR": 0, "GROUP": 1, "MMA": 2, "ASM": 3, "SCALED": 4}
+
+# e2m1 codes of 4 packed bytes -> their bfloat16 values, exactly: the code's 3 magnitude bits to
+# bf16 bits 6..8 and its sign to bit 15 (e2m1 * 2^-126; 0.5 becomes the subnormal 2^-127), two
+# values a register, then times 2^126 (0x7E80; an exact bf16x2 multiply). $2: the 4 bytes; $0, $1:
+# the 4 low (_LO) or high (_HI) nibbles' values; prmt spreads bytes 0, 1 (2, 3) to the 16-bit halves.
+_E2M1_BF16_ASM = """{
+.reg .b32 t<6>;
+mov.b32 t5, 0;
+prmt.b32 t0, $2, t5, 0x5140;
+prmt.b32 t1, $2, t5, 0x5342;
+shl.b32 t2, t0, {mag}; and.b32 t2, t2, 0x01C001C0;
+shl.b32 t3, t0, {sign}; and.b32 t3, t3, 0x80008000;
+or.b32 t2, t2, t3;
+shl.b32 t3, t1, {mag}; and.b32 t3, t3, 0x01C001C0;
+shl.b32 t4, t1, {sign}; and.b32 t4, t4, 0x80008000;
+or.b32 t3, t3, t4;
+mov.b32 t5, 0x7E807E80;
+mul.rn.bf16x2 $0, t2, t5;
+mul.rn.bf16x2 $1, t3, t5;
+}"""
+_E2M1_BF16_LO = tl.constexpr(_E2M1_BF16_ASM.replace("{mag}", "6").replace("{sign}", "12"))
+_E2M1_BF16_HI = tl.constexpr(_E2M1_BF16_ASM.replace("{mag}", "2").replace("{sign}", "8"))
+
+
+@triton.jit
+def _e2m1_bf16(byte, LO: tl.constexpr):
+    """Packed MXFP4 bytes (uint8 tile) -> the bfloat16 e2m1 values of their low (LO) or high
+    nibbles: _E2M1_BF16_ASM on the GPU; the same bits from float32 ops (gemm.e2m1_pair's
+    placement) in the interpreter."""
+    if IS_INTERPRET:
+        b = byte.to(tl.uint32)
+        if LO:
+            bits = ((b & 7) << 22) | ((b & 8) << 28)
+        else:
+            bits = ((b & 0x70) << 18) | ((b & 0x80) << 24)
+        v = (bits.to(tl.float32, bitcast=True) * 8.507059173023462e37).to(tl.bfloat16)
+    else:
+        v = tl.inline_asm_elementwise(
+            _E2M1_BF16_LO if LO else _E2M1_BF16_HI, "=r,=r,r", [byte], dtype=tl.bfloat16, is_pure=True,
+            pack=4,
+        )  # fmt: skip
+    return v
+
+
+@triton.jit
+def _fp4_rows_dot_group(
+    x_row, w_rows, s_rows, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
+):  # fmt: skip
+    """_fp4_rows_dot's GROUP decode: (BLOCK_N, G, 16) byte tiles, a group's 16 bytes one thread's
+    vector, so the sum over a group stays in registers before its one scale multiply."""
+    ng = tl.cdiv(K, 32)
+    G: tl.constexpr = BLOCK_K // 32
+    gi = tl.arange(0, G)
+    ri = tl.arange(0, 16)
+    acc_g = tl.zeros([BLOCK_N, G], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        j = k0 // 2 + gi[:, None] * 16 + ri[None, :]  # (G, 16) byte index
+        j_ok = j < K // 2
+        w_ok = n_ok[:, None, None] & j_ok[None, :, :]
+        byte = tl.load(w_rows[:, :, None] + j[None, :, :], mask=w_ok, other=0)
+        b = byte.to(tl.uint32)
+        lo = (((b & 7) << 22) | ((b & 8) << 28)).to(tl.float32, bitcast=True)  # e2m1 * 2^-126
+        hi = (((b & 0x70) << 18) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+        # x * 2^63 keeps the products normal (|e2m1 * x| >= 2^-63) below float32's top (|x| < 2^65)
+        x0 = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32) * 9.223372036854775808e18
+        x1 = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32) * 9.223372036854775808e18
+        part = tl.sum(lo * x0[None, :, :] + hi * x1[None, :, :], 2)  # (BLOCK_N, G)
+        gs = k0 // 32 + gi
+        s = tl.load(s_rows + gs[None, :], mask=n_ok[:, None] & (gs[None, :] < ng), other=127)
+        acc_g += part * 9.223372036854775808e18 * e8m0_scale(s.to(tl.int32))
+    return tl.sum(acc_g, 1)
+
+
 @triton.jit
 def _fp4_rows_dot(
     x_row, w_rows, s_rows, K, n_ok,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     """(BLOCK_N,) float32: the row x_row[0 : K] (K even) times BLOCK_N MXFP4 weight rows, w_rows
     (BLOCK_N, 1) pointers at each row's packed bytes, s_rows at its UE8M0 bytes (rows where n_ok).
-    A GEMV, not an MMA: one token copy has one row, and the 15 zero rows of a 16-row MMA tile
-    would need the decoded weights staged through shared memory for nothing. Per step a
-    (BLOCK_N, BLOCK_K / 2) byte tile (16-byte vectors along each row), its BLOCK_K / 32 scales per
-    row broadcast in registers, both nibbles decoded (gemm.e2m1_pair) and multiplied by x's even
-    and odd columns into a (BLOCK_N, BLOCK_K / 2) float32 partial, reduced once at the end."""
-    rj = tl.arange(0, BLOCK_K // 2)
+    Per step a (BLOCK_N, BLOCK_K / 2) byte tile (16-byte vectors along each row) and its
+    BLOCK_K / 32 scales per row, decoded and multiplied as FP4_DECODE's DECODE says (PAIR: a GEMV
+    into a (BLOCK_N, BLOCK_K / 2) float32 partial reduced once at the end; GROUP: a
+    (BLOCK_N, BLOCK_K / 32) one; MMA / ASM: a (BLOCK_N, 16) accumulator whose column 0 is the
+    token's, x bfloat16). PAIR's GEMV rather than an MMA: one token copy has one row, and the 15
+    zero columns of the 16-wide B cost the tensor cores nothing, but the decoded weights take a
+    layout change on their way to the MMA."""
+    if DECODE == 1:
+        v = _fp4_rows_dot_group(x_row, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, STAGES)
+    elif DECODE == 4 and not IS_INTERPRET:
+        v = _fp4_rows_dot_scaled(x_row, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, STAGES)
+    elif DECODE >= 2:
+        v = _fp4_rows_dot_mma(x_row, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, STAGES, DECODE == 3)
+    else:
+        v = _fp4_rows_dot_pair(x_row, w_rows, s_rows, K, n_ok, BLOCK_N, BLOCK_K, STAGES)
+    return v
+
+
+@triton.jit
+def _fp4_rows_dot_pair(
+    x_row, w_rows, s_rows, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
+):  # fmt: skip
+    """_fp4_rows_dot's PAIR decode over (BLOCK_N, BLOCK_K / 2) byte tiles."""
     ng = tl.cdiv(K, 32)
+    rj = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         j = k0 // 2 + rj
@@ -705,6 +830,67 @@ def _fp4_rows_dot(
         x0 = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
         x1 = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
         acc += lo * x0[None, :] + hi * x1[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _fp4_rows_dot_mma(
+    x_row, w_rows, s_rows, K, n_ok,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """_fp4_rows_dot's MMA / ASM decodes: (G, BLOCK_N, 16) byte tiles (G = BLOCK_K / 32 groups),
+    the nibbles decoded to their bfloat16 e2m1 values (exact, no scale: always normal numbers)
+    and multiplied on the tensor cores as a batch of G products (BLOCK_N, 16) x (16, 16) per
+    nibble, x's even (odd) columns of each group as column 0 of B; each group's (BLOCK_N, 16)
+    float32 product then times its scale, so that the decode stays exact over the whole UE8M0
+    range (a scale folded into bfloat16 weights would leave bfloat16's normal range)."""
+    ng = tl.cdiv(K, 32)
+    G: tl.constexpr = BLOCK_K // 32
+    gi = tl.arange(0, G)
+    ri = tl.arange(0, 16)
+    col = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        j = k0 // 2 + gi[:, None, None] * 16 + ri[None, None, :]  # (G, 1, 16) byte index
+        byte = tl.load(w_rows[None, :, :] + j, mask=n_ok[None, :, None] & (j < K // 2), other=0)
+        if ASM:
+            lo = _e2m1_bf16(byte, True)
+            hi = _e2m1_bf16(byte, False)
+        else:
+            lo, hi = e2m1_pair(byte.to(tl.int32), 1.0)
+            lo = lo.to(tl.bfloat16)
+            hi = hi.to(tl.bfloat16)
+        jx = k0 // 2 + gi[:, None, None] * 16 + ri[None, :, None]  # (G, 16, 1)
+        b_ok = (jx < K // 2) & (col[None, None, :] == 0)
+        x0 = tl.load(x_row + 2 * jx + col[None, None, :] * 0, mask=b_ok, other=0.0)  # (G, 16, 16)
+        x1 = tl.load(x_row + 2 * jx + 1 + col[None, None, :] * 0, mask=b_ok, other=0.0)
+        part = mma(lo, x0, tl.zeros([G, BLOCK_N, 16], tl.float32), False)
+        part = mma(hi, x1, part, False)
+        gs = k0 // 32 + gi[:, None, None]  # (G, 1, 1)
+        s = tl.load(s_rows[None, :, :] + gs, mask=n_ok[None, :, None] & (gs < ng), other=127)
+        acc += tl.sum(part * e8m0_scale(s.to(tl.int32)), 0)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _fp4_rows_dot_scaled(
+    x_row, w_rows, s_rows, K, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
+):  # fmt: skip
+    """_fp4_rows_dot's SCALED decode: (BLOCK_N, 16) += W (BLOCK_N rows, e2m1 packed along K, their
+    UE8M0 scales) @ B (BLOCK_K, 16; column 0 the token's row, bf16) by tl.dot_scaled."""
+    rj = tl.arange(0, BLOCK_K // 2)
+    rg = tl.arange(0, BLOCK_K // 32)
+    rk = tl.arange(0, BLOCK_K)
+    col = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        w_ok = n_ok[:, None] & (rj[None, :] < (K - k0) // 2)
+        w = tl.load(w_rows + k0 // 2 + rj[None, :], mask=w_ok, other=0)
+        s_ok = n_ok[:, None] & (32 * rg[None, :] < K - k0)
+        s = tl.load(s_rows + k0 // 32 + rg[None, :], mask=s_ok, other=127)
+        b_ok = (rk[:, None] < K - k0) & (col[None, :] == 0)
+        b = tl.load(x_row + k0 + rk[:, None] + col[None, :] * 0, mask=b_ok, other=0.0)
+        acc = tl.dot_scaled(w, s, "e2m1", b, None, "bf16", acc, fast_math=True)
     return tl.sum(acc, 1)
 
 
@@ -737,7 +923,7 @@ def _decode_up_kernel(
     stride_x, stride_we, stride_wn, stride_wse, stride_wsn, stride_act, limit,
     FP8: tl.constexpr, IEEE: tl.constexpr, ZERO_BLOCK: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    FP4: tl.constexpr, CLAMP: tl.constexpr, STAGES: tl.constexpr,
+    FP4: tl.constexpr, CLAMP: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr = 0,
 ):  # fmt: skip
     """Copy c, columns n of one tile: act[c, n] = silu(gate) * up, gate and up rounded to act's
     dtype first (what the grouped GEMM stores before silu_and_mul); CLAMP: DeepSeek-V4's SwiGLU,
@@ -776,9 +962,9 @@ def _decode_up_kernel(
         w_rows = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn
         s_rows = ws_ptr + e * stride_wse + rn[:, None].to(tl.int64) * stride_wsn
         x_row = x_ptr + t * stride_x
-        g_v = _fp4_rows_dot(x_row, w_rows, s_rows, H, n_ok, BLOCK_N, BLOCK_K, STAGES)
+        g_v = _fp4_rows_dot(x_row, w_rows, s_rows, H, n_ok, BLOCK_N, BLOCK_K, STAGES, DECODE)
         u_v = _fp4_rows_dot(x_row, w_rows + I * stride_wn, s_rows + I * stride_wsn, H, n_ok, BLOCK_N,
-                            BLOCK_K, STAGES)  # fmt: skip
+                            BLOCK_K, STAGES, DECODE)  # fmt: skip
         gate = tl.where(rm[:, None] == 0, g_v[None, :], 0.0)
         up = tl.where(rm[:, None] == 0, u_v[None, :], 0.0)
     else:
@@ -852,7 +1038,7 @@ def _decode_down_kernel(
     stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_y, stride_out,
     FP8: tl.constexpr, IEEE: tl.constexpr, COMBINE: tl.constexpr, SHARED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    FP4: tl.constexpr, STAGES: tl.constexpr,
+    FP4: tl.constexpr, STAGES: tl.constexpr, DECODE: tl.constexpr = 0,
 ):  # fmt: skip
     """Copy c, output columns n of one tile: y[c, n] = act[c] . w2[e, n] in out's dtype; COMBINE:
     then the token's last program on this tile writes out[t, n] (counter (t, tile), zeroed by the
@@ -875,7 +1061,7 @@ def _decode_down_kernel(
         launch_dependents(PDL)
         w_rows = w_ptr + e * stride_we + rn[:, None].to(tl.int64) * stride_wn
         s_rows = ws_ptr + e * stride_wse + rn[:, None].to(tl.int64) * stride_wsn
-        v = _fp4_rows_dot(a_ptr + c * stride_a, w_rows, s_rows, I, n_ok, BLOCK_N, BLOCK_K, STAGES)
+        v = _fp4_rows_dot(a_ptr + c * stride_a, w_rows, s_rows, I, n_ok, BLOCK_N, BLOCK_K, STAGES, DECODE)
         acc = tl.where(rm[:, None] == 0, v[None, :], 0.0)
     else:
         w_ptrs = w_ptr + e * stride_we + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]
@@ -928,6 +1114,7 @@ def decode_moe(
     shared_experts: int = 0,
     pdl: bool = True,
     swiglu_limit: float | None = None,
+    fp4_decode: str = "PAIR",
 ) -> torch.Tensor:
     """fused_moe for a few tokens in two launches (three without the fused combine), no sort:
     x (T, Dm), weights / ids (T, K) -> (T, Dm) in x's dtype. w13 (E, 2I, Dm), w2 (E, Dm, I);
@@ -941,11 +1128,17 @@ def decode_moe(
     router on the same x, which signals its dependents after its wait): those copies then compute
     while that kernel still runs (_decode_up_kernel). config: the tiles (default decode_config's
     for the launch's copies; MXFP4 outside the interpreter: fp4_decode_config's); pdl: as
-    router_logits'."""
+    router_logits'. fp4_decode: how MXFP4 weights are decoded (FP4_DECODE's names; MMA and ASM
+    for bfloat16 x, PAIR otherwise)."""
     t, k = ids.shape
     fp4 = w13.dtype == torch.uint8
+    if fp4_decode not in FP4_DECODE:
+        raise ValueError(f"decode_moe: fp4_decode={fp4_decode!r}; choose one of {', '.join(FP4_DECODE)}")
+    if fp4_decode in ("MMA", "ASM", "SCALED") and x.dtype != torch.bfloat16:  # bf16 tensor-core operands
+        fp4_decode = "PAIR"
+    decode = FP4_DECODE[fp4_decode]
     if fp4 and not INTERPRET:
-        cfg = config or fp4_decode_config(t * k)
+        cfg = config or fp4_decode_config(t * k, fp4_decode)
     else:
         cfg = config or decode_config(t * k)
     e, two_i, h = w13.shape
@@ -996,7 +1189,7 @@ def decode_moe(
         s13.stride(1) if scaled else 0, act.stride(0), float(swiglu_limit or 0.0),
         FP8=fp8, IEEE=ieee, ZERO_BLOCK=zero_block, SHARED=shared,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.up_n, BLOCK_K=up_k,
-        PDL=pdl, FP4=fp4, CLAMP=swiglu_limit is not None, STAGES=cfg.up_stages,
+        PDL=pdl, FP4=fp4, CLAMP=swiglu_limit is not None, STAGES=cfg.up_stages, DECODE=decode,
         num_warps=cfg.up_warps, num_stages=cfg.up_stages, launch_pdl=pdl,
     )  # fmt: skip
     w = weights.reshape(-1).float().contiguous()
@@ -1006,7 +1199,7 @@ def decode_moe(
         s2.stride(1) if scaled else 0, y.stride(0), out.stride(0),
         FP8=fp8, IEEE=ieee, COMBINE=cfg.fused_combine, SHARED=shared,
         BLOCK_M=DECODE_BLOCK_M, BLOCK_N=cfg.down_n, BLOCK_K=down_k,
-        PDL=pdl, FP4=fp4, STAGES=cfg.down_stages,
+        PDL=pdl, FP4=fp4, STAGES=cfg.down_stages, DECODE=decode,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, launch_pdl=pdl,
     )  # fmt: skip
     if not cfg.fused_combine:

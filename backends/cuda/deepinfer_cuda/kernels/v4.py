@@ -42,7 +42,8 @@ kernels read uint8 caches of FP8 / FP4 / MXFP4 rows (FMT constexprs, one per cac
 dequantise each tile in registers (_load_rows: e4m3 and e2m1 codes decoded arithmetically, their
 scales applied) before the products; SM90 has no FP4 tensor cores, so the products run in q's
 dtype, in which every dequantised value is exact (a code of at most 4 significant bits times an
-e4m3 or power-of-two scale: at most 7 significant bits, bfloat16's 8).
+e4m3 or power-of-two scale: at most 7 significant bits, bfloat16's 8). Beside MXFP4 keys the
+score kernels round the queries to MXFP4 in registers too (the FP4 indexer: kv_v41.round_mxfp4).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from deepinfer.backend.kv_formats_v41 import RowFormat, row_bytes
 from deepinfer.backend.types import AttentionMetadata
 from deepinfer_cuda.kernels import attention as attn_k
 from deepinfer_cuda.kernels.common import IS_INTERPRET, mma, next_pow2, num_sms, to_dtype
+from deepinfer_cuda.kernels.kv_v41 import round_mxfp4
 
 LOG2E = 1.4426950408889634
 
@@ -543,14 +545,33 @@ def _load_rows(rows, offs_d, valid, D, FMT: tl.constexpr):
     return out
 
 
+@triton.jit
+def _index_queries(q_ptr, t, stride_qt, stride_qh, h, d, HI, DI, BLOCK_H: tl.constexpr,
+                   BLOCK_D: tl.constexpr, MXFP4: tl.constexpr):  # fmt: skip
+    """Row t's (BLOCK_H, BLOCK_D) index queries in q's dtype, 0 past (HI, DI); MXFP4: each head's
+    runs of 32 values rounded to MXFP4 first (kv_formats_v41.round_index_queries: the FP4
+    indexer's queries beside MXFP4 keys), exact in bfloat16 and float32 (a 2-bit significand
+    times a power of two)."""
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )
+    if MXFP4:
+        q = round_mxfp4(q.to(tl.float32), BLOCK_H, BLOCK_D).to(q.dtype)
+    return q
+
+
 @triton.jit(do_not_specialize=["page", "ratio", "max_splits", "row0"])
 def _indexer_scores_kernel(
     q_ptr, w_ptr, k_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, score_ptr,
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_st,
     HI, DI, page, ratio, scale, max_splits, row0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    K_FMT: tl.constexpr = 0,
+    K_FMT: tl.constexpr = 0, Q_MXFP4: tl.constexpr = False,
 ):  # fmt: skip
+    """Row t's scores over its visible entries (one split of their tiles). Q_MXFP4: the queries
+    rounded to MXFP4 in registers first (the FP4 indexer, _index_queries)."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -569,11 +590,7 @@ def _indexer_scores_kernel(
     t = (q_start + i).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-        mask=(h[:, None] < HI) & (d[None, :] < DI),
-        other=0.0,
-    )  # (BLOCK_H, BLOCK_D)
+    q = _index_queries(q_ptr, t, stride_qt, stride_qh, h, d, HI, DI, BLOCK_H, BLOCK_D, Q_MXFP4)
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32) * scale
     offs_n = tl.arange(0, BLOCK_N)
     for tile in range(tile0, tile1):
@@ -731,7 +748,7 @@ def _scores(
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), g.tables.stride(0),
         scores.stride(0), hi, di, keys.shape[1], ratio, scale, splits, g.row0,
         BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        K_FMT=row_format_code(key_format), num_warps=4,
+        K_FMT=row_format_code(key_format), Q_MXFP4=key_format == "mxfp4", num_warps=4,
     )  # fmt: skip
     return scores
 
@@ -753,7 +770,8 @@ def indexer_topk(
     """q (T, Hi, Di), weights (T, Hi) float32, keys (NBc, BS, >= Di) paged by meta.block_tables
     -> (T, topk) int32 entry ids, -1 unused. The scores buffer and the grid come from the host
     lengths (upper bounds in a replayed graph); each program reads its own from the device.
-    key_format: the keys' V4.1 row format (uint8 rows of row_bytes(key_format, Di) bytes)."""
+    key_format: the keys' V4.1 row format (uint8 rows of row_bytes(key_format, Di) bytes; "mxfp4":
+    the queries rounded to MXFP4 as well, kv_formats_v41.round_index_queries)."""
     _check_indexer(q, weights, keys, meta, ratio, topk, "indexer_topk", key_format)
     out = torch.empty((q.shape[0], topk), dtype=torch.int32, device=q.device)
     if q.shape[0] == 0 or topk == 0:
@@ -805,11 +823,12 @@ def _listed_scores_kernel(
     stride_qt, stride_qh, stride_wt, stride_kb, stride_kt, stride_bt, stride_lt, stride_st,
     HI, DI, page, ratio, scale, bs, width, kb, row0,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    K_FMT: tl.constexpr = 0,
+    K_FMT: tl.constexpr = 0, Q_MXFP4: tl.constexpr = False,
 ):  # fmt: skip
     """Row t's scores over its width = kb * bs candidate slots: slot s is entry
     blocks[t, s // bs] * bs + s % bs (the listed blocks in ascending order), -inf where that
-    block is unused or the entry is not visible. K_FMT: the keys' row format (_load_rows)."""
+    block is unused or the entry is not visible. K_FMT: the keys' row format (_load_rows);
+    Q_MXFP4: as _indexer_scores_kernel's."""
     i = tl.program_id(0)
     b = tl.program_id(1)
     tile = tl.program_id(2)
@@ -821,11 +840,7 @@ def _listed_scores_kernel(
     t = (q_start + i).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-        mask=(h[:, None] < HI) & (d[None, :] < DI),
-        other=0.0,
-    )  # (BLOCK_H, BLOCK_D)
+    q = _index_queries(q_ptr, t, stride_qt, stride_qh, h, d, HI, DI, BLOCK_H, BLOCK_D, Q_MXFP4)
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32) * scale
     s = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     blk = tl.load(blocks_ptr + t * stride_lt + s // bs, mask=s < width, other=-1)
@@ -1000,7 +1015,7 @@ def indexer_topk_in_blocks(
             listed.stride(0), scores.stride(0), hi, di, keys.shape[1], ratio, scale, block_size, width,
             listed.shape[1], g.row0,
             BLOCK_H=next_pow2(hi), BLOCK_D=next_pow2(di), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-            K_FMT=row_format_code(key_format), num_warps=4,
+            K_FMT=row_format_code(key_format), Q_MXFP4=key_format == "mxfp4", num_warps=4,
         )  # fmt: skip
         _listed_select_kernel[g.grid](
             scores, listed, g.qsl, out, scores.stride(0), listed.stride(0), out.stride(0), width,
