@@ -31,7 +31,7 @@ Kind = Literal["flag", "text", "choice", "names", "ints", "int", "float"]
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MODEL_FUSIONS = ("qkv_a", "shared_experts")
+MODEL_FUSIONS = ("qkv_a", "shared_experts", "compressor")
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,8 @@ MODEL_UNFUSED = Switch(
     default=frozenset(),
     meaning=(
         "model-level fusions to switch off (qkv_a: MLA's q + kv_a GEMM; shared_experts: the shared "
-        "experts in the routed grouped GEMM), comma-separated, or 1 / all"
+        "experts in the routed grouped GEMM; compressor: DeepSeek-V4's wkv + wgate GEMM), "
+        "comma-separated, or 1 / all"
     ),
     audience="benchmark",
     read_when="when a model is loaded",
@@ -290,6 +291,32 @@ CUDA_V4_DECODE = Switch(
     meaning=(
         "0: DeepSeek-V4's FP8 linears and MXFP4 experts on the paths before its decode kernels (no "
         "FP8 skinny GEMM, no MXFP4 decode MoE kernels, no nibble-pair decode in the MXFP4 grouped GEMM)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
+CUDA_V4_STEP = Switch(
+    name="DEEPINFER_CUDA_V4_STEP",
+    attr="cuda_v4_step",
+    kind="flag",
+    default=True,
+    meaning=(
+        "0: DeepSeek-V4's per-step entry slots, rope tails and compressor bias on the contract's "
+        "torch compositions (no compressed_entries, rope_tail or compressor_pool kernels)"
+    ),
+    audience="benchmark",
+    read_when=_CUDA,
+    backend="cuda",
+)
+CUDA_V4_SMALL_GRID = Switch(
+    name="DEEPINFER_CUDA_V4_SMALL_GRID",
+    attr="cuda_v4_small_grid",
+    kind="flag",
+    default=False,
+    meaning=(
+        "1: DeepSeek-V4's compressed attention on grids of under 64 whole-head programs (decode "
+        "below 64 requests) in 16-row head tiles and splits down to one key tile (not yet timed)"
     ),
     audience="benchmark",
     read_when=_CUDA,
@@ -475,6 +502,8 @@ SWITCHES: tuple[Switch, ...] = (
     CUDA_KERNEL_COPIES,
     CUDA_SKINNY,
     CUDA_V4_DECODE,
+    CUDA_V4_STEP,
+    CUDA_V4_SMALL_GRID,
     CUDA_MX_FP4,
     CUDA_FP4_DECODE,
     CUDA_FP8_HALF_READ,
@@ -513,6 +542,8 @@ class Env:
     cuda_kernel_copies: bool
     cuda_skinny: bool
     cuda_v4_decode: bool
+    cuda_v4_step: bool
+    cuda_v4_small_grid: bool
     cuda_mx_fp4: bool
     cuda_fp4_decode: str
     cuda_fp8_half_read: bool

@@ -130,6 +130,19 @@ def test_hc_post_kernel() -> None:
     compile_sm90(v4_k._hc_post_kernel, types, dict(N=4, NP=4, BLOCK_D=1024))
 
 
+@pytest.mark.parametrize("ratio,overlap,keys", [(4, True, True), (128, False, False)])
+def test_entries_kernel(ratio: int, overlap: bool, keys: bool) -> None:
+    """The compressed entries of a step (kernels/v4.compressed_entries): CSA's overlapping windows
+    with an indexer-key table, HCA's 128 slots."""
+    from deepinfer_cuda.kernels import v4 as v4_k
+
+    types = {"seq_ptr": PTR["i32"], "slot_ptr": PTR["i64"], "bt_ptr": PTR["i32"], "et_ptr": PTR["i32"]}
+    types |= {"kt_ptr": PTR["i32"], "present_ptr": "*u8"}
+    types |= {name: PTR["i64"] for name in ("state_ptr", "out_ptr", "pos_ptr", "key_ptr")}
+    span = 2 * ratio if overlap else ratio
+    compile_sm90(v4_k._entries_kernel, types, dict(OVERLAP=overlap, HAS_KEYS=keys, BLOCK_S=span), num_warps=1)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 def test_varlen_attention_kernel(dtype: str) -> None:
     """The vision tower's bidirectional attention at V4.1's ViT shape (16 heads of 64)."""
@@ -293,6 +306,26 @@ def test_rope_kernel(interleaved: bool) -> None:
 
     types = {"x_ptr": PTR["bf16"], "y_ptr": PTR["bf16"], "pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
     compile_sm90(small_k._rope_kernel, types, dict(INTERLEAVED=interleaved, BLOCK_H=16, BLOCK_R=32))
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_gated_pool_kernel(biased: bool) -> None:
+    """The compressor's pooling at V4-Flash's HCA tile (128 slots), plain and with the position
+    bias and absent slots (small.compressor_pool)."""
+    from deepinfer_cuda.kernels import small as small_k
+
+    types = {"kv_ptr": PTR["bf16"], "gate_ptr": PTR["bf16"], "out_ptr": PTR["bf16"]}
+    types |= {"bias_ptr": PTR["f32"], "present_ptr": "*u8"}
+    compile_sm90(small_k._gated_pool_kernel, types, dict(BIASED=biased, BLOCK_S=128, BLOCK_D=32))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_kernel(inverse: bool) -> None:
+    """V4's partial rope at its shapes: 512-wide heads, a 64-wide rotary tail."""
+    from deepinfer_cuda.kernels import small as small_k
+
+    types = {"x_ptr": PTR["bf16"], "y_ptr": PTR["bf16"], "pos_ptr": PTR["i64"], "cs_ptr": PTR["f32"]}
+    compile_sm90(small_k._rope_tail_kernel, types, dict(INVERSE=inverse, BLOCK_H=16, BLOCK_D=128, BLOCK_R=32))
 
 
 @pytest.mark.parametrize("router", ["v3", "v4_hash"])

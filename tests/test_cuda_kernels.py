@@ -1664,6 +1664,44 @@ def test_compressed_attention_splits_and_upper_bounds(
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("topk_width", [0, 40])
+def test_compressed_attention_small_grid(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, topk_width: int
+) -> None:
+    """A decode-sized grid in bfloat16 under the default config with small_grid
+    (DEEPINFER_CUDA_V4_SMALL_GRID): small head tiles and one-tile splits (SMALL_BLOCK_M,
+    SMALL_MIN_SPLIT_TILES) as the reference, and as the whole-head tiles the same call takes
+    when the grid is not small."""
+    monkeypatch.setattr(v4_k, "num_sms", lambda device: 132)
+    _, tokens, entries, entry_table, meta, _, topk = _compressed_case(gen, topk_width)
+    h = 40  # one 64-row head tile by default, three of SMALL_BLOCK_M rows in the small grid
+    q = torch.randn((meta.num_tokens, h, tokens.spec.head_dim), generator=gen).bfloat16()
+    sinks = torch.randn(h, generator=gen)
+    kv, ckv = tokens.tensors[0].bfloat16(), entries.tensors[0].bfloat16()
+    mods = AttentionModifiers(window=20, sinks=sinks, topk_indices=topk)
+    cpu_meta = AttentionMetadata.build(
+        meta.block_tables.cpu(), list(meta.seq_lens_host), list(meta.query_lens_host)
+    )
+    t16 = PagedKVCache(dataclasses.replace(tokens.spec, dtype=torch.bfloat16), (kv,))
+    e16 = PagedKVCache(dataclasses.replace(entries.spec, dtype=torch.bfloat16), (ckv,))
+    want = ref_v4.compressed_attention(
+        q.float(), t16, e16, cpu_meta, 0.2, 4, mods, compressed_block_tables=entry_table
+    )
+    outs = []
+    for programs in (v4_k.SMALL_GRID_PROGRAMS, 0):
+        monkeypatch.setattr(v4_k, "SMALL_GRID_PROGRAMS", programs)
+        outs.append(
+            v4_k.compressed_attention(
+                q.to(DEV), kv.to(DEV), ckv.to(DEV), meta, scale=0.2, ratio=4, window=20,
+                sinks=sinks.to(DEV), topk_indices=None if topk is None else topk.to(DEV),
+                compressed_block_tables=entry_table.to(DEV), small_grid=True,
+            ).cpu().float()
+        )  # fmt: skip
+    for got in outs:
+        torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("formats", [("fp8", "fp4"), ("fp8", "fp8")], ids=["fp8-fp4", "fp8-fp8"])
 def test_quantized_rows_splits_and_upper_bounds(
     gen: torch.Generator, monkeypatch: pytest.MonkeyPatch, formats: tuple[str, str]

@@ -295,6 +295,43 @@ class KVCacheOps(_Part):
         raw = self.read_kv(cache, slots)
         return raw.float() if fmt is None else kvf.dequantize_rows(raw, fmt)
 
+    def compressed_entries(
+        self,
+        meta: AttentionMetadata,
+        slot_mapping: torch.Tensor,
+        entry_tables: torch.Tensor,
+        key_tables: torch.Tensor | None,
+        *,
+        ratio: int,
+        overlap: bool,
+        block_size: int,
+    ) -> ref_v4.EntrySlots | None:
+        """DeepSeek-V4's compressed entries of ratio m that close in a step, and where their
+        pooled tokens and the entries themselves are stored: the step's index work, done once
+        per ratio (every layer of that ratio reads it). Entry w pools positions [w*m, (w+1)m)
+        (overlap, CSA: [(w-1)m, (w+1)m), 2m slots) and closes at position (w+1)m - 1; request b
+        (positions [seq_lens[b] - q_b, seq_lens[b])) closes the entries w with (w+1)m - 1 among
+        them whose closing row it writes (slot_mapping >= 0).
+
+        Returns None where no entry closes, else (W entries, S = m or 2m slots):
+          state_slots (W, S) int64: the slot of each pooled position p through meta.block_tables
+            (block_tables[b, min(p // BS, MB - 1)] * BS + p % BS, p clamped to 0), BS = block_size
+            (entry_tables' too);
+          present (W, S) bool: p >= 0;
+          out_slots (W,) int64: row w of request b's entry table (entry_tables, (B, MBe) int32), -1
+            where the entry does not close (it stores nothing);
+          positions (W,) int64: w * m (the entry's rope position);
+          key_slots (W,) int64: as out_slots through key_tables (None: out_slots itself).
+        Every query length equal (meta.query_lens_host all q: decode, verification and graph
+        steps): computed from the DEVICE seq_lens and slot_mapping (the host lengths may be
+        upper bounds), W = B * ceil(q / m) candidates in request order, ceil(q / m) each, those
+        that do not close with out_slots -1, their w clamped to the request's last closed entry
+        (0 if none) and their positions to the request's last. Ragged steps: the closing entries
+        alone, listed from the host lengths. Default: the reference (torch ops)."""
+        return ref_v4.compressed_entries(
+            meta, slot_mapping, entry_tables, key_tables, ratio, overlap, block_size
+        )
+
     def copy_blocks(self, cache: PagedKVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks src[i] -> dst[i] ((n,) int64 each), in place, every tensor.
         Every source is read before any destination is written; destinations are distinct.
@@ -1027,6 +1064,22 @@ class SmallOps(_Part):
         (DeepSeek checkpoints); else pairs (i, i + R/2). Output in x's dtype. Default: the reference."""
         return ref_small.rope(x, positions, cos_sin_cache, interleaved)
 
+    def rope_tail(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """DeepSeek-V4's partial rope: x (T, H, D) -> a new (T, H, D) tensor in x's dtype, its
+        first D - R channels as they are and its last R (R = cos_sin_cache.shape[1]) rotated as
+        rope(..., interleaved=True) rotates them; inverse: by -angle (each pair (a, b) -> (b, a),
+        rotated by +angle, swapped back). Default: this part's rope on the tail, then a cat."""
+        r = cos_sin_cache.shape[1]
+        tail = x[..., -r:]
+        if inverse:
+            tail = _swap_pairs(tail)
+        tail = self.rope(tail, positions, cos_sin_cache, True)
+        if inverse:
+            tail = _swap_pairs(tail)
+        return torch.cat([x[..., :-r], tail], dim=-1)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, 2I) = [gate | up] -> silu(gate) * up, (M, I), computed in float32.
         Default: the reference."""
@@ -1043,6 +1096,16 @@ class SmallOps(_Part):
         per channel, softmax in float32; a window with every slot absent gives zeros.
         Default: the reference."""
         return ref_v4.gated_pool(kv, gate)
+
+    def compressor_pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
+    ) -> torch.Tensor:
+        """DeepSeek-V4's compressor pooling of its state rows: kv (W, S, D), gate (W, S, D) in any
+        float dtype, bias (S, D) float32 (the per-slot position bias), present (W, S) bool ->
+        gated_pool(kv, logits) with logits = gate + bias in float32, -inf where not present.
+        Default: those two torch ops, then this part's gated_pool."""
+        logits = torch.where(present[..., None], gate + bias, float("-inf"))
+        return self.gated_pool(kv, logits)
 
     def hc_pre(
         self,
@@ -1238,6 +1301,11 @@ class SmallOps(_Part):
 # KV-layout ops that lived on DeviceOps before KVCacheOps existed: a device part that still
 # defines one would be silently ignored, so assembling such a backend is an error.
 _MOVED_TO_KV_CACHE = ("allocate_kv_cache", "write_kv", "read_kv", "write_mla_kv", "copy_blocks")
+
+
+def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
+    return x.view(*x.shape[:-1], x.shape[-1] // 2, 2).flip(-1).flatten(-2)
 
 
 @dataclass

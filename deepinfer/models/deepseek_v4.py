@@ -109,7 +109,7 @@ from deepinfer.models.config import ModelConfig, V4Config
 from deepinfer.models.deepseek import SPECULATIVE_PADDING_POSITIONS
 from deepinfer.models.forward_batch import ForwardBatch, KVCacheGroup
 from deepinfer.models.interface import check_kv_cache_dtype
-from deepinfer.models.layers import Linear, RMSNorm, fuse_gate_up
+from deepinfer.models.layers import Linear, RMSNorm, concat_linears, fuse_gate_up, fusion_enabled
 from deepinfer.models.rope import cos_sin_cache
 from deepinfer.parallel.expert_parallel import ExpertParallel, routed_experts
 
@@ -128,21 +128,8 @@ def rope_tail(
     backend: Backend, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
     """Interleaved rope on the last R channels of x (T, H, D); table (P, R) [cos | sin].
-    inverse: rotate by -angle instead, which is swapping each pair (a, b) -> (b, a), rotating by
-    +angle and swapping back."""
-    r = table.shape[1]
-    tail = x[..., -r:]
-    if inverse:
-        tail = _swap_pairs(tail)
-    tail = backend.small.rope(tail, positions, table, True)
-    if inverse:
-        tail = _swap_pairs(tail)
-    return torch.cat([x[..., :-r], tail], dim=-1)
-
-
-def _swap_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(..., R): channels (2i, 2i+1) -> (2i+1, 2i)."""
-    return x.view(*x.shape[:-1], x.shape[-1] // 2, 2).flip(-1).flatten(-2)
+    inverse: rotate by -angle instead (small.rope_tail: one op, a new tensor)."""
+    return backend.small.rope_tail(x, positions, table, inverse)
 
 
 def grouped_output(backend: Backend, wo_a: Linear, o_rank: int, per_group: torch.Tensor) -> torch.Tensor:
@@ -294,14 +281,32 @@ class WideCache:
         """rows (n, width) -> the caches at slots (n,) (-1 skips a row)."""
         d = self.caches[0].spec.head_dim
         assert rows.shape[1] <= d * len(self.caches), "rows wider than their caches"
-        padded = nn.functional.pad(rows, (0, d * len(self.caches) - rows.shape[1]))
+        if rows.shape[1] < d * len(self.caches):  # the last cache's row only partly filled
+            rows = nn.functional.pad(rows, (0, d * len(self.caches) - rows.shape[1]))
         for i, cache in enumerate(self.caches):
-            backend.kv_cache.write_kv(cache, padded[:, i * d : (i + 1) * d], slots)
+            backend.kv_cache.write_kv(cache, rows[:, i * d : (i + 1) * d], slots)
 
     def read(self, backend: Backend, slots: torch.Tensor) -> torch.Tensor:
         """(n, width) rows at slots (n,) int64."""
         parts = [backend.kv_cache.read_kv(cache, slots) for cache in self.caches]
-        return torch.cat(parts, dim=-1)[:, : self.width]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))[:, : self.width]
+
+    def read_segments(self, backend: Backend, slots: torch.Tensor, seg: int) -> list[torch.Tensor]:
+        """The rows at slots (n,) int64 as width // seg column segments of (n, seg) each (a
+        compressor's [kv | gate] series), every cache read once; a segment inside one cache is a
+        view of its rows (no concatenation)."""
+        d = self.caches[0].spec.head_dim
+        parts = [backend.kv_cache.read_kv(cache, slots) for cache in self.caches]
+        out = []
+        for lo in range(0, self.width, seg):
+            first, last = lo // d, (lo + seg - 1) // d
+            if first == last:
+                out.append(parts[first][:, lo - first * d : lo - first * d + seg])
+            else:
+                out.append(
+                    torch.cat(parts[first : last + 1], dim=-1)[:, lo - first * d : lo - first * d + seg]
+                )
+        return out
 
 
 @dataclass(frozen=True)
@@ -326,6 +331,7 @@ class NewEntries:
 
     @staticmethod
     def build(
+        backend: Backend,
         batch: ForwardBatch,
         ratio: int,
         overlap: bool,
@@ -336,70 +342,15 @@ class NewEntries:
         """Entries w with (w+1)m - 1 among this step's positions: w in [start // m, end // m)
         for a request computing positions [start, end), and whose closing position the step
         writes (a padding row, slot -1, computes nothing: its entry stores nothing). None when
-        there are none.
-
-        Every request computing the same number q of tokens (decode: q = 1; a verification step,
-        1 + k rows, padding drafts included; the MTP head's chained drafts), as a replayed graph
-        does: found on the device from the lengths and slots, ceil(q / m) candidates per request
-        (W fixed by the batch's shape), those that do not close storing nothing (out_slots -1).
-        Ragged steps (prefill, mixed): listed from the host lengths, exact in an eager step."""
-        meta = batch.attn
-        device = batch.positions.device
-        query_lens = set(meta.query_lens_host)
-        if not query_lens:
-            return None
-        last: torch.Tensor | None = None
-        if len(query_lens) == 1:
-            q = query_lens.pop()
-            k = -(-q // ratio)  # the most entries q consecutive positions close
-            ends = meta.seq_lens.long()[:, None]  # (B, 1)
-            w = (ends - q) // ratio + torch.arange(k, device=device)  # (B, k) candidates
-            # the row of each candidate's closing position (w+1)m - 1 among the request's q
-            row = torch.arange(ends.shape[0], device=device)[:, None] * q + (w + 1) * ratio - 1 - (ends - q)
-            written = batch.slot_mapping[row.clamp(0, batch.slot_mapping.shape[0] - 1)] >= 0
-            closes = ((w < ends // ratio) & written).flatten()
-            # a candidate that does not close reads rows it owns (closed entry w, positions up to
-            # its last): every index stays inside its tables, whatever it reads is discarded
-            w = torch.minimum(w, (ends // ratio - 1).clamp(min=0)).flatten()
-            last = (ends - 1).expand(-1, k).flatten()
-            req = torch.arange(ends.shape[0] * k, device=device) // k  # (B * k,) b, b, ...
-        else:
-            reqs: list[int] = []
-            ids: list[int] = []
-            rows: list[int] = []  # the step row of each entry's closing position
-            start = 0
-            for b, (end, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
-                for entry in range((end - n) // ratio, end // ratio):
-                    reqs.append(b)
-                    ids.append(entry)
-                    rows.append(start + (entry + 1) * ratio - 1 - (end - n))
-                start += n
-            if not ids:
-                return None
-            req = torch.tensor(reqs, dtype=torch.int64, device=device)
-            w = torch.tensor(ids, dtype=torch.int64, device=device)
-            closes = batch.slot_mapping[torch.tensor(rows, dtype=torch.int64, device=device)] >= 0
-        first = (w - 1) * ratio if overlap else w * ratio  # CSA: the previous window, then this one
-        span = 2 * ratio if overlap else ratio
-        pos = first[:, None] + torch.arange(span, device=device)  # (W, S)
-        present = pos >= 0
-        pos = pos.clamp(min=0)
-        if last is not None:
-            pos = torch.minimum(pos, last[:, None])
-        tables = meta.block_tables.long()
-        # columns clamped: a graph step's padding rows may end a column past the table (their
-        # reads are discarded); real rows are always inside it
-        col = (pos // block_size).clamp(max=tables.shape[1] - 1)
-        state_slots = tables[req[:, None], col] * block_size + pos % block_size
-
-        def row_slots(tables: torch.Tensor) -> torch.Tensor:  # (W,) row w of each request's table
-            col = (w // block_size).clamp(max=tables.shape[1] - 1)
-            slots = tables.long()[req, col] * block_size + w % block_size
-            return torch.where(closes, slots, -1)
-
-        out_slots = row_slots(entry_tables)
-        key_slots = out_slots if key_tables is None else row_slots(key_tables)
-        return NewEntries(state_slots, present, out_slots, w * ratio, key_slots)
+        there are none. Once per step and ratio, for every layer of that ratio
+        (kv_cache.compressed_entries: in a step where every request computes q tokens, as a
+        replayed graph does, found on the device from its lengths and slots, ceil(q / m)
+        candidates per request, those that do not close storing nothing)."""
+        found = backend.kv_cache.compressed_entries(
+            batch.attn, batch.slot_mapping, entry_tables, key_tables, ratio=ratio, overlap=overlap,
+            block_size=block_size,
+        )  # fmt: skip
+        return None if found is None else NewEntries(*found)
 
 
 # --------------------------------------------------------------------------- compressor
@@ -419,8 +370,14 @@ class Compressor(nn.Module):
         series = 2 if overlap else 1
         self.wkv = Linear(backend, config.hidden_size, series * width)
         self.wgate = Linear(backend, config.hidden_size, series * width)
+        # wkv and wgate in one GEMM, [kv | gate] as the state rows store them (concat_linears at
+        # load; None: two GEMMs and a cat, DEEPINFER_MODEL_UNFUSED=compressor)
+        self.kv_gate: Linear | None = None
         self.norm = RMSNorm(backend, width, config.rms_norm_eps)
         self.register_buffer("ape", torch.empty(0, device="meta"))  # (m, series * width) float32
+        # (S, width) float32: the position bias of each pooled slot (CSA: window w-1's `a` half
+        # for slots 0..m-1, window w's `b` half for m..2m-1), set with ape at load
+        self.register_buffer("slot_ape", torch.empty(0, device="meta"))
 
     def forward(
         self,
@@ -434,27 +391,38 @@ class Compressor(nn.Module):
         """Stores this step's projections of x (T, Dm) in `state`, then pools the entries that
         close in this step into `out`."""
         small = self.backend.small
-        state.write(self.backend, torch.cat([self.wkv(x), self.wgate(x)], dim=-1), batch.slot_mapping)
+        if self.kv_gate is not None:
+            proj = self.kv_gate(x)
+        else:
+            proj = torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+        state.write(self.backend, proj, batch.slot_mapping)
         if entries is None:
             return
         w_count, span = entries.state_slots.shape
-        rows = state.read(self.backend, entries.state_slots.reshape(-1)).view(w_count, span, -1)
-        cols = self.wkv.out_features
-        kv, gate = rows[..., :cols], rows[..., cols:].float() + self.ape.repeat(span // self.ratio, 1)
+        # the row's series, each (W, S, width): [kv] [gate] (HCA) or [kv_a] [kv_b] [gate_a] [gate_b]
+        segs = state.read_segments(self.backend, entries.state_slots.reshape(-1), self.width)
+        segs = [t.view(w_count, span, -1) for t in segs]
         if self.overlap:  # slots 0..m-1: previous window's `a` half; m..2m-1: this window's `b` half
-            d, m = self.width, self.ratio
-            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
-            gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
-        gate = gate.masked_fill(~entries.present[..., None], float("-inf"))
-        pooled = small.rms_norm(small.gated_pool(kv, gate), self.norm.weight, self.norm.eps)  # (W, width)
+            m = self.ratio
+            kv = torch.cat([segs[0][:, :m], segs[1][:, m:]], dim=1)
+            gate = torch.cat([segs[2][:, :m], segs[3][:, m:]], dim=1)
+        else:
+            kv, gate = segs
+        # logits gate + ape in float32, -inf where the slot's position does not exist
+        pooled = small.compressor_pool(kv, gate, self.slot_ape, entries.present)  # (W, width)
+        pooled = small.rms_norm(pooled, self.norm.weight, self.norm.eps)
         pooled = rope_tail(self.backend, pooled[:, None], entries.positions, table)[:, 0]
         out.write(self.backend, pooled, entries.out_slots)
 
     def load(self, reader: WeightSource, prefix: str, dtype: torch.dtype) -> None:
         self.wkv.load(reader, f"{prefix}.wkv", dtype)
         self.wgate.load(reader, f"{prefix}.wgate", dtype)
+        if fusion_enabled("compressor", reader.unfused):
+            self.kv_gate = concat_linears(self.backend, [self.wkv, self.wgate])
         self.norm.weight = load_f32(reader, f"{prefix}.norm.weight", (self.width,))
         self.ape = load_f32(reader, f"{prefix}.ape", (self.ratio, self.wkv.out_features))
+        d = self.width
+        self.slot_ape = torch.cat([self.ape[:, :d], self.ape[:, d:]]) if self.overlap else self.ape
 
 
 class Indexer(nn.Module):
@@ -1138,7 +1106,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         tables = dict(zip(keys, batch.group_block_tables or [batch.attn.block_tables] * len(keys)))
         entries = {
             r: NewEntries.build(
-                batch, r, r == self.v4.csa_ratio, block_size, tables[(1, r)], tables.get((2, r))
+                self.backend, batch, r, r == self.v4.csa_ratio, block_size, tables[(1, r)], tables.get((2, r))
             )
             for r in sorted(set(ratios) - {0})
         }

@@ -897,7 +897,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         tables = dict(zip(keys, batch.group_block_tables or [batch.attn.block_tables] * len(keys)))
         block_size = kv_caches[0].spec.block_size
         entries = {
-            m: NewEntries.build(batch, m, False, block_size, tables[(1, m)], tables.get((2, m)))
+            m: NewEntries.build(self.backend, batch, m, False, block_size, tables[(1, m)], tables.get((2, m)))
             for m in sorted(set(v41.compress_ratios) - {0})
         }
         if entries.get(1) is not None:

@@ -1,9 +1,10 @@
 """Reference definitions of DeepSeek-V4's ops: manifold-constrained hyper-connections (mHC), the
-clamped SwiGLU, the compressor's gated pooling, the lightning indexer's top-k and attention over a
-sliding window plus compressed entries. Semantics on deepinfer.backend.ops (SmallOps.hc_pre,
-hc_post, hc_head, clamped_silu_and_mul, gated_pool; AttentionOps.indexer_topk,
-indexer_candidate_blocks, indexer_topk_in_blocks (DeepSeek-V4.1's two-stage selection),
-compressed_attention). Plain float32 PyTorch, one request at a time where lengths differ.
+clamped SwiGLU, the compressor's gated pooling, the entries closing in a step and their slots, the
+lightning indexer's top-k and attention over a sliding window plus compressed entries. Semantics
+on deepinfer.backend.ops (SmallOps.hc_pre, hc_post, hc_head, clamped_silu_and_mul, gated_pool;
+KVCacheOps.compressed_entries; AttentionOps.indexer_topk, indexer_candidate_blocks,
+indexer_topk_in_blocks (DeepSeek-V4.1's two-stage selection), compressed_attention). Plain
+float32 PyTorch, one request at a time where lengths differ.
 
 Symbols: T tokens, N hc_mult streams, Dm hidden, H heads, D head width, S slots of a window,
 Hi / Di indexer heads / head width, C compressed entries of a request, Kt top-k.
@@ -112,6 +113,79 @@ def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     sum over S of softmax_S(gate) * kv, per channel. A window whose slots are all absent is 0."""
     probs = torch.nan_to_num(torch.softmax(gate.float(), dim=1))
     return (probs * kv.float()).sum(dim=1).to(kv.dtype)
+
+
+EntrySlots = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def compressed_entries(
+    meta: AttentionMetadata,
+    slot_mapping: torch.Tensor,
+    entry_tables: torch.Tensor,
+    key_tables: torch.Tensor | None,
+    ratio: int,
+    overlap: bool,
+    block_size: int,
+) -> EntrySlots | None:
+    """KVCacheOps.compressed_entries: every request computing the same number q of tokens (as a
+    replayed graph does) found from the device lengths and slots, ceil(q / m) candidates per
+    request; ragged steps listed from the host lengths."""
+    device = slot_mapping.device
+    query_lens = set(meta.query_lens_host)
+    if not query_lens:
+        return None
+    last: torch.Tensor | None = None
+    if len(query_lens) == 1:
+        q = query_lens.pop()
+        k = -(-q // ratio)  # the most entries q consecutive positions close
+        ends = meta.seq_lens.long()[:, None]  # (B, 1)
+        w = (ends - q) // ratio + torch.arange(k, device=device)  # (B, k) candidates
+        # the row of each candidate's closing position (w+1)m - 1 among the request's q
+        row = torch.arange(ends.shape[0], device=device)[:, None] * q + (w + 1) * ratio - 1 - (ends - q)
+        written = slot_mapping[row.clamp(0, slot_mapping.shape[0] - 1)] >= 0
+        closes = ((w < ends // ratio) & written).flatten()
+        # a candidate that does not close reads rows it owns (closed entry w, positions up to
+        # its last): every index stays inside its tables, whatever it reads is discarded
+        w = torch.minimum(w, (ends // ratio - 1).clamp(min=0)).flatten()
+        last = (ends - 1).expand(-1, k).flatten()
+        req = torch.arange(ends.shape[0] * k, device=device) // k  # (B * k,) b, b, ...
+    else:
+        reqs: list[int] = []
+        ids: list[int] = []
+        rows: list[int] = []  # the step row of each entry's closing position
+        start = 0
+        for b, (end, n) in enumerate(zip(meta.seq_lens_host, meta.query_lens_host)):
+            for entry in range((end - n) // ratio, end // ratio):
+                reqs.append(b)
+                ids.append(entry)
+                rows.append(start + (entry + 1) * ratio - 1 - (end - n))
+            start += n
+        if not ids:
+            return None
+        req = torch.tensor(reqs, dtype=torch.int64, device=device)
+        w = torch.tensor(ids, dtype=torch.int64, device=device)
+        closes = slot_mapping[torch.tensor(rows, dtype=torch.int64, device=device)] >= 0
+    first = (w - 1) * ratio if overlap else w * ratio  # CSA: the previous window, then this one
+    span = 2 * ratio if overlap else ratio
+    pos = first[:, None] + torch.arange(span, device=device)  # (W, S)
+    present = pos >= 0
+    pos = pos.clamp(min=0)
+    if last is not None:
+        pos = torch.minimum(pos, last[:, None])
+    tables = meta.block_tables.long()
+    # columns clamped: a graph step's padding rows may end a column past the table (their
+    # reads are discarded); real rows are always inside it
+    col = (pos // block_size).clamp(max=tables.shape[1] - 1)
+    state_slots = tables[req[:, None], col] * block_size + pos % block_size
+
+    def row_slots(tables: torch.Tensor) -> torch.Tensor:  # (W,) row w of each request's table
+        col = (w // block_size).clamp(max=tables.shape[1] - 1)
+        slots = tables.long()[req, col] * block_size + w % block_size
+        return torch.where(closes, slots, -1)
+
+    out_slots = row_slots(entry_tables)
+    key_slots = out_slots if key_tables is None else row_slots(key_tables)
+    return state_slots, present, out_slots, w * ratio, key_slots
 
 
 def _request_rows(

@@ -47,6 +47,7 @@ class CudaAttention(AttentionOps):
         self.pdl = env.cuda_pdl
         self.vendor = env.cuda_vendor  # FlashMLA where installed (deepinfer_cuda.vendor)
         self.fp8_half_read = env.cuda_fp8_half_read  # FP8 latent rows read in float16 (kernels/kv_fp8.py)
+        self.small_grid = env.cuda_v4_small_grid  # V4's compressed attention (kernels/v4.py)
 
     def decode(
         self,
@@ -215,7 +216,7 @@ class CudaAttention(AttentionOps):
             q, cache_tensor(cache), cache_tensor(compressed), meta, scale=scale, ratio=ratio,
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=modifiers.topk_indices, compressed_block_tables=compressed_block_tables,
-            batch_invariant=self.batch_invariant, pdl=self.pdl,
+            batch_invariant=self.batch_invariant, pdl=self.pdl, small_grid=self.small_grid,
         )  # fmt: skip
 
     def indexer_topk(
@@ -266,7 +267,7 @@ class CudaAttention(AttentionOps):
             window=modifiers.window, sinks=None if sinks is None else sinks.float().contiguous(),
             topk_indices=topk, compressed_block_tables=compressed_block_tables,
             batch_invariant=self.batch_invariant, pdl=self.pdl, kv_format=window_format,
-            ckv_format=entry_format,
+            ckv_format=entry_format, small_grid=self.small_grid,
         )  # fmt: skip
 
     def quantized_indexer_topk(

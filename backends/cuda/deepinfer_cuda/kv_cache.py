@@ -11,9 +11,11 @@ import torch
 from deepinfer import envs
 from deepinfer.backend.kv_formats_v41 import RowFormat
 from deepinfer.backend.ops import KVCacheOps
-from deepinfer.backend.types import BackendOptions, PagedKVCache
+from deepinfer.backend.types import AttentionMetadata, BackendOptions, PagedKVCache
+from deepinfer.reference import v4 as ref_v4
 from deepinfer_cuda.kernels import kv_fp8, kv_v41
 from deepinfer_cuda.kernels import small as small_k
+from deepinfer_cuda.kernels import v4 as v4_k
 
 
 class CudaKVCache(KVCacheOps):
@@ -23,6 +25,7 @@ class CudaKVCache(KVCacheOps):
         super().__init__(options)
         self.fused = not env.cuda_unfused
         self.pdl = env.cuda_pdl
+        self.v4_step = self.fused and env.cuda_v4_step  # compressed_entries' kernel
 
     def write_kv(self, cache: PagedKVCache, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Triton row store (no host sync, graph-safe); slot -1 skips the row. FP8 latent caches:
@@ -72,6 +75,31 @@ class CudaKVCache(KVCacheOps):
             small_k.write_mla_kv(t, kv, cache.spec.latent_dim, *args, pdl=self.pdl)
         else:
             super().write_mla_kv(cache, kv, *args)
+
+    def compressed_entries(
+        self,
+        meta: AttentionMetadata,
+        slot_mapping: torch.Tensor,
+        entry_tables: torch.Tensor,
+        key_tables: torch.Tensor | None,
+        *,
+        ratio: int,
+        overlap: bool,
+        block_size: int,
+    ) -> ref_v4.EntrySlots | None:
+        """One launch (kernels/v4.py) where every request computes the same number of tokens
+        (decode, verification and graph steps); ragged steps, unfused or DEEPINFER_CUDA_V4_STEP=0:
+        the contract's."""
+        lens = set(meta.query_lens_host)
+        if not self.v4_step or len(lens) != 1:
+            return super().compressed_entries(
+                meta, slot_mapping, entry_tables, key_tables, ratio=ratio, overlap=overlap,
+                block_size=block_size,
+            )  # fmt: skip
+        return v4_k.compressed_entries(
+            meta.seq_lens, slot_mapping, meta.block_tables, entry_tables, key_tables, lens.pop(), ratio,
+            overlap, block_size,
+        )  # fmt: skip
 
 
 def cache_tensor(cache: PagedKVCache, fp8: bool = False) -> torch.Tensor:

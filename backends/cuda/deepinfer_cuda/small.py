@@ -21,6 +21,7 @@ class CudaSmall(SmallOps):
     def __init__(self, options: BackendOptions, env: envs.Env = envs.DEFAULTS) -> None:
         super().__init__(options)
         self.fused = not env.cuda_unfused
+        self.v4_step = self.fused and env.cuda_v4_step  # rope_tail's and compressor_pool's kernels
         self.argmax_kernel = self.fused and env.cuda_argmax
         self.pdl = env.cuda_pdl
         self._fetches: torch.cuda.Stream | None = None  # engram_prefetch's side stream, made at first use
@@ -51,6 +52,15 @@ class CudaSmall(SmallOps):
     ) -> torch.Tensor:
         return small_k.rope(x, positions, cos_sin_cache, interleaved)
 
+    def rope_tail(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool = False
+    ) -> torch.Tensor:
+        """One launch (kernels/small.py: the head channels copied, the tail rotated); unfused or
+        DEEPINFER_CUDA_V4_STEP=0: the contract's rope and cat."""
+        if not self.v4_step:
+            return super().rope_tail(x, positions, cos_sin_cache, inverse)
+        return small_k.rope_tail(x, positions, cos_sin_cache, inverse)
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return small_k.silu_and_mul(x)
 
@@ -59,6 +69,15 @@ class CudaSmall(SmallOps):
 
     def gated_pool(self, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return small_k.gated_pool(kv, gate)
+
+    def compressor_pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, present: torch.Tensor
+    ) -> torch.Tensor:
+        """gated_pool's launch, the bias added and the absent slots masked in it; unfused or
+        DEEPINFER_CUDA_V4_STEP=0: the contract's."""
+        if not self.v4_step:
+            return super().compressor_pool(kv, gate, bias, present)
+        return small_k.gated_pool(kv, gate, bias, present)
 
     def hc_pre(
         self,

@@ -56,6 +56,156 @@ def test_gated_pool(
     assert_close(got, want, dtype, what="gated_pool")
 
 
+@pytest.mark.parametrize("windows,slots", [(0, 4), (1, 4), (5, 8), (3, 128)])
+def test_compressor_pool(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, windows: int, slots: int
+) -> None:
+    """gated_pool of the logits gate + bias (float32), absent slots out: strided series of wider
+    rows, as the compressor reads them."""
+    dev, d = backend.device.device(), 20
+    kv = randn((windows, slots, 2 * d), dtype, dev, gen)[..., d:]  # the second series of a row
+    gate = randn((windows, slots, 2 * d), dtype, dev, gen, 3.0)[..., :d]
+    bias = randn((slots, d), torch.float32, dev, gen)
+    present = torch.rand((windows, slots), generator=gen) >= 0.3
+    if windows:
+        present[0] = False  # a window with no slot at all pools to zeros
+    got = backend.small.compressor_pool(kv, gate, bias, present.to(dev))
+    kv64, g64, live = oracle(kv), oracle(gate) + oracle(bias), present[..., None]
+    top = torch.where(live, g64, torch.full_like(g64, -1e300)).amax(dim=1, keepdim=True)
+    e = torch.where(live, torch.exp(g64 - top), torch.zeros_like(g64))
+    total = e.sum(dim=1)
+    want = torch.where(total > 0, (e * kv64).sum(dim=1) / total.clamp(min=1e-300), torch.zeros_like(total))
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, what="compressor_pool")
+
+
+def _rope_table(positions: int, rot: int) -> torch.Tensor:
+    """(P, R) float32 [cos | sin] of angle p * 10000^(-2i/R)."""
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).float()
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["forward", "inverse"])
+@pytest.mark.parametrize(
+    "tokens,heads,dim,rot", [(0, 2, 16, 8), (1, 1, 8, 8), (5, 3, 40, 16), (9, 20, 72, 8)]
+)
+def test_rope_tail(
+    backend: Backend, dtype: torch.dtype, gen: torch.Generator, inverse: bool, tokens: int, heads: int,
+    dim: int, rot: int,
+) -> None:  # fmt: skip
+    """The first D - R channels as they are, the last R's interleaved pairs (a, b) rotated to
+    (a cos - b sin, b cos + a sin), by -angle where inverse; a new tensor, x unchanged."""
+    dev = backend.device.device()
+    x = randn((tokens, heads, 2 * dim), dtype, dev, gen)[:, :, ::2]  # a strided view
+    before = x.cpu().clone()
+    table = _rope_table(100, rot)
+    positions = torch.randint(0, 100, (tokens,), generator=gen)
+    got = backend.small.rope_tail(x, positions.to(dev), table.to(dev), inverse)
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(x.cpu(), before), "rope_tail changed its input"
+    x64, t64 = oracle(x), table.double()[positions]
+    cos, sin = t64[:, None, : rot // 2], t64[:, None, rot // 2 :]
+    sin = -sin if inverse else sin
+    a, b = x64[..., dim - rot :: 2], x64[..., dim - rot + 1 :: 2]
+    want = x64.clone()
+    want[..., dim - rot :: 2], want[..., dim - rot + 1 :: 2] = a * cos - b * sin, b * cos + a * sin
+    assert torch.equal(got[..., : dim - rot].cpu(), x[..., : dim - rot].cpu()), "head channels changed"
+    assert_close(got, want, dtype, what="rope_tail")
+
+
+def _entries_oracle(
+    seq_lens: list[int], query_lens: list[int], slots: list[int], tables: list[list[int]],
+    entry_tables: list[list[int]], key_tables: list[list[int]] | None, m: int, overlap: bool, bs: int,
+    uniform: bool,
+) -> list[tuple[list[int], list[bool], int, int, int]]:  # fmt: skip
+    """Per entry (state slots, present, out slot, position, key slot), from the definition:
+    request b closes entry w where (w+1)m - 1 is among its positions [end - q, end) and its row
+    there writes (slot >= 0); uniform steps list ceil(q / m) candidates a request, a candidate
+    that does not close at w' = min(w, closed - 1) with its positions clamped to end - 1."""
+    out = []
+    row0 = 0
+    for b, (end, q) in enumerate(zip(seq_lens, query_lens)):
+        start = end - q
+        closed = end // m
+        cands = range(start // m, start // m + -(-q // m)) if uniform else range(start // m, closed)
+        for w in cands:
+            closing_row = row0 + (w + 1) * m - 1 - start
+            closes = w < closed and slots[min(max(closing_row, 0), len(slots) - 1)] >= 0
+            w = min(w, max(closed - 1, 0))
+            first = (w - 1) * m if overlap else w * m
+            ps = [first + s for s in range(2 * m if overlap else m)]
+            present = [p >= 0 for p in ps]
+            ps = [min(max(p, 0), end - 1) if uniform else max(p, 0) for p in ps]
+
+            def row(table: list[int], r: int) -> int:
+                return table[min(r // bs, len(table) - 1)] * bs + r % bs
+
+            state = [row(tables[b], p) for p in ps]
+            entry = row(entry_tables[b], w) if closes else -1
+            key = entry if key_tables is None else row(key_tables[b], w) if closes else -1
+            out.append((state, present, entry, w * m, key))
+        row0 += q
+    return out
+
+
+ENTRY_CASES = {
+    # name: (seq_lens, query_lens, padding rows (slot -1))
+    "decode": ([13, 4, 1, 29, 8], [1] * 5, {2}),
+    "verify": ([15, 7, 3, 26], [3] * 4, {5, 11}),
+    "ragged": ([21, 9, 12], [9, 1, 12], set()),
+}
+
+
+@pytest.mark.parametrize("ratio,overlap,keys", [(4, True, True), (4, True, False), (8, False, False)])
+@pytest.mark.parametrize("name", list(ENTRY_CASES))
+def test_compressed_entries(
+    backend: Backend, gen: torch.Generator, name: str, ratio: int, overlap: bool, keys: bool
+) -> None:
+    """Entries closing in a step against a brute force from the definition: decode and
+    verification steps (every request q tokens: candidates found from the device lengths, which
+    the host ones only bound), and a ragged step (the closing entries only)."""
+    dev, bs = backend.device.device(), 4
+    seq_lens, query_lens, padding = ENTRY_CASES[name]
+    uniform = len(set(query_lens)) == 1
+    tables, _ = random_block_tables(seq_lens, bs, gen)
+    entry_tables, _ = random_block_tables([n // ratio + 1 for n in seq_lens], bs, gen)
+    key_tables = random_block_tables([n // ratio + 1 for n in seq_lens], bs, gen)[0] if keys else None
+    slots: list[int] = []
+    for b, (end, q) in enumerate(zip(seq_lens, query_lens)):
+        slots += slots_of(tables[b], torch.arange(end - q, end), bs).tolist()
+    for r in padding:
+        slots[r] = -1
+    host_lens = tuple(n + 7 for n in seq_lens) if uniform else tuple(seq_lens)  # graph steps: bounds
+    meta = AttentionMetadata(
+        block_tables=tables.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                     device=dev),
+        seq_lens_host=host_lens, query_lens_host=tuple(query_lens), max_query_len=max(query_lens),
+        max_seq_len=max(host_lens),
+    )  # fmt: skip
+    got = backend.kv_cache.compressed_entries(
+        meta, torch.tensor(slots, dtype=torch.int64, device=dev), entry_tables.to(dev),
+        None if key_tables is None else key_tables.to(dev), ratio=ratio, overlap=overlap, block_size=bs,
+    )  # fmt: skip
+    want = _entries_oracle(
+        seq_lens, query_lens, slots, tables.tolist(), entry_tables.tolist(),
+        None if key_tables is None else key_tables.tolist(), ratio, overlap, bs, uniform,
+    )  # fmt: skip
+    if not want:
+        assert got is None
+        return
+    assert got is not None
+    state, present, out, pos, key = got
+    assert state.dtype == out.dtype == pos.dtype == key.dtype == torch.int64 and present.dtype == torch.bool
+    assert state.tolist() == [e[0] for e in want], "state_slots"
+    assert present.tolist() == [e[1] for e in want], "present"
+    assert out.tolist() == [e[2] for e in want], "out_slots"
+    assert pos.tolist() == [e[3] for e in want], "positions"
+    assert key.tolist() == [e[4] for e in want], "key_slots"
+    assert any(e[2] >= 0 for e in want) and (not uniform or any(e[2] < 0 for e in want)), "a weak case"
+
+
 # --------------------------------------------------------------------------- hyper-connections
 
 

@@ -149,6 +149,57 @@ def rope(
 
 
 @triton.jit
+def _rope_tail_kernel(
+    x_ptr, y_ptr, pos_ptr, cs_ptr, H, HEAD, HALF, stride_xt, stride_xh, stride_yt, stride_yh, stride_cs,
+    INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """One token, BLOCK_H heads: the first HEAD channels copied in BLOCK_D chunks, the rotary
+    tail's interleaved pairs rotated by f_i (INVERSE: by -f_i, sin negated)."""
+    t = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = hs[:, None] < H
+    x_row = x_ptr + t * stride_xt + hs[:, None] * stride_xh
+    y_row = y_ptr + t * stride_yt + hs[:, None] * stride_yh
+    for d0 in range(0, HEAD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)[None, :]
+        m = rows & (d < HEAD)
+        tl.store(y_row + d, tl.load(x_row + d, mask=m), mask=m)
+    i = tl.arange(0, BLOCK_R)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)
+    if INVERSE:
+        sin = -sin
+    rope_rows(x_row + HEAD, y_row + HEAD, rows, cos[None, :], sin[None, :], HALF, True, BLOCK_R)
+
+
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, inverse: bool
+) -> torch.Tensor:
+    """x (T, H, D) -> a copy in x's dtype whose last R channels (R = cos_sin_cache.shape[1]) are
+    rotated, interleaved pairs (by -angle where inverse), in one launch."""
+    if x.dim() != 3:
+        raise ValueError(f"rope_tail takes x of shape (T, H, D), got {tuple(x.shape)}")
+    t, h, d = x.shape
+    r = cos_sin_cache.shape[-1]
+    if r % 2 or r > d:
+        raise ValueError(f"rope_tail: rotary width {r} must be even and at most the row width {d}")
+    y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0 or d == 0:
+        return y
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    positions = positions.contiguous()  # the kernel reads position t at offset t
+    block_h = min(16, next_pow2(h, 1))
+    _rope_tail_kernel[(t, triton.cdiv(h, block_h))](
+        xs, y, positions, cs, h, d - r, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1),
+        cs.stride(0), INVERSE=inverse, BLOCK_H=block_h, BLOCK_D=min(128, next_pow2(max(d - r, 1), 1)),
+        BLOCK_R=next_pow2(r // 2, 1), num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, y_ptr, I, stride_x, stride_y, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -191,13 +242,14 @@ def clamped_silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 @triton.jit
 def _gated_pool_kernel(
-    kv_ptr, gate_ptr, out_ptr, S, D, stride_kw, stride_ks, stride_gw, stride_gs, stride_ow,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    kv_ptr, gate_ptr, out_ptr, bias_ptr, present_ptr, S, D, stride_kw, stride_ks, stride_gw, stride_gs,
+    stride_ow, stride_bs, stride_pw, BIASED: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One program per (window, channel block): the softmax over the S slots per channel, BLOCK_S
     slots per step as one (BLOCK_S, BLOCK_D) tile (V4-Flash's 8 and 128 slots: one step), merged
     online across steps. A slot per step, as before, made HCA's 128 slots a chain of 128
-    dependent loads: 20 us a call at decode."""
+    dependent loads: 20 us a call at decode. BIASED: the logits are gate + bias[s] (float32),
+    -inf where present[w, s] is 0."""
     w = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -212,6 +264,10 @@ def _gated_pool_kernel(
             mask=mask,
             other=float("-inf"),
         ).to(tl.float32)
+        if BIASED:
+            g += tl.load(bias_ptr + slots[:, None] * stride_bs + cols[None, :], mask=mask, other=0.0)
+            live = tl.load(present_ptr + w * stride_pw + slots, mask=slots < S, other=0)
+            g = tl.where(live[:, None] != 0, g, float("-inf"))
         v = tl.load(
             kv_ptr + w * stride_kw + slots[:, None] * stride_ks + cols[None, :], mask=mask, other=0.0
         ).to(tl.float32)
@@ -232,9 +288,15 @@ GATED_POOL_TILE = 4096
 GATED_POOL_MAX_SLOTS = 128
 
 
-def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def gated_pool(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    present: torch.Tensor | None = None,
+) -> torch.Tensor:
     """DeepSeek-V4's compressor pooling: kv (W, S, D), gate (W, S, D) logits (-inf: absent) ->
-    (W, D) in kv's dtype, the softmax over S per channel in float32 (all absent: zeros)."""
+    (W, D) in kv's dtype, the softmax over S per channel in float32 (all absent: zeros). With bias
+    (S, D) float32 and present (W, S) bool: the logits gate + bias, -inf where not present."""
     if kv.shape != gate.shape or kv.dim() != 3:
         shapes = f"{tuple(kv.shape)} and {tuple(gate.shape)}"
         raise ValueError(f"gated_pool needs kv and gate of one (W, S, D) shape, got {shapes}")
@@ -245,8 +307,16 @@ def gated_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if w and d:
         block_s = min(next_pow2(s, 1), GATED_POOL_MAX_SLOTS)
         block = max(16, min(next_pow2(d), GATED_POOL_TILE // block_s))
+        biased = bias is not None and present is not None
+        bias_arg, present_arg = gate, gate  # unread without BIASED
+        if bias is not None and present is not None:
+            if bias.shape != (s, d) or present.shape != (w, s):
+                raise ValueError(f"gated_pool: bias {tuple(bias.shape)} / present {tuple(present.shape)} "
+                                 f"do not match ({w}, {s}, {d})")  # fmt: skip
+            bias_arg, present_arg = bias.float().contiguous(), present.contiguous().view(torch.uint8)
         _gated_pool_kernel[(w, triton.cdiv(d, block))](
-            kv, gate, out, s, d, kv.stride(0), kv.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
+            kv, gate, out, bias_arg, present_arg, s, d, kv.stride(0), kv.stride(1), gate.stride(0),
+            gate.stride(1), out.stride(0), bias_arg.stride(0), present_arg.stride(0), BIASED=biased,
             BLOCK_S=block_s, BLOCK_D=block, num_warps=4,
         )  # fmt: skip
     return out

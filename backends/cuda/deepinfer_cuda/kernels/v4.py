@@ -391,6 +391,86 @@ def hc_post(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: to
     return out
 
 
+# --------------------------------------------------------------------------- compressed entries
+
+
+@triton.jit
+def _entries_kernel(
+    seq_ptr, slot_ptr, bt_ptr, et_ptr, kt_ptr, state_ptr, present_ptr, out_ptr, pos_ptr, key_ptr,
+    T, MB, MBE, MBK, stride_bt, stride_et, stride_kt, Q, K, RATIO, BS, S,
+    OVERLAP: tl.constexpr, HAS_KEYS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Candidate e = b * K + j of request b (its j-th of K = ceil(Q / RATIO)): entry
+    w = (end - Q) // RATIO + j, whether it closes, its S pooled slots and its rows."""
+    e = tl.program_id(0).to(tl.int64)
+    b = e // K
+    end = tl.load(seq_ptr + b).to(tl.int64)
+    start = end - Q  # the request's first position this step (>= 0)
+    w = start // RATIO + e % K
+    row = tl.minimum(tl.maximum(b * Q + (w + 1) * RATIO - 1 - start, 0), T - 1)
+    closed = end // RATIO  # entries closed once the step is done
+    closes = (w < closed) & (tl.load(slot_ptr + row) >= 0)
+    w = tl.minimum(w, tl.maximum(closed - 1, 0))  # a candidate that does not close: rows it owns
+    s = tl.arange(0, BLOCK_S)
+    live = s < S
+    if OVERLAP:
+        p = (w - 1) * RATIO + s
+    else:
+        p = w * RATIO + s
+    present = p >= 0
+    p = tl.minimum(tl.maximum(p, 0), end - 1)
+    col = tl.minimum(p // BS, MB - 1)
+    block = tl.load(bt_ptr + b * stride_bt + col, mask=live, other=0).to(tl.int64)
+    tl.store(state_ptr + e * S + s, block * BS + p % BS, mask=live)
+    tl.store(present_ptr + e * S + s, present.to(tl.uint8), mask=live)
+    entry = tl.load(et_ptr + b * stride_et + tl.minimum(w // BS, MBE - 1)).to(tl.int64) * BS + w % BS
+    out = tl.where(closes, entry, -1)
+    tl.store(out_ptr + e, out)
+    tl.store(pos_ptr + e, w * RATIO)
+    if HAS_KEYS:
+        key = tl.load(kt_ptr + b * stride_kt + tl.minimum(w // BS, MBK - 1)).to(tl.int64) * BS + w % BS
+        tl.store(key_ptr + e, tl.where(closes, key, -1))
+
+
+def compressed_entries(
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    entry_tables: torch.Tensor,
+    key_tables: torch.Tensor | None,
+    query_len: int,
+    ratio: int,
+    overlap: bool,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KVCacheOps.compressed_entries of a step whose B requests each compute query_len tokens,
+    in one launch (one program per candidate): (state_slots (W, S), present (W, S) bool,
+    out_slots, positions, key_slots (W,)), W = B * ceil(query_len / ratio)."""
+    b, k = seq_lens.shape[0], -(-query_len // ratio)
+    span = 2 * ratio if overlap else ratio
+    dev = slot_mapping.device
+    state = torch.empty((b * k, span), dtype=torch.int64, device=dev)
+    present = torch.empty((b * k, span), dtype=torch.bool, device=dev)
+    out, pos = (torch.empty((b * k,), dtype=torch.int64, device=dev) for _ in range(2))
+    keys = out if key_tables is None else torch.empty_like(out)
+    if b * k == 0:
+        return state, present, out, pos, keys
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # the kernel reads a table's row with unit stride
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    block_tables, entry_tables = rows(block_tables), rows(entry_tables)
+    kt = entry_tables if key_tables is None else rows(key_tables)
+    seq_lens, slot_mapping = seq_lens.contiguous(), slot_mapping.contiguous()
+    _entries_kernel[(b * k,)](
+        seq_lens, slot_mapping, block_tables, entry_tables, kt, state, present.view(torch.uint8), out, pos,
+        keys, slot_mapping.shape[0], block_tables.shape[1], entry_tables.shape[1], kt.shape[1],
+        block_tables.stride(0), entry_tables.stride(0), kt.stride(0), query_len, k, ratio, block_size, span,
+        OVERLAP=overlap, HAS_KEYS=key_tables is not None, BLOCK_S=next_pow2(span, 1), num_warps=1,
+    )  # fmt: skip
+    return state, present, out, pos, keys
+
+
 # --------------------------------------------------------------------------- lightning indexer
 
 # Entries per scoring tile; entries scanned per step of the select kernel.
@@ -981,6 +1061,16 @@ INVARIANT_SPLIT_TILES = 16
 # Fewest tiles per split (adaptive mode): one decode row's keys (128 window + 512 top-k = 10
 # tiles) over a few programs.
 MIN_SPLIT_TILES = 2
+# With small_grid (DEEPINFER_CUDA_V4_SMALL_GRID=1; off until timed on a GPU, which
+# bench/bench_v4_attention.py does), a grid of fewer than SMALL_GRID_PROGRAMS programs of whole
+# head tiles (V4-Flash's 64 heads are one tile, so at batch 1 an HCA row's 3 tiles are one
+# program: the 4-layer step's four calls took 0.107 ms on an H200,
+# bench/results/2026-12-03_H200_v4_step_profile) takes head tiles of SMALL_BLOCK_M rows and splits
+# down to SMALL_MIN_SPLIT_TILES tiles (adaptive mode only: batch-invariant tiles never depend on
+# the batch).
+SMALL_GRID_PROGRAMS = 64
+SMALL_BLOCK_M = 16
+SMALL_MIN_SPLIT_TILES = 1
 
 
 @triton.jit
@@ -1131,6 +1221,7 @@ def compressed_attention(
     pdl: bool = True,
     kv_format: str | None = None,
     ckv_format: str | None = None,
+    small_grid: bool = False,
 ) -> torch.Tensor:
     """q (T, H, D) -> (T, H, D) in q's dtype: one softmax over each query's window rows of the
     token cache kv (NB, BS, >= D) and its compressed entries in ckv (NBc, BSc, >= D) (all visible,
@@ -1138,7 +1229,9 @@ def compressed_attention(
     split_tiles: tiles per split (None: batch-invariant mode INVARIANT_SPLIT_TILES, else adaptive).
     The grid comes from the host lengths (upper bounds in a replayed graph). pdl: the split
     merge's launch (attention.combine_splits). kv_format / ckv_format: V4.1 row formats of the
-    caches (uint8 rows of row_bytes(format, D) bytes; None: values in q's dtype family)."""
+    caches (uint8 rows of row_bytes(format, D) bytes; None: values in q's dtype family).
+    small_grid: a grid of fewer than SMALL_GRID_PROGRAMS programs takes the small-grid tiling
+    (DEEPINFER_CUDA_V4_SMALL_GRID; adaptive mode and the default config only)."""
     t, h, d = q.shape
     _check_rows("compressed_attention token cache", kv, d, kv_format)
     _check_rows("compressed_attention entry cache", ckv, d, ckv_format)
@@ -1166,6 +1259,12 @@ def compressed_attention(
     batch, max_q, max_len = meta.num_requests, max(meta.query_lens_host), max(meta.seq_lens_host)
 
     cfg = config or _compressed_config(h, q.dtype)
+    min_tiles = MIN_SPLIT_TILES
+    small = small_grid and batch * max_q * triton.cdiv(h, cfg.block_m) < SMALL_GRID_PROGRAMS
+    if config is None and small and not batch_invariant and split_tiles is None and q.dtype != torch.float32:
+        block_m = min(SMALL_BLOCK_M, cfg.block_m)
+        cfg = attn_k.AttentionConfig(block_m=block_m, block_n=cfg.block_n, num_warps=4)
+        min_tiles = SMALL_MIN_SPLIT_TILES
     bn = cfg.block_n
     list_len = topk.shape[1] if topk is not None else max_len // ratio
     max_tiles = triton.cdiv(min(window or max_len, max_len), bn) + triton.cdiv(list_len, bn)
@@ -1176,7 +1275,7 @@ def compressed_attention(
         max_splits = triton.cdiv(max_tiles, split_tiles)
     else:
         want = max(1, 2 * num_sms(q.device) // (batch * max_q * head_tiles))
-        max_splits = max(1, min(want, max_tiles // MIN_SPLIT_TILES))
+        max_splits = max(1, min(want, max_tiles // min_tiles))
     direct = max_splits == 1 and not batch_invariant
     block_d = next_pow2(d)
     if direct:
@@ -1191,7 +1290,7 @@ def compressed_attention(
         meta.block_tables.stride(0), cbt.stride(0), out.stride(0), out.stride(1),
         topk.stride(0) if topk is not None else 0,
         h, kv.shape[1], ckv.shape[1], scale * LOG2E, window or 0, ratio,
-        topk.shape[1] if topk is not None else 0, MIN_SPLIT_TILES, split_tiles or 0, max_splits, d,
+        topk.shape[1] if topk is not None else 0, min_tiles, split_tiles or 0, max_splits, d,
         BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=bn, HAS_WINDOW=window is not None,
         HAS_TOPK=topk is not None, HAS_SINKS=sinks is not None, DIRECT=direct,
         IEEE=q.dtype == torch.float32, KV_FMT=row_format_code(kv_format), CKV_FMT=row_format_code(ckv_format),
