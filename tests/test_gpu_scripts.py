@@ -4,8 +4,9 @@ Each script is checked with `bash -n`, then run from a copy of the scripts (a sk
 repository: bench/ and ci/ as they are, empty package folders) with `python3`, `nvidia-smi` and
 `deepinfer` replaced by stubs on PATH that log their arguments and exit 0, OUT and TMPDIR in the
 test's own folder. The test asserts the exit status, the commands the stubs saw (the install and
-each part's bench or pytest call), summary.txt where the script promises it, and that OUT holds
-at most 8 files (what the device returns).
+each part's bench or pytest call), summary.txt where the script promises it, that OUT holds at
+most 8 files (what the device returns), and that each script sources bench/h200_lib.sh (the
+preamble and the parts' runner they share).
 """
 
 from __future__ import annotations
@@ -280,11 +281,13 @@ def dry_run(
 
 def test_every_script_has_a_case() -> None:
     assert sorted(CASES) == SCRIPTS
+    assert subprocess.run(["bash", "-n", ROOT / "bench" / "h200_lib.sh"]).returncode == 0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_dry_run(script: str, tmp_path: Path) -> None:
     assert subprocess.run(["bash", "-n", ROOT / script]).returncode == 0
+    assert "h200_lib.sh" in (ROOT / script).read_text(), f"{script} does not source bench/h200_lib.sh"
     args, env, summary, expected = CASES[script]
     proc, out, calls = dry_run(ROOT, script, args, env, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
