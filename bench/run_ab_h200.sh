@@ -2,22 +2,21 @@
 # Two trees in one run on the device: bench/bench_e2e.py on the tree with PATCH reverted ("old") and on
 # the tree as it is ("new"), one process each, old first, with the same arguments. Before them,
 # in parallel: the engine on real CUDA graphs (tests/test_async_graphs.py) and the conformance
-# suite under CONF_K (a pytest -k filter; unset: skipped). The old tree is a copy in /tmp/old,
+# suite under CONF_K (a pytest -k filter; unset: skipped). The old tree is a copy in $TMPDIR/old,
 # imported ahead of the installed (new) packages through PYTHONPATH; each bench log names the
 # deepinfer it imported. Everything lands in $OUT (old/, new/, the test logs) and, with the
 # traces, in $OUT/ab.tgz (the device returns at most 8 files).
 #   usage: OUT=dir bash bench/run_ab_h200.sh PATCH [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=$(realpath -m "${OUT:?set OUT}")
+. "$(dirname "$0")/h200_lib.sh"
+OUT=$(realpath -m "$OUT")
 PATCH=$(realpath "${1:?PATCH}")
 shift
 mkdir -p "$OUT/old" "$OUT/new"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
-rm -rf /tmp/old && mkdir -p /tmp/old && cp -r deepinfer backends bench model /tmp/old/
-(cd /tmp/old && patch -s -R -p1 < "$PATCH") && echo "old tree: $PATCH reverted"
+OLD=$SCRATCH/old
+rm -rf "$OLD" && mkdir -p "$OLD" && cp -r deepinfer backends bench model "$OLD/"
+(cd "$OLD" && patch -s -R -p1 < "$PATCH") && echo "old tree: $PATCH reverted"
 
 start=$SECONDS
 timeout "${ENGINE_TIMEOUT:-150}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py \
@@ -43,7 +42,7 @@ run() {  # name, tree, PYTHONPATH ('' for the installed tree), bench_e2e.py argu
   echo "bench $name rc=$? in $((SECONDS - t0)) s"
   grep -E "imports|tok/s|kernels/step" "$OUT/$name/bench.log" | cut -c1-220 | tail -n 14
 }
-run old /tmp/old /tmp/old:/tmp/old/backends/cuda "$@"
+run old "$OLD" "$OLD:$OLD/backends/cuda" "$@"
 run new "$PWD" "" "$@"
 tar -C "$OUT" -czf "$OUT/ab.tgz" old new
 rm -rf "$OUT/old" "$OUT/new"

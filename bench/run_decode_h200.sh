@@ -4,12 +4,8 @@
 # and its tiles timed against cuBLAS,
 # and bench/bench_e2e.py with the arguments given. Each part under its own limit, logs in $OUT.
 #   usage: OUT=dir bash bench/run_decode_h200.sh [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+. "$(dirname "$0")/h200_lib.sh"
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 t0=$SECONDS
 timeout "${MOE_TIMEOUT:-200}" python3 bench/bench_moe_decode.py --out "$OUT/moe" > "$OUT/moe.log" 2>&1

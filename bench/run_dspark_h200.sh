@@ -13,15 +13,12 @@
 # $OUT/v41/spec_step.{json,md}, logs beside; the tables are printed at the end. A part cut short by its limit keeps the rows it finished (bench_spec
 # writes after every configuration; --time-budget skips, and lists, what would not fit).
 #   usage: OUT=dir bash bench/run_dspark_h200.sh        (PARTS="dflash" for one part)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-dflash others v41} "
 BATCHES=${BATCHES:-1 8 32 128 256}
 mkdir -p "$OUT/dflash" "$OUT/others" "$OUT/v41"
 t_all=$SECONDS
-timeout 60 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
+pip_install 60 > "$OUT/install.log" 2>&1
 echo "install rc=$?"
 common=(--model model/tiny --backend cuda --repeats 2 --min-seconds 0.5 --new-tokens 128 --prompt-len 64)
 

@@ -6,12 +6,9 @@
 #   usage: OUT=dir SETTINGS="VAR=VALUE;VAR=VALUE VAR2=VALUE2;..." [CONF_K=filter] \
 #          bash bench/run_env_sweep_h200.sh [bench_e2e.py arguments, default --batches 1]
 # An empty setting (";;", a leading or a trailing ";") is the default environment.
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
+. "$(dirname "$0")/h200_lib.sh"
 mkdir -p "$OUT/sweep"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 if [ -n "${CONF_K:-}" ]; then
   timeout "${CONF_TIMEOUT:-120}" python3 -m pytest -p deepinfer.testing.plugin --pyargs deepinfer.testing.conformance \

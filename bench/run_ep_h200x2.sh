@@ -13,18 +13,15 @@
 # whole for the throughput; faults on the tiny config with distributed_timeout_s 10.
 # CPU (tiny sizes, reference backend over gloo, every part, no GPU):  CPU=1 OUT=dir bash bench/run_ep_h200x2.sh
 #   usage: OUT=dir bash bench/run_ep_h200x2.sh
-set -u -o pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
+. "$(dirname "$0")/h200_lib.sh"
+export NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
 start=$SECONDS
 if [ "${CPU:-0}" = 1 ]; then
   EP=(--cpu) DP=(--toy --skip-big --batches 4,8)
   : "${T_TOKENS:=300}" "${T_DP:=300}" "${T_EPLB:=300}" "${T_FAULTS:=300}"  # two shared CPU cores
 else
-  $PY -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
+  pip_install > "$OUT/install.log" 2>&1  # with $PY
   echo "install rc=$?"
   EP=(--v2-layers 8 --eplb-layers 8) DP=(--batches 256,512 --skip-big --input-len 256 --output-len 128)
 fi

@@ -9,12 +9,9 @@
 #   4. speculative decoding on model/tiny (bench/bench_spec.py: MTP through verification
 #      graphs, the block drafter) against plain decoding, with SPEC_ARGS.
 # The JSON results are packed into results.tgz.  usage: OUT=dir bash bench/run_final_h200.sh
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
+. "$(dirname "$0")/h200_lib.sh"
 mkdir -p "$OUT/v4" "$OUT/spec" "$OUT/kernels"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 start=$SECONDS
 

@@ -16,27 +16,14 @@
 #      (16 heads) (SWEEP=0: the defaults and the float16 read only).
 #   usage: OUT=dir bash bench/run_fp8kv_h200.sh    (PARTS="tests bench", the default, picks;
 #          "tests" is "kernels conformance")
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=$(mktemp -d /tmp/fp8kv.XXXXXX)
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-tests bench} "
 PARTS=${PARTS/ tests / kernels conformance }
 want() { [[ $PARTS == *" $1 "* ]]; }
-mkdir -p "$OUT" "$R/bench"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-timeout 90 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+workdir "$(mktemp -d "$SCRATCH/fp8kv.XXXXXX")"
+mkdir -p "$R/bench"
+pip_install 90 > "$R/install.log" 2>&1
 say "install rc=$?"
-part() {  # part NAME LIMIT command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
 
 if want kernels; then
   part kernels "${KERNEL_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
@@ -63,8 +50,6 @@ if want conformance_half; then
   conformance conformance_half DEEPINFER_CUDA_FP8_HALF_READ=1
 fi
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
 cp "$R/bench/bench_cuda.md" "$R/bench/bench_cuda.json" "$OUT/" 2>/dev/null
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 cat "$R/summary.txt"

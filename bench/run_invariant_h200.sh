@@ -3,12 +3,8 @@
 # (bench/bench_invariant_tiles.py), then the batch-invariant engine's cost at batch 32
 # (bench/bench_e2e.py) with the current tile and with the best candidate, in the same run.
 #   usage: OUT=dir bash bench/run_invariant_h200.sh
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+. "$(dirname "$0")/h200_lib.sh"
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 t0=$SECONDS
 timeout 200 python3 bench/bench_invariant_tiles.py --out "$OUT/tiles" > "$OUT/tiles.log" 2>&1

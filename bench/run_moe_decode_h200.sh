@@ -8,12 +8,8 @@
 #   3. with arguments: bench/bench_e2e.py with them, the decode kernels off (DEEPINFER_CUDA_MOE_DECODE=0)
 #      and on, for the step time before and after.
 #   usage: OUT=dir [E2E_ONLY=1] bash bench/run_moe_decode_h200.sh [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+. "$(dirname "$0")/h200_lib.sh"
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 if [ -z "${E2E_ONLY:-}" ]; then
   t0=$SECONDS

@@ -9,26 +9,13 @@
 #      then fp8_fp4 with DEEPINFER_CUDA_MX_FP4=0 (nibble pairs only), batch 1 / 8 / 64, its step profiled at 64;
 #   4. bench/bench_v4_decode.py --only moe: the expert layer at 1 to 256 tokens.
 #   usage: OUT=dir bash bench/run_mxfp4_h200.sh    (PARTS="tests kernels e2e", the default, picks)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/mxfp4
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-tests kernels e2e} "
 want() { [[ $PARTS == *" $1 "* ]]; }
-mkdir -p "$OUT" "$R/kernels" "$R/e2e" "$R/e2e_mx"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+workdir "$SCRATCH/mxfp4"
+mkdir -p "$R/kernels" "$R/e2e" "$R/e2e_mx"
+pip_install > "$R/install.log" 2>&1
 say "install rc=$?"
-part() {  # part NAME LIMIT command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
 
 want tests && part tests "${TEST_TIMEOUT:-90}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
@@ -51,7 +38,5 @@ fi
 want kernels && part moe "${MOE_TIMEOUT:-120}" python3 bench/bench_v4_decode.py --only moe --out "$R/kernels/moe"
 grep -E "moe T=[0-9]+ (new|grouped|grouped mx|old|bf16):|failed" "$R/moe.log" | cut -c1-150 | tee -a "$R/summary.txt"
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 cat "$R/summary.txt"

@@ -5,20 +5,11 @@
 # (host time per engine part, plain and speculative, SPEC_ARGS), then bench/bench_e2e.py with
 # the arguments given. Each part under its own limit; logs and results in $OUT/results.tgz.
 #   usage: OUT=dir bash bench/run_skinny_h200.sh [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/results
-mkdir -p "$OUT" "$R"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+. "$(dirname "$0")/h200_lib.sh"
+R=$SCRATCH/results  # no summary.txt: say, and so part, only print
+mkdir -p "$R"
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
-part() {  # part NAME LIMIT command...: run, log to $R/NAME.log, report rc and time
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  echo "$name rc=$? in $((SECONDS - t0)) s"
-}
 part kernels 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_kernels.py -k "skinny or router"
 tail -n 3 "$R/kernels.log"
 part router 90 python3 bench/bench_router.py --out "$R/router" --tiles "${ROUTER_TILES:-4x512,1x2048,2x1024,1x1024,2x2048}"

@@ -13,13 +13,10 @@
 # Extra arguments: STEP_ARGS (bench_spec_step), SPEC_ARGS (bench_spec). The JSON results are
 # packed into results.tgz at the end.
 #   usage: OUT=dir bash bench/run_spec_v4_h200.sh            (PARTS="step spec v4 tiles" for all)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-step} "
 mkdir -p "$OUT/step" "$OUT/spec" "$OUT/v4" "$OUT/tiles"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 
 if [[ $PARTS == *" step "* ]]; then

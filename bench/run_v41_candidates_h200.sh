@@ -19,23 +19,10 @@
 # Each part under `timeout`; logs and summary.txt in $OUT.
 #   usage: OUT=dir bash bench/run_v41_candidates_h200.sh
 #   knobs: TEST_TIMEOUT (200), KERNEL_TIMEOUT (120), E2E_TIMEOUT (150), ENGRAM4 (0)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-: > "$OUT/summary.txt"
-say() { echo "$*" | tee -a "$OUT/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
-say "install rc=$? ($(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' 2>&1))"
-part() {  # part NAME LIMIT command...: run, log to $OUT/NAME.log, report rc and time
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
+. "$(dirname "$0")/h200_lib.sh"
+workdir "$OUT"
+pip_install > "$OUT/install.log" 2>&1
+say "install rc=$? ($(torch_versions))"
 
 # 1. tests on the GPU
 part tests "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rfE --tb=line -p no:cacheprovider -n 8 \

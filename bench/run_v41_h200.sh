@@ -11,26 +11,12 @@
 #      (unquantised caches), for the comparison.
 #   Limits: install ~20 s, tests 60 s, auto 170 s: under 5 minutes in all.
 #   usage: OUT=dir bash bench/run_v41_h200.sh        (PARTS="tests auto", the default; PARTS=bf16)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v41_kv
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-tests auto} "
 want() { [[ $PARTS == *" $1 "* ]]; }
-mkdir -p "$OUT" "$R"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+workdir "$SCRATCH/v41_kv"
+pip_install > "$R/install.log" 2>&1
 say "install rc=$?"
-part() {  # part NAME LIMIT command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
 
 want tests && part tests "${TEST_TIMEOUT:-60}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
@@ -46,7 +32,5 @@ for fmt in auto bf16; do
   cp "$R/$fmt/v41_kv.json" "$OUT/v41_kv_$fmt.json" 2>/dev/null
 done
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 cat "$R/summary.txt"

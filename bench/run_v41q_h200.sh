@@ -18,31 +18,11 @@
 # logs in $OUT/logs.tgz, the bench's JSON as $OUT/v41_kv_auto.json.
 #   usage: OUT=dir bash bench/run_v41q_h200.sh
 #   knobs: TOTAL_S (290), TEST_TIMEOUT (150), PARITY_TIMEOUT (90), BENCH_TIMEOUT (170), V41_LAYERS
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v41q
-TOTAL=${TOTAL_S:-290}
-mkdir -p "$OUT" "$R"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-timeout 60 python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
-say "install rc=$? ($(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' 2>&1))"
-part() {  # part NAME LIMIT command...: under min(LIMIT, what is left of TOTAL), log to $R/NAME.log
-  local name=$1 limit=$2; shift 2
-  local left=$((TOTAL - SECONDS))
-  ((left < limit)) && limit=$left
-  if ((limit < 10)); then
-    say "$name skipped: ${left} s left of ${TOTAL} s"
-    return 124
-  fi
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s (limit $limit s)"
-  return $rc
-}
+. "$(dirname "$0")/h200_lib.sh"
+PART_TOTAL=${TOTAL_S:-290}
+workdir "$SCRATCH/v41q"
+pip_install 60 > "$R/install.log" 2>&1
+say "install rc=$? ($(torch_versions))"
 
 # 1. the V4.1 ops' conformance cases and kernel tests
 K="kv_rows or quantized or candidate or in_blocks or indexer or compressed_attention or gated_pool"
@@ -65,7 +45,5 @@ grep -vE "^INFO|^WARNING" "$R/bench_auto.log" | grep -E "built|KV|B/token|batch|
   | cut -c1-200 | tail -n 16 | tee -a "$R/summary.txt"
 cp "$R/auto/v41_kv.json" "$OUT/v41_kv_auto.json" 2>/dev/null
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 cat "$R/summary.txt"

@@ -11,15 +11,12 @@
 # bench_e2e_v4.py arguments: the script's own (e.g. --batches 1,64 --hf-max-batch 8).
 # About 6 minutes on an H200; peak memory about 107 GiB (while deepinfer's bf16 model is built).
 #   usage: OUT=dir bash bench/run_v4_e2e_h200.sh [bench_e2e_v4.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
+. "$(dirname "$0")/h200_lib.sh"
 mkdir -p "$OUT/smoke"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 rc=$?
 echo "install rc=$rc"
-[ "$rc" = 0 ] || tail -n 20 /tmp/install.log
+[ "$rc" = 0 ] || tail -n 20 "$SCRATCH/install.log"
 start=$SECONDS
 
 (

@@ -9,26 +9,13 @@
 #      Engram layers dropped (the shipped tables, about 100 GB a layer, do not fit one GPU):
 #      `deepinfer bench` at batch 1 and 64, 128 in / 64 out.
 #   usage: OUT=dir bash bench/run_v4_family_h200.sh    (PARTS="tests e2e spec v41", the default, picks)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v4_family
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-tests e2e spec v41} "
 want() { [[ $PARTS == *" $1 "* ]]; }
-mkdir -p "$OUT" "$R/e2e" "$R/spec" "$R/v41"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+workdir "$SCRATCH/v4_family"
+mkdir -p "$R/e2e" "$R/spec" "$R/v41"
+pip_install > "$R/install.log" 2>&1
 say "install rc=$?"
-part() {  # part NAME LIMIT command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
 
 want tests && part tests "${TEST_TIMEOUT:-90}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -n 8 \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
@@ -61,7 +48,5 @@ for b in 1 64; do
 done
 cp "$R"/v41/*.json "$OUT/" 2>/dev/null
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" --exclude='*.json.gz' --exclude='results.tgz' . 2>/dev/null
+finish --exclude='*.json.gz' --exclude='results.tgz'
 cat "$R/summary.txt"

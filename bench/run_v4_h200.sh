@@ -15,25 +15,12 @@
 #   usage: OUT=dir bash bench/run_v4_h200.sh
 #   knobs: TOTAL (s, default 480), TEST_TIMEOUT (150), E2E_TIMEOUT (200), E2E_BEFORE_TIMEOUT (90),
 #          KERNEL_TIMEOUT (120)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v4_results
+. "$(dirname "$0")/h200_lib.sh"
 TOTAL=${TOTAL:-480}
-mkdir -p "$OUT" "$R/e2e"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
-say "install rc=$? ($(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' 2>&1))"
-part() {  # part NAME LIMIT command...: run, log to $R/NAME.log, report rc and time
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
+workdir "$SCRATCH/v4_results"
+mkdir -p "$R/e2e"
+pip_install > "$R/install.log" 2>&1
+say "install rc=$? ($(torch_versions))"
 
 # 1. tests on the GPU
 part tests "${TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=line -p no:cacheprovider -n 16 \
@@ -63,8 +50,6 @@ else
   tail -n 20 "$R/kernels.log" | tee -a "$R/summary.txt"
 fi
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 echo "================ summary ================"
 cat "$R/summary.txt"

@@ -12,24 +12,11 @@
 #      rate, tile sweeps.
 # Each part under `timeout`; logs in $OUT/logs.tgz; summary.txt, e2e_v4.md / .json, traces.
 #   usage: OUT=dir bash bench/run_v4_profile_h200.sh
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v4_profile
-mkdir -p "$OUT" "$R/e2e"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
-say "install rc=$? ($(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' 2>&1))"
-part() {  # part NAME LIMIT command...: run, log to $R/NAME.log, report rc and time
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
+. "$(dirname "$0")/h200_lib.sh"
+workdir "$SCRATCH/v4_profile"
+mkdir -p "$R/e2e"
+pip_install > "$R/install.log" 2>&1
+say "install rc=$? ($(torch_versions))"
 
 part tests "${TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE --tb=long -p no:cacheprovider -n 16 \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
@@ -48,8 +35,6 @@ for k in k_fp8 k_moe; do
   [ -f "$R/$k/v4_decode.md" ] && cat "$R/$k/v4_decode.md" >> "$R/summary.txt" && cp "$R/$k/v4_decode.md" "$OUT/$k.md"
 done
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" --exclude='*.json.gz' . 2>/dev/null
+finish --exclude='*.json.gz'
 echo "================ summary ================"
 cat "$R/summary.txt"

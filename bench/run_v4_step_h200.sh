@@ -13,24 +13,11 @@
 #      bench/results/2026-12-03_H200_v4_step_profile/after).
 # Each part under `timeout`; summary.txt, v4_attention.md, e2e_v4.md / .json, traces in $OUT.
 #   usage: OUT=dir bash bench/run_v4_step_h200.sh
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/v4_step
-mkdir -p "$OUT" "$R/e2e" "$R/attn"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
-say "install rc=$? ($(python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' 2>&1))"
-part() {  # part NAME LIMIT command...: run, log to $R/NAME.log, report rc and time
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
+. "$(dirname "$0")/h200_lib.sh"
+workdir "$SCRATCH/v4_step"
+mkdir -p "$R/e2e" "$R/attn"
+pip_install > "$R/install.log" 2>&1
+say "install rc=$? ($(torch_versions))"
 
 part tests "${TEST_TIMEOUT:-80}" python3 -m pytest -q -rfE --tb=long -p no:cacheprovider \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16 \
@@ -55,8 +42,6 @@ say "before (DEEPINFER_CUDA_V4_STEP=0 DEEPINFER_MODEL_UNFUSED=compressor):"
 grep -E "tok/s|GPU idle|idle .* us/step" "$R/e2e_old.log" | cut -c1-160 | tee -a "$R/summary.txt"
 cp "$R/e2e_old/e2e_v4.md" "$R/e2e_old/e2e_v4.json" "$OUT/old/" 2>/dev/null
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
-tar -C "$R" -czf "$OUT/logs.tgz" --exclude='*.json.gz' . 2>/dev/null
+finish --exclude='*.json.gz'
 echo "================ summary ================"
 cat "$R/summary.txt"

@@ -7,26 +7,13 @@
 #      random bf16 weights, images/s at 1, 8 and 32 images of 1024x1024 against the bf16 matmul
 #      rate measured in the same run.
 #   usage: OUT=dir bash bench/run_vision_h200.sh    (PARTS="tests bench", the default, picks)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-R=/tmp/vision
+. "$(dirname "$0")/h200_lib.sh"
 PARTS=" ${PARTS:-tests bench} "
 want() { [[ $PARTS == *" $1 "* ]]; }
-mkdir -p "$OUT" "$R/bench"
-: > "$R/summary.txt"
-say() { echo "$*" | tee -a "$R/summary.txt"; }
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$R/install.log" 2>&1
+workdir "$SCRATCH/vision"
+mkdir -p "$R/bench"
+pip_install > "$R/install.log" 2>&1
 say "install rc=$?"
-part() {  # part NAME LIMIT command...
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$R/$name.log" 2>&1
-  local rc=$?
-  say "$name rc=$rc in $((SECONDS - t0)) s"
-  return $rc
-}
 
 want tests && part tests "${TEST_TIMEOUT:-60}" python3 -m pytest -q -rfE --tb=short -p no:cacheprovider \
   -p deepinfer.testing.plugin --deepinfer-backend cuda --deepinfer-dtypes bfloat16,float32 \
@@ -36,8 +23,6 @@ grep -E "passed|failed|FAILED|Error" "$R/tests.log" | tail -n 8 | tee -a "$R/sum
 want bench && part bench "${BENCH_TIMEOUT:-150}" python3 bench/bench_vision.py --out "$R/bench" --batches 1,8,32
 grep -E "vision tower|matmul|images:|Error" "$R/bench.log" | cut -c1-170 | tee -a "$R/summary.txt"
 
-say "total $SECONDS s"
-cp "$R/summary.txt" "$OUT/summary.txt"
 cp "$R/bench/vision.json" "$OUT/" 2>/dev/null
-tar -C "$R" -czf "$OUT/logs.tgz" . 2>/dev/null
+finish
 cat "$R/summary.txt"

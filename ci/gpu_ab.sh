@@ -11,32 +11,31 @@
 #   2. with bench_e2e.py arguments: bench/bench_e2e.py on the old tree, then on the new one.
 # NEW_TGZ=.ab/new.tgz (made the same way) takes "new" from that tarball instead of the tree.
 #   usage: OUT=dir [NEW_TGZ=...] bash ci/gpu_ab.sh [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-RESULT=$(realpath -m "${OUT:?set OUT}")
+. "$(dirname "$0")/../bench/h200_lib.sh"
+RESULT=$(realpath -m "$OUT")
 OUT=$RESULT/run  # every log here, then one tarball: the device returns at most 8 files
 mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
-rm -rf /tmp/old && mkdir -p /tmp/old && tar -C /tmp/old -xzf .ab/old.tgz && cp -r model /tmp/old/
-cp ci/gpu_tokens.py /tmp/old/ci/  # the same driver for both trees (public API only)
-OLD_PATH=/tmp/old:/tmp/old/backends/cuda
+OLD=$SCRATCH/old V4=$SCRATCH/v4
+rm -rf "$OLD" && mkdir -p "$OLD" && tar -C "$OLD" -xzf .ab/old.tgz && cp -r model "$OLD/"
+cp ci/gpu_tokens.py "$OLD/ci/"  # the same driver for both trees (public API only)
+OLD_PATH=$OLD:$OLD/backends/cuda
 NEW_TREE=$PWD NEW_PATH=""
 if [ -n "${NEW_TGZ:-}" ]; then
-  rm -rf /tmp/new && mkdir -p /tmp/new && tar -C /tmp/new -xzf "$NEW_TGZ" && cp -r model /tmp/new/
-  cp ci/gpu_tokens.py /tmp/new/ci/
-  NEW_TREE=/tmp/new NEW_PATH=/tmp/new:/tmp/new/backends/cuda
+  NEW_TREE=$SCRATCH/new NEW_PATH=$SCRATCH/new:$SCRATCH/new/backends/cuda
+  rm -rf "$NEW_TREE" && mkdir -p "$NEW_TREE" && tar -C "$NEW_TREE" -xzf "$NEW_TGZ" && cp -r model "$NEW_TREE/"
+  cp ci/gpu_tokens.py "$NEW_TREE/ci/"
 fi
 start=$SECONDS
 
 tokens() {  # name, tree, PYTHONPATH ('' for the installed tree)
   (cd "$2" && timeout "${TOKENS_TIMEOUT:-240}" env ${3:+PYTHONPATH="$3"} python3 ci/gpu_tokens.py \
-    --backend cuda --out "$OUT/tokens_$1.json" --v4 /tmp/v4) > "$OUT/tokens_$1.log" 2>&1
+    --backend cuda --out "$OUT/tokens_$1.json" --v4 "$V4") > "$OUT/tokens_$1.log" 2>&1
   echo "tokens $1 rc=$? at $((SECONDS - start)) s"
 }
-(cd /tmp/old && PYTHONPATH=$OLD_PATH python3 ci/gpu_tokens.py --write-v4 /tmp/v4) > "$OUT/write_v4.log" 2>&1
-tokens old /tmp/old "$OLD_PATH" &
+(cd "$OLD" && PYTHONPATH=$OLD_PATH python3 ci/gpu_tokens.py --write-v4 "$V4") > "$OUT/write_v4.log" 2>&1
+tokens old "$OLD" "$OLD_PATH" &
 tokens new "$NEW_TREE" "$NEW_PATH" &
 timeout "${ENGINE_TIMEOUT:-200}" env DEEPINFER_TEST_BACKEND=cuda python3 -m pytest tests/test_async_graphs.py \
   -q -rfs -p no:cacheprovider > "$OUT/engine_tests.log" 2>&1 &
@@ -63,7 +62,7 @@ bench() {  # name, tree, PYTHONPATH, bench_e2e.py arguments
   grep -E "tok/s" "$OUT/e2e_$name/bench.log" | cut -c1-200 | tail -n 8
 }
 if [ $# -gt 0 ]; then
-  bench old /tmp/old "$OLD_PATH" "$@"
+  bench old "$OLD" "$OLD_PATH" "$@"
   bench new "$NEW_TREE" "$NEW_PATH" "$@"
 fi
 tar -C "$OUT" -czf "$RESULT/ab.tgz" . && cp "$OUT/tokens_compare.txt" "$RESULT/" && rm -rf "$OUT"

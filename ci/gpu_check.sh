@@ -6,11 +6,8 @@
 #   usage: OUT=/some/dir ci/gpu_check.sh [--skip-bench] [--skip-conformance]
 #   env: CONF_TIMEOUT, BENCH_TIMEOUT, KERNEL_TIMEOUT, ENGINE_TIMEOUT (seconds), WORKERS,
 #        BENCH_ARGS (e.g. --only decode)
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/local}
-mkdir -p "$OUT"
+OUT=${OUT:-bench/results/local}  # under the repository root
+. "$(dirname "$0")/../bench/h200_lib.sh"
 PY=${PYTHON:-python3}
 CONF_TIMEOUT=${CONF_TIMEOUT:-420}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-330}
@@ -25,7 +22,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 
 echo "== install"
 t0=$SECONDS
-$PY -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda || exit 1
+pip_install || exit 1
 echo "installed in $((SECONDS - t0)) s"
 $PY - <<'PY' | tee -a "$OUT/gpu.txt"
 import sys

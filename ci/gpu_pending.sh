@@ -27,11 +27,9 @@
 #           prefetched on a side stream (DEEPINFER_ENGRAM_PREFETCH), outputs compared bit for bit
 # The device returns at most 8 files: the logs go to one tarball, $OUT/results.tgz, beside
 # summary.txt (ci/gpu_wave.sh's summary).
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-RESULT=$(realpath -m "${OUT:?set OUT}")
-W=/tmp/pending
+. "$(dirname "$0")/../bench/h200_lib.sh"
+RESULT=$(realpath -m "$OUT")
+W=$SCRATCH/pending
 mkdir -p "$RESULT" "$W"
 E2E="python3 bench/bench_e2e_v4.py --skip-transformers --batches 1,64 --profile-batches 1"
 K="v41 or engram or rope_tail or compressed_entries or compressor_pool or gated_pool or tiny_v4"

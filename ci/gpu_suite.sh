@@ -10,17 +10,13 @@
 # CONF_K: a pytest -k filter for the conformance suite. ENGINE_K: the engine tests and the kernel
 # tests (tests/test_cuda_kernels.py) under that -k filter, on 4 workers.
 #   usage: OUT=dir [TRAIN_TINY=1] bash ci/gpu_suite.sh [bench_e2e.py arguments]
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > /tmp/install.log 2>&1
+. "$(dirname "$0")/../bench/h200_lib.sh"
+pip_install > "$SCRATCH/install.log" 2>&1
 echo "install rc=$?"
 start=$SECONDS
 
 train() {
-  local dir=/tmp/tiny
+  local dir=$SCRATCH/tiny
   mkdir -p "$OUT/tiny" "$dir"
   timeout $(( ${TRAIN_MINUTES:-3} * 60 + 90 )) python3 train/train_tiny.py --out "$dir" \
     --minutes "${TRAIN_MINUTES:-3}" --max-epochs "${TRAIN_EPOCHS:-6}" --device cuda > "$dir/train.log" 2>&1

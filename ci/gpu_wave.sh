@@ -4,13 +4,10 @@
 # COMMAND runs in the repository root with OUT=$OUT/NAME; its output goes to $OUT/NAME/log.txt and
 # the last lines to $OUT/summary.txt with its exit status and time.
 #   e.g. OUT=dir bash ci/gpu_wave.sh "v41|300|bash bench/run_v41_h200.sh" "mx|150|PARTS=e2e bash bench/run_mxfp4_h200.sh"
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-OUT=${OUT:?set OUT}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e backends/cuda > "$OUT/install.log" 2>&1
-echo "install rc=$?" | tee "$OUT/summary.txt"
+. "$(dirname "$0")/../bench/h200_lib.sh"
+workdir "$OUT"
+pip_install > "$OUT/install.log" 2>&1
+say "install rc=$?"
 for item in "$@"; do
   IFS='|' read -r name limit command <<< "$item"
   mkdir -p "$OUT/$name"
