@@ -48,7 +48,7 @@ from deepinfer.models.dflash import DFlashConfig, read_config, save_dflash
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import DEVICE_ENV, create_reference_backend
 from deepinfer.testing.checkpoints import dflash_tensor_shapes
-from deepinfer.testing.dflash_oracle import _ffn, _head, _inputs, _kv, _query
+from deepinfer.testing.dflash_oracle import _context, _ffn, _head, _kv, _query, _slots
 from deepinfer.testing.oracles import _rms, _softmax_scale
 from deepinfer.testing.paged_runner import BlockAllocator, build_batch
 
@@ -188,7 +188,8 @@ def block_forward(
     dev, eps = trunks.device, cfg.get("rms_norm_eps", 1e-6)
     heads = cfg["num_attention_heads"]
 
-    u, pos, x = _inputs(w, cfg, dcfg, embed, trunks, anchors, tokens)  # (W L, Dm), (W N B,), (W N B, Dm)
+    u = _context(w, trunks, eps)  # (W L, Dm)
+    pos, x = _slots(embed, anchors, tokens, dcfg)  # (W N B,), (W N B, Dm)
     ctx_pos = torch.arange(ctx, device=dev)
     hidden_ctx = (ctx_pos[None, None, :] > anchors[..., None])[:, :, None, None, :]  # (W, N, 1, 1, L)
     scale = _softmax_scale(cfg)

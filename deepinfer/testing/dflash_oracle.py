@@ -114,29 +114,23 @@ def _query(
     return torch.cat([q[..., :nope], _rope(q[..., nope:], pos, cfg)], dim=-1)
 
 
-def _inputs(
-    w: dict[str, torch.Tensor],
-    cfg: dict[str, Any],
-    dcfg: dict[str, Any],
-    embed: torch.Tensor,
-    trunks: torch.Tensor,
-    anchors: torch.Tensor,
-    tokens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One sequence's or W windows': trunks (L, n, Dm) or (W, L, n, Dm), anchors and tokens (N,)
-    or (W, N) -> (u (L, Dm) or (W L, Dm): the injected context rows; pos (N B,) or (W N B,): the
-    slots' positions anchor+1 .. anchor+B; x (N B, Dm) or (W N B, Dm): the slots' embeddings, the
-    block's token at slot 0 and noise after it)."""
+def _context(w: dict[str, torch.Tensor], trunks: torch.Tensor, eps: float) -> torch.Tensor:
+    """The injected context rows u = project_norm(projection(trunks)): trunks (L, n, Dm) of one
+    sequence or (W, L, n, Dm) of W windows -> (L, Dm) or (W L, Dm)."""
+    flat = trunks.flatten(-2).flatten(0, -2)  # (L, n Dm) or (W L, n Dm)
+    return _rms(flat @ w["mtp.0.projection.weight"].T, w["mtp.0.project_norm.weight"], eps)
+
+
+def _slots(
+    embed: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor, dcfg: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """anchors, tokens (N,) or (W, N) -> (pos (N B,) or (W N B,): the slots' positions anchor+1
+    .. anchor+B; x (N B, Dm) or (W N B, Dm): their embeddings, the block's token at slot 0 and
+    noise after it)."""
     b, dev = dcfg["block_size"], anchors.device
-    u = _rms(
-        trunks.flatten(-2).flatten(0, -2) @ w["mtp.0.projection.weight"].T,
-        w["mtp.0.project_norm.weight"],
-        cfg.get("rms_norm_eps", 1e-6),
-    )
     pos = (anchors[..., None] + 1 + torch.arange(b, device=dev)).reshape(-1)
     noise = torch.full((*tokens.shape, b - 1), dcfg["noise_token_id"], device=dev)
-    x = embed[torch.cat([tokens[..., None], noise], -1).reshape(-1)]
-    return u, pos, x
+    return pos, embed[torch.cat([tokens[..., None], noise], -1).reshape(-1)]
 
 
 def _ffn(
@@ -192,7 +186,8 @@ def dflash_block(
     eps = cfg.get("rms_norm_eps", 1e-6)
     n, ctx = anchors.shape[0], trunks.shape[0]
 
-    u, pos, x = _inputs(w, cfg, dcfg, embed, trunks, anchors, tokens)  # (L, Dm), (N B,), (N B, Dm)
+    u = _context(w, trunks, eps)  # (L, Dm)
+    pos, x = _slots(embed, anchors, tokens, dcfg)  # (N B,), (N B, Dm)
     ctx_pos = torch.arange(ctx)
     # visibility: [context (L) | every block's slots (N B)] for each slot
     blk = torch.arange(n).repeat_interleave(b)  # (N B,) the block of each slot
