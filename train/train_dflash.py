@@ -48,7 +48,7 @@ from deepinfer.models.dflash import DFlashConfig, read_config, save_dflash
 from deepinfer.models.loader import load_model
 from deepinfer.reference.backend import DEVICE_ENV, create_reference_backend
 from deepinfer.testing.checkpoints import dflash_tensor_shapes
-from deepinfer.testing.dflash_oracle import LORA_EPS, _kv, _moe, _rope
+from deepinfer.testing.dflash_oracle import _context, _ffn, _head, _kv, _query, _slots
 from deepinfer.testing.oracles import _rms, _softmax_scale
 from deepinfer.testing.paged_runner import BlockAllocator, build_batch
 
@@ -186,32 +186,18 @@ def block_forward(
     nw, ctx = trunks.shape[:2]
     n, b, layers = anchors.shape[1], dcfg["block_size"], dcfg["num_layers"]
     dev, eps = trunks.device, cfg.get("rms_norm_eps", 1e-6)
-    heads, nope, rope_d = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    heads = cfg["num_attention_heads"]
 
-    u = _rms(
-        trunks.reshape(nw * ctx, -1) @ w["mtp.0.projection.weight"].T, w["mtp.0.project_norm.weight"], eps
-    )
+    u = _context(w, trunks, eps)  # (W L, Dm)
+    pos, x = _slots(embed, anchors, tokens, dcfg)  # (W N B,), (W N B, Dm)
     ctx_pos = torch.arange(ctx, device=dev)
-    pos = (anchors[..., None] + 1 + torch.arange(b, device=dev)).reshape(-1)  # (W N B,)
-    slot_ids = torch.cat(
-        [tokens[..., None], torch.full((nw, n, b - 1), dcfg["noise_token_id"], device=dev)], -1
-    )
-    x = embed[slot_ids.reshape(-1)]  # (W N B, Dm)
     hidden_ctx = (ctx_pos[None, None, :] > anchors[..., None])[:, :, None, None, :]  # (W, N, 1, 1, L)
     scale = _softmax_scale(cfg)
     for i in range(layers):
         p = f"mtp.{i}"
         a = f"{p}.self_attn"
         hn = _rms(x, w[f"{p}.input_layernorm.weight"], eps)
-        if cfg.get("q_lora_rank") is None:
-            q = hn @ w[f"{a}.q_proj.weight"].T
-        else:
-            q = (
-                _rms(hn @ w[f"{a}.q_a_proj.weight"].T, w[f"{a}.q_a_layernorm.weight"], LORA_EPS)
-                @ w[f"{a}.q_b_proj.weight"].T
-            )
-        q = q.view(-1, heads, nope + rope_d)
-        q = torch.cat([q[..., :nope], _rope(q[..., nope:], pos, cfg)], dim=-1).view(nw, n, b, heads, -1)
+        q = _query(w, a, hn, pos, cfg).view(nw, n, b, heads, -1)
         k_ctx, v_ctx = _kv(w, a, u, ctx_pos.repeat(nw), cfg)  # (W L, H, D), (W L, H, Vh)
         k_blk, v_blk = _kv(w, a, hn, pos, cfg)  # (W N B, H, D), (W N B, H, Vh)
         k_ctx, v_ctx = k_ctx.view(nw, ctx, heads, -1), v_ctx.view(nw, ctx, heads, -1)
@@ -223,15 +209,9 @@ def block_forward(
         o = torch.einsum("wnhqk,wkhd->wnqhd", probs[..., :ctx], v_ctx) + torch.einsum(
             "wnhqk,wnkhd->wnqhd", probs[..., ctx:], v_blk
         )
-        x = x + o.reshape(x.shape[0], -1) @ w[f"{a}.o_proj.weight"].T
-        x = x + _moe(w, f"{p}.mlp", _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps), cfg, dcfg)
-    last = f"mtp.{layers - 1}"
-    low = w[f"{last}.markov_w1.weight"][prev.reshape(-1)]  # (W N B, r)
-    logits = _rms(x, w[f"{last}.norm.weight"], eps) @ lm_head.T + low @ w[f"{last}.markov_w2.weight"].T
-    temps = dcfg.get("confidence_temperature", [1.0])
-    temps = list(temps) * b if len(temps) == 1 else list(temps)
-    z = (torch.cat([x, low.to(x.dtype)], dim=-1) @ w[f"{last}.accept_rate.proj.weight"].T).view(nw, n, b)
-    return logits.view(nw, n, b, -1), z / torch.tensor(temps, device=dev, dtype=z.dtype)
+        x = _ffn(w, p, x + o.reshape(x.shape[0], -1) @ w[f"{a}.o_proj.weight"].T, cfg, dcfg)
+    logits, z = _head(w, cfg, dcfg, lm_head, x, prev.reshape(-1))
+    return logits.view(nw, n, b, -1), z.view(nw, n, b)
 
 
 def block_losses(

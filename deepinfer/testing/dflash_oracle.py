@@ -98,6 +98,70 @@ def _kv(
     return k, kvb[..., nope:]
 
 
+def _query(
+    w: dict[str, torch.Tensor], p: str, hn: torch.Tensor, pos: torch.Tensor, cfg: dict[str, Any]
+) -> torch.Tensor:
+    """Per-head queries (M, H, N + R) of normalised rows hn (M, Dm) at positions pos."""
+    heads, nope, rope_d = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+    if cfg.get("q_lora_rank") is None:
+        q = hn @ w[f"{p}.q_proj.weight"].T
+    else:
+        q = (
+            _rms(hn @ w[f"{p}.q_a_proj.weight"].T, w[f"{p}.q_a_layernorm.weight"], LORA_EPS)
+            @ w[f"{p}.q_b_proj.weight"].T
+        )
+    q = q.view(-1, heads, nope + rope_d)
+    return torch.cat([q[..., :nope], _rope(q[..., nope:], pos, cfg)], dim=-1)
+
+
+def _context(w: dict[str, torch.Tensor], trunks: torch.Tensor, eps: float) -> torch.Tensor:
+    """The injected context rows u = project_norm(projection(trunks)): trunks (L, n, Dm) of one
+    sequence or (W, L, n, Dm) of W windows -> (L, Dm) or (W L, Dm)."""
+    flat = trunks.flatten(-2).flatten(0, -2)  # (L, n Dm) or (W L, n Dm)
+    return _rms(flat @ w["mtp.0.projection.weight"].T, w["mtp.0.project_norm.weight"], eps)
+
+
+def _slots(
+    embed: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor, dcfg: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """anchors, tokens (N,) or (W, N) -> (pos (N B,) or (W N B,): the slots' positions anchor+1
+    .. anchor+B; x (N B, Dm) or (W N B, Dm): their embeddings, the block's token at slot 0 and
+    noise after it)."""
+    b, dev = dcfg["block_size"], anchors.device
+    pos = (anchors[..., None] + 1 + torch.arange(b, device=dev)).reshape(-1)
+    noise = torch.full((*tokens.shape, b - 1), dcfg["noise_token_id"], device=dev)
+    return pos, embed[torch.cat([tokens[..., None], noise], -1).reshape(-1)]
+
+
+def _ffn(
+    w: dict[str, torch.Tensor], p: str, x: torch.Tensor, cfg: dict[str, Any], dcfg: dict[str, Any]
+) -> torch.Tensor:
+    """Layer p's MoE sublayer with its residual: x (M, Dm) -> (M, Dm)."""
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    return x + _moe(w, f"{p}.mlp", _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps), cfg, dcfg)
+
+
+def _head(
+    w: dict[str, torch.Tensor],
+    cfg: dict[str, Any],
+    dcfg: dict[str, Any],
+    lm_head: torch.Tensor,
+    x: torch.Tensor,
+    prev: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer's rows x (M B, Dm), prev (M B,) the token before each slot's prediction ->
+    (logits (M B, V) with the Markov correction, z / T (M, B): the confidence head's logits over
+    each slot's temperature, c = their sigmoid)."""
+    b, last = dcfg["block_size"], f"mtp.{dcfg['num_layers'] - 1}"
+    low = w[f"{last}.markov_w1.weight"][prev]  # (M B, r)
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    logits = _rms(x, w[f"{last}.norm.weight"], eps) @ lm_head.T + low @ w[f"{last}.markov_w2.weight"].T
+    temps = dcfg.get("confidence_temperature", [1.0])
+    temps = list(temps) * b if len(temps) == 1 else list(temps)
+    z = (torch.cat([x, low.to(x.dtype)], dim=-1) @ w[f"{last}.accept_rate.proj.weight"].T).view(-1, b)
+    return logits, z / torch.tensor(temps, device=x.device, dtype=z.dtype)
+
+
 def dflash_block(
     w: dict[str, torch.Tensor],
     cfg: dict[str, Any],
@@ -121,13 +185,10 @@ def dflash_block(
     b, layers = dcfg["block_size"], dcfg["num_layers"]
     eps = cfg.get("rms_norm_eps", 1e-6)
     n, ctx = anchors.shape[0], trunks.shape[0]
-    heads, nope, rope_d = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
 
-    u = _rms(trunks.reshape(ctx, -1) @ w["mtp.0.projection.weight"].T, w["mtp.0.project_norm.weight"], eps)
+    u = _context(w, trunks, eps)  # (L, Dm)
+    pos, x = _slots(embed, anchors, tokens, dcfg)  # (N B,), (N B, Dm)
     ctx_pos = torch.arange(ctx)
-    pos = (anchors[:, None] + 1 + torch.arange(b)).reshape(-1)  # (N B,)
-    slot_ids = torch.cat([tokens[:, None], torch.full((n, b - 1), dcfg["noise_token_id"])], 1)
-    x = embed[slot_ids.reshape(-1)]  # (N B, Dm)
     # visibility: [context (L) | every block's slots (N B)] for each slot
     blk = torch.arange(n).repeat_interleave(b)  # (N B,) the block of each slot
     see_ctx = ctx_pos[None, :] <= anchors[blk][:, None]  # (N B, L)
@@ -138,31 +199,16 @@ def dflash_block(
         p = f"mtp.{i}"
         a = f"{p}.self_attn"
         hn = _rms(x, w[f"{p}.input_layernorm.weight"], eps)
-        if cfg.get("q_lora_rank") is None:
-            q = hn @ w[f"{a}.q_proj.weight"].T
-        else:
-            q = (
-                _rms(hn @ w[f"{a}.q_a_proj.weight"].T, w[f"{a}.q_a_layernorm.weight"], LORA_EPS)
-                @ w[f"{a}.q_b_proj.weight"].T
-            )
-        q = q.view(-1, heads, nope + rope_d)
-        q = torch.cat([q[..., :nope], _rope(q[..., nope:], pos, cfg)], dim=-1)
+        q = _query(w, a, hn, pos, cfg)
         k_ctx, v_ctx = _kv(w, a, u, ctx_pos, cfg)
         k_blk, v_blk = _kv(w, a, hn, pos, cfg)
         k, v = torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk])
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         scores = scores.masked_fill(~visible[None], float("-inf"))
         o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(x.shape[0], -1)
-        x = x + o @ w[f"{a}.o_proj.weight"].T
-        x = x + _moe(w, f"{p}.mlp", _rms(x, w[f"{p}.post_attention_layernorm.weight"], eps), cfg, dcfg)
-    last = f"mtp.{layers - 1}"
-    low = w[f"{last}.markov_w1.weight"][prev.reshape(-1)]  # (N B, r)
-    logits = _rms(x, w[f"{last}.norm.weight"], eps) @ lm_head.T + low @ w[f"{last}.markov_w2.weight"].T
-    temps = dcfg.get("confidence_temperature", [1.0])
-    temps = list(temps) * b if len(temps) == 1 else list(temps)
-    t = torch.tensor(temps, dtype=dt).repeat(n)
-    c = torch.sigmoid((torch.cat([x, low], dim=-1) @ w[f"{last}.accept_rate.proj.weight"].T)[:, 0] / t)
-    return logits.view(n, b, -1), c.view(n, b)
+        x = _ffn(w, p, x + o @ w[f"{a}.o_proj.weight"].T, cfg, dcfg)
+    logits, z = _head(w, cfg, dcfg, lm_head, x, prev.reshape(-1))
+    return logits.view(n, b, -1), torch.sigmoid(z)
 
 
 def dflash_draft64(

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.reference.engram import check_fp8_rows
+from deepinfer.reference.engram import check_fp8_rows, engram_offsets
 from deepinfer_cuda.kernels.common import INTERPRET, next_pow2, to_dtype
 
 
@@ -69,7 +69,7 @@ def engram_lookup(
     dh = table.shape[1]
     ids = ngram_ids.to(torch.int64).contiguous()
     sizes64 = sizes.to(torch.int64).contiguous()
-    offsets = torch.cumsum(sizes64, 0) - sizes64
+    offsets = engram_offsets(sizes64)
     if table.stride(-1) != 1:
         raise ValueError("engram_lookup needs a table with contiguous rows (it may be host memory: no copy)")
     for what, x in (("table", table), ("scales", scales)):

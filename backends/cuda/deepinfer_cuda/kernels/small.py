@@ -123,6 +123,16 @@ def _rope_kernel(
     )  # fmt: skip
 
 
+def _rope_operands(
+    x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What the rope launchers pass for x (T, H, .): x and cos_sin_cache with unit last strides,
+    the positions contiguous (the kernel reads position t at offset t), and BLOCK_H."""
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    return xs, cs, positions.contiguous(), min(16, next_pow2(x.shape[1], 1))
+
+
 def rope(
     x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
@@ -137,10 +147,7 @@ def rope(
     y = torch.empty((t, h, r), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0 or r == 0:
         return y
-    xs = x if x.stride(-1) == 1 else x.contiguous()
-    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    positions = positions.contiguous()  # the kernel reads position t at offset t
-    block_h = min(16, next_pow2(h, 1))
+    xs, cs, positions, block_h = _rope_operands(x, positions, cos_sin_cache)
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         xs, y, positions, cs, h, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1), cs.stride(0),
         INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_R=next_pow2(r // 2, 1), num_warps=4,
@@ -187,10 +194,7 @@ def rope_tail(
     y = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0 or d == 0:
         return y
-    xs = x if x.stride(-1) == 1 else x.contiguous()
-    cs = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    positions = positions.contiguous()  # the kernel reads position t at offset t
-    block_h = min(16, next_pow2(h, 1))
+    xs, cs, positions, block_h = _rope_operands(x, positions, cos_sin_cache)
     _rope_tail_kernel[(t, triton.cdiv(h, block_h))](
         xs, y, positions, cs, h, d - r, r // 2, xs.stride(0), xs.stride(1), y.stride(0), y.stride(1),
         cs.stride(0), INVERSE=inverse, BLOCK_H=block_h, BLOCK_D=min(128, next_pow2(max(d - r, 1), 1)),
