@@ -20,7 +20,7 @@ import torch
 from deepinfer.backend.kv_formats_v41 import RowFormat, row_bytes
 from deepinfer.backend.ops import Backend
 from deepinfer.backend.types import AttentionMetadata, AttentionModifiers, KVCacheSpec, PagedKVCache
-from deepinfer.testing.conformance.test_v4_ops import check_best
+from deepinfer.testing.conformance.test_v4_ops import check_best, check_candidate_blocks
 from deepinfer.testing.helpers import oracle, randn, random_block_tables, slots_of
 from deepinfer.testing.tolerances import assert_close
 from deepinfer.testing.v41_oracle import kv_round
@@ -288,12 +288,7 @@ def test_quantized_indexer_candidate_blocks(backend: Backend, gen: torch.Generat
         scores = _row_scores(step, q, weights, row, b, pos)
         n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
         _check_picks(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
-        nb = -(-n_vis // block)
-        best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
-        if nb:
-            best[-1] = float("inf")
-            assert nb - 1 in blocks[row].tolist(), f"row {row}: the newest block {nb - 1} is missing"
-        check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
+        check_candidate_blocks(blocks[row].tolist(), scores, block, n_blocks, tied, f"row {row}")
 
 
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))

@@ -473,6 +473,20 @@ def check_best(
         )
 
 
+def check_candidate_blocks(
+    blocks: list[int], scores: torch.Tensor, block: int, n_blocks: int, tied: bool, what: str
+) -> None:
+    """One row's candidate blocks (-1 unused) against its visible entries' float64 scores: the
+    blocks ranked by their best entry, the newest entry's block always kept (+inf), ties to the
+    lower block id (check_best)."""
+    nb = -(-scores.shape[0] // block)
+    best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
+    if nb:
+        best[-1] = float("inf")
+        assert nb - 1 in blocks, f"{what}: the newest block {nb - 1} is missing"
+    check_best(blocks, best, list(range(nb)), n_blocks, tied, f"{what} blocks")
+
+
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))
 def test_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: str) -> None:
     """The first stage: indexer_topk's ids, and blocks ranked by their best visible entry, the
@@ -489,12 +503,7 @@ def test_indexer_candidate_blocks(backend: Backend, gen: torch.Generator, name: 
         scores = _row_scores(step, q, weights, row, b, pos)
         n_vis, tied = scores.shape[0], name.endswith("ties") and row % 2 == 0
         check_best(ids[row].tolist(), scores, list(range(n_vis)), topk, tied, f"row {row} ids")
-        nb = -(-n_vis // block)
-        best = torch.tensor([float(scores[j * block : (j + 1) * block].max()) for j in range(nb)])
-        if nb:
-            best[-1] = float("inf")
-            assert nb - 1 in blocks[row].tolist(), f"row {row}: the newest block {nb - 1} is missing"
-        check_best(blocks[row].tolist(), best, list(range(nb)), n_blocks, tied, f"row {row} blocks")
+        check_candidate_blocks(blocks[row].tolist(), scores, block, n_blocks, tied, f"row {row}")
 
 
 @pytest.mark.parametrize("name", list(CANDIDATE_CASES))
